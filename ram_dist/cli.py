@@ -1,0 +1,152 @@
+"""The `ram-dist` command: merge, probe, demo. Errors a user can fix exit with status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ram_dist import __version__
+from ram_dist.config import DEFAULT_CHUNK_MB, MergeConfig, load_yaml
+from ram_dist.errors import RamDistError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ram-dist",
+        description="Exact, distributed Reinforced Agent Merging of safetensors checkpoints.",
+    )
+    parser.add_argument("--version", action="version", version=f"ram-dist {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    merge = sub.add_parser("merge", help="merge task checkpoints into one model")
+    _add_job_arguments(merge)
+    merge.add_argument("--out", help="output folder (or give it after CONFIG)")
+    merge.add_argument(
+        "--overwrite", action="store_true", help="write into an output folder that holds files"
+    )
+
+    probe = sub.add_parser("probe", help="reduce pass only: print sparsity and overlap statistics")
+    _add_job_arguments(probe)
+    probe.add_argument("--json", dest="json_path", help="also write the report to this file")
+
+    demo = sub.add_parser(
+        "demo", help="generate a tiny base and three agents, merge them, print the statistics"
+    )
+    demo.add_argument("--dir", default="demo-out", help="folder for the demo (default demo-out)")
+    demo.add_argument("--address", help="Ray cluster address (default: embedded local Ray)")
+    return parser
+
+
+def _add_job_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="mergekit-style YAML config (instead of flags)")
+    p.add_argument("out_positional", nargs="?", metavar="OUT", help=argparse.SUPPRESS)
+    p.add_argument("--base", help="base checkpoint folder the tasks were trained from")
+    p.add_argument(
+        "--task", action="append", default=None, help="task checkpoint folder (repeat, in order)"
+    )
+    p.add_argument(
+        "--method",
+        default=None,
+        help="ram | ram_plus | ram_plus_soft (default ram_plus)",
+    )
+    p.add_argument("--r", type=float, default=None, help="RAM+ rescaling strength (default 0.1)")
+    p.add_argument("--alpha", type=float, default=None, help="RAM+ cap on rho (default 2.0)")
+    p.add_argument(
+        "--eps", type=float, default=None, help="changed means |tau| > eps (default 1e-5)"
+    )
+    p.add_argument(
+        "--out-dtype", default=None, help="dtype of merged tensors (default: the base's)"
+    )
+    p.add_argument(
+        "--chunk-mb",
+        type=float,
+        default=DEFAULT_CHUNK_MB,
+        help=f"input bytes one work unit may read, per input (default {DEFAULT_CHUNK_MB:g})",
+    )
+    p.add_argument("--workers", type=int, default=None, help="work units at once (default: all)")
+    p.add_argument(
+        "--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else a local Ray)"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> MergeConfig:
+    """Flags override the YAML file; the YAML file overrides the defaults."""
+    kwargs: dict[str, Any] = load_yaml(args.config) if args.config else {}
+    if args.base is not None:
+        kwargs["base"] = args.base
+    if args.task:
+        kwargs["tasks"] = tuple(args.task)
+    if "base" not in kwargs:
+        raise RamDistError("give a base checkpoint: --base PATH (or base_model in a config)")
+    kwargs.setdefault("tasks", ())
+    if args.method is not None:
+        kwargs["method"] = args.method
+    params = dict(kwargs.get("parameters", {}))
+    for name in ("r", "alpha", "eps"):
+        if getattr(args, name) is not None:
+            params[name] = getattr(args, name)
+    kwargs["parameters"] = params
+    if args.out_dtype is not None:
+        kwargs["out_dtype"] = args.out_dtype
+    if not args.chunk_mb > 0:
+        raise RamDistError(f"--chunk-mb must be positive, got {args.chunk_mb}")
+    kwargs["chunk_bytes"] = max(1, int(args.chunk_mb * 2**20))
+    kwargs["workers"] = args.workers
+    kwargs["address"] = args.address
+    out = getattr(args, "out", None)
+    if args.out_positional is not None:
+        if out is not None and out != args.out_positional:
+            raise RamDistError("give the output once: either --out or after CONFIG")
+        out = args.out_positional
+    if out is not None:
+        kwargs["out"] = out
+    if getattr(args, "overwrite", False):
+        kwargs["overwrite"] = True
+    return MergeConfig(**kwargs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except RamDistError as e:
+        print(f"ram-dist: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from ram_dist.engine import driver
+    from ram_dist.report import format_report
+
+    if args.command == "demo":
+        from ram_dist.demo import run_demo
+
+        run_demo(args.dir, address=args.address)
+        return 0
+    if args.command == "probe" and args.out_positional is not None:
+        raise RamDistError("probe writes no model: give no output location")
+    config = config_from_args(args)
+    if args.command == "probe":
+        report = driver.probe(config)
+        print(format_report(report))
+        if args.json_path:
+            with open(args.json_path, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=2)
+        return 0
+    if config.out is None:
+        raise RamDistError("merge needs an output location: --out PATH")
+    report = driver.merge(config)
+    print(format_report(report))
+    passes = report["passes"]
+    print(
+        f"\nmerged model written to {config.out} "
+        f"(reduce {passes['reduce']['wall_s']:.2f} s, map {passes['map']['wall_s']:.2f} s, "
+        f"{passes['map']['bytes_written']} bytes written)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

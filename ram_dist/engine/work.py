@@ -1,0 +1,124 @@
+"""What a worker does with one work unit. Runs on Ray workers (or inline in tests).
+
+A unit's pieces are read as byte ranges of every input it needs, turned into tensors without
+parsing anything else, handed to the merge method, and (map pass) cast to the output dtype
+and returned as raw little-endian bytes, ready to append to the output shard.
+"""
+
+from __future__ import annotations
+
+import resource
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ram_dist.dtypes import SAFETENSORS_DTYPES, itemsize
+from ram_dist.engine.layout import Layout, TensorEntry
+from ram_dist.io.storage import read_ranges
+from ram_dist.methods import MergeMethod
+from ram_dist.plan import Piece, WorkUnit
+
+
+@dataclass(frozen=True)
+class UnitResult:
+    """What a unit sends back: statistics or output bytes, plus what it cost."""
+
+    index: int
+    stats: torch.Tensor | None
+    data: np.ndarray | None
+    bytes_read: tuple[int, ...]
+    peak_rss_bytes: int
+
+
+def device() -> torch.device:
+    """The GPU when this worker was given one, else the CPU: the bytes are the same."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _inputs_of(entry: TensorEntry) -> int:
+    return len(entry.sources) if entry.participating else 1
+
+
+def read_unit(unit: WorkUnit, layout: Layout) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """Read every piece of a unit from every input it needs: one batched range read."""
+    requests: list[tuple[str, int, int]] = []
+    owners: list[tuple[int, int, str]] = []
+    for p, piece in enumerate(unit.pieces):
+        entry = layout.tensors[piece.tensor]
+        for i, src in enumerate(entry.sources[: _inputs_of(entry)]):
+            size = itemsize(src.dtype)
+            requests.append(
+                (src.file, src.start + piece.start * size, src.start + piece.stop * size)
+            )
+            owners.append((p, i, src.dtype))
+    n_inputs = max(len(e.sources) for e in layout.tensors.values())
+    bytes_read = [0] * n_inputs
+    tensors: list[list[torch.Tensor]] = [[] for _ in unit.pieces]
+    for blob, (p, i, dtype) in zip(read_ranges(requests), owners, strict=True):
+        bytes_read[i] += len(blob)
+        tensors[p].append(_tensor_from_bytes(blob, dtype))
+    return tensors, bytes_read
+
+
+def _tensor_from_bytes(blob: bytes, dtype: str) -> torch.Tensor:
+    if not blob:
+        return torch.empty(0, dtype=SAFETENSORS_DTYPES[dtype])
+    with warnings.catch_warnings():
+        # The buffer is read-only bytes; nothing here writes to it.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(blob, dtype=SAFETENSORS_DTYPES[dtype])
+
+
+def reduce_unit(unit: WorkUnit, layout: Layout, method: MergeMethod, params: Any) -> UnitResult:
+    """Reduce pass: the method's statistics of a unit's participating pieces, summed."""
+    tensors, bytes_read = read_unit(unit, layout)
+    dev = device()
+    total: torch.Tensor | None = None
+    for piece, inputs in zip(unit.pieces, tensors, strict=True):
+        if not layout.tensors[piece.tensor].participating or piece.numel == 0:
+            continue
+        base, *tasks = (t.to(dev) for t in inputs)
+        stats = method.chunk_statistics(base, tasks, params)
+        total = stats if total is None else total + stats
+    return UnitResult(unit.index, total, None, tuple(bytes_read), _peak_rss())
+
+
+def map_unit(
+    unit: WorkUnit, layout: Layout, method: MergeMethod, params: Any, finalized: dict[str, Any]
+) -> UnitResult:
+    """Map pass: merged bytes of a unit's pieces, in order, in each tensor's output dtype."""
+    tensors, bytes_read = read_unit(unit, layout)
+    dev = device()
+    chunks: list[np.ndarray] = []
+    for piece, inputs in zip(unit.pieces, tensors, strict=True):
+        entry = layout.tensors[piece.tensor]
+        chunks.append(_merged_piece(piece, entry, inputs, method, params, finalized, dev))
+    data = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.uint8)
+    return UnitResult(unit.index, None, data, tuple(bytes_read), _peak_rss())
+
+
+def _merged_piece(
+    piece: Piece,
+    entry: TensorEntry,
+    inputs: list[torch.Tensor],
+    method: MergeMethod,
+    params: Any,
+    finalized: dict[str, Any],
+    dev: torch.device,
+) -> np.ndarray:
+    if not entry.participating:
+        return inputs[0].view(torch.uint8).numpy()  # copied from the base, byte for byte
+    if piece.numel == 0:
+        return np.empty(0, dtype=np.uint8)
+    base, *tasks = (t.to(dev) for t in inputs)
+    merged = method.merge_chunk(base, tasks, params, finalized)
+    out = merged.to(SAFETENSORS_DTYPES[entry.out_dtype]).cpu()
+    return out.view(torch.uint8).numpy()
+
+
+def _peak_rss() -> int:
+    """This worker process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

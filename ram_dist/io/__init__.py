@@ -1,0 +1,1 @@
+"""Storage: safetensors headers and byte ranges over fsspec, shard and index writing."""

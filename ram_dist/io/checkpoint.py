@@ -1,0 +1,127 @@
+"""A Hugging Face style checkpoint folder, known by its headers only.
+
+The driver opens every input once to learn tensor names, dtypes, shapes and byte offsets;
+workers then read exactly the byte ranges they need. Nothing here loads tensor data.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ram_dist.errors import CheckpointError
+from ram_dist.io.safetensors_header import (
+    FileHeader,
+    TensorInfo,
+    header_length,
+    parse_header,
+)
+from ram_dist.io.storage import join, url_to_fs
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Headers of one checkpoint: which file holds each tensor and where its bytes are."""
+
+    url: str
+    label: str
+    files: tuple[str, ...]
+    tensors: dict[str, TensorInfo]
+    sharded: bool
+
+    def describe(self, name: str | None = None) -> str:
+        """`label (url)` plus the file that holds `name`, for error messages."""
+        text = f"{self.label} ({self.url})"
+        if name is not None and name in self.tensors:
+            text += f", file {self.tensors[name].file}"
+        return text
+
+
+def read_file_header(url: str) -> FileHeader:
+    """Read and parse one safetensors header: two small reads, never the tensor data."""
+    fs, path = url_to_fs(url)
+    try:
+        size = fs.size(path)
+        prefix = fs.cat_file(path, start=0, end=8)
+        n = header_length(prefix, url, size)
+        body = fs.cat_file(path, start=8, end=8 + n)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{url}: file not found") from e
+    except OSError as e:
+        raise CheckpointError(f"{url}: cannot read header ({e})") from e
+    if len(body) != n:
+        raise CheckpointError(f"{url}: header is truncated")
+    return parse_header(body, url, size)
+
+
+def open_checkpoint(url: str, label: str) -> Checkpoint:
+    """List a checkpoint folder, read its index (if sharded) and every shard header."""
+    fs, path = url_to_fs(url)
+    try:
+        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise CheckpointError(f"{label}: no checkpoint folder at {url}") from e
+    weight_map: dict[str, str] | None = None
+    if INDEX_NAME in names:
+        weight_map = _read_weight_map(join(url, INDEX_NAME), label)
+        files = tuple(dict.fromkeys(weight_map.values()))
+    elif SINGLE_NAME in names:
+        files = (SINGLE_NAME,)
+    else:
+        pickles = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
+        hint = (
+            f" It holds pickle weights ({', '.join(pickles)}), which ram-dist never opens: "
+            "convert them to safetensors first (e.g. `model.save_pretrained(dir, "
+            "safe_serialization=True)` in transformers)."
+            if pickles
+            else ""
+        )
+        raise CheckpointError(f"{label} ({url}): no {SINGLE_NAME} or {INDEX_NAME} found.{hint}")
+    tensors: dict[str, TensorInfo] = {}
+    for file in files:
+        if "/" in file or "\\" in file or file in ("", ".", ".."):
+            raise CheckpointError(
+                f"{label} ({url}): index names file {file!r}, which is not a plain file "
+                "name in the checkpoint folder"
+            )
+        header = read_file_header(join(url, file))
+        for name, info in header.tensors.items():
+            if name in tensors:
+                raise CheckpointError(
+                    f"{label} ({url}): tensor {name!r} appears in both "
+                    f"{tensors[name].file} and {info.file}"
+                )
+            if weight_map is not None and weight_map.get(name) != file:
+                raise CheckpointError(
+                    f"{label} ({url}): tensor {name!r} is in {info.file} but the index maps "
+                    f"it to {weight_map.get(name)!r}"
+                )
+            tensors[name] = info
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise CheckpointError(
+                f"{label} ({url}): the index maps {missing[0]!r} to "
+                f"{weight_map[missing[0]]} but that file has no such tensor"
+            )
+    return Checkpoint(
+        url=url, label=label, files=files, tensors=tensors, sharded=weight_map is not None
+    )
+
+
+def _read_weight_map(index_url: str, label: str) -> dict[str, str]:
+    fs, path = url_to_fs(index_url)
+    try:
+        index = json.loads(fs.cat_file(path))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{label}: cannot read index {index_url} ({e})") from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(f"{label}: {index_url} has no valid weight_map")
+    return weight_map

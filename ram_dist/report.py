@@ -1,0 +1,42 @@
+"""Print the statistics report (probe and merge) as a table a person can read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Per-task statistics, lambda under each RAM variant, and the overlap histogram."""
+    tasks = report["tasks"]
+    methods = list(tasks[0]["lambda"]) if tasks else []
+    head = ["task", "changed", "density", "unique", "shared", "rho"] + [
+        f"lambda[{m}]" for m in methods
+    ]
+    rows = [head]
+    for i, t in enumerate(tasks, 1):
+        rho = t["rho"] if isinstance(t["rho"], str) else f"{t['rho']:.4f}"
+        rows.append(
+            [str(i), str(t["changed"]), f"{100 * t['density']:.2f}%", str(t["unique"])]
+            + [str(t["shared"]), rho]
+            + [f"{t['lambda'][m]:.6g}" for m in methods]
+        )
+    lines = _table(rows)
+    lines.append("")
+    n = len(tasks)
+    hist = [["task"] + [f"k={k}" for k in range(1, n + 1)]]
+    hist += [[str(i)] + [str(v) for v in t["histogram"]] for i, t in enumerate(tasks, 1)]
+    lines.append("overlap histogram H[t][k]: elements task t changed that k tasks changed")
+    lines += _table(hist)
+    el = report["elements"]
+    lines.append("")
+    lines.append(
+        f"participating elements: {el['participating']}; changed by no task: {el['unchanged']}"
+    )
+    for i, t in enumerate(tasks, 1):
+        lines.append(f"task {i}: {t['model']}")
+    return "\n".join(lines)
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
