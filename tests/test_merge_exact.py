@@ -1,0 +1,216 @@
+"""End to end on a real local Ray: merged bytes equal the independent whole-tensor reference."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from builders import build_model_set, load_checkpoint, save_checkpoint
+from reference import reference_merge
+
+from ram_dist.config import MergeConfig
+from ram_dist.engine import driver
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+METHODS = ["ram", "ram_plus", "ram_plus_soft"]
+DTYPE_SETS = {
+    "bf16": dict(kind="llama", base_dtype=torch.bfloat16, task_dtypes=None),
+    "fp16": dict(kind="qwen2", base_dtype=torch.float16, task_dtypes=None),
+    "fp32": dict(kind="llama", base_dtype=torch.float32, task_dtypes=None),
+    "mixed": dict(
+        kind="qwen2",
+        base_dtype=torch.bfloat16,
+        task_dtypes=[torch.float32, torch.float16, torch.bfloat16],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def model_sets(tmp_path_factory) -> dict:
+    """Tiny Llama/Qwen2 bases (sharded by transformers) and three agents sharded otherwise."""
+    sets = {}
+    for name, spec in DTYPE_SETS.items():
+        root = tmp_path_factory.mktemp(name)
+        sets[name] = build_model_set(root, base_shard="100KB", task_shard=70_000, **spec)
+    return sets
+
+
+def _merge(base, tasks, out, **kw) -> dict:
+    config = MergeConfig(base=str(base), tasks=tuple(str(t) for t in tasks), out=str(out), **kw)
+    return driver.merge(config)
+
+
+def _assert_same_bytes(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        a = got.reshape(-1).view(torch.uint8)
+        b = want.reshape(-1).view(torch.uint8)
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ"
+
+
+def _assert_stats_match(report: dict, ref: dict) -> None:
+    assert report["elements"]["participating"] == ref["d"]
+    assert report["elements"]["unchanged"] == ref["unchanged"]
+    for t, task in enumerate(report["tasks"]):
+        assert task["histogram"] == [int(v) for v in ref["H"][t]]
+        assert task["unique"] == ref["unique"][t]
+        assert task["shared"] == ref["shared"][t]
+        rho = float("inf") if task["rho"] == "inf" else task["rho"]
+        assert rho == ref["rho"][t]
+    assert report["lambda_applied"] == ref["lambda32"]
+
+
+@pytest.mark.parametrize("dtypes", list(DTYPE_SETS))
+@pytest.mark.parametrize("method", METHODS)
+def test_bytes_equal_reference(model_sets, tmp_path, method, dtypes):
+    base_dir, task_dirs, base, tasks = model_sets[dtypes]
+    report = _merge(base_dir, task_dirs, tmp_path / "out", method=method, chunk_bytes=4096)
+    expected, ref_stats = reference_merge(base, tasks, method)
+    _assert_same_bytes(load_checkpoint(tmp_path / "out"), expected)
+    _assert_stats_match(report, ref_stats)
+    densities = [t["density"] for t in report["tasks"]]
+    assert densities[0] < 0.05 and 0.35 < densities[1] < 0.5 and 0.45 < densities[2] < 0.6
+    assert all(0 < t["unique"] and 0 < t["shared"] for t in report["tasks"])
+
+
+def test_out_dtype_float32_and_base_layout_mirrored(model_sets, tmp_path):
+    base_dir, task_dirs, base, tasks = model_sets["mixed"]
+    _merge(base_dir, task_dirs, tmp_path / "out", out_dtype="float32")
+    expected, _ = reference_merge(base, tasks, "ram_plus", out_dtype=torch.float32)
+    _assert_same_bytes(load_checkpoint(tmp_path / "out"), expected)
+    shards = sorted(p.name for p in base_dir.glob("*.safetensors"))
+    assert len(shards) > 1
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == shards
+    import json
+
+    base_index = json.loads((base_dir / "model.safetensors.index.json").read_text())
+    out_index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert out_index["weight_map"] == base_index["weight_map"]
+    sizes = sum(t.numel() * 4 for t in expected.values() if t.dtype == torch.float32)
+    sizes += sum(t.numel() * t.element_size() for t in expected.values() if t.dtype != torch.float32)
+    assert out_index["metadata"]["total_size"] == sizes
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+        if p.suffix == ".safetensors" or p.name.endswith("index.json")
+    }
+
+
+def test_chunk_budget_and_worker_count_do_not_change_bytes(model_sets, tmp_path):
+    base_dir, task_dirs, base, tasks = model_sets["mixed"]
+    expected, _ = reference_merge(base, tasks, "ram_plus")
+    row_bytes = 64 * 4  # one 64-wide row of the float32 task
+    digests = {}
+    for budget in (row_bytes, 1000, 4096, 65_536, 256 * 2**20):
+        for workers in (1, 2):
+            out = tmp_path / f"out-{budget}-{workers}"
+            report = _merge(base_dir, task_dirs, out, chunk_bytes=budget, workers=workers)
+            digests[(budget, workers)] = _digest(out)
+            for pass_name in ("reduce", "map"):
+                assert max(report["passes"][pass_name]["max_unit_bytes_read_per_input"]) <= budget
+    assert len({tuple(sorted(d.items())) for d in digests.values()}) == 1
+    _assert_same_bytes(load_checkpoint(tmp_path / f"out-{row_bytes}-1"), expected)
+
+
+def test_tensor_larger_than_budget_is_read_in_pieces(model_sets, tmp_path):
+    base_dir, task_dirs, base, _ = model_sets["bf16"]
+    budget = 4096
+    report = _merge(base_dir, task_dirs, tmp_path / "out", chunk_bytes=budget)
+    embed = base["model.embed_tokens.weight"]
+    assert embed.numel() * 2 > 4 * budget  # the embedding needs several units
+    for pass_name in ("reduce", "map"):
+        stats = report["passes"][pass_name]
+        per_input = stats["max_unit_bytes_read_per_input"]
+        assert len(per_input) == 4 and all(0 < b <= budget for b in per_input)
+        big = [t.numel() * 2 for t in base.values() if t.numel() * 2 > budget]
+        assert stats["units"] >= sum(-(-n // budget) for n in big)
+    total_in = sum(t.numel() * t.element_size() for t in base.values()) * 4
+    assert report["passes"]["reduce"]["bytes_read"] == total_in
+    assert report["passes"]["map"]["bytes_read"] == total_in
+
+
+def _edge_states() -> tuple[dict, list[dict], float]:
+    """Hand-made tensors for the spec's edge cases."""
+    eps = float(torch.tensor(1e-5, dtype=torch.float32))
+    base = {
+        "w": torch.tensor([[0.0, 1.0, 2.0], [3.0, -0.0, 5.0]], dtype=torch.float32),
+        "vec": torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.bfloat16),
+        "scalar": torch.tensor(0.5, dtype=torch.float32),
+        "steps": torch.tensor([1, 2, 3], dtype=torch.int64),
+        "flag": torch.tensor([True, False]),
+    }
+    # task 1 changes nothing (and has other integer values, which must be ignored)
+    t1 = {k: v.clone() for k, v in base.items()}
+    t1["steps"] = torch.tensor([9, 9, 9])
+    # task 2: only shared changes (every one also made by task 3); w[0,0] moves by exactly eps
+    t2 = {k: v.clone() for k, v in base.items()}
+    t2["w"] = torch.tensor([[eps, 1.5, 2.0], [3.0, -0.0, 6.0]], dtype=torch.float32)
+    t2["scalar"] = torch.tensor(0.75, dtype=torch.float32)
+    # task 3: the same shared changes plus unique ones
+    t3 = {k: v.clone() for k, v in base.items()}
+    t3["w"] = torch.tensor([[0.0, 2.5, 2.25], [3.0, -0.0, 7.0]], dtype=torch.float32)
+    t3["scalar"] = torch.tensor(1.0, dtype=torch.float32)
+    t3["vec"] = torch.tensor([1.0, 2.5, 3.0, 4.0], dtype=torch.bfloat16)
+    return base, [t1, t2, t3], eps
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_spec_edge_cases(tmp_path, method):
+    base, tasks, eps = _edge_states()
+    dirs = []
+    for i, state in enumerate([base, *tasks]):
+        folder = tmp_path / f"in{i}"
+        save_checkpoint(state, folder, max_shard_bytes=24 if i in (0, 2) else None)
+        dirs.append(folder)
+    report = _merge(dirs[0], dirs[1:], tmp_path / "out", method=method, parameters={"eps": 1e-5})
+    merged = load_checkpoint(tmp_path / "out")
+    expected, ref = reference_merge(base, tasks, method, eps=1e-5)
+    _assert_same_bytes(merged, expected)
+    _assert_stats_match(report, ref)
+    r, alpha = 0.1, 2.0
+    t1, t2, t3 = report["tasks"]
+    assert (t1["changed"], t1["rho"], report["lambda_applied"][0]) == (0, 0.0, 1.0)
+    assert (t2["unique"], t2["shared"], t2["rho"]) == (0, 3, "inf")
+    lam2 = {"ram": 1.0, "ram_plus": 1 + r * alpha, "ram_plus_soft": 1 + r}[method]
+    assert report["lambda_applied"][1] == float(torch.tensor(lam2, dtype=torch.float32))
+    assert (t3["unique"], t3["shared"]) == (2, 3)
+    # |tau| == eps exactly: unchanged; shared: the mean; -0.0 kept; integers from the base.
+    w = merged["w"]
+    assert w[0, 0].item() == 0.0
+    assert w[0, 1].item() == 1.0 + (0.5 + 1.5) / 2
+    assert w[1, 2].item() == 5.0 + (1.0 + 2.0) / 2
+    assert torch.signbit(w[1, 1]).item()
+    assert merged["scalar"].item() == 0.5 + (0.25 + 0.5) / 2
+    lam3 = report["lambda_applied"][2]
+    assert merged["w"][0, 2].item() == float(torch.tensor(2.0) + torch.tensor(lam3) * 0.25)
+    assert torch.equal(merged["steps"], base["steps"])
+    assert torch.equal(merged["flag"], base["flag"])
+    assert merged["vec"].dtype == torch.bfloat16
+
+
+def test_merged_model_loads_in_transformers(model_sets, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_dir, task_dirs, base, tasks = model_sets["bf16"]
+    _merge(base_dir, task_dirs, tmp_path / "out")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    expected, _ = reference_merge(base, tasks, "ram_plus")
+    state = model.state_dict()
+    for name, want in expected.items():
+        assert torch.equal(state[name], want), name
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    ids = tok("w1 w2 w3", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], 256)
+    assert torch.isfinite(logits).all()
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (base_dir / name).read_bytes()

@@ -1,0 +1,57 @@
+"""The planner: units cover every element once, in order, within the per-input budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from ram_dist.errors import RamDistError
+from ram_dist.plan import TensorSlot, plan_units
+
+SLOTS = [
+    TensorSlot("embed", "a.safetensors", numel=256 * 64, row=64, max_itemsize=2),
+    TensorSlot("norm", "a.safetensors", numel=64, row=1, max_itemsize=4),
+    TensorSlot("scalar", "a.safetensors", numel=1, row=1, max_itemsize=2),
+    TensorSlot("empty", "b.safetensors", numel=0, row=1, max_itemsize=2),
+    TensorSlot("wide", "b.safetensors", numel=3 * 1000, row=1000, max_itemsize=4),
+]
+
+
+@pytest.mark.parametrize("budget", [4, 100, 128, 1000, 4000, 4096, 10_000, 10**9])
+def test_units_cover_each_element_once_within_budget(budget):
+    units = plan_units(SLOTS, budget)
+    covered: dict[str, list[tuple[int, int]]] = {}
+    itemsize = {s.name: s.max_itemsize for s in SLOTS}
+    for k, unit in enumerate(units):
+        assert unit.index == k
+        assert sum(p.numel * itemsize[p.tensor] for p in unit.pieces) <= budget
+        for p in unit.pieces:
+            covered.setdefault(p.tensor, []).append((p.start, p.stop))
+    order = [p.tensor for u in units for p in u.pieces]
+    assert list(dict.fromkeys(order)) == [s.name for s in SLOTS]
+    for s in SLOTS:
+        ranges = covered[s.name]
+        assert ranges[0][0] == 0 and ranges[-1][1] == s.numel
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+def test_whole_rows_when_a_row_fits_and_shards_never_mix():
+    units = plan_units(SLOTS, 64 * 2 * 3 + 10)  # three embed rows and a bit
+    for unit in units:
+        for p in unit.pieces:
+            if p.tensor == "embed":
+                assert p.start % 64 == 0 and (p.stop % 64 == 0 or p.stop == 256 * 64)
+    assert {u.shard for u in units} == {"a.safetensors", "b.safetensors"}
+    assert all(
+        {SLOTS[[s.name for s in SLOTS].index(p.tensor)].shard for p in u.pieces} == {u.shard}
+        for u in units
+    )
+
+
+def test_small_tensors_are_packed_together():
+    units = plan_units(SLOTS, 10**9)
+    assert len(units) == 2  # one per shard
+
+
+def test_budget_below_one_element_is_refused():
+    with pytest.raises(RamDistError, match="cannot hold one element"):
+        plan_units(SLOTS, 3)

@@ -1,0 +1,85 @@
+"""The header parser against files written by safetensors itself, and against broken ones."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ram_dist.errors import CheckpointError
+from ram_dist.io.checkpoint import read_file_header
+
+
+def _write_raw(path, header: object, data: bytes = b"") -> str:
+    body = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data)
+    return str(path)
+
+
+def test_offsets_match_safetensors_own_layout(tmp_path):
+    tensors = {
+        "a": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "b": torch.tensor(7, dtype=torch.int64),
+        "c": torch.arange(5, dtype=torch.bfloat16),
+    }
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    header = read_file_header(str(path))
+    raw = path.read_bytes()
+    assert header.metadata == {"format": "pt"}
+    for name, t in tensors.items():
+        info = header.tensors[name]
+        assert info.shape == tuple(t.shape)
+        assert raw[info.start : info.end] == t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert header.tensors["c"].dtype == "BF16"
+    assert header.tensors["b"].shape == ()
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"\x01\x00", "shorter than 8 bytes"),
+        (struct.pack("<Q", 10**12), "exceeds the"),
+        (struct.pack("<Q", 50) + b"{}", "runs past the end"),
+        (struct.pack("<Q", 4) + b"{{{{", "not valid JSON"),
+        (struct.pack("<Q", 2) + b"[]", "not an object"),
+    ],
+)
+def test_broken_prefix_or_json(tmp_path, raw, message):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(raw)
+    with pytest.raises(CheckpointError, match=message) as e:
+        read_file_header(str(path))
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}, "unknown dtype 'Q7'"),
+        ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}, "shape"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [0, 6]}, "needs 8"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "data_offsets"),
+        ({"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "truncated"),
+    ],
+)
+def test_bad_tensor_entries_name_file_and_tensor(tmp_path, entry, message):
+    path = _write_raw(tmp_path / "bad.safetensors", {"w": entry}, b"\0" * 8)
+    with pytest.raises(CheckpointError, match=message) as e:
+        read_file_header(path)
+    assert "bad.safetensors" in str(e.value)
+    if "truncated" not in message:
+        assert "'w'" in str(e.value)
+
+
+def test_overlapping_tensors_are_refused(tmp_path):
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
+    path = _write_raw(tmp_path / "x.safetensors", header, b"\0" * 12)
+    with pytest.raises(CheckpointError, match="overlaps"):
+        read_file_header(path)
