@@ -1,0 +1,239 @@
+"""The `ram-dist` command: bad input stops it early with a clear message; YAML, probe, demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from builders import load_checkpoint, save_checkpoint
+from reference import reference_merge, reference_stats
+
+from ram_dist.cli import main
+
+CLI = [sys.executable, "-m", "ram_dist.cli"]
+
+
+def _state(seed: int, extra: dict | None = None) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    state = {
+        "a.weight": torch.randn(8, 4, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(6, generator=g).to(torch.bfloat16),
+    }
+    return state | (extra or {})
+
+
+def _task(base: dict, seed: int, density: float) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        k: torch.where(torch.rand(v.shape, generator=g) < density, v.float() + 0.25, v.float()).to(
+            v.dtype
+        )
+        for k, v in base.items()
+    }
+
+
+@pytest.fixture
+def inputs(tmp_path) -> tuple[Path, list[Path]]:
+    base = _state(0)
+    save_checkpoint(base, tmp_path / "base")
+    tasks = []
+    for i, density in enumerate((0.1, 0.5, 0.6)):
+        save_checkpoint(_task(base, 10 + i, density), tmp_path / f"t{i}")
+        tasks.append(tmp_path / f"t{i}")
+    return tmp_path / "base", tasks
+
+
+def _run_main(argv: list[str], capsys) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def _merge_args(base, tasks, out) -> list:
+    args = ["merge", "--base", base, "--out", out]
+    for t in tasks:
+        args += ["--task", t]
+    return args
+
+
+def _expect_error(argv, capsys, out: Path, *fragments: str) -> None:
+    code, err = _run_main(argv, capsys)
+    assert code == 2
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    assert not out.exists()
+
+
+def test_one_task_is_refused(inputs, tmp_path, capsys):
+    base, tasks = inputs
+    out = tmp_path / "out"
+    _expect_error(
+        _merge_args(base, tasks[:1], out), capsys, out, "two or more task models", "got 1"
+    )
+
+
+def test_task_missing_a_tensor(inputs, tmp_path, capsys):
+    base, tasks = inputs
+    state = load_checkpoint(tasks[1])
+    del state["b.weight"]
+    save_checkpoint(state, tmp_path / "t1")
+    out = tmp_path / "out"
+    _expect_error(
+        _merge_args(base, tasks, out),
+        capsys,
+        out,
+        "task 2",
+        str(tmp_path / "t1"),
+        "'b.weight'",
+        str(base / "model.safetensors"),
+    )
+
+
+def test_task_with_an_extra_tensor(inputs, tmp_path, capsys):
+    base, tasks = inputs
+    state = load_checkpoint(tasks[2]) | {"c.bias": torch.zeros(3, dtype=torch.bfloat16)}
+    save_checkpoint(state, tmp_path / "t2")
+    out = tmp_path / "out"
+    _expect_error(
+        _merge_args(base, tasks, out),
+        capsys,
+        out,
+        "task 3",
+        "'c.bias'",
+        str(tmp_path / "t2" / "model.safetensors"),
+    )
+
+
+def test_shape_mismatch(inputs, tmp_path, capsys):
+    base, tasks = inputs
+    state = load_checkpoint(tasks[0])
+    state["a.weight"] = torch.zeros(4, 8, dtype=torch.bfloat16)
+    save_checkpoint(state, tmp_path / "t0")
+    out = tmp_path / "out"
+    _expect_error(
+        _merge_args(base, tasks, out),
+        capsys,
+        out,
+        "'a.weight'",
+        "[4, 8]",
+        "[8, 4]",
+        str(tmp_path / "t0" / "model.safetensors"),
+        str(base / "model.safetensors"),
+    )
+
+
+def test_unreadable_header(inputs, tmp_path, capsys):
+    base, tasks = inputs
+    (tasks[1] / "model.safetensors").write_bytes(b"\xff" * 64)
+    out = tmp_path / "out"
+    _expect_error(
+        _merge_args(base, tasks, out), capsys, out, str(tasks[1] / "model.safetensors"), "header"
+    )
+
+
+def test_missing_folder_and_pickle_only_folder(inputs, tmp_path, capsys):
+    base, tasks = inputs
+    out = tmp_path / "out"
+    _expect_error(
+        _merge_args(base, [*tasks[:2], tmp_path / "nope"], out), capsys, out, "task 3", "nope"
+    )
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "pytorch_model.bin").write_bytes(b"not opened")
+    _expect_error(
+        _merge_args(base, [*tasks[:2], pickled], out),
+        capsys,
+        out,
+        "pytorch_model.bin",
+        "convert them to safetensors",
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--eps", "0"], "eps must be > 0"),
+        (["--r", "-1"], "r must be >= 0"),
+        (["--alpha", "-0.5"], "alpha must be >= 0"),
+        (["--method", "tie"], "unknown merge method 'tie'; valid methods: ram, ram_plus"),
+        (["--out-dtype", "int8"], "not a floating dtype"),
+        (["--chunk-mb", "0"], "--chunk-mb must be positive"),
+    ],
+)
+def test_bad_parameters(inputs, tmp_path, capsys, flags, message):
+    base, tasks = inputs
+    out = tmp_path / "out"
+    _expect_error(_merge_args(base, tasks, out) + flags, capsys, out, message)
+
+
+def test_output_that_holds_files_is_refused(inputs, tmp_path, capsys):
+    base, tasks = inputs
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, err = _run_main(_merge_args(base, tasks, out), capsys)
+    assert code == 2 and "already holds files" in err and "--overwrite" in err
+    assert sorted(os.listdir(out)) == ["keep.txt"]
+
+
+def _subprocess(args: list, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run(
+        CLI + [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_yaml_merge_and_probe_json(inputs, tmp_path):
+    base, tasks = inputs
+    config = tmp_path / "merge.yaml"
+    models = "\n".join(f"  - model: {t}" for t in [base, *tasks])
+    config.write_text(
+        f"merge_method: ram_plus_soft\nbase_model: {base}\nmodels:\n{models}\n"
+        "parameters:\n  r: 0.3\n  epsilon: 1e-5\nout_dtype: float32\n"
+    )
+    done = _subprocess(["merge", config, tmp_path / "out", "--chunk-mb", "0.0001"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    states = [load_checkpoint(p) for p in [base, *tasks]]
+    expected, ref = reference_merge(
+        states[0], states[1:], "ram_plus_soft", r=0.3, out_dtype=torch.float32
+    )
+    merged = load_checkpoint(tmp_path / "out")
+    assert all(torch.equal(merged[k], v) for k, v in expected.items())
+    report = json.loads((tmp_path / "out" / "merge_report.json").read_text())
+    assert report["method"] == "ram_plus_soft" and report["parameters"]["r"] == 0.3
+    assert report["lambda_applied"] == ref["lambda32"]
+    assert "merged model written to" in done.stdout and "lambda[ram_plus]" in done.stdout
+
+    probe_json = tmp_path / "probe.json"
+    args = ["probe", "--base", base, "--json", probe_json] + sum([["--task", t] for t in tasks], [])
+    done = _subprocess(args, tmp_path)
+    assert done.returncode == 0, done.stderr
+    probe = json.loads(probe_json.read_text())
+    stats = reference_stats(states[0], states[1:])
+    assert [t["histogram"] for t in probe["tasks"]] == [list(map(int, h)) for h in stats["H"]]
+    assert [t["changed"] for t in probe["tasks"]] == [
+        u + s for u, s in zip(stats["unique"], stats["shared"], strict=True)
+    ]
+    assert probe["elements"]["unchanged"] == stats["unchanged"]
+    assert "map" not in probe["passes"]
+    for line in ("overlap histogram", "density", "rho"):
+        assert line in done.stdout
+
+
+def test_demo_command_merges_its_generated_agents(tmp_path):
+    done = _subprocess(["demo", "--dir", tmp_path / "demo"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    demo = tmp_path / "demo"
+    base = load_checkpoint(demo / "base")
+    tasks = [load_checkpoint(demo / f"agent{i}") for i in (1, 2, 3)]
+    expected, ref = reference_merge(base, tasks, "ram_plus")
+    merged = load_checkpoint(demo / "merged")
+    assert all(torch.equal(merged[k], v) for k, v in expected.items())
+    densities = [u + s for u, s in zip(ref["unique"], ref["shared"], strict=True)]
+    assert [x / ref["d"] for x in densities] == pytest.approx([0.03, 0.46, 0.54], abs=0.02)
+    assert "overlap histogram" in done.stdout
+    assert (demo / "merged" / "model.safetensors.index.json").exists()
