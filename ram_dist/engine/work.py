@@ -19,7 +19,10 @@ from ram_dist.dtypes import SAFETENSORS_DTYPES, itemsize
 from ram_dist.engine.layout import Layout, TensorEntry
 from ram_dist.io.storage import read_ranges
 from ram_dist.methods import MergeMethod
-from ram_dist.plan import Piece, WorkUnit
+from ram_dist.plan import WorkUnit
+
+#: Elements computed at once; bounds a worker's float temporaries (about 40 bytes each).
+COMPUTE_BLOCK = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -78,11 +81,12 @@ def reduce_unit(unit: WorkUnit, layout: Layout, method: MergeMethod, params: Any
     dev = device()
     total: torch.Tensor | None = None
     for piece, inputs in zip(unit.pieces, tensors, strict=True):
-        if not layout.tensors[piece.tensor].participating or piece.numel == 0:
+        if not layout.tensors[piece.tensor].participating:
             continue
-        base, *tasks = (t.to(dev) for t in inputs)
-        stats = method.chunk_statistics(base, tasks, params)
-        total = stats if total is None else total + stats
+        for lo, hi in _blocks(piece.numel):
+            base, *tasks = (t[lo:hi].to(dev) for t in inputs)
+            stats = method.chunk_statistics(base, tasks, params)
+            total = stats if total is None else total + stats
     return UnitResult(unit.index, total, None, tuple(bytes_read), _peak_rss())
 
 
@@ -92,31 +96,30 @@ def map_unit(
     """Map pass: merged bytes of a unit's pieces, in order, in each tensor's output dtype."""
     tensors, bytes_read = read_unit(unit, layout)
     dev = device()
-    chunks: list[np.ndarray] = []
-    for piece, inputs in zip(unit.pieces, tensors, strict=True):
+    sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
+    data = np.empty(sum(sizes), dtype=np.uint8)
+    out = torch.from_numpy(data)
+    offset = 0
+    for piece, inputs, size in zip(unit.pieces, tensors, sizes, strict=True):
         entry = layout.tensors[piece.tensor]
-        chunks.append(_merged_piece(piece, entry, inputs, method, params, finalized, dev))
-    data = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.uint8)
+        target = out[offset : offset + size]
+        offset += size
+        if not entry.participating:
+            target.copy_(inputs[0].view(torch.uint8))  # copied from the base, byte for byte
+            continue
+        out_dtype = SAFETENSORS_DTYPES[entry.out_dtype]
+        width = itemsize(entry.out_dtype)
+        for lo, hi in _blocks(piece.numel):
+            base, *tasks = (t[lo:hi].to(dev) for t in inputs)
+            merged = method.merge_chunk(base, tasks, params, finalized).to(out_dtype).cpu()
+            target[lo * width : hi * width].copy_(merged.view(torch.uint8))
     return UnitResult(unit.index, None, data, tuple(bytes_read), _peak_rss())
 
 
-def _merged_piece(
-    piece: Piece,
-    entry: TensorEntry,
-    inputs: list[torch.Tensor],
-    method: MergeMethod,
-    params: Any,
-    finalized: dict[str, Any],
-    dev: torch.device,
-) -> np.ndarray:
-    if not entry.participating:
-        return inputs[0].view(torch.uint8).numpy()  # copied from the base, byte for byte
-    if piece.numel == 0:
-        return np.empty(0, dtype=np.uint8)
-    base, *tasks = (t.to(dev) for t in inputs)
-    merged = method.merge_chunk(base, tasks, params, finalized)
-    out = merged.to(SAFETENSORS_DTYPES[entry.out_dtype]).cpu()
-    return out.view(torch.uint8).numpy()
+def _blocks(numel: int) -> list[tuple[int, int]]:
+    """Split a piece into compute blocks, so float temporaries stay small whatever the chunk
+    budget (the rule is element-wise: the split changes no byte)."""
+    return [(lo, min(lo + COMPUTE_BLOCK, numel)) for lo in range(0, numel, COMPUTE_BLOCK)]
 
 
 def _peak_rss() -> int:
