@@ -8,11 +8,13 @@ and the index is written last, so a reader never takes a partial result for a mo
 from __future__ import annotations
 
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ram_dist import __version__
 from ram_dist.config import MergeConfig
@@ -157,7 +159,7 @@ def _reduce_pass(job: Job, cluster: Cluster) -> tuple[dict[str, Any], PassStats]
         _workers(job.config, cluster),
         _resources(cluster),
     )
-    for result in results:
+    for result in _progress(results, job, "reduce"):
         if result.stats is not None:
             total += result.stats
         stats.add(result.bytes_read, result.peak_rss_bytes)
@@ -186,7 +188,7 @@ def _map_pass(
         _resources(cluster),
     )
     try:
-        for unit, result in zip(job.units, results, strict=True):
+        for unit, result in zip(job.units, _progress(results, job, "map"), strict=True):
             if writer is None or writer.final_url != join(job.config.out, unit.shard):
                 if writer is not None:
                     writer.commit()
@@ -207,6 +209,13 @@ def _map_pass(
             total_size += tensor.nbytes
     stats.wall_s = time.perf_counter() - start
     return stats, weight_map, total_size
+
+
+def _progress(results: Any, job: Job, name: str) -> Any:
+    """A progress bar over work units on a terminal; silent in logs and cron jobs."""
+    return tqdm(
+        results, total=len(job.units), desc=name, unit="unit", disable=not sys.stderr.isatty()
+    )
 
 
 def _report(
