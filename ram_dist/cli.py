@@ -10,6 +10,7 @@ from typing import Any
 from ram_dist import __version__
 from ram_dist.config import DEFAULT_CHUNK_MB, MergeConfig, load_yaml
 from ram_dist.errors import RamDistError
+from ram_dist.io.storage import parse_storage_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +70,12 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else a local Ray)"
     )
+    p.add_argument(
+        "--storage-options",
+        default=None,
+        metavar="JSON",
+        help='fsspec options per protocol, e.g. \'{"s3": {"endpoint_url": "http://..."}}\'',
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> MergeConfig:
@@ -94,6 +101,8 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
         raise RamDistError(f"--chunk-mb must be positive, got {args.chunk_mb}")
     kwargs["chunk_bytes"] = max(1, int(args.chunk_mb * 2**20))
     kwargs["workers"] = args.workers
+    if args.storage_options is not None:
+        kwargs["storage_options"] = parse_storage_options(args.storage_options)
     kwargs["address"] = args.address
     out = getattr(args, "out", None)
     if args.out_positional is not None:

@@ -12,13 +12,14 @@ import yaml
 
 from ram_dist.dtypes import parse_out_dtype
 from ram_dist.errors import RamDistError
+from ram_dist.io.storage import Storage
 from ram_dist.methods import get_method
 
 DEFAULT_CHUNK_MB = 256.0
 
 #: YAML parameter names (mergekit's) to ram-dist's.
 PARAMETER_NAMES = {"r": "r", "alpha": "alpha", "epsilon": "eps", "eps": "eps"}
-YAML_KEYS = ("merge_method", "base_model", "models", "parameters", "out_dtype")
+YAML_KEYS = ("merge_method", "base_model", "models", "parameters", "out_dtype", "storage_options")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,8 @@ class MergeConfig:
     """Ray cluster address; None uses RAY_ADDRESS or starts a local Ray."""
     overwrite: bool = False
     """Replace an output folder that already holds files."""
+    storage_options: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+    """fsspec options per protocol, e.g. {"s3": {"endpoint_url": ...}}; may hold secrets."""
 
     def __post_init__(self) -> None:
         if len(self.tasks) < 2:
@@ -59,6 +62,7 @@ class MergeConfig:
             raise RamDistError(f"chunk budget must be positive, got {self.chunk_bytes} bytes")
         if self.workers is not None and self.workers < 1:
             raise RamDistError(f"workers must be >= 1, got {self.workers}")
+        Storage(self.storage_options)  # raises on a malformed mapping
 
     def method_params(self) -> Any:
         """The method's validated parameter object."""
@@ -108,6 +112,8 @@ def load_yaml(path: str) -> dict[str, Any]:
         kwargs.setdefault("parameters", {})[PARAMETER_NAMES[key]] = _number(value)
     if raw.get("out_dtype") is not None:
         kwargs["out_dtype"] = str(raw["out_dtype"])
+    if raw.get("storage_options") is not None:
+        kwargs["storage_options"] = raw["storage_options"]
     return kwargs
 
 

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from ram_dist.errors import CheckpointError
 from ram_dist.io.checkpoint import read_file_header
+from ram_dist.io.storage import Storage
 
 
 def _write_raw(path, header: object, data: bytes = b"") -> str:
@@ -27,7 +28,7 @@ def test_offsets_match_safetensors_own_layout(tmp_path):
     }
     path = tmp_path / "m.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt"})
-    header = read_file_header(str(path))
+    header = read_file_header(str(path), Storage())
     raw = path.read_bytes()
     assert header.metadata == {"format": "pt"}
     for name, t in tensors.items():
@@ -52,7 +53,7 @@ def test_broken_prefix_or_json(tmp_path, raw, message):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(raw)
     with pytest.raises(CheckpointError, match=message) as e:
-        read_file_header(str(path))
+        read_file_header(str(path), Storage())
     assert str(path) in str(e.value)
 
 
@@ -69,7 +70,7 @@ def test_broken_prefix_or_json(tmp_path, raw, message):
 def test_bad_tensor_entries_name_file_and_tensor(tmp_path, entry, message):
     path = _write_raw(tmp_path / "bad.safetensors", {"w": entry}, b"\0" * 8)
     with pytest.raises(CheckpointError, match=message) as e:
-        read_file_header(path)
+        read_file_header(path, Storage())
     assert "bad.safetensors" in str(e.value)
     if "truncated" not in message:
         assert "'w'" in str(e.value)
@@ -82,4 +83,4 @@ def test_overlapping_tensors_are_refused(tmp_path):
     }
     path = _write_raw(tmp_path / "x.safetensors", header, b"\0" * 12)
     with pytest.raises(CheckpointError, match="overlaps"):
-        read_file_header(path)
+        read_file_header(path, Storage())

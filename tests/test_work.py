@@ -22,14 +22,15 @@ def test_units_and_compute_blocks_reassemble_the_reference(tmp_path, monkeypatch
     job = driver.prepare(config)
     method, params = get_method("ram_plus"), config.method_params()
 
-    total = sum(work.reduce_unit(u, job.layout, method, params).stats for u in job.units)
+    args = (job.layout, job.storage, method, params)
+    total = sum(work.reduce_unit(u, *args).stats for u in job.units)
     finalized = method.finalize(total, params)
     ref = reference_stats(base, tasks)
     assert [t["histogram"] for t in finalized["tasks"]] == [list(map(int, h)) for h in ref["H"]]
 
     blobs: dict[str, list[bytes]] = {}
     for unit in job.units:
-        data = work.map_unit(unit, job.layout, method, params, finalized).data.tobytes()
+        data = work.map_unit(unit, *args, finalized).data.tobytes()
         offset = 0
         for piece in unit.pieces:
             size = piece.numel * base[piece.tensor].element_size()

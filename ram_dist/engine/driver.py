@@ -25,8 +25,9 @@ from ram_dist.engine.work import map_unit, reduce_unit
 from ram_dist.errors import RamDistError
 from ram_dist.io.checkpoint import Checkpoint, open_checkpoint
 from ram_dist.io.files import copy_files, non_weight_files
-from ram_dist.io.storage import join, url_to_fs
-from ram_dist.io.writer import ShardWriter, write_index, write_json_atomic
+from ram_dist.io.locations import resolve_location, resolve_output
+from ram_dist.io.storage import Storage, join
+from ram_dist.io.writer import ShardWriter, write_index, write_json
 from ram_dist.methods import get_method
 from ram_dist.plan import WorkUnit, plan_units
 
@@ -69,19 +70,27 @@ class Job:
     """Everything known once the inputs are checked, before any tensor byte is read."""
 
     config: MergeConfig
+    storage: Storage
     base: Checkpoint
     tasks: list[Checkpoint]
     layout: Layout
     units: list[WorkUnit]
+    out: str | None
 
 
 def prepare(config: MergeConfig) -> Job:
-    """Read every header, check that the inputs fit, and plan the work units."""
-    base = open_checkpoint(config.base, "base model")
-    tasks = [open_checkpoint(url, f"task {i + 1}") for i, url in enumerate(config.tasks)]
+    """Resolve locations, read every header, check that the inputs fit, plan the work."""
+    storage = Storage(config.storage_options)
+    base_url = resolve_location(config.base, "base model")
+    base = open_checkpoint(base_url, "base model", storage)
+    tasks = []
+    for i, location in enumerate(config.tasks):
+        label = f"task {i + 1}"
+        tasks.append(open_checkpoint(resolve_location(location, label), label, storage))
     layout = build_layout(base, tasks, config.out_dtype)
     units = plan_units(layout.slots(), config.chunk_bytes)
-    return Job(config=config, base=base, tasks=tasks, layout=layout, units=units)
+    out = resolve_output(config.out) if config.out is not None else None
+    return Job(config, storage, base, tasks, layout, units, out)
 
 
 def probe(config: MergeConfig) -> dict[str, Any]:
@@ -97,15 +106,16 @@ def merge(config: MergeConfig) -> dict[str, Any]:
     if config.out is None:
         raise RamDistError("merge needs an output location (--out)")
     job = prepare(config)
-    _check_output(config)
+    assert job.out is not None
+    _check_output(job)
     with ray_cluster(config.address) as cluster:
         finalized, reduce_stats = _reduce_pass(job, cluster)
-        out_fs, out_path = url_to_fs(config.out)
+        out_fs, out_path = job.storage.fs(job.out)
         created = not out_fs.exists(out_path)
         try:
             out_fs.makedirs(out_path, exist_ok=True)
-            names = non_weight_files(config.base)
-            copy_files(config.base, config.out, names)
+            names = non_weight_files(job.base.url, job.storage)
+            copy_files(job.base.url, job.out, names, job.storage)
             map_stats, weight_map, total_size = _map_pass(job, cluster, finalized)
             report = _report(
                 job,
@@ -113,10 +123,10 @@ def merge(config: MergeConfig) -> dict[str, Any]:
                 {"reduce": reduce_stats.as_dict(), "map": map_stats.as_dict()},
                 max(reduce_stats.worker_peak_rss_bytes, map_stats.worker_peak_rss_bytes),
             )
-            report["output"] = {"url": config.out, "files_copied": names}
-            write_json_atomic(join(config.out, REPORT_NAME), report)
+            report["output"] = {"url": job.out, "files_copied": names}
+            write_json(join(job.out, REPORT_NAME), report, job.storage)
             if job.layout.sharded:
-                write_index(config.out, weight_map, total_size)
+                write_index(job.out, weight_map, total_size, job.storage)
         except BaseException:
             if created and out_fs.exists(out_path):
                 out_fs.rm(out_path, recursive=True)
@@ -124,15 +134,15 @@ def merge(config: MergeConfig) -> dict[str, Any]:
     return report
 
 
-def _check_output(config: MergeConfig) -> None:
-    assert config.out is not None
-    fs, path = url_to_fs(config.out)
+def _check_output(job: Job) -> None:
+    assert job.out is not None
+    fs, path = job.storage.fs(job.out)
     if fs.exists(path):
         if not fs.isdir(path):
-            raise RamDistError(f"output {config.out} exists and is not a folder")
-        if fs.ls(path) and not config.overwrite:
+            raise RamDistError(f"output {job.out} exists and is not a folder")
+        if fs.ls(path) and not job.config.overwrite:
             raise RamDistError(
-                f"output {config.out} already holds files; choose an empty location or "
+                f"output {job.out} already holds files; choose an empty location or "
                 "pass --overwrite"
             )
 
@@ -155,7 +165,7 @@ def _reduce_pass(job: Job, cluster: Cluster) -> tuple[dict[str, Any], PassStats]
     results = ordered_map(
         reduce_unit,
         job.units,
-        (job.layout, method, params),
+        (job.layout, job.storage, method, params),
         _workers(job.config, cluster),
         _resources(cluster),
     )
@@ -172,7 +182,7 @@ def _map_pass(
     job: Job, cluster: Cluster, finalized: dict[str, Any]
 ) -> tuple[PassStats, dict[str, str], int]:
     """Merge every unit and append its bytes to its shard, shards published one by one."""
-    assert job.config.out is not None
+    assert job.out is not None
     method = get_method(job.config.method)
     params = job.config.method_params()
     stats = PassStats()
@@ -183,17 +193,18 @@ def _map_pass(
     results = ordered_map(
         map_unit,
         job.units,
-        (job.layout, method, params, finalized),
+        (job.layout, job.storage, method, params, finalized),
         _workers(job.config, cluster),
         _resources(cluster),
     )
     try:
         for unit, result in zip(job.units, _progress(results, job, "map"), strict=True):
-            if writer is None or writer.final_url != join(job.config.out, unit.shard):
+            if writer is None or writer.final_url != join(job.out, unit.shard):
                 if writer is not None:
                     writer.commit()
                     stats.bytes_written += writer.written
-                writer = ShardWriter(job.config.out, unit.shard, job.layout.out_tensors(unit.shard))
+                tensors = job.layout.out_tensors(unit.shard)
+                writer = ShardWriter(job.out, unit.shard, tensors, job.storage)
             writer.write(memoryview(result.data))
             stats.add(result.bytes_read, result.peak_rss_bytes)
         if writer is not None:

@@ -17,7 +17,7 @@ import torch
 
 from ram_dist.dtypes import SAFETENSORS_DTYPES, itemsize
 from ram_dist.engine.layout import Layout, TensorEntry
-from ram_dist.io.storage import read_ranges
+from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod
 from ram_dist.plan import WorkUnit
 
@@ -45,7 +45,9 @@ def _inputs_of(entry: TensorEntry) -> int:
     return len(entry.sources) if entry.participating else 1
 
 
-def read_unit(unit: WorkUnit, layout: Layout) -> tuple[list[list[torch.Tensor]], list[int]]:
+def read_unit(
+    unit: WorkUnit, layout: Layout, storage: Storage
+) -> tuple[list[list[torch.Tensor]], list[int]]:
     """Read every piece of a unit from every input it needs: one batched range read."""
     requests: list[tuple[str, int, int]] = []
     owners: list[tuple[int, int, str]] = []
@@ -60,7 +62,7 @@ def read_unit(unit: WorkUnit, layout: Layout) -> tuple[list[list[torch.Tensor]],
     n_inputs = max(len(e.sources) for e in layout.tensors.values())
     bytes_read = [0] * n_inputs
     tensors: list[list[torch.Tensor]] = [[] for _ in unit.pieces]
-    for blob, (p, i, dtype) in zip(read_ranges(requests), owners, strict=True):
+    for blob, (p, i, dtype) in zip(storage.read_ranges(requests), owners, strict=True):
         bytes_read[i] += len(blob)
         tensors[p].append(_tensor_from_bytes(blob, dtype))
     return tensors, bytes_read
@@ -75,9 +77,11 @@ def _tensor_from_bytes(blob: bytes, dtype: str) -> torch.Tensor:
         return torch.frombuffer(blob, dtype=SAFETENSORS_DTYPES[dtype])
 
 
-def reduce_unit(unit: WorkUnit, layout: Layout, method: MergeMethod, params: Any) -> UnitResult:
+def reduce_unit(
+    unit: WorkUnit, layout: Layout, storage: Storage, method: MergeMethod, params: Any
+) -> UnitResult:
     """Reduce pass: the method's statistics of a unit's participating pieces, summed."""
-    tensors, bytes_read = read_unit(unit, layout)
+    tensors, bytes_read = read_unit(unit, layout, storage)
     dev = device()
     total: torch.Tensor | None = None
     for piece, inputs in zip(unit.pieces, tensors, strict=True):
@@ -91,10 +95,15 @@ def reduce_unit(unit: WorkUnit, layout: Layout, method: MergeMethod, params: Any
 
 
 def map_unit(
-    unit: WorkUnit, layout: Layout, method: MergeMethod, params: Any, finalized: dict[str, Any]
+    unit: WorkUnit,
+    layout: Layout,
+    storage: Storage,
+    method: MergeMethod,
+    params: Any,
+    finalized: dict[str, Any],
 ) -> UnitResult:
     """Map pass: merged bytes of a unit's pieces, in order, in each tensor's output dtype."""
-    tensors, bytes_read = read_unit(unit, layout)
+    tensors, bytes_read = read_unit(unit, layout, storage)
     dev = device()
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     data = np.empty(sum(sizes), dtype=np.uint8)

@@ -16,7 +16,7 @@ from ram_dist.io.safetensors_header import (
     header_length,
     parse_header,
 )
-from ram_dist.io.storage import join, url_to_fs
+from ram_dist.io.storage import Storage, join
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -41,9 +41,9 @@ class Checkpoint:
         return text
 
 
-def read_file_header(url: str) -> FileHeader:
+def read_file_header(url: str, storage: Storage) -> FileHeader:
     """Read and parse one safetensors header: two small reads, never the tensor data."""
-    fs, path = url_to_fs(url)
+    fs, path = storage.fs(url)
     try:
         size = fs.size(path)
         prefix = fs.cat_file(path, start=0, end=8)
@@ -58,16 +58,16 @@ def read_file_header(url: str) -> FileHeader:
     return parse_header(body, url, size)
 
 
-def open_checkpoint(url: str, label: str) -> Checkpoint:
+def open_checkpoint(url: str, label: str, storage: Storage) -> Checkpoint:
     """List a checkpoint folder, read its index (if sharded) and every shard header."""
-    fs, path = url_to_fs(url)
+    fs, path = storage.fs(url)
     try:
         names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
     except (FileNotFoundError, NotADirectoryError) as e:
         raise CheckpointError(f"{label}: no checkpoint folder at {url}") from e
     weight_map: dict[str, str] | None = None
     if INDEX_NAME in names:
-        weight_map = _read_weight_map(join(url, INDEX_NAME), label)
+        weight_map = _read_weight_map(join(url, INDEX_NAME), label, storage)
         files = tuple(dict.fromkeys(weight_map.values()))
     elif SINGLE_NAME in names:
         files = (SINGLE_NAME,)
@@ -88,7 +88,7 @@ def open_checkpoint(url: str, label: str) -> Checkpoint:
                 f"{label} ({url}): index names file {file!r}, which is not a plain file "
                 "name in the checkpoint folder"
             )
-        header = read_file_header(join(url, file))
+        header = read_file_header(join(url, file), storage)
         for name, info in header.tensors.items():
             if name in tensors:
                 raise CheckpointError(
@@ -113,8 +113,8 @@ def open_checkpoint(url: str, label: str) -> Checkpoint:
     )
 
 
-def _read_weight_map(index_url: str, label: str) -> dict[str, str]:
-    fs, path = url_to_fs(index_url)
+def _read_weight_map(index_url: str, label: str, storage: Storage) -> dict[str, str]:
+    fs, path = storage.fs(index_url)
     try:
         index = json.loads(fs.cat_file(path))
     except (OSError, ValueError) as e:

@@ -1,21 +1,141 @@
-"""The few fsspec calls ram-dist needs, with URLs kept as strings (pathlib mangles `s3://`)."""
+"""Storage through fsspec: URLs kept as strings (pathlib mangles `s3://`), per-protocol options.
+
+Every read and write of ram-dist goes through a `Storage`, which the driver builds once and
+ships to the workers. Reads are byte ranges, cut into requests of at most `REQUEST_BYTES`
+that the filesystem may run concurrently, retried with backoff on transient errors.
+"""
 
 from __future__ import annotations
 
-import functools
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+from ram_dist.errors import RamDistError
+
+#: Largest single range request; a unit's range is cut into requests this size.
+REQUEST_BYTES = 16 * 2**20
+#: Attempts per range request before a transient error fails the job.
+ATTEMPTS = 5
+BACKOFF_S = 0.25
+PERMANENT = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    RamDistError,
+)
+#: Protocols that name one another.
+ALIASES = {"s3a": "s3", "gcs": "gs"}
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_fs(protocol_url: str) -> tuple[AbstractFileSystem, str]:
-    return fsspec.core.url_to_fs(protocol_url)
+def protocol_of(url: str) -> str:
+    """`s3`, `gs`, `hf`, `file`, ... of a URL (a plain path is `file`)."""
+    protocol = fsspec.utils.get_protocol(url)
+    return ALIASES.get(protocol, protocol)
 
 
-def url_to_fs(url: str) -> tuple[AbstractFileSystem, str]:
-    """The filesystem and the path inside it for a URL or local path (cached per process)."""
-    return _cached_fs(url)
+@dataclass(frozen=True)
+class Storage:
+    """Per-protocol fsspec options, e.g. `{"s3": {"endpoint_url": ...}}`. Picklable.
+
+    Options may hold credentials: `repr` shows protocols and keys, never values.
+    """
+
+    options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.options, Mapping) or not all(
+            isinstance(v, Mapping) for v in self.options.values()
+        ):
+            raise RamDistError(
+                "storage options must map a protocol to its options, "
+                'e.g. {"s3": {"endpoint_url": "http://..."}}'
+            )
+
+    def __repr__(self) -> str:
+        keys = {p: sorted(o) for p, o in self.options.items()}
+        return f"Storage({keys})"
+
+    def fs(self, url: str) -> tuple[AbstractFileSystem, str]:
+        """The filesystem and the path inside it (fsspec caches the instances)."""
+        protocol = protocol_of(url)
+        kwargs = dict(self.options.get(protocol, {}))
+        try:
+            return fsspec.core.url_to_fs(url, **kwargs)
+        except ImportError as e:
+            raise RamDistError(f"{url}: {e}") from e
+        except ValueError as e:
+            if "Protocol not known" in str(e):
+                raise RamDistError(f"{url}: no filesystem for protocol {protocol!r}") from e
+            raise
+
+    def is_local(self, url: str) -> bool:
+        return isinstance(self.fs(url)[0], LocalFileSystem)
+
+    def read_ranges(self, url_ranges: list[tuple[str, int, int]]) -> list[bytes]:
+        """Read byte ranges `[start, end)`; empty ranges read nothing."""
+        requests: list[tuple[str, int, int]] = []
+        owners: list[int] = []
+        for i, (url, start, end) in enumerate(url_ranges):
+            for lo in range(start, end, REQUEST_BYTES):
+                requests.append((url, lo, min(lo + REQUEST_BYTES, end)))
+                owners.append(i)
+        parts: list[list[bytes]] = [[] for _ in url_ranges]
+        for i, blob in zip(owners, self._fetch(requests), strict=True):
+            parts[i].append(blob)
+        return [b"".join(p) if len(p) != 1 else p[0] for p in parts]
+
+    def _fetch(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
+        """One batched `cat_ranges` per filesystem; failed requests are retried alone."""
+        out: list[bytes | None] = [None] * len(requests)
+        todo = list(range(len(requests)))
+        for attempt in range(ATTEMPTS):
+            errors: dict[int, BaseException] = {}
+            groups: dict[int, tuple[AbstractFileSystem, list[int], list[str]]] = {}
+            for i in todo:
+                fs, path = self.fs(requests[i][0])
+                groups.setdefault(id(fs), (fs, [], []))
+                groups[id(fs)][1].append(i)
+                groups[id(fs)][2].append(path)
+            for fs, index, paths in groups.values():
+                starts = [requests[i][1] for i in index]
+                ends = [requests[i][2] for i in index]
+                try:
+                    blobs: list[Any] = fs.cat_ranges(paths, starts, ends, on_error="return")
+                except Exception as e:  # noqa: BLE001  (a whole batch failed: retry it)
+                    blobs = [e] * len(index)
+                for i, blob in zip(index, blobs, strict=True):
+                    url, start, end = requests[i]
+                    if not isinstance(blob, BaseException) and len(blob) != end - start:
+                        blob = OSError(f"{url}: short read of [{start}, {end}): {len(blob)} bytes")
+                    if isinstance(blob, BaseException):
+                        errors[i] = blob
+                    else:
+                        out[i] = blob
+            if not errors:
+                return out  # type: ignore[return-value]
+            for i, e in errors.items():
+                if _is_permanent(e) or attempt == ATTEMPTS - 1:
+                    url, start, end = requests[i]
+                    raise OSError(f"{url}: cannot read bytes [{start}, {end}): {e}") from e
+            todo = sorted(errors)
+            time.sleep(BACKOFF_S * 2**attempt)
+        raise AssertionError("unreachable")
+
+
+def _is_permanent(error: BaseException) -> bool:
+    """Missing files and client errors are not worth retrying; throttling and 5xx are."""
+    if isinstance(error, PERMANENT):
+        return True
+    status = getattr(error, "status", None) or getattr(error, "code", None)
+    return isinstance(status, int) and 400 <= status < 500 and status not in (408, 429)
 
 
 def join(url: str, name: str) -> str:
@@ -23,27 +143,13 @@ def join(url: str, name: str) -> str:
     return url.rstrip("/") + "/" + name
 
 
-def read_ranges(url_ranges: list[tuple[str, int, int]]) -> list[bytes]:
-    """Read byte ranges `[start, end)` of files, one batched call per filesystem.
-
-    Empty ranges read nothing.
-    """
-    out: list[bytes] = [b""] * len(url_ranges)
-    groups: dict[int, tuple[AbstractFileSystem, list[int], list[str]]] = {}
-    for i, (url, start, end) in enumerate(url_ranges):
-        if end > start:
-            fs, path = url_to_fs(url)
-            groups.setdefault(id(fs), (fs, [], []))
-            groups[id(fs)][1].append(i)
-            groups[id(fs)][2].append(path)
-    for fs, wanted, paths in groups.values():
-        starts = [url_ranges[i][1] for i in wanted]
-        ends = [url_ranges[i][2] for i in wanted]
-        for i, blob in zip(wanted, fs.cat_ranges(paths, starts, ends), strict=True):
-            url, start, end = url_ranges[i]
-            if isinstance(blob, Exception):
-                raise blob
-            if len(blob) != end - start:
-                raise OSError(f"{url}: short read of bytes [{start}, {end}): got {len(blob)}")
-            out[i] = blob
-    return out
+def parse_storage_options(text: str | None) -> dict[str, dict[str, Any]]:
+    """`--storage-options` JSON: an object mapping protocol to options."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RamDistError(f"--storage-options is not valid JSON ({e.msg})") from None
+    Storage(value)
+    return value

@@ -2,21 +2,78 @@
 
 The header of an output shard is known before any tensor is computed (names, dtypes and
 shapes come from the base), so a shard is written front to back: header, then each work
-unit's bytes in order. It goes to a temporary name and is moved into place only when every
-byte has been written, so a reader never sees half a shard.
+unit's bytes in order. Nothing is visible at the final name until every byte is written:
+a local file is written under a temporary name and renamed; an object store upload
+(a multipart upload on S3) is completed only on commit and aborted on failure.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
+from types import TracebackType
 
 from ram_dist.dtypes import itemsize
 from ram_dist.io.checkpoint import INDEX_NAME
-from ram_dist.io.storage import join, url_to_fs
+from ram_dist.io.storage import Storage, join
 
 PARTIAL_SUFFIX = ".ram-dist-partial"
+
+
+class AtomicFile:
+    """Bytes written here appear at `url` only on `commit()`; `discard()` leaves nothing."""
+
+    def __init__(self, url: str, storage: Storage) -> None:
+        self.url = url
+        self.fs, self._path = storage.fs(url)
+        self._local = storage.is_local(url)
+        if self._local:
+            self._partial = self._path + PARTIAL_SUFFIX
+            self.fs.makedirs(os.path.dirname(self._path), exist_ok=True)
+            self._f = self.fs.open(self._partial, "wb")
+        else:
+            self._f = self.fs.open(self._path, "wb", autocommit=False)
+        self.written = 0
+        self._done = False
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._f.write(data)
+        self.written += len(data)
+
+    def commit(self) -> None:
+        self._f.close()
+        if self._local:
+            self.fs.mv(self._partial, self._path)
+        else:
+            self._f.commit()
+        self._done = True
+
+    def discard(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._local:
+            self._f.close()
+            if self.fs.exists(self._partial):
+                self.fs.rm(self._partial)
+        else:
+            self._f.discard()  # aborts a multipart upload; the final key never appears
+
+    def __enter__(self) -> AtomicFile:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.discard()
 
 
 @dataclass(frozen=True)
@@ -49,51 +106,47 @@ def shard_header(tensors: list[OutTensor]) -> bytes:
 
 
 class ShardWriter:
-    """Runs on the driver: streams one output shard to a temporary name, then publishes it."""
+    """Runs on the driver: streams one output shard, published only when complete."""
 
-    def __init__(self, out_url: str, file_name: str, tensors: list[OutTensor]) -> None:
+    def __init__(
+        self, out_url: str, file_name: str, tensors: list[OutTensor], storage: Storage
+    ) -> None:
         self.final_url = join(out_url, file_name)
-        self.partial_url = self.final_url + PARTIAL_SUFFIX
-        self.fs, self._partial_path = url_to_fs(self.partial_url)
-        self._final_path = url_to_fs(self.final_url)[1]
         header = shard_header(tensors)
         self.expected = len(header) + sum(t.nbytes for t in tensors)
-        self._f = self.fs.open(self._partial_path, "wb")
-        self._f.write(header)
-        self.written = len(header)
+        self._file = AtomicFile(self.final_url, storage)
+        self._file.write(header)
+
+    @property
+    def written(self) -> int:
+        return self._file.written
 
     def write(self, data: bytes | memoryview) -> None:
-        self._f.write(data)
-        self.written += len(data)
+        self._file.write(data)
 
     def commit(self) -> None:
-        """Close and move into place; refuses a shard whose size is not what its header says."""
-        self._f.close()
+        """Publish; refuses a shard whose size is not what its header says."""
         if self.written != self.expected:
             self.discard()
             raise RuntimeError(
                 f"{self.final_url}: wrote {self.written} bytes, expected {self.expected}"
             )
-        self.fs.mv(self._partial_path, self._final_path)
+        self._file.commit()
 
     def discard(self) -> None:
-        """Drop the partial file after a failure; never touches the final name."""
-        if not self._f.closed:
-            self._f.close()
-        if self.fs.exists(self._partial_path):
-            self.fs.rm(self._partial_path)
+        """Drop what was written after a failure; never touches the final name."""
+        self._file.discard()
 
 
-def write_index(out_url: str, weight_map: dict[str, str], total_size: int) -> None:
-    """Write `model.safetensors.index.json` (through a temporary name), the last step."""
+def write_index(
+    out_url: str, weight_map: dict[str, str], total_size: int, storage: Storage
+) -> None:
+    """Write `model.safetensors.index.json`, the last step of a merge."""
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    write_json_atomic(join(out_url, INDEX_NAME), index)
+    write_json(join(out_url, INDEX_NAME), index, storage)
 
 
-def write_json_atomic(url: str, obj: object) -> None:
-    """Write JSON to a temporary name, then move it into place."""
-    fs, path = url_to_fs(url)
-    with fs.open(path + PARTIAL_SUFFIX, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    fs.mv(path + PARTIAL_SUFFIX, path)
+def write_json(url: str, obj: object, storage: Storage) -> None:
+    """Write JSON atomically (temporary name or uncommitted upload, then publish)."""
+    with AtomicFile(url, storage) as f:
+        f.write((json.dumps(obj, indent=2) + "\n").encode())
