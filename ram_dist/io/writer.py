@@ -60,6 +60,7 @@ class AtomicFile:
                 self.fs.rm(self._partial)
         else:
             self._f.discard()  # aborts a multipart upload; the final key never appears
+            self._f.closed = True  # nothing left to flush
 
     def __enter__(self) -> AtomicFile:
         return self

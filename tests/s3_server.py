@@ -1,0 +1,89 @@
+"""moto's S3 server over real HTTP on 127.0.0.1, logging the bytes it serves per request.
+
+The log is the server's side of the story: range-read tests count what left the server, not
+what the client believes it asked for.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+from moto.moto_server.werkzeug_app import (
+    DomainDispatcherApplication,
+    MotoRequestHandler,
+    create_backend_app,
+)
+from werkzeug.serving import make_server
+
+
+@dataclass(frozen=True)
+class Served:
+    method: str
+    path: str
+    query: str
+    range: str | None
+    nbytes: int
+
+
+class CountingMotoServer(ThreadedMotoServer):
+    """ThreadedMotoServer whose WSGI app records each response's body size."""
+
+    def __init__(self) -> None:
+        super().__init__(ip_address="127.0.0.1", port=free_port(), verbose=False)
+        self.log: list[Served] = []
+        self._lock = threading.Lock()
+
+    @property
+    def endpoint(self) -> str:
+        host, port = self.get_host_and_port()
+        return f"http://{host}:{port}"
+
+    def _server_entry(self) -> None:
+        app = DomainDispatcherApplication(create_backend_app)
+
+        def counting(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+            body = list(app(environ, start_response))
+            with self._lock:
+                self.log.append(
+                    Served(
+                        environ["REQUEST_METHOD"],
+                        environ.get("PATH_INFO", ""),
+                        environ.get("QUERY_STRING", ""),
+                        environ.get("HTTP_RANGE"),
+                        sum(len(c) for c in body),
+                    )
+                )
+            return body
+
+        self._server = make_server(
+            self._ip_address, self._port, counting, True, request_handler=MotoRequestHandler
+        )
+        self._server_ready_event.set()
+        self._server.serve_forever()
+
+    def object_gets(self, prefix: str = "") -> list[Served]:
+        """GETs of objects (not listings) whose path starts with `/prefix`."""
+        with self._lock:
+            return [
+                s
+                for s in self.log
+                if s.method == "GET"
+                and s.path.startswith("/" + prefix)
+                and s.path.count("/") >= 2
+                and "list-type" not in s.query
+                and "uploads" not in s.query
+            ]
+
+    def clear(self) -> None:
+        with self._lock:
+            self.log.clear()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

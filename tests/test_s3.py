@@ -1,0 +1,201 @@
+"""Buckets in and out, for real: s3fs over HTTP to moto's server on 127.0.0.1, Ray workers."""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import s3fs
+import torch
+from builders import build_model_set, load_checkpoint, save_checkpoint
+from reference import reference_merge
+from s3_server import CountingMotoServer
+
+from ram_dist.config import MergeConfig
+from ram_dist.engine import driver
+from ram_dist.engine.layout import build_layout
+from ram_dist.engine.work import read_unit
+from ram_dist.io.checkpoint import open_checkpoint
+from ram_dist.io.storage import Storage
+from ram_dist.plan import Piece, WorkUnit
+
+BUCKET = "ram-dist-test"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[CountingMotoServer]:
+    """The S3 server, and credentials in the environment before Ray starts its workers."""
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    srv = CountingMotoServer()
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def options(server) -> dict:
+    return {"s3": {"endpoint_url": server.endpoint, "use_listings_cache": False}}
+
+
+@pytest.fixture(scope="module")
+def fs(options) -> s3fs.S3FileSystem:
+    fs = s3fs.S3FileSystem(**options["s3"])
+    fs.mkdir(BUCKET)
+    return fs
+
+
+@pytest.fixture(scope="module")
+def ray_s3(server) -> Iterator[None]:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, fs) -> dict:
+    """Local inputs and the same inputs uploaded to the bucket."""
+    root = tmp_path_factory.mktemp("models")
+    base_dir, task_dirs, base, tasks = build_model_set(root, base_shard="100KB", task_shard=70_000)
+    for d in [base_dir, *task_dirs]:
+        fs.put(str(d), f"{BUCKET}/in/{d.name}", recursive=True)
+    files = [p for d in [base_dir, *task_dirs] for p in d.glob("*.safetensors")]
+    return {
+        "local": (base_dir, task_dirs),
+        "s3": (f"s3://{BUCKET}/in/base", [f"s3://{BUCKET}/in/{d.name}" for d in task_dirs]),
+        "states": (base, tasks),
+        "input_bytes": sum(p.stat().st_size for p in files),
+        "header_bytes": sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in files),
+    }
+
+
+def _merge(base, tasks, out, options=None, **kw) -> dict:
+    kw.setdefault("chunk_bytes", 8192)
+    return driver.merge(
+        MergeConfig(
+            base=str(base),
+            tasks=tuple(map(str, tasks)),
+            out=str(out),
+            storage_options=options or {},
+            **kw,
+        )
+    )
+
+
+@pytest.mark.usefixtures("ray_s3")
+def test_bucket_to_bucket_equals_local_merge(models, options, fs, server, tmp_path):
+    _merge(*models["local"], tmp_path / "local")
+    server.clear()
+    report = _merge(*models["s3"], f"s3://{BUCKET}/out", options)
+
+    local = sorted(p.name for p in (tmp_path / "local").iterdir())
+    remote = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{BUCKET}/out", refresh=True))
+    assert remote == local
+    for name in local:
+        if name != "merge_report.json":
+            assert fs.cat_file(f"{BUCKET}/out/{name}") == (tmp_path / "local" / name).read_bytes()
+    base, tasks = models["states"]
+    expected, _ = reference_merge(base, tasks, "ram_plus")
+    out = tmp_path / "fetched"
+    fs.get(f"{BUCKET}/out", str(out), recursive=True)
+    assert all(torch.equal(load_checkpoint(out)[k], v) for k, v in expected.items())
+
+    # Server side: each pass reads every input tensor byte once, plus each header once.
+    gets = [s for s in server.object_gets(f"{BUCKET}/in/") if s.path.endswith(".safetensors")]
+    assert all(s.range is not None for s in gets)  # range requests only
+    headers = models["header_bytes"]
+    passes = report["passes"]["reduce"]["bytes_read"] + report["passes"]["map"]["bytes_read"]
+    assert sum(s.nbytes for s in gets) == passes + headers
+    assert passes + headers <= 2 * models["input_bytes"] + headers
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= set(remote)
+
+
+def test_range_read_fetches_only_the_rows_and_the_header(models, options, server):
+    storage = Storage(options)
+    base_url = models["s3"][0]
+    server.clear()
+    ckpt = open_checkpoint(base_url, "base model", storage)
+    info = ckpt.tensors["model.layers.0.mlp.down_proj.weight"]  # [64, 128] bf16
+    key = info.file.removeprefix("s3://")
+    local_file = Path(models["local"][0]) / key.rsplit("/", 1)[-1]
+    (n,) = struct.unpack("<Q", local_file.read_bytes()[:8])
+    header_gets = [s for s in server.object_gets() if s.path == "/" + key]
+    assert sum(s.nbytes for s in header_gets) == 8 + n  # the header, nothing else
+
+    server.clear()
+    layout = build_layout(ckpt, [ckpt, ckpt], None)
+    rows = Piece(info.name, 10 * 128, 13 * 128)  # rows 10..12
+    tensors, read = read_unit(WorkUnit(0, "x", (rows,)), layout, storage)
+    served = [s for s in server.object_gets() if s.path == "/" + key]
+    assert sum(s.nbytes for s in served) == 3 * 3 * 128 * 2  # three inputs, three bf16 rows
+    assert read == [3 * 128 * 2] * 3
+    want = load_checkpoint(models["local"][0])[info.name][10:13].reshape(-1)
+    assert torch.equal(tensors[0][0], want)
+
+
+@pytest.mark.usefixtures("ray_s3")
+def test_failure_while_uploading_a_shard_leaves_nothing(options, fs, tmp_path):
+    """A writer that raises after the first multipart part: no shard, no index, no upload."""
+    g = torch.Generator().manual_seed(0)
+    base = {
+        "big": torch.randn(2048, 1024, generator=g),  # 8 MiB: more than one 5 MiB part
+        "small": torch.randn(16, generator=g),
+    }
+    tasks = [{k: v + (torch.rand(v.shape, generator=g) < 0.3) * 0.1 for k, v in base.items()}]
+    tasks.append({k: v + (torch.rand(v.shape, generator=g) < 0.5) * 0.1 for k, v in base.items()})
+    for name, state in [("base", base), ("t0", tasks[0]), ("t1", tasks[1])]:
+        save_checkpoint(state, tmp_path / name)
+    failing = {"s3fail": dict(options["s3"], default_block_size=5 * 2**20)}
+    FailingS3FileSystem.clear_instance_cache()
+    with pytest.raises(ConnectionError, match="injected"):
+        _merge(
+            tmp_path / "base",
+            [tmp_path / "t0", tmp_path / "t1"],
+            f"s3fail://{BUCKET}/failed",
+            failing,
+            chunk_bytes=2**20,
+        )
+    assert FailingS3File.parts_uploaded >= 1
+    assert not fs.exists(f"{BUCKET}/failed/model.safetensors")
+    assert fs.find(f"{BUCKET}/failed") == []
+    uploads = fs.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads", [])
+    assert [u for u in uploads if u["Key"].startswith("failed/")] == []
+
+
+class FailingS3File(s3fs.core.S3File):
+    parts_uploaded = 0
+
+    def _upload_chunk(self, final: bool = False) -> bool:
+        if self.parts:
+            FailingS3File.parts_uploaded = len(self.parts)
+            raise ConnectionError("injected: the upload broke after its first part")
+        return super()._upload_chunk(final)
+
+
+class FailingS3FileSystem(s3fs.S3FileSystem):
+    protocol = ("s3fail",)
+
+    def _open(self, path, mode="rb", **kwargs):
+        f = super()._open(path, mode, **kwargs)
+        if "w" in mode:
+            f.__class__ = FailingS3File
+        return f
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _register_failing_protocol() -> None:
+    import fsspec
+
+    fsspec.register_implementation("s3fail", FailingS3FileSystem, clobber=True)
