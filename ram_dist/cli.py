@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_arguments(probe)
     probe.add_argument("--json", dest="json_path", help="also write the report to this file")
 
+    verify = sub.add_parser(
+        "verify", help="re-hash every shard of a merged output against its manifest"
+    )
+    verify.add_argument("out", help="the output folder or URL of a merge")
+    verify.add_argument("--storage-options", default=None, metavar="JSON")
+
     demo = sub.add_parser(
         "demo", help="generate a tiny base and three agents, merge them, print the statistics"
     )
@@ -129,6 +135,18 @@ def _dispatch(args: argparse.Namespace) -> int:
     from ram_dist.engine import driver
     from ram_dist.report import format_report
 
+    if args.command == "verify":
+        from ram_dist.io.storage import Storage
+        from ram_dist.verify import verify
+
+        problems, checked = verify(args.out, Storage(parse_storage_options(args.storage_options)))
+        for problem in problems:
+            print(f"ram-dist verify: {problem}", file=sys.stderr)
+        if problems:
+            print(f"{args.out}: {len(problems)} problem(s)", file=sys.stderr)
+            return 1
+        print(f"{args.out}: {checked} shard(s) match the manifest; index consistent")
+        return 0
     if args.command == "demo":
         from ram_dist.demo import run_demo
 
@@ -147,12 +165,17 @@ def _dispatch(args: argparse.Namespace) -> int:
     if config.out is None:
         raise RamDistError("merge needs an output location: --out PATH")
     report = driver.merge(config)
+    if report.get("already_complete"):
+        print(f"{config.out}: already holds this merge, complete; nothing to do")
+        return 0
     print(format_report(report))
-    passes = report["passes"]
+    passes, output = report["passes"], report["output"]
+    reused = f", {len(output['shards_reused'])} shard(s) reused" if output["shards_reused"] else ""
+    reduce = "skipped" if passes["reduce"].get("skipped") else f"{passes['reduce']['wall_s']:.2f} s"
     print(
-        f"\nmerged model written to {config.out} "
-        f"(reduce {passes['reduce']['wall_s']:.2f} s, map {passes['map']['wall_s']:.2f} s, "
-        f"{passes['map']['bytes_written']} bytes written)"
+        f"\nmerged model written to {config.out} (reduce {reduce}, "
+        f"map {passes['map']['wall_s']:.2f} s, {passes['map']['bytes_written']} bytes written"
+        f"{reused})"
     )
     return 0
 

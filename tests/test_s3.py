@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from collections.abc import Iterator
@@ -104,7 +105,7 @@ def test_bucket_to_bucket_equals_local_merge(models, options, fs, server, tmp_pa
     remote = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{BUCKET}/out", refresh=True))
     assert remote == local
     for name in local:
-        if name != "merge_report.json":
+        if name not in ("merge_report.json", "ram_dist_manifest.json"):
             assert fs.cat_file(f"{BUCKET}/out/{name}") == (tmp_path / "local" / name).read_bytes()
     base, tasks = models["states"]
     expected, _ = reference_merge(base, tasks, "ram_plus")
@@ -168,8 +169,11 @@ def test_failure_while_uploading_a_shard_leaves_nothing(options, fs, tmp_path):
             chunk_bytes=2**20,
         )
     assert FailingS3File.parts_uploaded >= 1
-    assert not fs.exists(f"{BUCKET}/failed/model.safetensors")
-    assert fs.find(f"{BUCKET}/failed") == []
+    left = [p.rsplit("/", 1)[-1] for p in fs.find(f"{BUCKET}/failed")]
+    assert "model.safetensors" not in left and "model.safetensors.index.json" not in left
+    assert left == ["ram_dist_manifest.json"]  # the reduce statistics, kept for a re-run
+    manifest = json.loads(fs.cat_file(f"{BUCKET}/failed/ram_dist_manifest.json"))
+    assert manifest["shards"] == {} and not manifest["complete"]
     uploads = fs.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads", [])
     assert [u for u in uploads if u["Key"].startswith("failed/")] == []
 

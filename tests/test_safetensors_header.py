@@ -28,9 +28,10 @@ def test_offsets_match_safetensors_own_layout(tmp_path):
     }
     path = tmp_path / "m.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt"})
-    header = read_file_header(str(path), Storage())
+    header, identity = read_file_header(str(path), Storage())
     raw = path.read_bytes()
     assert header.metadata == {"format": "pt"}
+    assert identity["size"] == path.stat().st_size and identity["version"].startswith("mtime:")
     for name, t in tensors.items():
         info = header.tensors[name]
         assert info.shape == tuple(t.shape)

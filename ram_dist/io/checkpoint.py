@@ -32,6 +32,8 @@ class Checkpoint:
     files: tuple[str, ...]
     tensors: dict[str, TensorInfo]
     sharded: bool
+    identity: dict[str, dict[str, object]]
+    """Per file: size, sha256 of the header, and the store's version (ETag, blob id, mtime)."""
 
     def describe(self, name: str | None = None) -> str:
         """`label (url)` plus the file that holds `name`, for error messages."""
@@ -41,11 +43,25 @@ class Checkpoint:
         return text
 
 
-def read_file_header(url: str, storage: Storage) -> FileHeader:
-    """Read and parse one safetensors header: two small reads, never the tensor data."""
+#: Keys of `fs.info()` that change when a file's content changes, by store.
+VERSION_KEYS = ("ETag", "etag", "blob_id", "md5Hash", "generation", "mtime")
+
+
+def file_version(info: dict[str, object]) -> str | None:
+    """What the store says identifies this version of a file (None if it says nothing)."""
+    for key in VERSION_KEYS:
+        if info.get(key) is not None:
+            return f"{key}:{info[key]}"
+    return None
+
+
+def read_file_header(url: str, storage: Storage) -> tuple[FileHeader, dict[str, object]]:
+    """Read and parse one safetensors header (two small reads, never the tensor data) and
+    the file's identity."""
     fs, path = storage.fs(url)
     try:
-        size = fs.size(path)
+        info = fs.info(path)
+        size = int(info["size"])
         prefix = fs.cat_file(path, start=0, end=8)
         n = header_length(prefix, url, size)
         body = fs.cat_file(path, start=8, end=8 + n)
@@ -55,7 +71,9 @@ def read_file_header(url: str, storage: Storage) -> FileHeader:
         raise CheckpointError(f"{url}: cannot read header ({e})") from e
     if len(body) != n:
         raise CheckpointError(f"{url}: header is truncated")
-    return parse_header(body, url, size)
+    header = parse_header(body, url, size)
+    identity = {"size": size, "header_sha256": header.header_sha256, "version": file_version(info)}
+    return header, identity
 
 
 def open_checkpoint(url: str, label: str, storage: Storage) -> Checkpoint:
@@ -82,13 +100,14 @@ def open_checkpoint(url: str, label: str, storage: Storage) -> Checkpoint:
         )
         raise CheckpointError(f"{label} ({url}): no {SINGLE_NAME} or {INDEX_NAME} found.{hint}")
     tensors: dict[str, TensorInfo] = {}
+    identity: dict[str, dict[str, object]] = {}
     for file in files:
         if "/" in file or "\\" in file or file in ("", ".", ".."):
             raise CheckpointError(
                 f"{label} ({url}): index names file {file!r}, which is not a plain file "
                 "name in the checkpoint folder"
             )
-        header = read_file_header(join(url, file), storage)
+        header, identity[file] = read_file_header(join(url, file), storage)
         for name, info in header.tensors.items():
             if name in tensors:
                 raise CheckpointError(
@@ -109,7 +128,12 @@ def open_checkpoint(url: str, label: str, storage: Storage) -> Checkpoint:
                 f"{weight_map[missing[0]]} but that file has no such tensor"
             )
     return Checkpoint(
-        url=url, label=label, files=files, tensors=tensors, sharded=weight_map is not None
+        url=url,
+        label=label,
+        files=files,
+        tensors=tensors,
+        sharded=weight_map is not None,
+        identity=identity,
     )
 
 

@@ -7,6 +7,7 @@ each tensor's bytes start, its dtype and its shape.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -47,6 +48,7 @@ class FileHeader:
     data_start: int
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str]
+    header_sha256: str = ""
 
 
 def header_length(prefix: bytes, file: str, file_size: int | None) -> int:
@@ -96,7 +98,13 @@ def parse_header(header_json: bytes, file: str, file_size: int | None) -> FileHe
             f"{file}: tensor data ends at byte {pos} but the file has {file_size} bytes; "
             "the file is truncated"
         )
-    return FileHeader(file=file, data_start=data_start, tensors=tensors, metadata=metadata)
+    return FileHeader(
+        file=file,
+        data_start=data_start,
+        tensors=tensors,
+        metadata=metadata,
+        header_sha256=hashlib.sha256(header_json).hexdigest(),
+    )
 
 
 def _tensor_info(name: str, entry: object, file: str, data_start: int) -> TensorInfo:

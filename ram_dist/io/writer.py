@@ -9,6 +9,7 @@ a local file is written under a temporary name and renamed; an object store uplo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -115,6 +116,7 @@ class ShardWriter:
         self.final_url = join(out_url, file_name)
         header = shard_header(tensors)
         self.expected = len(header) + sum(t.nbytes for t in tensors)
+        self._hash = hashlib.sha256(header)
         self._file = AtomicFile(self.final_url, storage)
         self._file.write(header)
 
@@ -123,7 +125,12 @@ class ShardWriter:
         return self._file.written
 
     def write(self, data: bytes | memoryview) -> None:
+        self._hash.update(data)
         self._file.write(data)
+
+    @property
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
 
     def commit(self) -> None:
         """Publish; refuses a shard whose size is not what its header says."""

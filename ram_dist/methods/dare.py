@@ -20,8 +20,9 @@ below 2**39 elements per tensor. The driver rebuilds the exact sum as a Python i
 (units of 2**-149) and rounds it to float32 once, to nearest-even. Bin 255 (inf/NaN) counts
 1 per inf and 2**32 per NaN, so the driver can tell a NaN sum from an infinite one.
 These correctly rounded norms can differ from mergekit's cascaded float32 sums in the last
-bits, hence the factor too: DARE with rescale is not byte-identical to mergekit even with
-equal masks (at density >= 1 nothing is masked or rescaled, and the results are).
+bits, hence the factor (by one float32 ulp in about half of our trials): DARE with rescale
+is not byte-identical to mergekit even with equal masks. At density >= 1 nothing is masked
+or rescaled, and the results are byte-identical.
 """
 
 from __future__ import annotations
@@ -136,11 +137,17 @@ def chunk_statistics(
     start: int,
     densities: Sequence[float],
 ) -> torch.Tensor:
-    """Reduce pass: int64[N, 2, 256], per task the L1 statistic of delta and of kept delta."""
+    """Reduce pass: int64[N, 2, 256], per task the L1 statistic of delta and of kept delta.
+
+    Only needed when `rescale` is on; rows of tasks with density >= 1 stay zero.
+    """
     _, deltas = task_vectors(base, tasks)
     rows = []
     stop = start + base.numel()
     for t, (delta, density) in enumerate(zip(deltas, densities, strict=True)):
+        if density >= 1:  # nothing is dropped nor rescaled: skip the draws
+            rows.append(torch.zeros(2, L1_BINS, dtype=torch.int64, device=delta.device))
+            continue
         keep = dare_keep_mask(seed, t, name, start, stop, density, delta.device)
         kept = delta.reshape(-1) * keep
         rows.append(torch.stack([l1_statistic(delta), l1_statistic(kept)]))

@@ -56,9 +56,11 @@ def stream_key(seed: int, task: int, tensor_name: str) -> int:
     return mix64((key ^ name_hash(tensor_name)) + _GOLDEN)
 
 
-def _shift_right(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's `>>` is arithmetic on signed values)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
+def _xor_shift_right(z: torch.Tensor, s: int) -> torch.Tensor:
+    """`z ^= z >>> s` in place, with a logical shift (torch's `>>` on int64 is arithmetic)."""
+    shifted = z >> s
+    shifted &= (1 << (64 - s)) - 1
+    return z.bitwise_xor_(shifted)
 
 
 def random_bits(
@@ -74,12 +76,11 @@ def random_bits(
         raise ValueError(f"need 0 <= start <= stop, got start={start}, stop={stop}")
     z = torch.arange(start, stop, dtype=torch.int64, device=device)
     z.mul_(_signed(_GOLDEN)).add_(_signed(stream_key(seed, task, tensor_name)))
-    z = z ^ _shift_right(z, 30)
-    z.mul_(_signed(_MUL1))
-    z = z ^ _shift_right(z, 27)
-    z.mul_(_signed(_MUL2))
-    z = z ^ _shift_right(z, 31)
-    return _shift_right(z, 64 - BITS)
+    _xor_shift_right(z, 30).mul_(_signed(_MUL1))
+    _xor_shift_right(z, 27).mul_(_signed(_MUL2))
+    _xor_shift_right(z, 31)
+    z >>= 64 - BITS
+    return z.bitwise_and_((1 << BITS) - 1)
 
 
 def uniform(

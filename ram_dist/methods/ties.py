@@ -11,9 +11,11 @@ The cut needs whole-tensor statistics (`topk.py`): round 1 `high_histograms`, ro
 of delta (`dare.l1_statistic`) and round 3 that of the keys above the cut; the kept keys
 equal to the cut all have the same value, so `kept_l1` adds them exactly on the driver.
 
-Byte identity with mergekit holds when no two elements share the magnitude at the cut
-(mergekit's unstable argsort picks arbitrarily among them) and, as for every combine, for
-N <= 4 tasks (see `task_arithmetic`).
+Byte identity with mergekit holds unless the cut splits a group of equal non-zero
+magnitudes (mergekit's unstable argsort picks arbitrarily among them; for zeros the choice
+changes no byte, as a kept or dropped zero delta is the same zero) and, as for every
+combine, for N <= 4 tasks (see `task_arithmetic`). With `rescale` the L1 factor may differ
+by an ulp (see `dare`).
 """
 
 from __future__ import annotations

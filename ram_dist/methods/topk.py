@@ -106,7 +106,9 @@ def find_cut(low_hist: torch.Tensor, high: HighCut, k: int) -> Cut:
     low, above_low = _find(low_hist, k - high.above)
     equal = int(low_hist[low])
     need = k - high.above - above_low
-    return Cut(threshold=(high.high_bin << 16) | low, need_at_threshold=need, equal_at_threshold=equal)
+    return Cut(
+        threshold=(high.high_bin << 16) | low, need_at_threshold=need, equal_at_threshold=equal
+    )
 
 
 def equal_count(keys: torch.Tensor, threshold: int) -> int:

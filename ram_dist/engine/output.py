@@ -1,0 +1,70 @@
+"""Decide what an output location means for this job: new, resumable, finished, or foreign.
+
+Runs on the driver before any heavy work. A folder holding this job's manifest is resumed;
+one holding another job's manifest is refused, naming what changed; anything else that holds
+files is refused. `--overwrite` starts afresh in all three cases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ram_dist.engine.job import Job
+from ram_dist.errors import RamDistError
+from ram_dist.io.checkpoint import INDEX_NAME
+from ram_dist.io.manifest import MANIFEST_NAME, Manifest, differences, load_manifest
+from ram_dist.io.storage import join
+
+
+@dataclass
+class OutputState:
+    """The manifest to continue from, and whether the job is already finished."""
+
+    manifest: Manifest
+    resumed: bool
+    finished: bool
+
+
+def open_output(job: Job) -> OutputState:
+    """Check the output location against the job; never writes."""
+    assert job.out is not None
+    fs, path = job.storage.fs(job.out)
+    fresh = Manifest(
+        identity=job.identity(),
+        shard_names=list(job.layout.shards),
+        sharded=job.layout.sharded,
+    )
+    if not fs.exists(path):
+        return OutputState(fresh, resumed=False, finished=False)
+    if not fs.isdir(path):
+        raise RamDistError(f"output {job.out} exists and is not a folder")
+    if job.config.overwrite or not fs.ls(path):
+        return OutputState(fresh, resumed=False, finished=False)
+    old = load_manifest(job.out, job.storage)
+    if old is None:
+        raise RamDistError(
+            f"output {job.out} already holds files and no {MANIFEST_NAME}; choose an empty "
+            "location or pass --overwrite"
+        )
+    changes = differences(old.identity, fresh.identity)
+    if changes:
+        raise RamDistError(
+            f"output {job.out} holds a merge of other inputs or parameters; changed: "
+            + "; ".join(changes)
+            + ". Use another output location, or pass --overwrite to replace it"
+        )
+    finished = old.complete and (
+        fs.exists(join(path, INDEX_NAME))
+        if old.sharded
+        else set(old.shards) >= set(old.shard_names)
+    )
+    return OutputState(old, resumed=True, finished=finished)
+
+
+def clear_published(job: Job) -> None:
+    """Before overwriting: remove the index and manifest, so nothing looks finished."""
+    assert job.out is not None
+    fs, path = job.storage.fs(job.out)
+    for name in (INDEX_NAME, MANIFEST_NAME):
+        if fs.exists(join(path, name)):
+            fs.rm(join(path, name))

@@ -1,0 +1,134 @@
+"""The two passes over the work units, run from the driver on Ray.
+
+The reduce pass sums int64 statistics (order and chunking cannot change a sum of integers);
+the map pass appends merged bytes to the shard they belong to and publishes each shard when
+it is whole, telling the caller so it can record the shard in the manifest.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ram_dist.engine.job import Job
+from ram_dist.engine.pool import ordered_map
+from ram_dist.engine.runtime import Cluster
+from ram_dist.engine.work import map_unit, reduce_unit
+from ram_dist.io.writer import ShardWriter
+from ram_dist.plan import WorkUnit
+
+#: Ray re-runs a unit whose worker or node died this many times; a unit that raised is not
+#: re-run (bad data fails the same way twice).
+SYSTEM_RETRIES = 5
+
+
+@dataclass
+class PassStats:
+    """Counters of one pass, for the report."""
+
+    units: int = 0
+    wall_s: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    max_unit_bytes_read: list[int] = field(default_factory=list)
+    worker_peak_rss_bytes: int = 0
+
+    def add(self, bytes_read: tuple[int, ...], peak_rss: int) -> None:
+        self.units += 1
+        self.bytes_read += sum(bytes_read)
+        if not self.max_unit_bytes_read:
+            self.max_unit_bytes_read = [0] * len(bytes_read)
+        self.max_unit_bytes_read = [
+            max(a, b) for a, b in zip(self.max_unit_bytes_read, bytes_read, strict=True)
+        ]
+        self.worker_peak_rss_bytes = max(self.worker_peak_rss_bytes, peak_rss)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "units": self.units,
+            "wall_s": round(self.wall_s, 4),
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "max_unit_bytes_read_per_input": self.max_unit_bytes_read,
+        }
+
+
+def _options(job: Job, cluster: Cluster) -> tuple[int, dict[str, Any]]:
+    workers = job.config.workers or (cluster.gpus or cluster.cpus)
+    resources: dict[str, Any] = {"num_cpus": 1, "max_retries": SYSTEM_RETRIES}
+    if cluster.gpus:
+        resources["num_gpus"] = 1
+    return workers, resources
+
+
+def _progress(results: Any, total: int, name: str) -> Any:
+    """A progress bar over work units on a terminal; silent in logs and cron jobs."""
+    return tqdm(results, total=total, desc=name, unit="unit", disable=not sys.stderr.isatty())
+
+
+def reduce_pass(job: Job, cluster: Cluster) -> tuple[torch.Tensor, PassStats]:
+    """Sum every unit's int64 statistics."""
+    stats = PassStats()
+    start = time.perf_counter()
+    n = len(job.tasks) + 1
+    total = torch.zeros((n, n), dtype=torch.int64)
+    workers, resources = _options(job, cluster)
+    shared = (job.layout, job.storage, job.method, job.params)
+    results = ordered_map(reduce_unit, job.units, shared, workers, resources)
+    for result in _progress(results, len(job.units), "reduce"):
+        if result.stats is not None:
+            total += result.stats
+        stats.add(result.bytes_read, result.peak_rss_bytes)
+    stats.wall_s = time.perf_counter() - start
+    return total, stats
+
+
+def map_pass(
+    job: Job,
+    cluster: Cluster,
+    finalized: dict[str, Any],
+    units: list[WorkUnit],
+    on_shard: Callable[[str, str, int], None],
+) -> PassStats:
+    """Merge `units` in order; each shard is published when whole, then `on_shard(name,
+    sha256, size)` is called."""
+    assert job.out is not None
+    stats = PassStats()
+    start = time.perf_counter()
+    writer: ShardWriter | None = None
+    shard = ""
+    workers, resources = _options(job, cluster)
+    shared = (job.layout, job.storage, job.method, job.params, finalized)
+    results = ordered_map(map_unit, units, shared, workers, resources)
+
+    def publish() -> None:
+        assert writer is not None
+        writer.commit()
+        stats.bytes_written += writer.written
+        on_shard(shard, writer.sha256, writer.written)
+
+    try:
+        for unit, result in zip(units, _progress(results, len(units), "map"), strict=True):
+            if writer is None or unit.shard != shard:
+                if writer is not None:
+                    publish()
+                shard = unit.shard
+                tensors = job.layout.out_tensors(shard)
+                writer = ShardWriter(job.out, shard, tensors, job.storage)
+            writer.write(memoryview(result.data))
+            stats.add(result.bytes_read, result.peak_rss_bytes)
+        if writer is not None:
+            publish()
+            writer = None
+    except BaseException:
+        if writer is not None:
+            writer.discard()
+        raise
+    stats.wall_s = time.perf_counter() - start
+    return stats

@@ -1,0 +1,107 @@
+"""The manifest in the output folder: what was merged, how, and which shards are finished.
+
+It makes a merge resumable and checkable. A re-run of the same job reads it to skip the reduce
+pass (its statistics are stored) and every finished shard; a re-run with other inputs or
+parameters is refused, naming what changed; `ram-dist verify` re-hashes the shards against it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ram_dist.errors import RamDistError
+from ram_dist.io.storage import Storage, join
+from ram_dist.io.writer import write_json
+
+MANIFEST_NAME = "ram_dist_manifest.json"
+
+
+@dataclass
+class Manifest:
+    """Mutable on the driver while the job runs; saved after each step."""
+
+    identity: dict[str, Any]
+    """Method, parameters, output dtype and every input file's identity."""
+    shard_names: list[str]
+    """Every shard the output will have, in order."""
+    sharded: bool
+    statistics: list[list[int]] | None = None
+    """The reduce pass's summed int64 statistics, once known."""
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Finished shards: name -> {"sha256", "size"}."""
+    complete: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": 1,
+            "identity": self.identity,
+            "shard_names": self.shard_names,
+            "sharded": self.sharded,
+            "statistics": self.statistics,
+            "shards": self.shards,
+            "complete": self.complete,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], where: str) -> Manifest:
+        try:
+            return cls(
+                identity=raw["identity"],
+                shard_names=list(raw["shard_names"]),
+                sharded=bool(raw["sharded"]),
+                statistics=raw.get("statistics"),
+                shards=dict(raw.get("shards") or {}),
+                complete=bool(raw.get("complete")),
+            )
+        except (KeyError, TypeError) as e:
+            raise RamDistError(f"{where}: not a ram-dist manifest ({e})") from e
+
+
+def load_manifest(out_url: str, storage: Storage) -> Manifest | None:
+    """The manifest at `out_url`, or None when there is none."""
+    url = join(out_url, MANIFEST_NAME)
+    fs, path = storage.fs(url)
+    if not fs.exists(path):
+        return None
+    try:
+        raw = json.loads(fs.cat_file(path))
+    except ValueError as e:
+        raise RamDistError(f"{url}: manifest is not valid JSON ({e})") from e
+    return Manifest.from_json(raw, url)
+
+
+def save_manifest(out_url: str, manifest: Manifest, storage: Storage) -> None:
+    write_json(join(out_url, MANIFEST_NAME), manifest.to_json(), storage)
+
+
+def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What changed between two job identities, in words a person can act on."""
+    changes = []
+    for key in ("method", "out_dtype"):
+        if old.get(key) != new.get(key):
+            changes.append(f"{key}: {old.get(key)} -> {new.get(key)}")
+    old_params, new_params = old.get("parameters", {}), new.get("parameters", {})
+    for key in sorted(set(old_params) | set(new_params)):
+        if old_params.get(key) != new_params.get(key):
+            changes.append(f"parameter {key}: {old_params.get(key)} -> {new_params.get(key)}")
+    old_inputs, new_inputs = old.get("inputs", []), new.get("inputs", [])
+    if len(old_inputs) != len(new_inputs):
+        changes.append(f"number of inputs: {len(old_inputs)} -> {len(new_inputs)}")
+    for was, now in zip(old_inputs, new_inputs, strict=False):
+        label = now["role"]
+        if was["location"] != now["location"]:
+            changes.append(f"{label}: location {was['location']} -> {now['location']}")
+            continue
+        for name in sorted(set(was["files"]) | set(now["files"])):
+            a, b = was["files"].get(name), now["files"].get(name)
+            if a != b:
+                what = "added" if a is None else "removed" if b is None else _what(a, b)
+                changes.append(f"{label} ({now['location']}): file {name} {what}")
+    return changes
+
+
+def _what(a: dict[str, Any], b: dict[str, Any]) -> str:
+    parts = [k for k in ("size", "header_sha256", "version") if a.get(k) != b.get(k)]
+    return "changed (" + ", ".join(parts) + ")"

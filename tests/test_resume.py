@@ -1,0 +1,288 @@
+"""Survive failures: a node lost mid-pass, a driver killed mid-pass, changed inputs, verify."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from builders import build_model_set, load_checkpoint, save_checkpoint
+from reference import reference_merge
+from s3_server import CountingMotoServer
+
+from ram_dist.cli import main
+
+ONE_ROW_MB = str(256 / 2**20)  # one 128-wide bf16 row per unit: a slow, many-unit map pass
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("models")
+    base_dir, task_dirs, base, tasks = build_model_set(root, base_shard="100KB", task_shard=70_000)
+    expected, _ = reference_merge(base, tasks, "ram_plus")
+    return {"base": base_dir, "tasks": task_dirs, "expected": expected, "root": root}
+
+
+def _args(models: dict, out: str, *extra: str) -> list[str]:
+    args = ["merge", "--base", str(models["base"]), "--out", out, *extra]
+    for t in models["tasks"]:
+        args += ["--task", str(t)]
+    return args
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(extra)
+    return env
+
+
+def _manifest(read_text) -> dict | None:
+    try:
+        return json.loads(read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _kill_after_first_shard(args: list[str], env: dict, read_manifest) -> dict:
+    """Run the CLI, SIGKILL its whole process group once one shard (not all) is finished."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ram_dist.cli", *args],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            manifest = read_manifest()
+            if manifest and 1 <= len(manifest["shards"]) < len(manifest["shard_names"]):
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+                return manifest
+            if proc.poll() is not None:
+                pytest.fail(f"merge ended before it could be killed: {proc.stderr.read()!r}")
+            time.sleep(0.01)
+        pytest.fail("the map pass never finished a first shard")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def crashed(models) -> tuple[Path, dict, dict[str, int]]:
+    """An output whose driver was SIGKILLed in the map pass: (folder, manifest, shard mtimes)."""
+    out = models["root"] / "crashed"
+    manifest = _kill_after_first_shard(
+        _args(models, str(out), "--chunk-mb", ONE_ROW_MB, "--workers", "1"),
+        _env(),
+        lambda: _manifest((out / "ram_dist_manifest.json").read_text),
+    )
+    assert not (out / "model.safetensors.index.json").exists()
+    mtimes = {name: (out / name).stat().st_mtime_ns for name in manifest["shards"]}
+    return out, manifest, mtimes
+
+
+def _copy(crashed, tmp_path) -> Path:
+    out = tmp_path / "out"
+    shutil.copytree(crashed[0], out, copy_function=shutil.copy2)
+    return out
+
+
+def test_rerun_after_sigkill_resumes_with_identical_bytes(models, crashed, tmp_path):
+    out, manifest, mtimes = crashed
+    done = subprocess.run(
+        [sys.executable, "-m", "ram_dist.cli", *_args(models, str(out))],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "merge_report.json").read_text())
+    assert report["passes"]["reduce"]["skipped"] is True
+    assert report["output"]["shards_reused"] == sorted(manifest["shards"])
+    assert set(report["output"]["shards_written"]) == set(manifest["shard_names"]) - set(mtimes)
+    for name, mtime in mtimes.items():  # finished shards were not rewritten
+        assert (out / name).stat().st_mtime_ns == mtime
+    merged = load_checkpoint(out)
+    assert all(torch.equal(merged[k], v) for k, v in models["expected"].items())
+    assert "reduce skipped" in done.stdout and "reused" in done.stdout
+    # A third run finds the merge complete and does nothing.
+    again = subprocess.run(
+        [sys.executable, "-m", "ram_dist.cli", *_args(models, str(out))],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+
+
+def test_changed_parameter_or_input_is_refused(models, crashed, tmp_path, capsys):
+    out = _copy(crashed, tmp_path)
+    assert main(_args(models, str(out), "--r", "0.2")) == 2
+    assert "parameter r: 0.1 -> 0.2" in capsys.readouterr().err
+    task = tmp_path / "task1-changed"
+    shutil.copytree(models["tasks"][1], task)
+    state = load_checkpoint(task)
+    state["model.norm.weight"] = state["model.norm.weight"] * 2
+    save_checkpoint(state, task, max_shard_bytes=70_000)
+    args = _args(models, str(out))
+    args[args.index(str(models["tasks"][1]))] = str(task)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"task 2: location {models['tasks'][1]} -> {task}" in err and "--overwrite" in err
+    # The same folder with new content: named by file and by what changed.
+    moved = tmp_path / "same-place"
+    shutil.copytree(models["tasks"][1], moved)
+    other = _args(models, str(tmp_path / "fresh"))
+    other[other.index(str(models["tasks"][1]))] = str(moved)
+    assert main(other + ["--chunk-mb", "1"]) == 0
+    capsys.readouterr()
+    time.sleep(0.01)
+    save_checkpoint(state, moved, max_shard_bytes=70_000)
+    assert main(other) == 2
+    err = capsys.readouterr().err
+    assert f"task 2 ({moved}): file model-" in err and "changed (" in err
+
+
+def test_verify_names_corrupted_and_missing_shards(models, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(_args(models, str(out), "--chunk-mb", "1")) == 0
+    capsys.readouterr()
+    assert main(["verify", str(out)]) == 0
+    assert "3 shard(s) match the manifest" in capsys.readouterr().out
+    names = json.loads((out / "ram_dist_manifest.json").read_text())["shard_names"]
+    data = bytearray((out / names[1]).read_bytes())
+    data[-3] ^= 0xFF
+    (out / names[1]).write_bytes(bytes(data))
+    (out / names[2]).unlink()
+    assert main(["verify", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"shard {names[1]}: sha256" in err and "does not match" in err
+    assert f"shard {names[2]}: missing" in err
+    assert names[0] not in err
+
+
+def test_node_removed_during_map_pass(models, tmp_path):
+    """Head plus two worker nodes; one worker node is removed while the map pass runs."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from ram_dist.config import MergeConfig
+    from ram_dist.engine import driver
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
+        },
+    )
+    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False)
+    out = tmp_path / "out"
+    errors: list[BaseException] = []
+    config = MergeConfig(
+        base=str(models["base"]),
+        tasks=tuple(map(str, models["tasks"])),
+        out=str(out),
+        chunk_bytes=256,
+        workers=2,
+    )
+
+    def run() -> None:
+        try:
+            driver.merge(config)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not (out / "ram_dist_manifest.json").exists():  # the map pass has begun
+            assert time.monotonic() < deadline and thread.is_alive(), errors
+            time.sleep(0.01)
+        time.sleep(0.3)
+        cluster.remove_node(workers[1])
+        thread.join(timeout=300)
+        assert not thread.is_alive() and not errors, errors
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    merged = load_checkpoint(out)
+    assert all(torch.equal(merged[k], v) for k, v in models["expected"].items())
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[tuple[CountingMotoServer, dict]]:
+    import s3fs
+
+    server = CountingMotoServer()
+    server.start()
+    env = _env(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    options = {"s3": {"endpoint_url": server.endpoint, "use_listings_cache": False}}
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    s3fs.S3FileSystem(**options["s3"]).mkdir("resume")
+    yield server, {"env": env, "options": options}
+    server.stop()
+
+
+def test_resume_on_s3_output(models, s3):
+    import s3fs
+
+    server, conf = s3
+    fs = s3fs.S3FileSystem(**conf["options"]["s3"])
+    extra = ("--storage-options", json.dumps(conf["options"]))
+    url = "s3://resume/out"
+
+    def read_manifest():
+        try:
+            return json.loads(fs.cat_file("resume/out/ram_dist_manifest.json"))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    args = _args(models, url, "--chunk-mb", ONE_ROW_MB, "--workers", "1", *extra)
+    manifest = _kill_after_first_shard(args, conf["env"], read_manifest)
+    finished = sorted(manifest["shards"])
+    etags = {n: fs.info(f"resume/out/{n}", refresh=True)["ETag"] for n in finished}
+    server.clear()
+    done = subprocess.run(
+        [sys.executable, "-m", "ram_dist.cli", *_args(models, url, *extra)],
+        env=conf["env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    writes = {s.path.rsplit("/", 1)[-1] for s in server.log if s.method in ("PUT", "POST")}
+    assert not writes & set(finished)  # finished shards were not uploaded again
+    assert {n: fs.info(f"resume/out/{n}", refresh=True)["ETag"] for n in finished} == etags
+    report = json.loads(fs.cat_file("resume/out/merge_report.json"))
+    assert report["passes"]["reduce"]["skipped"] is True
+    assert report["output"]["shards_reused"] == finished
+    local = Path(models["root"]) / "fetched"
+    fs.get("resume/out", str(local), recursive=True)
+    merged = load_checkpoint(local)
+    assert all(torch.equal(merged[k], v) for k, v in models["expected"].items())
+    verify = subprocess.run(
+        [sys.executable, "-m", "ram_dist.cli", "verify", url, *extra],
+        env=conf["env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert verify.returncode == 0, verify.stderr
