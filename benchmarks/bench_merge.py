@@ -465,11 +465,13 @@ def fmt(value: float | None, unit: str) -> str:
 def print_table(samples: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     width = max(len(label) for label, _, _ in ROWS)
     runs = "  ".join(f"{'run ' + str(k + 1):>12}" for k in range(len(samples)))
-    print(f"\n{'metric':<{width}}  {'median':>12}  {runs}")
-    print("-" * (width + 16 + 14 * len(samples)))
+    print(f"\n{'metric':<{width}}  {'median':>12}  {'min':>12}  {runs}")
+    print("-" * (width + 30 + 14 * len(samples)))
     for label, key, unit in ROWS:
+        present = [s[key] for s in samples if s.get(key) is not None]
+        low = min(present) if present else None
         cells = "  ".join(f"{fmt(s.get(key), unit):>12}" for s in samples)
-        print(f"{label:<{width}}  {fmt(summary[key], unit):>12}  {cells}")
+        print(f"{label:<{width}}  {fmt(summary[key], unit):>12}  {fmt(low, unit):>12}  {cells}")
 
 
 def print_task_stats(report: dict[str, Any]) -> None:
