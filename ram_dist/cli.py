@@ -56,13 +56,36 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--method",
         default=None,
-        help="ram | ram_plus | ram_plus_soft (default ram_plus)",
+        help="ram | ram_plus | ram_plus_soft | ramplus_tl | task_arithmetic | ties | "
+        "dare_linear | dare_ties | linear (default ram_plus)",
     )
     p.add_argument("--r", type=float, default=None, help="RAM+ rescaling strength (default 0.1)")
     p.add_argument("--alpha", type=float, default=None, help="RAM+ cap on rho (default 2.0)")
     p.add_argument(
         "--eps", type=float, default=None, help="changed means |tau| > eps (default 1e-5)"
     )
+    p.add_argument(
+        "--weight",
+        type=float,
+        action="append",
+        default=None,
+        help="baselines: weight of each task (once for all, or once per --task, in order)",
+    )
+    p.add_argument(
+        "--density",
+        type=float,
+        action="append",
+        default=None,
+        help="ties, dare_*: share of each task vector kept (once for all, or once per --task)",
+    )
+    p.add_argument("--lambda", dest="lambda_", type=float, default=None, help="baselines: scale")
+    p.add_argument(
+        "--normalize", action=argparse.BooleanOptionalAction, default=None, help="baselines"
+    )
+    p.add_argument(
+        "--rescale", action=argparse.BooleanOptionalAction, default=None, help="ties, dare_*"
+    )
+    p.add_argument("--seed", type=int, default=None, help="dare_*: seed of the masks (0)")
     p.add_argument(
         "--out-dtype", default=None, help="dtype of merged tensors (default: the base's)"
     )
@@ -97,10 +120,23 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
     if args.method is not None:
         kwargs["method"] = args.method
     params = dict(kwargs.get("parameters", {}))
-    for name in ("r", "alpha", "eps"):
-        if getattr(args, name) is not None:
-            params[name] = getattr(args, name)
+    flags = {
+        "r": args.r,
+        "alpha": args.alpha,
+        "epsilon": args.eps,
+        "lambda": args.lambda_,
+        "normalize": args.normalize,
+        "rescale": args.rescale,
+        "seed": args.seed,
+    }
+    params.update({k: v for k, v in flags.items() if v is not None})
     kwargs["parameters"] = params
+    per_task = _per_task_flags(args, len(kwargs["tasks"]))
+    if per_task:
+        base_params = kwargs.get("task_parameters") or [{} for _ in kwargs["tasks"]]
+        kwargs["task_parameters"] = tuple(
+            {**given, **flagged} for given, flagged in zip(base_params, per_task, strict=True)
+        )
     if args.out_dtype is not None:
         kwargs["out_dtype"] = args.out_dtype
     if not args.chunk_mb > 0:
@@ -120,6 +156,25 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
     if getattr(args, "overwrite", False):
         kwargs["overwrite"] = True
     return MergeConfig(**kwargs)
+
+
+def _per_task_flags(args: argparse.Namespace, n_tasks: int) -> list[dict[str, float]]:
+    """`--weight` / `--density` given once (for every task) or once per task."""
+    out: list[dict[str, float]] = [{} for _ in range(n_tasks)]
+    for name in ("weight", "density"):
+        values = getattr(args, name)
+        if not values:
+            continue
+        if len(values) == 1:
+            values = values * n_tasks
+        if len(values) != n_tasks:
+            raise RamDistError(
+                f"--{name} given {len(values)} times for {n_tasks} tasks: give it once, "
+                "or once per --task"
+            )
+        for params, value in zip(out, values, strict=True):
+            params[name] = value
+    return out if any(out) else []
 
 
 def main(argv: list[str] | None = None) -> int:

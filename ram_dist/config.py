@@ -8,18 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from ram_dist.dtypes import parse_out_dtype
 from ram_dist.errors import RamDistError
 from ram_dist.io.storage import Storage
 from ram_dist.methods import get_method
 
 DEFAULT_CHUNK_MB = 256.0
-
-#: YAML parameter names (mergekit's) to ram-dist's.
-PARAMETER_NAMES = {"r": "r", "alpha": "alpha", "epsilon": "eps", "eps": "eps"}
-YAML_KEYS = ("merge_method", "base_model", "models", "parameters", "out_dtype", "storage_options")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,8 +28,11 @@ class MergeConfig:
     """Output folder; None for `probe`, which writes no model."""
     method: str = "ram_plus"
     """A registered merge method: ram, ram_plus, ram_plus_soft."""
-    parameters: dict[str, float] = field(default_factory=dict)
-    """Method parameters (r, alpha, eps); missing ones take the method's defaults."""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    """Global method parameters by mergekit's names (r, alpha, epsilon, weight, density,
+    normalize, lambda, rescale, seed); missing ones take the method's defaults."""
+    task_parameters: tuple[dict[str, Any], ...] = ()
+    """Per-task parameters (weight, density), in task order; empty: none given."""
     out_dtype: str | None = None
     """Safetensors dtype of merged floating tensors; None keeps each base tensor's dtype."""
     chunk_bytes: int = int(DEFAULT_CHUNK_MB * 2**20)
@@ -46,6 +43,8 @@ class MergeConfig:
     """Ray cluster address; None uses RAY_ADDRESS or starts a local Ray."""
     overwrite: bool = False
     """Replace an output folder that already holds files."""
+    notes: tuple[str, ...] = ()
+    """What the config asked for that was accepted but ignored or changed."""
     storage_options: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
     """fsspec options per protocol, e.g. {"s3": {"endpoint_url": ...}}; may hold secrets."""
 
@@ -57,71 +56,46 @@ class MergeConfig:
             )
         object.__setattr__(self, "tasks", tuple(self.tasks))
         object.__setattr__(self, "out_dtype", parse_out_dtype(self.out_dtype))
-        self.method_params()  # raises on unknown method or bad parameters
+        if self.task_parameters and len(self.task_parameters) != len(self.tasks):
+            raise RamDistError(
+                f"{len(self.task_parameters)} sets of per-task parameters for "
+                f"{len(self.tasks)} tasks"
+            )
+        object.__setattr__(self, "task_parameters", tuple(self.task_parameters))
+        get_method(self.method)  # raises on an unknown method
         if self.chunk_bytes <= 0:
             raise RamDistError(f"chunk budget must be positive, got {self.chunk_bytes} bytes")
         if self.workers is not None and self.workers < 1:
             raise RamDistError(f"workers must be >= 1, got {self.workers}")
         Storage(self.storage_options)  # raises on a malformed mapping
 
-    def method_params(self) -> Any:
-        """The method's validated parameter object."""
-        return get_method(self.method).params(**self.parameters)
 
 
 def load_yaml(path: str) -> dict[str, Any]:
-    """Read a mergekit-style YAML file into `MergeConfig` keyword arguments."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except OSError as e:
-        raise RamDistError(f"cannot read config {path}: {e}") from e
-    except yaml.YAMLError as e:
-        raise RamDistError(f"config {path} is not valid YAML: {e}") from e
-    if not isinstance(raw, dict):
-        raise RamDistError(f"config {path}: expected a mapping with keys {', '.join(YAML_KEYS)}")
-    unknown = sorted(set(raw) - set(YAML_KEYS))
-    if unknown:
-        raise RamDistError(
-            f"config {path}: unknown key {unknown[0]!r}; valid keys: {', '.join(YAML_KEYS)}"
-        )
-    if "base_model" not in raw:
-        raise RamDistError(f"config {path}: base_model is required")
-    base = str(raw["base_model"])
-    models = raw.get("models") or []
-    if not isinstance(models, list):
-        raise RamDistError(f"config {path}: models must be a list of {{model: PATH}}")
-    tasks = []
-    for entry in models:
-        model = entry.get("model") if isinstance(entry, dict) else None
-        if not isinstance(model, str):
-            raise RamDistError(f"config {path}: each models entry needs a model: PATH")
-        if model != base:  # mergekit lists the base among the models; it is not a task
-            tasks.append(model)
-    kwargs: dict[str, Any] = {"base": base, "tasks": tuple(tasks)}
-    if "merge_method" in raw:
-        kwargs["method"] = str(raw["merge_method"])
-    params = raw.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise RamDistError(f"config {path}: parameters must be a mapping")
-    for key, value in params.items():
-        if key not in PARAMETER_NAMES:
-            raise RamDistError(
-                f"config {path}: unknown parameter {key!r}; valid: {', '.join(PARAMETER_NAMES)}"
-            )
-        kwargs.setdefault("parameters", {})[PARAMETER_NAMES[key]] = _number(value)
-    if raw.get("out_dtype") is not None:
-        kwargs["out_dtype"] = str(raw["out_dtype"])
-    if raw.get("storage_options") is not None:
-        kwargs["storage_options"] = raw["storage_options"]
+    """Read a mergekit YAML file into `MergeConfig` keyword arguments.
+
+    Parameters the chosen method does not use were noted by the reader and are dropped here.
+    """
+    from ram_dist.mergekit_config import load_mergekit_yaml
+
+    spec = load_mergekit_yaml(path)
+    method = get_method(spec.merge_method)
+    used = {*method.global_parameters, *method.task_parameters}
+    models = list(spec.models)
+    base = spec.base_model if spec.base_model is not None else models[0].model
+    kwargs: dict[str, Any] = {
+        "base": base,
+        "tasks": tuple(m.model for m in models),
+        "method": spec.merge_method,
+        "parameters": {k: v for k, v in spec.parameters.items() if k in used},
+        "task_parameters": tuple(
+            {k: v for k, v in m.parameters.items() if k in method.task_parameters}
+            for m in models
+        ),
+        "notes": spec.notes,
+    }
+    if spec.out_dtype is not None:
+        kwargs["out_dtype"] = spec.out_dtype
+    if spec.storage_options:
+        kwargs["storage_options"] = {k: dict(v) for k, v in spec.storage_options.items()}
     return kwargs
-
-
-def _number(value: Any) -> Any:
-    """YAML 1.1 reads `1e-5` (no dot) as a string; accept it as the number it means."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value

@@ -17,7 +17,7 @@ def ray_local() -> Iterator[None]:
     """A real two-CPU Ray for this module, shut down after it."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:

@@ -156,10 +156,13 @@ def test_missing_folder_and_pickle_only_folder(inputs, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--eps", "0"], "eps must be > 0"),
+        (["--eps", "0"], "epsilon (eps) must be > 0"),
         (["--r", "-1"], "r must be >= 0"),
         (["--alpha", "-0.5"], "alpha must be >= 0"),
-        (["--method", "tie"], "unknown merge method 'tie'; valid methods: ram, ram_plus"),
+        (["--method", "tie"], "unknown merge method 'tie'; valid methods: dare_linear, dare_ties"),
+        (["--method", "ties", "--density", "1.5"], "density must be in (0, 1], got 1.5"),
+        (["--weight", "1", "--weight", "2"], "--weight given 2 times for 3 tasks"),
+        (["--method", "ram", "--density", "0.5"], "method ram has no per-model parameter"),
         (["--out-dtype", "int8"], "not a floating dtype"),
         (["--chunk-mb", "0"], "--chunk-mb must be positive"),
     ],

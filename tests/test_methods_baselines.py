@@ -382,7 +382,15 @@ def test_linear_matches_mergekit(n_inputs: int, normalize: bool) -> None:
     ours = assert_chunk_invariant(
         lambda bd: run_linear(inputs, bd, w, normalize=normalize), base.numel()
     )
-    assert same_bytes(ours, ref)
+    # mergekit's addcmul_ may fuse multiply and add; ours rounds each product (CPU == GPU).
+    assert linear_close(ours, ref, inputs, w, normalize)
+
+
+def linear_close(ours, ref, inputs, w, normalize) -> bool:
+    """Within a float32 rounding of each term (and of the division)."""
+    terms = sum(abs(wt) * x.abs() for wt, x in zip(w, inputs, strict=True))
+    bound = 4 * 2.0**-24 * terms / (abs(sum(w)) if normalize else 1)
+    return bool(((ours - ref).abs() <= bound).all())
 
 
 # ---------------------------------------------------------------- mergekit end to end
@@ -454,4 +462,9 @@ def test_mergekit_run_merge_matches_chunked(tiny_models, tmp_path, method: str) 
     assert sorted(merged) == sorted(base_state)
     for name, base in base_state.items():
         ours = _ours(method, base, [t[name] for t in used])
-        assert same_bytes(ours, merged[name]), name
+        if method == "linear":
+            inputs = [base, *[t[name] for t in used]]
+            w = [0.5, *E2E_WEIGHTS[:1], *E2E_WEIGHTS[2:]]
+            assert linear_close(ours, merged[name], inputs, w, True), name
+        else:
+            assert same_bytes(ours, merged[name]), name

@@ -60,7 +60,7 @@ def fs(options) -> s3fs.S3FileSystem:
 def ray_s3(server) -> Iterator[None]:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

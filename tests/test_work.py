@@ -20,17 +20,18 @@ def test_units_and_compute_blocks_reassemble_the_reference(tmp_path, monkeypatch
     )
     config = MergeConfig(base=str(base_dir), tasks=tuple(map(str, task_dirs)), chunk_bytes=3000)
     job = driver.prepare(config)
-    method, params = get_method("ram_plus"), config.method_params()
-
-    args = (job.layout, job.storage, method, params)
-    total = sum(work.reduce_unit(u, *args).stats for u in job.units)
-    finalized = method.finalize(total, params)
+    method, state = get_method("ram_plus"), job.initial_state()
+    args = (job.layout, job.storage, method, job.params)
+    totals = [work.reduce_unit(u, *args, state, 0).stats for u in job.units]
+    total = sum((t[""] for t in totals if t), torch.zeros(4, 4, dtype=torch.int64))
+    state = method.finalize(0, {"": total}, job.params, job.numel(), state)
     ref = reference_stats(base, tasks)
-    assert [t["histogram"] for t in finalized["tasks"]] == [list(map(int, h)) for h in ref["H"]]
+    histograms = [t["histogram"] for t in state["summary"]["tasks"]]
+    assert histograms == [list(map(int, h)) for h in ref["H"]]
 
     blobs: dict[str, list[bytes]] = {}
     for unit in job.units:
-        data = work.map_unit(unit, *args, finalized).data.tobytes()
+        data = work.map_unit(unit, *args, state).data.tobytes()
         offset = 0
         for piece in unit.pieces:
             size = piece.numel * base[piece.tensor].element_size()

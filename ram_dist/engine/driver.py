@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import resource
+from dataclasses import replace
 from typing import Any
-
-import torch
 
 from ram_dist import __version__
 from ram_dist.config import MergeConfig
+from ram_dist.engine.effective import CONFIG_NAME, render
 from ram_dist.engine.job import Job, prepare
 from ram_dist.engine.output import clear_published, open_output
 from ram_dist.engine.passes import PassStats, map_pass, reduce_pass
@@ -24,7 +24,9 @@ from ram_dist.errors import RamDistError
 from ram_dist.io.files import copy_files, non_weight_files
 from ram_dist.io.manifest import save_manifest
 from ram_dist.io.storage import join
-from ram_dist.io.writer import write_index, write_json
+from ram_dist.io.writer import AtomicFile, write_index, write_json
+from ram_dist.methods import get_method
+from ram_dist.methods.ram import RamMethod
 
 REPORT_NAME = "merge_report.json"
 
@@ -32,12 +34,19 @@ __all__ = ["REPORT_NAME", "merge", "prepare", "probe"]
 
 
 def probe(config: MergeConfig) -> dict[str, Any]:
-    """Run the reduce pass only and return the statistics report."""
+    """Run RAM's reduce pass only (whatever the method) and return the statistics report."""
+    if not isinstance(get_method(config.method), RamMethod):
+        ram_keys = {"r", "alpha", "epsilon"}
+        config = replace(
+            config,
+            method="ram_plus",
+            parameters={k: v for k, v in config.parameters.items() if k in ram_keys},
+            task_parameters=(),
+        )
     job = prepare(config)
     with ray_cluster(config.address) as cluster:
-        total, stats = reduce_pass(job, cluster)
-    finalized = job.method.finalize(total, job.params)
-    return _report(job, finalized, {"reduce": stats.as_dict()}, stats.worker_peak_rss_bytes)
+        state, stats = reduce_pass(job, cluster)
+    return _report(job, state, {"reduce": stats.as_dict()}, stats.worker_peak_rss_bytes)
 
 
 def merge(config: MergeConfig) -> dict[str, Any]:
@@ -57,16 +66,15 @@ def merge(config: MergeConfig) -> dict[str, Any]:
         passes: dict[str, Any] = {}
         worker_rss = 0
         if manifest.statistics is not None:
-            total = torch.tensor(manifest.statistics, dtype=torch.int64)
+            state = manifest.statistics
             passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
         else:
-            total, reduce_stats = reduce_pass(job, cluster)
+            state, reduce_stats = reduce_pass(job, cluster)
             passes["reduce"] = reduce_stats.as_dict()
             worker_rss = reduce_stats.worker_peak_rss_bytes
             fs.makedirs(path, exist_ok=True)
-            manifest.statistics = total.tolist()
+            manifest.statistics = state
             save_manifest(job.out, manifest, job.storage)
-        finalized = job.method.finalize(total, job.params)
         names = non_weight_files(job.base.url, job.storage)
         copy_files(job.base.url, job.out, names, job.storage)
 
@@ -79,11 +87,11 @@ def merge(config: MergeConfig) -> dict[str, Any]:
             manifest.shards[shard] = {"sha256": sha256, "size": size}
             save_manifest(job.out, manifest, job.storage)
 
-        map_stats = map_pass(job, cluster, finalized, todo, finished) if todo else PassStats()
+        map_stats = map_pass(job, cluster, state, todo, finished) if todo else PassStats()
         passes["map"] = map_stats.as_dict()
         worker_rss = max(worker_rss, map_stats.worker_peak_rss_bytes)
 
-    report = _report(job, finalized, passes, worker_rss)
+    report = _report(job, state, passes, worker_rss)
     report["output"] = {
         "url": job.out,
         "files_copied": names,
@@ -91,6 +99,8 @@ def merge(config: MergeConfig) -> dict[str, Any]:
         "shards_written": [s for s in manifest.shard_names if s not in done],
     }
     write_json(join(job.out, REPORT_NAME), report, job.storage)
+    with AtomicFile(join(job.out, CONFIG_NAME), job.storage) as f:
+        f.write(render(job).encode())
     manifest.complete = True
     save_manifest(job.out, manifest, job.storage)
     if job.layout.sharded:
@@ -111,30 +121,27 @@ def _finished_report(job: Job) -> dict[str, Any]:
 
 
 def _report(
-    job: Job, finalized: dict[str, Any], passes: dict[str, Any], worker_rss: int
+    job: Job, state: dict[str, Any], passes: dict[str, Any], worker_rss: int
 ) -> dict[str, Any]:
     config = job.config
-    tasks = [{"model": url, **t} for url, t in zip(config.tasks, finalized["tasks"], strict=True)]
-    for t in tasks:
-        if t["rho"] == float("inf"):
-            t["rho"] = "inf"
-    return {
+    report: dict[str, Any] = {
         "ram_dist_version": __version__,
-        "method": config.method,
-        "parameters": job.identity()["parameters"],
+        "method": job.method.name,
+        "parameters": job.effective_parameters(),
         "base": config.base,
+        "tasks_given": list(config.tasks),
+        "notes": list(config.notes),
         "out_dtype": config.out_dtype,
         "chunk_bytes": config.chunk_bytes,
-        "elements": {
-            "participating": finalized["participating"],
-            "unchanged": finalized["unchanged"],
-            "by_count": finalized["by_count"],
-        },
-        "tasks": tasks,
-        "lambda_applied": finalized["lambdas"],
-        "passes": passes,
-        "memory": {
-            "driver_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "worker_peak_rss_bytes": worker_rss,
-        },
     }
+    report.update(job.method.report(state))
+    for url, t in zip(config.tasks, report.get("tasks", []), strict=False):
+        t["model"] = url
+        if t["rho"] == float("inf"):
+            t["rho"] = "inf"
+    report["passes"] = passes
+    report["memory"] = {
+        "driver_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "worker_peak_rss_bytes": worker_rss,
+    }
+    return report

@@ -10,6 +10,7 @@ from typing import Any
 
 from ram_dist.config import MergeConfig
 from ram_dist.engine.layout import Layout, build_layout
+from ram_dist.engine.params import resolve_all
 from ram_dist.io.checkpoint import Checkpoint, open_checkpoint
 from ram_dist.io.locations import resolve_location, resolve_output
 from ram_dist.io.storage import Storage
@@ -28,14 +29,25 @@ class Job:
     layout: Layout
     units: list[WorkUnit]
     out: str | None
+    params: dict[str, dict[str, Any]]
+    """Per participating tensor, every parameter of the method, resolved and checked."""
 
     @property
     def method(self) -> MergeMethod:
         return get_method(self.config.method)
 
-    @property
-    def params(self) -> Any:
-        return self.config.method_params()
+    def numel(self) -> dict[str, int]:
+        return {name: self.layout.tensors[name].numel for name in self.params}
+
+    def effective_parameters(self) -> dict[str, Any]:
+        """Every tensor's parameters, given once when all tensors got the same ones."""
+        values = list(self.params.values())
+        if values and all(v == values[0] for v in values):
+            return dict(values[0])
+        return {name: dict(p) for name, p in self.params.items()}
+
+    def initial_state(self) -> dict[str, Any]:
+        return self.method.initial_state(self.params, self.numel(), len(self.tasks))
 
     def identity(self) -> dict[str, Any]:
         """What determines the output bytes: method, parameters, dtype and every input file.
@@ -44,8 +56,8 @@ class Job:
         """
         inputs = [self.base, *self.tasks]
         return {
-            "method": self.config.method,
-            "parameters": _fields(self.params),
+            "method": self.method.name,
+            "parameters": self.effective_parameters(),
             "out_dtype": self.config.out_dtype,
             "inputs": [{"role": c.label, "location": c.url, "files": c.identity} for c in inputs],
         }
@@ -60,10 +72,8 @@ def prepare(config: MergeConfig) -> Job:
         label = f"task {i + 1}"
         tasks.append(open_checkpoint(resolve_location(location, label), label, storage))
     layout = build_layout(base, tasks, config.out_dtype)
+    merging = [name for name, e in layout.tensors.items() if e.participating]
+    params = resolve_all(config, get_method(config.method), merging)
     units = plan_units(layout.slots(), config.chunk_bytes)
     out = resolve_output(config.out) if config.out is not None else None
-    return Job(config, storage, base, tasks, layout, units, out)
-
-
-def _fields(obj: Any) -> dict[str, Any]:
-    return {k: getattr(obj, k) for k in obj.__dataclass_fields__}
+    return Job(config, storage, base, tasks, layout, units, out, params)

@@ -72,27 +72,35 @@ def _progress(results: Any, total: int, name: str) -> Any:
     return tqdm(results, total=total, desc=name, unit="unit", disable=not sys.stderr.isatty())
 
 
-def reduce_pass(job: Job, cluster: Cluster) -> tuple[torch.Tensor, PassStats]:
-    """Sum every unit's int64 statistics."""
+def reduce_pass(job: Job, cluster: Cluster) -> tuple[dict[str, Any], PassStats]:
+    """Every reduce round of the method: sum each unit's int64 statistics per key, then let
+    the method fold the sums into its state. Rounds no tensor needs read nothing."""
     stats = PassStats()
     start = time.perf_counter()
-    n = len(job.tasks) + 1
-    total = torch.zeros((n, n), dtype=torch.int64)
+    method, state = job.method, job.initial_state()
     workers, resources = _options(job, cluster)
-    shared = (job.layout, job.storage, job.method, job.params)
-    results = ordered_map(reduce_unit, job.units, shared, workers, resources)
-    for result in _progress(results, len(job.units), "reduce"):
-        if result.stats is not None:
-            total += result.stats
-        stats.add(result.bytes_read, result.peak_rss_bytes)
+    numel = job.numel()
+    for round_ in range(method.rounds):
+        active = {n for n in job.params if method.active(round_, state, n)}
+        units = [u for u in job.units if any(p.tensor in active for p in u.pieces)]
+        if not units:
+            continue
+        totals: dict[str, torch.Tensor] = {}
+        shared = (job.layout, job.storage, method, job.params, state, round_)
+        results = ordered_map(reduce_unit, units, shared, workers, resources)
+        for result in _progress(results, len(units), f"reduce {round_ + 1}"):
+            for key, value in (result.stats or {}).items():
+                totals[key] = totals[key] + value if key in totals else value
+            stats.add(result.bytes_read, result.peak_rss_bytes)
+        state = method.finalize(round_, totals, job.params, numel, state)
     stats.wall_s = time.perf_counter() - start
-    return total, stats
+    return state, stats
 
 
 def map_pass(
     job: Job,
     cluster: Cluster,
-    finalized: dict[str, Any],
+    state: dict[str, Any],
     units: list[WorkUnit],
     on_shard: Callable[[str, str, int], None],
 ) -> PassStats:
@@ -104,7 +112,7 @@ def map_pass(
     writer: ShardWriter | None = None
     shard = ""
     workers, resources = _options(job, cluster)
-    shared = (job.layout, job.storage, job.method, job.params, finalized)
+    shared = (job.layout, job.storage, job.method, job.params, state)
     results = ordered_map(map_unit, units, shared, workers, resources)
 
     def publish() -> None:

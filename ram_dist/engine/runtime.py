@@ -26,9 +26,10 @@ def ray_cluster(address: str | None) -> Iterator[Cluster]:
     start a local Ray for the duration of the job (and stop it afterwards)."""
     started = False
     if not ray.is_initialized():
+        # "local" always starts a new instance, never a `ray start` cluster found on disk.
         address = address or os.environ.get("RAY_ADDRESS") or None
         ray.init(
-            address=address,
+            address=address or "local",
             include_dashboard=False,
             logging_level=logging.WARNING,
             log_to_driver=True,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import resource
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from ram_dist.dtypes import SAFETENSORS_DTYPES, itemsize
 from ram_dist.engine.layout import Layout, TensorEntry
 from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod
+from ram_dist.methods.registry import Chunk, State, TensorParams
 from ram_dist.plan import WorkUnit
 
 #: Elements computed at once; bounds a worker's float temporaries (about 40 bytes each).
@@ -30,7 +31,7 @@ class UnitResult:
     """What a unit sends back: statistics or output bytes, plus what it cost."""
 
     index: int
-    stats: torch.Tensor | None
+    stats: dict[str, torch.Tensor] | None
     data: np.ndarray | None
     bytes_read: tuple[int, ...]
     peak_rss_bytes: int
@@ -78,20 +79,36 @@ def _tensor_from_bytes(blob: bytes, dtype: str) -> torch.Tensor:
 
 
 def reduce_unit(
-    unit: WorkUnit, layout: Layout, storage: Storage, method: MergeMethod, params: Any
+    unit: WorkUnit,
+    layout: Layout,
+    storage: Storage,
+    method: MergeMethod,
+    params: Mapping[str, TensorParams],
+    state: State,
+    round_: int,
 ) -> UnitResult:
-    """Reduce pass: the method's statistics of a unit's participating pieces, summed."""
-    tensors, bytes_read = read_unit(unit, layout, storage)
+    """One reduce round: the method's statistics of the unit's active pieces, summed by key."""
+    pieces = tuple(
+        p
+        for p in unit.pieces
+        if layout.tensors[p.tensor].participating and method.active(round_, state, p.tensor)
+    )
+    active = WorkUnit(unit.index, unit.shard, pieces)
+    tensors, bytes_read = read_unit(active, layout, storage)
     dev = device()
-    total: torch.Tensor | None = None
-    for piece, inputs in zip(unit.pieces, tensors, strict=True):
-        if not layout.tensors[piece.tensor].participating:
-            continue
+    totals: dict[str, torch.Tensor] = {}
+    for piece, inputs in zip(pieces, tensors, strict=True):
+        numel = layout.tensors[piece.tensor].numel
         for lo, hi in _blocks(piece.numel):
             base, *tasks = (t[lo:hi].to(dev) for t in inputs)
-            stats = method.chunk_statistics(base, tasks, params)
-            total = stats if total is None else total + stats
-    return UnitResult(unit.index, total, None, tuple(bytes_read), _peak_rss())
+            chunk = Chunk(piece.tensor, piece.start + lo, numel)
+            stats = method.chunk_statistics(
+                round_, chunk, base, tasks, params[piece.tensor], state
+            )
+            for key, value in stats.items():
+                value = value.to(device="cpu", dtype=torch.int64)
+                totals[key] = totals[key] + value if key in totals else value
+    return UnitResult(unit.index, totals, None, tuple(bytes_read), _peak_rss())
 
 
 def map_unit(
@@ -99,8 +116,8 @@ def map_unit(
     layout: Layout,
     storage: Storage,
     method: MergeMethod,
-    params: Any,
-    finalized: dict[str, Any],
+    params: Mapping[str, TensorParams],
+    state: State,
 ) -> UnitResult:
     """Map pass: merged bytes of a unit's pieces, in order, in each tensor's output dtype."""
     tensors, bytes_read = read_unit(unit, layout, storage)
@@ -120,8 +137,9 @@ def map_unit(
         width = itemsize(entry.out_dtype)
         for lo, hi in _blocks(piece.numel):
             base, *tasks = (t[lo:hi].to(dev) for t in inputs)
-            merged = method.merge_chunk(base, tasks, params, finalized).to(out_dtype).cpu()
-            target[lo * width : hi * width].copy_(merged.view(torch.uint8))
+            chunk = Chunk(piece.tensor, piece.start + lo, entry.numel)
+            merged = method.merge_chunk(chunk, base, tasks, params[piece.tensor], state)
+            target[lo * width : hi * width].copy_(merged.to(out_dtype).cpu().view(torch.uint8))
     return UnitResult(unit.index, None, data, tuple(bytes_read), _peak_rss())
 
 

@@ -1,11 +1,12 @@
 """Linear merge: the weighted mean `sum_t w_t theta_t / sum_t w_t` of whole checkpoints.
 
 No base is needed and no statistics: the rule is element-wise, so any chunking gives the same
-bytes. It follows mergekit's `linear_merge` operation for operation in float32: weights
-rounded to float32, a zero accumulator updated with `addcmul_` once per input in input order
-(a fused multiply-add on CPU, the same kernel for a chunk as for a whole tensor), then one
-division by the float32 sum of the weights when normalizing. A zero weight sum is not
-special-cased (mergekit divides by it too; the engine's parameter check should refuse it).
+bytes. It follows mergekit's `linear_merge` in float32 (weights rounded to float32, a zero
+accumulator updated once per input in input order, one division by the float32 sum of the
+weights when normalizing) with one difference: mergekit accumulates with `addcmul_`, a fused
+multiply-add on some CPUs, which would make CPU and GPU bytes differ; here each product is
+rounded before the add, so results agree with mergekit within a float32 rounding per term.
+A zero weight sum is refused by the parameter check (mergekit would divide by it).
 mergekit sums the weights with `torch.sum`, which adds in input order for up to 4 inputs;
 beyond that its order, and so the last bit of the divisor, may differ from ours.
 """
@@ -31,7 +32,7 @@ def merge_chunk(
     w = torch.tensor(list(weights), dtype=torch.float32, device=device)
     result = torch.zeros(inputs[0].shape, dtype=torch.float32, device=device)
     for t, x in enumerate(inputs):
-        result.addcmul_(x.to(torch.float32), w[t])
+        result = result + x.to(torch.float32) * w[t]  # two roundings: no fused multiply-add
     if normalize:
         result.div_(ordered_sum(list(w)))
     return result

@@ -2,45 +2,24 @@
 
 Per element: average the task vectors where two or more tasks changed the weight, keep
 (times lambda_t) the update where only one task did, keep the base where none did. lambda_t
-comes from whole-model overlap counts, so the reduce pass counts and the map pass merges.
+comes from overlap counts over the whole model (the paper's rule), so the reduce pass counts
+and the map pass merges. `scope: tensor` (mergekit's `ramplus_tl`) counts per tensor instead
+and computes rho and lambda in float32 as mergekit does.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ram_dist.errors import RamDistError
-from ram_dist.methods.registry import register
+from ram_dist.methods.registry import Chunk, State, TensorParams, number, register
 
-
-@dataclass(frozen=True, kw_only=True)
-class RamParams:
-    """Parameters of the RAM family, checked when the job starts."""
-
-    r: float = 0.1
-    """Strength of the RAM+ rescaling of unique updates."""
-    alpha: float = 2.0
-    """Cap on the overlap ratio rho in RAM+."""
-    eps: float = 1e-5
-    """An element counts as changed when |tau| > eps (strict), compared in the compute dtype."""
-
-    def __post_init__(self) -> None:
-        for field, value in (("r", self.r), ("alpha", self.alpha), ("eps", self.eps)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise RamDistError(f"parameter {field} must be a number, got {value!r}")
-            if math.isnan(value) or math.isinf(value):
-                raise RamDistError(f"parameter {field} must be finite, got {value!r}")
-        if self.eps <= 0:
-            raise RamDistError(f"parameter eps must be > 0, got {self.eps}")
-        if self.r < 0:
-            raise RamDistError(f"parameter r must be >= 0, got {self.r}")
-        if self.alpha < 0:
-            raise RamDistError(f"parameter alpha must be >= 0, got {self.alpha}")
+MODEL = ""  # the statistics key of whole-model counts
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -92,12 +71,25 @@ def lambda_ram_plus_soft(rho_t: float, r: float, alpha: float) -> float:
     return 1.0 + r * rho_t / (1.0 + rho_t)
 
 
+LAMBDA_RULES: dict[str, Callable[[float, float, float], float]] = {
+    "ram": lambda_ram,
+    "ram_plus": lambda_ram_plus,
+    "ram_plus_soft": lambda_ram_plus_soft,
+}
+
+
 def to_float32(value: float) -> float:
     """Round a float64 to the nearest float32 once (lambda_t is used only in this form)."""
     return float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
 
 
-def summarize(total: torch.Tensor, params: RamParams) -> dict[str, Any]:
+def lambda_tensor_local(unique: int, shared: int, r: float, alpha: float, eps: float) -> float:
+    """mergekit's `ramplus_tl` lambda of one tensor, op for op in float32."""
+    rho32 = torch.tensor(shared, dtype=torch.int64) / torch.tensor(unique).clamp(min=eps)
+    return float(1 + r * rho32.clamp(min=0, max=alpha))
+
+
+def summarize(total: torch.Tensor, r: float, alpha: float) -> dict[str, Any]:
     """Whole-model statistics and lambda_t under every RAM variant (float64, then float32)."""
     n = total.shape[0] - 1
     by_count = [int(v) for v in total[n]]
@@ -107,10 +99,6 @@ def summarize(total: torch.Tensor, params: RamParams) -> dict[str, Any]:
         hist = [int(v) for v in total[t, 1:]]
         unique, shared = hist[0], sum(hist[1:])
         rho_t = rho(unique, shared)
-        lambdas = {
-            name: to_float32(rule(rho_t, params.r, params.alpha))
-            for name, rule in LAMBDA_RULES.items()
-        }
         tasks.append(
             {
                 "changed": unique + shared,
@@ -119,7 +107,9 @@ def summarize(total: torch.Tensor, params: RamParams) -> dict[str, Any]:
                 "shared": shared,
                 "rho": rho_t,
                 "histogram": hist,
-                "lambda": lambdas,
+                "lambda": {
+                    name: to_float32(rule(rho_t, r, alpha)) for name, rule in LAMBDA_RULES.items()
+                },
             }
         )
     return {"participating": d, "unchanged": by_count[0], "by_count": by_count, "tasks": tasks}
@@ -147,42 +137,116 @@ class RamMethod:
 
     name: str
     rule: Callable[[float, float, float], float]
+    alpha_default: float = 2.0
+    scope_default: str = "model"
+    task_parameters: Mapping[str, Any] = field(default_factory=dict)
+    rounds: int = 1
 
-    def params(self, **values: Any) -> RamParams:
-        unknown = sorted(set(values) - {"r", "alpha", "eps"})
-        if unknown:
+    @property
+    def global_parameters(self) -> Mapping[str, Any]:
+        return {"r": 0.1, "alpha": self.alpha_default, "epsilon": 1e-5, "scope": self.scope_default}
+
+    def check(self, params: TensorParams, where: str) -> None:
+        r = number(params["r"], "r", where)
+        alpha = number(params["alpha"], "alpha", where)
+        eps = number(params["epsilon"], "epsilon", where)
+        if eps <= 0:
+            raise RamDistError(f"{where}: parameter epsilon (eps) must be > 0, got {eps}")
+        if r < 0:
+            raise RamDistError(f"{where}: parameter r must be >= 0, got {r}")
+        if alpha < 0:
+            raise RamDistError(f"{where}: parameter alpha must be >= 0, got {alpha}")
+        if params["scope"] not in ("model", "tensor"):
             raise RamDistError(
-                f"method {self.name} has no parameter {unknown[0]!r}; valid: r, alpha, eps"
+                f"{where}: parameter scope must be 'model' or 'tensor', got {params['scope']!r}"
             )
-        return RamParams(**values)
+        if params["scope"] == "tensor" and self.rule is not lambda_ram_plus:
+            raise RamDistError(f"{where}: scope: tensor is defined for ram_plus (ramplus_tl) only")
+
+    def initial_state(
+        self, params: Mapping[str, TensorParams], numel: Mapping[str, int], n_tasks: int
+    ) -> State:
+        return {"n_tasks": n_tasks}
+
+    def active(self, round_: int, state: State, tensor: str) -> bool:
+        return True
 
     def chunk_statistics(
-        self, base: torch.Tensor, tasks: list[torch.Tensor], params: RamParams
-    ) -> torch.Tensor:
-        return overlap_statistics(base, tasks, params.eps)
+        self,
+        round_: int,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> dict[str, torch.Tensor]:
+        stats = overlap_statistics(base, tasks, params["epsilon"])
+        return {MODEL: stats} if params["scope"] == "model" else {chunk.tensor: stats}
 
-    def finalize(self, total: torch.Tensor, params: RamParams) -> dict[str, Any]:
-        summary = summarize(total, params)
-        summary["lambdas"] = [
-            to_float32(self.rule(t["rho"], params.r, params.alpha)) for t in summary["tasks"]
-        ]
-        return summary
+    def finalize(
+        self,
+        round_: int,
+        totals: dict[str, torch.Tensor],
+        params: Mapping[str, TensorParams],
+        numel: Mapping[str, int],
+        state: State,
+    ) -> State:
+        any_params = next(iter(params.values()))
+        r, alpha = any_params["r"], any_params["alpha"]
+        if any_params["scope"] == "model":
+            total = totals.get(MODEL)
+            if total is None:  # a model without floating tensors
+                size = state["n_tasks"] + 1
+                total = torch.zeros((size, size), dtype=torch.int64)
+            summary = summarize(total, r, alpha)
+            lambdas = [to_float32(self.rule(t["rho"], r, alpha)) for t in summary["tasks"]]
+            return {"summary": summary, "lambdas": lambdas}
+        per_tensor = {}
+        size = state["n_tasks"] + 1
+        model_total = sum(totals.values(), torch.zeros((size, size), dtype=torch.int64))
+        for name, total in totals.items():
+            eps = params[name]["epsilon"]
+            n = total.shape[0] - 1
+            per_tensor[name] = [
+                lambda_tensor_local(
+                    int(total[t, 1]), int(total[t, 2:].sum()), params[name]["r"],
+                    params[name]["alpha"], eps,
+                )
+                for t in range(n)
+            ]  # fmt: skip
+        summary = summarize(model_total, r, alpha)
+        return {"summary": summary, "tensor_lambdas": per_tensor}
 
     def merge_chunk(
         self,
+        chunk: Chunk,
         base: torch.Tensor,
         tasks: list[torch.Tensor],
-        params: RamParams,
-        finalized: dict[str, Any],
+        params: TensorParams,
+        state: State,
     ) -> torch.Tensor:
-        return merge_ram(base, tasks, params.eps, finalized["lambdas"])
+        if params["scope"] == "model":
+            lambdas = state["lambdas"]
+        else:
+            lambdas = state["tensor_lambdas"][chunk.tensor]
+        return merge_ram(base, tasks, params["epsilon"], lambdas)
+
+    def report(self, state: State) -> dict[str, Any]:
+        summary = state.get("summary") or {}
+        out = {
+            "elements": {k: summary.get(k) for k in ("participating", "unchanged", "by_count")},
+            "tasks": summary.get("tasks", []),
+        }
+        if "lambdas" in state:
+            out["lambda_applied"] = state["lambdas"]
+        else:
+            out["lambda_per_tensor"] = state["tensor_lambdas"]
+        return out
 
 
-LAMBDA_RULES: dict[str, Callable[[float, float, float], float]] = {
-    "ram": lambda_ram,
-    "ram_plus": lambda_ram_plus,
-    "ram_plus_soft": lambda_ram_plus_soft,
-}
-
-for _name, _rule in LAMBDA_RULES.items():
-    register(RamMethod(name=_name, rule=_rule))
+register(RamMethod("ram", lambda_ram))
+register(RamMethod("ram_plus", lambda_ram_plus))
+register(RamMethod("ram_plus_soft", lambda_ram_plus_soft))
+register(
+    RamMethod("ramplus_tl", lambda_ram_plus, alpha_default=0.2, scope_default="tensor"),
+)

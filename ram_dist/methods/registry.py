@@ -1,61 +1,127 @@
-"""The method registry: names to configured method instances (as mergekit does)."""
+"""The method registry and what the engine needs of a merge rule.
+
+A method is a configured instance (as in mergekit: `ties` and `dare_ties` are one family
+with other settings). The engine drives it through reduce rounds and a map pass:
+
+* `rounds` reduce rounds; in each, `chunk_statistics` runs on workers for every chunk of the
+  tensors `active` in that round and returns int64 tensors keyed by a scope ("" for the whole
+  model, or a tensor name); the driver sums them per key and `finalize` folds the sums into
+  the method's state (plain data: JSON-able, stored in the manifest for resume).
+* `merge_chunk` runs on workers in the map pass with the final state.
+
+Parameters are resolved per tensor on the driver (`TensorParams`: per-task lists and global
+values) and checked before any work starts.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from ram_dist.errors import RamDistError
 
+#: Resolved parameters of one tensor: per-task parameters as lists (task order), globals as
+#: values.
+TensorParams = Mapping[str, Any]
+State = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Where a chunk lies: its tensor, its first flat index, and the tensor's size."""
+
+    tensor: str
+    start: int
+    numel: int
+
 
 class MergeMethod(Protocol):
-    """What the engine needs of a merge rule.
-
-    `chunk_statistics` runs on workers in the reduce pass and returns an int64 tensor that the
-    driver sums over chunks; `finalize` runs once on the driver and turns the sum into what
-    the map pass needs; `merge_chunk` runs on workers in the map pass.
-    """
-
     name: str
+    task_parameters: Mapping[str, Any]
+    """Per-task parameter names and defaults (mergekit's per-model `parameters`)."""
+    global_parameters: Mapping[str, Any]
+    """Global parameter names and defaults."""
+    rounds: int
 
-    def params(self, **values: Any) -> Any: ...
+    def check(self, params: TensorParams, where: str) -> None: ...
+
+    def initial_state(
+        self, params: Mapping[str, TensorParams], numel: Mapping[str, int], n_tasks: int
+    ) -> State: ...
+
+    def active(self, round_: int, state: State, tensor: str) -> bool: ...
 
     def chunk_statistics(
-        self, base: torch.Tensor, tasks: list[torch.Tensor], params: Any
-    ) -> torch.Tensor: ...
+        self,
+        round_: int,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> dict[str, torch.Tensor]: ...
 
-    def finalize(self, total: torch.Tensor, params: Any) -> dict[str, Any]: ...
+    def finalize(
+        self,
+        round_: int,
+        totals: dict[str, torch.Tensor],
+        params: Mapping[str, TensorParams],
+        numel: Mapping[str, int],
+        state: State,
+    ) -> State: ...
 
     def merge_chunk(
         self,
+        chunk: Chunk,
         base: torch.Tensor,
         tasks: list[torch.Tensor],
-        params: Any,
-        finalized: dict[str, Any],
+        params: TensorParams,
+        state: State,
     ) -> torch.Tensor: ...
+
+    def report(self, state: State) -> dict[str, Any]: ...
 
 
 METHODS: dict[str, MergeMethod] = {}
+ALIASES: dict[str, str] = {}
 
 
-def register(method: MergeMethod) -> MergeMethod:
-    if method.name in METHODS:
+def register(method: MergeMethod, *aliases: str) -> MergeMethod:
+    if method.name in METHODS or any(a in ALIASES for a in aliases):
         raise ValueError(f"merge method {method.name!r} registered twice")
     METHODS[method.name] = method
+    ALIASES.update({a: method.name for a in aliases})
     return method
 
 
 def get_method(name: str) -> MergeMethod:
-    """The method called `name`, or an error that lists the valid names."""
+    """The method called `name` (or one of mergekit's names for it), or an error that lists
+    the valid names."""
     _load_builtin()
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise RamDistError(
-            f"unknown merge method {name!r}; valid methods: {', '.join(sorted(METHODS))}"
-        ) from None
+    key = ALIASES.get(name, name)
+    if key not in METHODS:
+        valid = ", ".join(sorted([*METHODS, *ALIASES]))
+        raise RamDistError(f"unknown merge method {name!r}; valid methods: {valid}")
+    return METHODS[key]
 
 
 def _load_builtin() -> None:
-    from ram_dist.methods import ram  # noqa: F401  (registers on import)
+    from ram_dist.methods import baselines, ram  # noqa: F401  (register on import)
+
+
+def number(value: Any, name: str, where: str) -> float:
+    """A real number parameter, or an error naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RamDistError(f"{where}: parameter {name} must be a number, got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise RamDistError(f"{where}: parameter {name} must be finite, got {value!r}")
+    return float(value)
+
+
+def flag(value: Any, name: str, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise RamDistError(f"{where}: parameter {name} must be true or false, got {value!r}")
+    return value

@@ -1,0 +1,326 @@
+"""The baselines the paper compares against, with mergekit's names, parameters and defaults.
+
+Configured instances of two families: the generalized task arithmetic family
+(`task_arithmetic`, `ties`, `dare_linear`, `dare_ties`: optional sparsification by magnitude
+or at random, optional sign consensus) and `linear`. Whole-tensor quantities are reduce
+rounds: TIES's exact top-k cut (`topk.py`: magnitude histograms, then, when the cut splits a
+group of equal magnitudes, histograms of their flat indices, so the rule stays per element)
+and the L1 norms of the rescale rule (`dare.l1_statistic`, exact integer sums).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ram_dist.errors import RamDistError
+from ram_dist.methods import dare, linear, task_arithmetic, ties, topk
+from ram_dist.methods.registry import Chunk, State, TensorParams, flag, number, register
+
+L1 = "#l1"
+L1_ABOVE = "#l1-above"
+
+
+def _densities(params: TensorParams) -> list[float]:
+    return [float(d) for d in params["density"]]
+
+
+def _weights(params: TensorParams) -> list[float]:
+    return [float(w) for w in params["weight"]]
+
+
+def index_keys(chunk: Chunk, n: int, device: torch.device) -> torch.Tensor:
+    """Flat indices of a chunk's elements in their tensor."""
+    return torch.arange(chunk.start, chunk.start + n, dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True)
+class TaskArithmeticFamily:
+    """mergekit's generalized task arithmetic: sparsify (none, magnitude, random), weight,
+    optional sign consensus, optional normalize, lambda."""
+
+    name: str
+    sparsify: str | None  # None, "magnitude" (TIES) or "random" (DARE)
+    consensus: bool
+    normalize_default: bool
+    rescale_default: bool
+    task_parameters: Mapping[str, Any] = field(
+        default_factory=lambda: {"weight": 1.0, "density": 1.0}
+    )
+
+    @property
+    def global_parameters(self) -> Mapping[str, Any]:
+        params: dict[str, Any] = {"normalize": self.normalize_default, "lambda": 1.0}
+        if self.sparsify is not None:
+            params["rescale"] = self.rescale_default
+        if self.sparsify == "random":
+            params["seed"] = 0
+        return params
+
+    @property
+    def rounds(self) -> int:
+        return {None: 0, "random": 1, "magnitude": 4}[self.sparsify]
+
+    def check(self, params: TensorParams, where: str) -> None:
+        for w in params["weight"]:
+            number(w, "weight", where)
+        for d in params["density"]:
+            if not 0 < number(d, "density", where) <= 1:
+                raise RamDistError(f"{where}: parameter density must be in (0, 1], got {d}")
+        if self.sparsify is None and any(d != 1 for d in params["density"]):
+            raise RamDistError(f"{where}: {self.name} has no density (use ties or dare_*)")
+        number(params["lambda"], "lambda", where)
+        flag(params["normalize"], "normalize", where)
+        if "rescale" in params:
+            flag(params["rescale"], "rescale", where)
+        if "seed" in params and (
+            isinstance(params["seed"], bool) or not isinstance(params["seed"], int)
+        ):
+            raise RamDistError(f"{where}: parameter seed must be an integer")
+
+    # -- reduce rounds ------------------------------------------------------------------
+
+    def initial_state(
+        self, params: Mapping[str, TensorParams], numel: Mapping[str, int], n_tasks: int
+    ) -> State:
+        """Per tensor: which tasks TIES must cut (and keep how many), whether L1 rescale runs."""
+        tensors: dict[str, Any] = {}
+        seed = 0
+        for name, p in params.items():
+            densities = _densities(p)
+            rescale = bool(p.get("rescale")) and any(d < 1 for d in densities)
+            seed = p.get("seed", 0)
+            if self.sparsify == "random":
+                tensors[name] = {"rescale": rescale}
+            elif self.sparsify == "magnitude":
+                cuts = [
+                    {"k": topk.kept_count(d, numel[name])} if ties.needs_cut(d, numel[name])
+                    else None
+                    for d in densities
+                ]  # fmt: skip
+                tensors[name] = {"cut": any(cuts), "cuts": cuts, "rescale": rescale}
+        return {"tensors": tensors, "seed": seed}
+
+    def active(self, round_: int, state: State, tensor: str) -> bool:
+        info = state.get("tensors", {}).get(tensor)
+        if self.sparsify == "random":
+            return bool(info and info["rescale"])
+        if info is None or not info["cut"]:
+            return False
+        if round_ <= 1:
+            return True
+        ordered = any(c is not None and c["need"] < c["equal"] for c in info["cuts"])
+        return ordered or (round_ == 2 and info["rescale"])
+
+    def chunk_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> dict[str, torch.Tensor]:
+        if self.sparsify == "random":
+            stats = dare.chunk_statistics(
+                base, tasks, seed=params["seed"], name=chunk.tensor, start=chunk.start,
+                densities=_densities(params),
+            )  # fmt: skip
+            return {chunk.tensor: stats}
+        _, deltas = task_arithmetic.task_vectors(base, tasks)
+        keys = [topk.magnitude_keys(d) for d in deltas]
+        info = state["tensors"][chunk.tensor]
+        if round_ == 0:
+            out = {chunk.tensor: torch.stack([topk.high_histogram(k) for k in keys])}
+            if info["rescale"]:
+                out[chunk.tensor + L1] = torch.stack([dare.l1_statistic(d) for d in deltas])
+            return out
+        if round_ == 1:
+            rows = [
+                topk.low_histogram(k, c["high_bin"]) if c else _zeros(topk.LOW_BINS, k.device)
+                for k, c in zip(keys, info["cuts"], strict=True)
+            ]
+            return {chunk.tensor: torch.stack(rows)}
+        index = index_keys(chunk, keys[0].numel(), keys[0].device)
+        bins = -(-chunk.numel // topk.LOW_BINS)
+        out = {}
+        rows = []
+        for k, c in zip(keys, info["cuts"], strict=True):
+            if c is None or c["need"] >= c["equal"]:
+                rows.append(_zeros(bins if round_ == 2 else topk.LOW_BINS, k.device))
+                continue
+            equal = index[k == c["threshold"]]
+            if round_ == 2:
+                rows.append(torch.bincount(equal >> 16, minlength=bins))
+            else:
+                inside = equal[(equal >> 16) == c["index_bin"]]
+                rows.append(torch.bincount(inside & 0xFFFF, minlength=topk.LOW_BINS))
+        out[chunk.tensor] = torch.stack(rows).to(torch.int64)
+        if round_ == 2 and info["rescale"]:
+            out[chunk.tensor + L1_ABOVE] = torch.stack(
+                [
+                    dare.l1_statistic(d.reshape(-1) * (k > c["threshold"]))
+                    if c
+                    else _zeros(dare.L1_BINS, k.device)
+                    for k, d, c in zip(keys, deltas, info["cuts"], strict=True)
+                ]
+            )
+        return out
+
+    def finalize(
+        self,
+        round_: int,
+        totals: dict[str, torch.Tensor],
+        params: Mapping[str, TensorParams],
+        numel: Mapping[str, int],
+        state: State,
+    ) -> State:
+        tensors = state["tensors"]
+        if self.sparsify == "random":
+            for name, info in tensors.items():
+                if name in totals:
+                    info["factors"] = dare.rescale_factors(totals[name], _densities(params[name]))
+            return state
+        for name, info in tensors.items():
+            if name not in totals or not info["cut"]:
+                continue
+            total = totals[name]
+            for t, cut in enumerate(info["cuts"]):
+                if cut is None:
+                    continue
+                if round_ == 0:
+                    high = topk.find_high_bin(total[t], cut["k"])
+                    cut.update(high_bin=high.high_bin, above=high.above)
+                    if name + L1 in totals:
+                        cut["l1"] = totals[name + L1][t].tolist()
+                elif round_ == 1:
+                    high = topk.HighCut(cut["high_bin"], cut["above"])
+                    found = topk.find_cut(total[t], high, cut["k"])
+                    cut.update(threshold=found.threshold, need=found.need_at_threshold)
+                    cut["equal"] = found.equal_at_threshold
+                elif cut["need"] < cut["equal"] and round_ == 2:
+                    cum = total[t].cumsum(0)
+                    b = int(torch.searchsorted(cum, cut["need"]))
+                    cut["index_bin"] = b
+                    cut["need_in_bin"] = cut["need"] - (int(cum[b - 1]) if b else 0)
+                elif cut["need"] < cut["equal"] and round_ == 3:
+                    cum = total[t].cumsum(0)
+                    low = int(torch.searchsorted(cum, cut["need_in_bin"]))
+                    cut["index_cut"] = (cut["index_bin"] << 16) + low + 1
+                if round_ == 2 and name + L1_ABOVE in totals:
+                    found = topk.Cut(cut["threshold"], cut["need"], cut["equal"])
+                    above = totals[name + L1_ABOVE][t]
+                    before = torch.tensor(cut["l1"], dtype=torch.int64)
+                    cut["factor"] = dare.rescale_factor(before, ties.kept_l1(above, found))
+        return state
+
+    # -- map pass ----------------------------------------------------------------------
+
+    def merge_chunk(
+        self,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> torch.Tensor:
+        weights = _weights(params)
+        lam = float(params["lambda"])
+        normalize = bool(params["normalize"])
+        if self.sparsify is None:
+            return task_arithmetic.merge_chunk(
+                base, tasks, weights, normalize=normalize, lambda_=lam
+            )
+        info = state["tensors"][chunk.tensor]
+        if self.sparsify == "random":
+            factors = info.get("factors") or [None] * len(tasks)
+            return dare.merge_chunk(
+                base, tasks, weights, seed=params["seed"], name=chunk.tensor, start=chunk.start,
+                densities=_densities(params), factors=factors, consensus=self.consensus,
+                normalize=normalize, lambda_=lam,
+            )  # fmt: skip
+        b, deltas = task_arithmetic.task_vectors(base, tasks)
+        sparse = []
+        for d, c in zip(deltas, info["cuts"], strict=True):
+            if c is None:
+                sparse.append(d)
+                continue
+            keys = topk.magnitude_keys(d)
+            keep = keys > c["threshold"]
+            at = keys == c["threshold"]
+            if "index_cut" in c:
+                at = at & (index_keys(chunk, keys.numel(), keys.device) < c["index_cut"])
+            sparse.append(dare.sparsify(d, keep | at, c.get("factor")))
+        return task_arithmetic.combine(
+            b, sparse, weights, consensus=self.consensus, normalize=normalize, lambda_=lam
+        )
+
+    def report(self, state: State) -> dict[str, Any]:
+        tensors = state.get("tensors", {})
+        if self.sparsify == "magnitude":
+            ordered = sum(
+                1
+                for info in tensors.values()
+                for c in info["cuts"]
+                if c is not None and c["need"] < c["equal"]
+            )
+            return {"ties": {"cuts_through_equal_magnitudes": ordered}}
+        if self.sparsify == "random":
+            return {"dare": {"seed": state.get("seed", 0)}}
+        return {}
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True)
+class LinearMethod:
+    """mergekit's `linear`: the weighted mean of the task models (the base is not averaged)."""
+
+    name: str = "linear"
+    task_parameters: Mapping[str, Any] = field(default_factory=lambda: {"weight": 1.0})
+    global_parameters: Mapping[str, Any] = field(default_factory=lambda: {"normalize": True})
+    rounds: int = 0
+
+    def check(self, params: TensorParams, where: str) -> None:
+        weights = [number(w, "weight", where) for w in params["weight"]]
+        if flag(params["normalize"], "normalize", where) and sum(weights) == 0:
+            raise RamDistError(f"{where}: the weights sum to 0; linear cannot normalize by it")
+
+    def initial_state(
+        self, params: Mapping[str, TensorParams], numel: Mapping[str, int], n_tasks: int
+    ) -> State:
+        return {}
+
+    def active(self, round_: int, state: State, tensor: str) -> bool:
+        return False
+
+    def chunk_statistics(self, *args: Any) -> dict[str, torch.Tensor]:
+        return {}
+
+    def finalize(self, *args: Any) -> State:
+        return args[-1]
+
+    def merge_chunk(
+        self,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> torch.Tensor:
+        return linear.merge_chunk(tasks, _weights(params), normalize=bool(params["normalize"]))
+
+    def report(self, state: State) -> dict[str, Any]:
+        return {}
+
+
+register(TaskArithmeticFamily("task_arithmetic", None, False, False, False))
+register(TaskArithmeticFamily("ties", "magnitude", True, True, False))
+register(TaskArithmeticFamily("dare_linear", "random", False, False, True))
+register(TaskArithmeticFamily("dare_ties", "random", True, False, True))
+register(LinearMethod())
