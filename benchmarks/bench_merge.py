@@ -360,11 +360,17 @@ def merge_argv(args: argparse.Namespace, models_dir: Path, out: Path) -> list[st
 
 
 def run_merge(cmd: list[str], env: dict[str, str], out: Path, log: Path) -> dict[str, Any]:
-    """Run one merge; return wall time, the process's own max RSS and the merge report."""
+    """Run one merge; return wall time, the process's own max RSS and the merge report.
+
+    The command runs in the log's folder, not the caller's: ``python -m`` puts the working
+    directory first on ``sys.path``, which would shadow a ``PYTHONPATH`` given with ``--cli``.
+    """
     shutil.rmtree(out, ignore_errors=True)
     with open(log, "w") as log_f:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=log.parent, stdout=log_f, stderr=subprocess.STDOUT
+        )
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
