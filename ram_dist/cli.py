@@ -97,6 +97,11 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--workers", type=int, default=None, help="work units at once (default: all)")
     p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="merge inputs that hold NaN or Inf instead of refusing them",
+    )
+    p.add_argument(
         "--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else a local Ray)"
     )
     p.add_argument(
@@ -143,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
         raise RamDistError(f"--chunk-mb must be positive, got {args.chunk_mb}")
     kwargs["chunk_bytes"] = max(1, int(args.chunk_mb * 2**20))
     kwargs["workers"] = args.workers
+    kwargs["allow_nonfinite"] = args.allow_nonfinite
     if args.storage_options is not None:
         kwargs["storage_options"] = parse_storage_options(args.storage_options)
     kwargs["address"] = args.address

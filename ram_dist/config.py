@@ -43,6 +43,8 @@ class MergeConfig:
     """Ray cluster address; None uses RAY_ADDRESS or starts a local Ray."""
     overwrite: bool = False
     """Replace an output folder that already holds files."""
+    allow_nonfinite: bool = False
+    """Merge inputs holding NaN or Inf instead of refusing them."""
     notes: tuple[str, ...] = ()
     """What the config asked for that was accepted but ignored or changed."""
     storage_options: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
@@ -70,7 +72,6 @@ class MergeConfig:
         Storage(self.storage_options)  # raises on a malformed mapping
 
 
-
 def load_yaml(path: str) -> dict[str, Any]:
     """Read a mergekit YAML file into `MergeConfig` keyword arguments.
 
@@ -89,8 +90,7 @@ def load_yaml(path: str) -> dict[str, Any]:
         "method": spec.merge_method,
         "parameters": {k: v for k, v in spec.parameters.items() if k in used},
         "task_parameters": tuple(
-            {k: v for k, v in m.parameters.items() if k in method.task_parameters}
-            for m in models
+            {k: v for k, v in m.parameters.items() if k in method.task_parameters} for m in models
         ),
         "notes": spec.notes,
     }

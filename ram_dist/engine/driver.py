@@ -17,7 +17,7 @@ from ram_dist import __version__
 from ram_dist.config import MergeConfig
 from ram_dist.engine.effective import CONFIG_NAME, render
 from ram_dist.engine.job import Job, prepare
-from ram_dist.engine.output import clear_published, open_output
+from ram_dist.engine.output import check_writable, clear_published, open_output
 from ram_dist.engine.passes import PassStats, map_pass, reduce_pass
 from ram_dist.engine.runtime import ray_cluster
 from ram_dist.errors import RamDistError
@@ -56,6 +56,7 @@ def merge(config: MergeConfig) -> dict[str, Any]:
     job = prepare(config)
     assert job.out is not None
     state = open_output(job)
+    check_writable(job)
     if state.finished:
         return _finished_report(job)
     manifest = state.manifest

@@ -11,6 +11,7 @@ from typing import Any
 from ram_dist.config import MergeConfig
 from ram_dist.engine.layout import Layout, build_layout
 from ram_dist.engine.params import resolve_all
+from ram_dist.errors import RamDistError
 from ram_dist.io.checkpoint import Checkpoint, open_checkpoint
 from ram_dist.io.locations import resolve_location, resolve_output
 from ram_dist.io.storage import Storage
@@ -66,14 +67,31 @@ class Job:
 def prepare(config: MergeConfig) -> Job:
     """Resolve locations, read every header, check that the inputs fit, plan the work."""
     storage = Storage(config.storage_options)
-    base = open_checkpoint(resolve_location(config.base, "base model"), "base model", storage)
-    tasks = []
-    for i, location in enumerate(config.tasks):
-        label = f"task {i + 1}"
-        tasks.append(open_checkpoint(resolve_location(location, label), label, storage))
+    base_url = resolve_location(config.base, "base model")
+    task_urls = [resolve_location(loc, f"task {i + 1}") for i, loc in enumerate(config.tasks)]
+    _check_distinct(base_url, task_urls, config.method)
+    base = open_checkpoint(base_url, "base model", storage)
+    tasks = [open_checkpoint(url, f"task {i + 1}", storage) for i, url in enumerate(task_urls)]
     layout = build_layout(base, tasks, config.out_dtype)
     merging = [name for name, e in layout.tensors.items() if e.participating]
     params = resolve_all(config, get_method(config.method), merging)
     units = plan_units(layout.slots(), config.chunk_bytes)
     out = resolve_output(config.out) if config.out is not None else None
     return Job(config, storage, base, tasks, layout, units, out, params)
+
+
+def _check_distinct(base: str, tasks: list[str], method: str) -> None:
+    """The same checkpoint twice, or the base as a task, is a mistake (except for `linear`,
+    which averages its inputs and may list the base among them, as mergekit does)."""
+    seen: dict[str, int] = {}
+    for i, url in enumerate(tasks):
+        if url == base and get_method(method).name != "linear":
+            raise RamDistError(
+                f"task {i + 1} ({url}) is the base model; tasks are the models fine-tuned from it"
+            )
+        if url in seen:
+            raise RamDistError(
+                f"task {seen[url] + 1} and task {i + 1} are the same checkpoint ({url}); "
+                "give each task once"
+            )
+        seen[url] = i

@@ -7,6 +7,7 @@ files is refused. `--overwrite` starts afresh in all three cases.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ram_dist.engine.job import Job
@@ -25,9 +26,42 @@ class OutputState:
     finished: bool
 
 
+def check_not_an_input(job: Job) -> None:
+    """Writing into an input would corrupt it: the output may not be, or lie inside, one."""
+    assert job.out is not None
+    for ckpt in [job.base, *job.tasks]:
+        if job.out == ckpt.url or job.out.startswith(ckpt.url.rstrip("/") + "/"):
+            raise RamDistError(
+                f"output {job.out} is or lies inside {ckpt.label} ({ckpt.url}); "
+                "choose an output location outside every input"
+            )
+
+
+def check_writable(job: Job) -> None:
+    """Fail before any heavy work when the output cannot be written."""
+    assert job.out is not None
+    if job.storage.is_local(job.out):
+        path = os.path.abspath(job.out)
+        while not os.path.exists(path):
+            path = os.path.dirname(path)
+        if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+            raise RamDistError(
+                f"output {job.out} cannot be written: {path} is not a writable folder"
+            )
+        return
+    probe = join(job.out, ".ram-dist-write-check")
+    fs, path = job.storage.fs(probe)
+    try:
+        fs.pipe_file(path, b"")
+        fs.rm(path)
+    except Exception as e:  # noqa: BLE001  (any failure means: cannot write there)
+        raise RamDistError(f"output {job.out} cannot be written ({type(e).__name__}: {e})") from e
+
+
 def open_output(job: Job) -> OutputState:
     """Check the output location against the job; never writes."""
     assert job.out is not None
+    check_not_an_input(job)
     fs, path = job.storage.fs(job.out)
     fresh = Manifest(
         identity=job.identity(),

@@ -20,6 +20,7 @@ from ram_dist.engine.job import Job
 from ram_dist.engine.pool import ordered_map
 from ram_dist.engine.runtime import Cluster
 from ram_dist.engine.work import map_unit, reduce_unit
+from ram_dist.errors import RamDistError
 from ram_dist.io.writer import ShardWriter
 from ram_dist.plan import WorkUnit
 
@@ -74,27 +75,55 @@ def _progress(results: Any, total: int, name: str) -> Any:
 
 def reduce_pass(job: Job, cluster: Cluster) -> tuple[dict[str, Any], PassStats]:
     """Every reduce round of the method: sum each unit's int64 statistics per key, then let
-    the method fold the sums into its state. Rounds no tensor needs read nothing."""
+    the method fold the sums into its state. Rounds no tensor needs read nothing. The first
+    round also counts NaN and Inf in every input (a check-only round for methods without
+    statistics), unless the job allows them."""
     stats = PassStats()
     start = time.perf_counter()
     method, state = job.method, job.initial_state()
     workers, resources = _options(job, cluster)
     numel = job.numel()
-    for round_ in range(method.rounds):
-        active = {n for n in job.params if method.active(round_, state, n)}
-        units = [u for u in job.units if any(p.tensor in active for p in u.pieces)]
+    check = not job.config.allow_nonfinite
+    for round_ in range(max(method.rounds, 1 if check else 0)):
+        checking = check and round_ == 0
+        active = {
+            n for n in job.params if round_ < method.rounds and method.active(round_, state, n)
+        }
+        wanted = set(job.params) if checking else active
+        units = [u for u in job.units if any(p.tensor in wanted for p in u.pieces)]
         if not units:
             continue
         totals: dict[str, torch.Tensor] = {}
-        shared = (job.layout, job.storage, method, job.params, state, round_)
+        nonfinite: dict[str, list[int]] = {}
+        shared = (job.layout, job.storage, method, job.params, state, round_, checking)
         results = ordered_map(reduce_unit, units, shared, workers, resources)
         for result in _progress(results, len(units), f"reduce {round_ + 1}"):
             for key, value in (result.stats or {}).items():
                 totals[key] = totals[key] + value if key in totals else value
+            for name, counts in (result.nonfinite or {}).items():
+                old = nonfinite.get(name, [0] * len(counts))
+                nonfinite[name] = [a + b for a, b in zip(old, counts, strict=True)]
             stats.add(result.bytes_read, result.peak_rss_bytes)
-        state = method.finalize(round_, totals, job.params, numel, state)
+        if nonfinite:
+            raise _nonfinite_error(job, nonfinite)
+        if round_ < method.rounds:
+            state = method.finalize(round_, totals, job.params, numel, state)
     stats.wall_s = time.perf_counter() - start
     return state, stats
+
+
+def _nonfinite_error(job: Job, found: dict[str, list[int]]) -> RamDistError:
+    lines = []
+    inputs = [job.base, *job.tasks]
+    for name, counts in sorted(found.items()):
+        for ckpt, count in zip(inputs, counts, strict=True):
+            if count:
+                lines.append(f"tensor {name!r}: {count} NaN/Inf in {ckpt.describe(name)}")
+    shown = "; ".join(lines[:10]) + (f"; and {len(lines) - 10} more" if len(lines) > 10 else "")
+    return RamDistError(
+        f"non-finite values in the inputs: {shown}. Fix the checkpoint, or pass "
+        "--allow-nonfinite to merge them as the rule computes them"
+    )
 
 
 def map_pass(

@@ -35,6 +35,8 @@ class UnitResult:
     data: np.ndarray | None
     bytes_read: tuple[int, ...]
     peak_rss_bytes: int
+    nonfinite: dict[str, list[int]] | None = None
+    """Reduce round 0: per tensor, NaN and Inf counts of each input (base first), when any."""
 
 
 def device() -> torch.device:
@@ -86,29 +88,39 @@ def reduce_unit(
     params: Mapping[str, TensorParams],
     state: State,
     round_: int,
+    check_finite: bool,
 ) -> UnitResult:
-    """One reduce round: the method's statistics of the unit's active pieces, summed by key."""
-    pieces = tuple(
-        p
-        for p in unit.pieces
-        if layout.tensors[p.tensor].participating and method.active(round_, state, p.tensor)
-    )
-    active = WorkUnit(unit.index, unit.shard, pieces)
-    tensors, bytes_read = read_unit(active, layout, storage)
+    """One reduce round: the method's statistics of the unit's active pieces, summed by key;
+    with `check_finite`, also the NaN and Inf count of every input of every piece."""
+    method_rounds = round_ < method.rounds
+
+    def wanted(tensor: str) -> bool:
+        active = method_rounds and method.active(round_, state, tensor)
+        return layout.tensors[tensor].participating and (active or check_finite)
+
+    pieces = tuple(p for p in unit.pieces if wanted(p.tensor))
+    tensors, bytes_read = read_unit(WorkUnit(unit.index, unit.shard, pieces), layout, storage)
     dev = device()
     totals: dict[str, torch.Tensor] = {}
+    nonfinite: dict[str, list[int]] = {}
     for piece, inputs in zip(pieces, tensors, strict=True):
         numel = layout.tensors[piece.tensor].numel
+        active = method_rounds and method.active(round_, state, piece.tensor)
         for lo, hi in _blocks(piece.numel):
             base, *tasks = (t[lo:hi].to(dev) for t in inputs)
+            if check_finite:
+                counts = [int((~torch.isfinite(x)).sum()) for x in (base, *tasks)]
+                if any(counts):
+                    old = nonfinite.get(piece.tensor, [0] * len(counts))
+                    nonfinite[piece.tensor] = [a + b for a, b in zip(old, counts, strict=True)]
+            if not active:
+                continue
             chunk = Chunk(piece.tensor, piece.start + lo, numel)
-            stats = method.chunk_statistics(
-                round_, chunk, base, tasks, params[piece.tensor], state
-            )
+            stats = method.chunk_statistics(round_, chunk, base, tasks, params[piece.tensor], state)
             for key, value in stats.items():
                 value = value.to(device="cpu", dtype=torch.int64)
                 totals[key] = totals[key] + value if key in totals else value
-    return UnitResult(unit.index, totals, None, tuple(bytes_read), _peak_rss())
+    return UnitResult(unit.index, totals, None, tuple(bytes_read), _peak_rss(), nonfinite or None)
 
 
 def map_unit(

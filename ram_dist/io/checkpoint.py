@@ -78,6 +78,12 @@ def read_file_header(url: str, storage: Storage) -> tuple[FileHeader, dict[str, 
 
 def open_checkpoint(url: str, label: str, storage: Storage) -> Checkpoint:
     """List a checkpoint folder, read its index (if sharded) and every shard header."""
+    if url.rstrip("/").endswith(PICKLE_SUFFIXES):
+        raise CheckpointError(
+            f"{label} ({url}) is a pickle checkpoint, which ram-dist never opens (loading one "
+            "can run arbitrary code): convert it to safetensors first, e.g. "
+            "`model.save_pretrained(dir, safe_serialization=True)` in transformers"
+        )
     fs, path = storage.fs(url)
     try:
         names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
@@ -102,10 +108,14 @@ def open_checkpoint(url: str, label: str, storage: Storage) -> Checkpoint:
     tensors: dict[str, TensorInfo] = {}
     identity: dict[str, dict[str, object]] = {}
     for file in files:
-        if "/" in file or "\\" in file or file in ("", ".", ".."):
+        if "/" in file or "\\" in file or ":" in file or file in ("", ".", ".."):
             raise CheckpointError(
-                f"{label} ({url}): index names file {file!r}, which is not a plain file "
-                "name in the checkpoint folder"
+                f"{label} ({url}): the index names file {file!r}, which is not a plain file "
+                "name in the checkpoint folder (a path or URL there is refused)"
+            )
+        if file not in names:
+            raise CheckpointError(
+                f"{label} ({url}): the index names shard {file}, which does not exist"
             )
         header, identity[file] = read_file_header(join(url, file), storage)
         for name, info in header.tensors.items():

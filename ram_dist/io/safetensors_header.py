@@ -74,13 +74,15 @@ def parse_header(header_json: bytes, file: str, file_size: int | None) -> FileHe
     data_start = 8 + len(header_json)
     try:
         raw = json.loads(header_json.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: header is not valid JSON ({e})") from e
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{file}: header is not valid JSON ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{file}: header JSON is nested too deeply") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file}: header JSON is not an object")
-    metadata = raw.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise CheckpointError(f"{file}: __metadata__ is not an object")
+    metadata = raw.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{file}: __metadata__ is not an object of strings")
     tensors: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str]] = []
     for name, entry in raw.items():
@@ -92,11 +94,21 @@ def parse_header(header_json: bytes, file: str, file_size: int | None) -> FileHe
     for start, end, name in spans:
         if start < pos:
             raise CheckpointError(f"{file}: tensor {name!r} overlaps the previous tensor")
+        if start > pos:
+            raise CheckpointError(
+                f"{file}: bytes {pos - data_start}..{start - data_start} of the data belong to "
+                f"no tensor (before {name!r}); safetensors forbids gaps"
+            )
         pos = end
     if file_size is not None and pos > file_size:
         raise CheckpointError(
             f"{file}: tensor data ends at byte {pos} but the file has {file_size} bytes; "
             "the file is truncated"
+        )
+    if file_size is not None and pos < file_size:
+        raise CheckpointError(
+            f"{file}: {file_size - pos} bytes after the last tensor belong to no tensor; "
+            "safetensors forbids them"
         )
     return FileHeader(
         file=file,
