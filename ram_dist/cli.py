@@ -27,6 +27,15 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument(
         "--overwrite", action="store_true", help="write into an output folder that holds files"
     )
+    merge.add_argument(
+        "--dry-run", action="store_true", help="check and plan only (as `ram-dist plan`)"
+    )
+
+    plan = sub.add_parser(
+        "plan", help="read headers only: check everything and print what a merge would do"
+    )
+    _add_job_arguments(plan)
+    plan.add_argument("--out", help="output folder (or give it after CONFIG)")
 
     probe = sub.add_parser("probe", help="reduce pass only: print sparsity and overlap statistics")
     _add_job_arguments(probe)
@@ -105,6 +114,12 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
         "--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else a local Ray)"
     )
     p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="text: a progress bar on a terminal; json: one JSON object per line on stderr",
+    )
+    p.add_argument(
         "--storage-options",
         default=None,
         metavar="JSON",
@@ -149,6 +164,7 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
     kwargs["chunk_bytes"] = max(1, int(args.chunk_mb * 2**20))
     kwargs["workers"] = args.workers
     kwargs["allow_nonfinite"] = args.allow_nonfinite
+    kwargs["log_format"] = args.log_format
     if args.storage_options is not None:
         kwargs["storage_options"] = parse_storage_options(args.storage_options)
     kwargs["address"] = args.address
@@ -194,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     from ram_dist.engine import driver
-    from ram_dist.report import format_report
+    from ram_dist.report import format_plan, format_report
 
     if args.command == "verify":
         from ram_dist.io.storage import Storage
@@ -216,6 +232,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "probe" and args.out_positional is not None:
         raise RamDistError("probe writes no model: give no output location")
     config = config_from_args(args)
+    if args.command == "plan" or getattr(args, "dry_run", False):
+        planned = driver.plan(config)
+        if config.log_format == "json":
+            print(json.dumps(planned, indent=2, default=str))
+        else:
+            print(format_plan(planned))
+        return 0
     if args.command == "probe":
         report = driver.probe(config)
         print(format_report(report))

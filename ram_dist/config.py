@@ -43,6 +43,8 @@ class MergeConfig:
     """Ray cluster address; None uses RAY_ADDRESS or starts a local Ray."""
     overwrite: bool = False
     """Replace an output folder that already holds files."""
+    log_format: str = "text"
+    """`text` (a progress bar on a terminal) or `json` (one JSON object per line on stderr)."""
     allow_nonfinite: bool = False
     """Merge inputs holding NaN or Inf instead of refusing them."""
     notes: tuple[str, ...] = ()
@@ -65,6 +67,8 @@ class MergeConfig:
             )
         object.__setattr__(self, "task_parameters", tuple(self.task_parameters))
         get_method(self.method)  # raises on an unknown method
+        if self.log_format not in ("text", "json"):
+            raise RamDistError(f"log format must be text or json, got {self.log_format!r}")
         if self.chunk_bytes <= 0:
             raise RamDistError(f"chunk budget must be positive, got {self.chunk_bytes} bytes")
         if self.workers is not None and self.workers < 1:

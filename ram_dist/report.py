@@ -40,3 +40,36 @@ def format_report(report: dict[str, Any]) -> str:
 def _table(rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    """`ram-dist plan`: what a merge would read, run and write (nothing has been written)."""
+    t, b = plan["tensors"], plan["bytes_per_pass"]
+    lines = [f"method: {plan['method']}", f"parameters: {plan['parameters']}", "inputs:"]
+    for item in plan["inputs"]:
+        size = sum(f["size"] for f in item["files"].values())
+        lines.append(f"  {item['role']}: {item['location']} ({len(item['files'])} files, "
+                     f"{_size(size)})")  # fmt: skip
+    lines += [
+        f"tensors: {t['merged']} merged ({t['elements_merged']} elements), {t['copied']} copied",
+        f"work units: {plan['work_units']} (chunk budget {_size(plan['chunk_bytes'])} per input)",
+        f"reduce: {b['reduce_rounds']} round(s), up to {_size(b['reduce_round'])} read each"
+        + (f" ({b['reduce_rounds_note']})" if b["reduce_rounds_note"] else ""),
+        f"map: {_size(b['map'])} read",
+        f"memory per worker: about {_size(plan['memory_per_worker_bytes'])}",
+    ]
+    out = plan["output"]
+    if out is None:
+        lines.append("output: none given")
+    else:
+        lines.append(f"output: {out['url']} ({out['state']}, {len(out['shards'])} shard(s))")
+    lines.append("nothing was written")
+    return "\n".join(lines)

@@ -203,3 +203,16 @@ def _register_failing_protocol() -> None:
     import fsspec
 
     fsspec.register_implementation("s3fail", FailingS3FileSystem, clobber=True)
+
+
+def test_dry_run_leaves_the_bucket_untouched(models, options, fs, server):
+    from ram_dist.cli import main
+
+    base, tasks = models["s3"]
+    server.clear()
+    argv = ["plan", "--base", base, "--out", f"s3://{BUCKET}/dry", "--storage-options"]
+    argv += [json.dumps(options)] + sum([["--task", t] for t in tasks], [])
+    assert main(argv) == 0
+    assert fs.find(f"{BUCKET}/dry") == []
+    writes = [s for s in server.log if s.method in ("PUT", "POST", "DELETE")]
+    assert writes == []

@@ -22,9 +22,11 @@ def test_units_and_compute_blocks_reassemble_the_reference(tmp_path, monkeypatch
     job = driver.prepare(config)
     method, state = get_method("ram_plus"), job.initial_state()
     args = (job.layout, job.storage, method, job.params)
-    totals = [work.reduce_unit(u, *args, state, 0, False).stats for u in job.units]
-    total = sum((t[""] for t in totals if t), torch.zeros(4, 4, dtype=torch.int64))
-    state = method.finalize(0, {"": total}, job.params, job.numel(), state)
+    totals: dict[str, torch.Tensor] = {}
+    for unit in job.units:
+        for key, value in work.reduce_unit(unit, *args, state, 0, False).stats.items():
+            totals[key] = totals[key] + value if key in totals else value
+    state = method.finalize(0, totals, job.params, job.numel(), state)
     ref = reference_stats(base, tasks)
     histograms = [t["histogram"] for t in state["summary"]["tasks"]]
     assert histograms == [list(map(int, h)) for h in ref["H"]]

@@ -15,11 +15,14 @@ from typing import Any
 
 from ram_dist import __version__
 from ram_dist.config import MergeConfig
+from ram_dist.dtypes import itemsize
 from ram_dist.engine.effective import CONFIG_NAME, render
 from ram_dist.engine.job import Job, prepare
 from ram_dist.engine.output import check_writable, clear_published, open_output
 from ram_dist.engine.passes import PassStats, map_pass, reduce_pass
+from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import ray_cluster
+from ram_dist.engine.work import COMPUTE_BLOCK
 from ram_dist.errors import RamDistError
 from ram_dist.io.files import copy_files, non_weight_files
 from ram_dist.io.manifest import save_manifest
@@ -30,7 +33,7 @@ from ram_dist.methods.ram import RamMethod
 
 REPORT_NAME = "merge_report.json"
 
-__all__ = ["REPORT_NAME", "merge", "prepare", "probe"]
+__all__ = ["REPORT_NAME", "merge", "plan", "prepare", "probe"]
 
 
 def probe(config: MergeConfig) -> dict[str, Any]:
@@ -44,8 +47,10 @@ def probe(config: MergeConfig) -> dict[str, Any]:
             task_parameters=(),
         )
     job = prepare(config)
+    progress = Progress(config.log_format)
+    progress.event("job_start", command="probe", method="ram statistics", units=len(job.units))
     with ray_cluster(config.address) as cluster:
-        state, stats = reduce_pass(job, cluster)
+        state, stats = reduce_pass(job, cluster, progress)
     return _report(job, state, {"reduce": stats.as_dict()}, stats.worker_peak_rss_bytes)
 
 
@@ -63,6 +68,11 @@ def merge(config: MergeConfig) -> dict[str, Any]:
     fs, path = job.storage.fs(job.out)
     if config.overwrite:
         clear_published(job)
+    progress = Progress(config.log_format)
+    progress.event(
+        "job_start", command="merge", method=job.method.name, output=job.out,
+        units=len(job.units), resumed=state.resumed,
+    )  # fmt: skip
     with ray_cluster(config.address) as cluster:
         passes: dict[str, Any] = {}
         worker_rss = 0
@@ -70,7 +80,7 @@ def merge(config: MergeConfig) -> dict[str, Any]:
             state = manifest.statistics
             passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
         else:
-            state, reduce_stats = reduce_pass(job, cluster)
+            state, reduce_stats = reduce_pass(job, cluster, progress)
             passes["reduce"] = reduce_stats.as_dict()
             worker_rss = reduce_stats.worker_peak_rss_bytes
             fs.makedirs(path, exist_ok=True)
@@ -88,7 +98,7 @@ def merge(config: MergeConfig) -> dict[str, Any]:
             manifest.shards[shard] = {"sha256": sha256, "size": size}
             save_manifest(job.out, manifest, job.storage)
 
-        map_stats = map_pass(job, cluster, state, todo, finished) if todo else PassStats()
+        map_stats = map_pass(job, cluster, state, todo, finished, progress) if todo else PassStats()
         passes["map"] = map_stats.as_dict()
         worker_rss = max(worker_rss, map_stats.worker_peak_rss_bytes)
 
@@ -108,7 +118,65 @@ def merge(config: MergeConfig) -> dict[str, Any]:
         weight_map = {t: shard for shard, names_ in job.layout.shards.items() for t in names_}
         total_size = sum(t.nbytes for s in job.layout.shards for t in job.layout.out_tensors(s))
         write_index(job.out, weight_map, total_size, job.storage)
+    progress.event(
+        "done", output=job.out, method=job.method.name,
+        densities=[t.get("density") for t in report.get("tasks", [])],
+        lambdas=report.get("lambda_applied"), bytes_written=passes["map"]["bytes_written"],
+    )  # fmt: skip
     return report
+
+
+def plan(config: MergeConfig) -> dict[str, Any]:
+    """Headers only: every up-front check, then what the job would read, run and write.
+
+    Writes nothing anywhere (a remote output's writability is not probed by a dry run).
+    """
+    job = prepare(config)
+    out: dict[str, Any] = {"output": None}
+    if job.out is not None:
+        state = open_output(job)
+        if job.storage.is_local(job.out):
+            check_writable(job)
+        out["output"] = {
+            "url": job.out,
+            "state": "complete" if state.finished else "resume" if state.resumed else "new",
+            "shards": list(job.layout.shards),
+            "shards_finished": sorted(state.manifest.shards) if state.resumed else [],
+        }
+    participating = [n for n, e in job.layout.tensors.items() if e.participating]
+    merge_bytes = sum(job.unit_bytes(u, set(participating)) for u in job.units)
+    rounds = job.method.rounds + (1 if job.method.rounds == 0 and not config.allow_nonfinite else 0)
+    out_bytes = max(
+        (sum(p.numel * itemsize(job.layout.tensors[p.tensor].out_dtype) for p in u.pieces)
+         for u in job.units), default=0,
+    )  # fmt: skip
+    largest = max((job.unit_bytes(u) for u in job.units), default=0)
+    temporaries = min(COMPUTE_BLOCK, largest) * 8 * (len(job.tasks) + 4)
+    out.update(
+        {
+            "method": job.method.name,
+            "parameters": job.effective_parameters(),
+            "inputs": job.identity()["inputs"],
+            "tensors": {
+                "merged": len(participating),
+                "copied": len(job.layout.tensors) - len(participating),
+                "elements_merged": sum(job.layout.tensors[n].numel for n in participating),
+            },
+            "work_units": len(job.units),
+            "chunk_bytes": config.chunk_bytes,
+            "bytes_per_pass": {
+                "reduce_round": merge_bytes,
+                "reduce_rounds": rounds,
+                "reduce_rounds_note": "TIES needs its 3rd and 4th round only where the cut "
+                "falls inside equal magnitudes"
+                if job.method.name == "ties"
+                else "",
+                "map": sum(job.unit_bytes(u) for u in job.units),
+            },
+            "memory_per_worker_bytes": largest + out_bytes + temporaries,
+        }
+    )
+    return out
 
 
 def _finished_report(job: Job) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ram_dist.config import MergeConfig
+from ram_dist.dtypes import itemsize
 from ram_dist.engine.layout import Layout, build_layout
 from ram_dist.engine.params import resolve_all
 from ram_dist.errors import RamDistError
@@ -39,6 +40,18 @@ class Job:
 
     def numel(self) -> dict[str, int]:
         return {name: self.layout.tensors[name].numel for name in self.params}
+
+    def unit_bytes(self, unit: WorkUnit, tensors: set[str] | None = None) -> int:
+        """Input bytes a unit reads (only pieces of `tensors`, when given, as a reduce round
+        does: those pieces are participating tensors)."""
+        total = 0
+        for piece in unit.pieces:
+            entry = self.layout.tensors[piece.tensor]
+            if tensors is not None and piece.tensor not in tensors:
+                continue
+            sources = entry.sources if entry.participating else entry.sources[:1]
+            total += sum(piece.numel * itemsize(s.dtype) for s in sources)
+        return total
 
     def effective_parameters(self) -> dict[str, Any]:
         """Every tensor's parameters, given once when all tensors got the same ones."""

@@ -7,17 +7,16 @@ it is whole, telling the caller so it can record the shard in the manifest.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from ram_dist.engine.job import Job
 from ram_dist.engine.pool import ordered_map
+from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster
 from ram_dist.engine.work import map_unit, reduce_unit
 from ram_dist.errors import RamDistError
@@ -68,12 +67,9 @@ def _options(job: Job, cluster: Cluster) -> tuple[int, dict[str, Any]]:
     return workers, resources
 
 
-def _progress(results: Any, total: int, name: str) -> Any:
-    """A progress bar over work units on a terminal; silent in logs and cron jobs."""
-    return tqdm(results, total=total, desc=name, unit="unit", disable=not sys.stderr.isatty())
-
-
-def reduce_pass(job: Job, cluster: Cluster) -> tuple[dict[str, Any], PassStats]:
+def reduce_pass(
+    job: Job, cluster: Cluster, progress: Progress | None = None
+) -> tuple[dict[str, Any], PassStats]:
     """Every reduce round of the method: sum each unit's int64 statistics per key, then let
     the method fold the sums into its state. Rounds no tensor needs read nothing. The first
     round also counts NaN and Inf in every input (a check-only round for methods without
@@ -97,13 +93,18 @@ def reduce_pass(job: Job, cluster: Cluster) -> tuple[dict[str, Any], PassStats]:
         nonfinite: dict[str, list[int]] = {}
         shared = (job.layout, job.storage, method, job.params, state, round_, checking)
         results = ordered_map(reduce_unit, units, shared, workers, resources)
-        for result in _progress(results, len(units), f"reduce {round_ + 1}"):
+        progress = progress or Progress()
+        total_bytes = sum(job.unit_bytes(u, wanted) for u in units)
+        progress.start_pass(f"reduce {round_ + 1}", total_bytes, len(units))
+        for result in results:
+            progress.advance(sum(result.bytes_read))
             for key, value in (result.stats or {}).items():
                 totals[key] = totals[key] + value if key in totals else value
             for name, counts in (result.nonfinite or {}).items():
                 old = nonfinite.get(name, [0] * len(counts))
                 nonfinite[name] = [a + b for a, b in zip(old, counts, strict=True)]
             stats.add(result.bytes_read, result.peak_rss_bytes)
+        progress.end_pass()
         if nonfinite:
             raise _nonfinite_error(job, nonfinite)
         if round_ < method.rounds:
@@ -132,6 +133,7 @@ def map_pass(
     state: dict[str, Any],
     units: list[WorkUnit],
     on_shard: Callable[[str, str, int], None],
+    progress: Progress | None = None,
 ) -> PassStats:
     """Merge `units` in order; each shard is published when whole, then `on_shard(name,
     sha256, size)` is called."""
@@ -144,14 +146,19 @@ def map_pass(
     shared = (job.layout, job.storage, job.method, job.params, state)
     results = ordered_map(map_unit, units, shared, workers, resources)
 
+    progress = progress or Progress()
+    progress.start_pass("map", sum(job.unit_bytes(u) for u in units), len(units))
+
     def publish() -> None:
         assert writer is not None
         writer.commit()
         stats.bytes_written += writer.written
         on_shard(shard, writer.sha256, writer.written)
+        progress.event("shard_written", shard=shard, bytes=writer.written, sha256=writer.sha256)
 
     try:
-        for unit, result in zip(units, _progress(results, len(units), "map"), strict=True):
+        for unit, result in zip(units, results, strict=True):
+            progress.advance(sum(result.bytes_read))
             if writer is None or unit.shard != shard:
                 if writer is not None:
                     publish()
@@ -167,5 +174,6 @@ def map_pass(
         if writer is not None:
             writer.discard()
         raise
+    progress.end_pass(bytes_written=stats.bytes_written)
     stats.wall_s = time.perf_counter() - start
     return stats

@@ -10,6 +10,7 @@ and computes rho and lambda in float32 as mergekit does.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +19,6 @@ import torch
 
 from ram_dist.errors import RamDistError
 from ram_dist.methods.registry import Chunk, State, TensorParams, number, register
-
-MODEL = ""  # the statistics key of whole-model counts
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -115,6 +114,40 @@ def summarize(total: torch.Tensor, r: float, alpha: float) -> dict[str, Any]:
     return {"participating": d, "unchanged": by_count[0], "by_count": by_count, "tasks": tasks}
 
 
+LAYER = re.compile(r"^(.*?layers\.\d+)\.")
+
+
+def layer_summary(per_tensor: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """Per layer (`model.layers.{i}`; everything else is `other`), per task: changed, unique
+    and shared elements and the layer's participating elements, for the per-layer table."""
+    grouped: dict[str, torch.Tensor] = {}
+    for name, total in per_tensor.items():
+        match = LAYER.match(name)
+        key = match.group(1) if match else "other"
+        grouped[key] = grouped[key] + total if key in grouped else total.clone()
+
+    def order(key: str) -> tuple[int, int]:
+        digits = re.findall(r"\d+", key)
+        return (1, 0) if key == "other" else (0, int(digits[-1]))
+
+    layers = []
+    for key in sorted(grouped, key=order):
+        total = grouped[key]
+        n = total.shape[0] - 1
+        participating = int(total[n].sum())
+        tasks = [
+            {
+                "changed": int(total[t, 1:].sum()),
+                "unique": int(total[t, 1]),
+                "shared": int(total[t, 2:].sum()),
+                "participating": participating,
+            }
+            for t in range(n)
+        ]
+        layers.append({"layer": key, "tasks": tasks})
+    return layers
+
+
 def merge_ram(
     base: torch.Tensor, tasks: list[torch.Tensor], eps: float, lambdas: list[float]
 ) -> torch.Tensor:
@@ -180,8 +213,7 @@ class RamMethod:
         params: TensorParams,
         state: State,
     ) -> dict[str, torch.Tensor]:
-        stats = overlap_statistics(base, tasks, params["epsilon"])
-        return {MODEL: stats} if params["scope"] == "model" else {chunk.tensor: stats}
+        return {chunk.tensor: overlap_statistics(base, tasks, params["epsilon"])}
 
     def finalize(
         self,
@@ -191,31 +223,29 @@ class RamMethod:
         numel: Mapping[str, int],
         state: State,
     ) -> State:
-        any_params = next(iter(params.values()))
-        r, alpha = any_params["r"], any_params["alpha"]
-        if any_params["scope"] == "model":
-            total = totals.get(MODEL)
-            if total is None:  # a model without floating tensors
-                size = state["n_tasks"] + 1
-                total = torch.zeros((size, size), dtype=torch.int64)
-            summary = summarize(total, r, alpha)
-            lambdas = [to_float32(self.rule(t["rho"], r, alpha)) for t in summary["tasks"]]
-            return {"summary": summary, "lambdas": lambdas}
-        per_tensor = {}
         size = state["n_tasks"] + 1
         model_total = sum(totals.values(), torch.zeros((size, size), dtype=torch.int64))
-        for name, total in totals.items():
-            eps = params[name]["epsilon"]
-            n = total.shape[0] - 1
-            per_tensor[name] = [
-                lambda_tensor_local(
-                    int(total[t, 1]), int(total[t, 2:].sum()), params[name]["r"],
-                    params[name]["alpha"], eps,
-                )
-                for t in range(n)
-            ]  # fmt: skip
+        any_params = next(iter(params.values()), {"r": 0.0, "alpha": 0.0, "scope": "model"})
+        r, alpha = any_params["r"], any_params["alpha"]
         summary = summarize(model_total, r, alpha)
-        return {"summary": summary, "tensor_lambdas": per_tensor}
+        out: State = {"summary": summary, "layers": layer_summary(totals)}
+        if any_params["scope"] == "model":
+            out["lambdas"] = [to_float32(self.rule(t["rho"], r, alpha)) for t in summary["tasks"]]
+            return out
+        out["tensor_lambdas"] = {
+            name: [
+                lambda_tensor_local(
+                    int(total[t, 1]),
+                    int(total[t, 2:].sum()),
+                    params[name]["r"],
+                    params[name]["alpha"],
+                    params[name]["epsilon"],
+                )
+                for t in range(size - 1)
+            ]  # fmt: skip
+            for name, total in totals.items()
+        }
+        return out
 
     def merge_chunk(
         self,
@@ -236,6 +266,7 @@ class RamMethod:
         out = {
             "elements": {k: summary.get(k) for k in ("participating", "unchanged", "by_count")},
             "tasks": summary.get("tasks", []),
+            "layers": state.get("layers", []),
         }
         if "lambdas" in state:
             out["lambda_applied"] = state["lambdas"]
