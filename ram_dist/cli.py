@@ -39,7 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     probe = sub.add_parser("probe", help="reduce pass only: print sparsity and overlap statistics")
     _add_job_arguments(probe)
-    probe.add_argument("--json", dest="json_path", help="also write the report to this file")
+    probe.add_argument(
+        "--json",
+        dest="json_path",
+        help="also write the report to this file, and beside it STEM.figure2.png (density "
+        "and overlap per task), STEM.layers.csv and STEM.layers.png (per layer)",
+    )
+    probe.add_argument(
+        "--format",
+        dest="output_format",
+        choices=("text", "markdown"),
+        default="text",
+        help="what to print: a table, or a Markdown summary to paste into a report",
+    )
 
     verify = sub.add_parser(
         "verify", help="re-hash every shard of a merged output against its manifest"
@@ -199,6 +211,20 @@ def _per_task_flags(args: argparse.Namespace, n_tasks: int) -> list[dict[str, fl
     return out if any(out) else []
 
 
+def write_probe_files(report: dict[str, Any], json_path: str) -> list[str]:
+    """The probe's JSON, and beside it the figures and the per-layer table."""
+    from ram_dist.figures import write_figure2, write_layer_csv, write_layer_heatmap
+
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    stem = json_path[: -len(".json")] if json_path.endswith(".json") else json_path
+    written = [json_path, f"{stem}.figure2.png", f"{stem}.layers.csv", f"{stem}.layers.png"]
+    write_figure2(report, written[1])
+    write_layer_csv(report, written[2])
+    write_layer_heatmap(report, written[3])
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -241,10 +267,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "probe":
         report = driver.probe(config)
-        print(format_report(report))
+        if args.output_format == "markdown":
+            from ram_dist.figures import markdown_summary
+
+            print(markdown_summary(report))
+        else:
+            print(format_report(report))
         if args.json_path:
-            with open(args.json_path, "w", encoding="utf-8") as f:
-                json.dump(report, f, indent=2)
+            write_probe_files(report, args.json_path)
         return 0
     if config.out is None:
         raise RamDistError("merge needs an output location: --out PATH")

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from builders import load_checkpoint, save_checkpoint
 from reference import reference_merge, reference_stats
 
@@ -210,6 +213,11 @@ def test_yaml_merge_and_probe_json(inputs, tmp_path):
     assert report["method"] == "ram_plus_soft" and report["parameters"]["r"] == 0.3
     assert report["lambda_applied"] == ref["lambda32"]
     assert "merged model written to" in done.stdout and "lambda[ram_plus]" in done.stdout
+    card = (tmp_path / "out" / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["base_model"] == str(base) and {"merge", "ram-dist"} <= set(meta["tags"])
+    effective = yaml.safe_load((tmp_path / "out" / "mergekit_config.yml").read_text())
+    assert effective["merge_method"] == "ram_plus_soft" and effective["parameters"]["r"] == 0.3
 
     probe_json = tmp_path / "probe.json"
     args = ["probe", "--base", base, "--json", probe_json] + sum([["--task", t] for t in tasks], [])
@@ -223,6 +231,12 @@ def test_yaml_merge_and_probe_json(inputs, tmp_path):
     ]
     assert probe["elements"]["unchanged"] == stats["unchanged"]
     assert "map" not in probe["passes"]
+    figure = (tmp_path / "probe.figure2.png").read_bytes()
+    assert figure[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", figure[16:24]) == (1000, 400)
+    rows = list(csv.DictReader((tmp_path / "probe.layers.csv").open()))
+    assert {r["layer"] for r in rows} == {layer["layer"] for layer in probe["layers"]}
+    assert (tmp_path / "probe.layers.png").read_bytes()[:4] == b"\x89PNG"
     for line in ("overlap histogram", "density", "rho"):
         assert line in done.stdout
 

@@ -30,8 +30,10 @@ from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
 from ram_dist.methods import get_method
 from ram_dist.methods.ram import RamMethod
+from ram_dist.model_card import model_card
 
 REPORT_NAME = "merge_report.json"
+CARD_NAME = "README.md"
 
 __all__ = ["REPORT_NAME", "merge", "plan", "prepare", "probe"]
 
@@ -112,6 +114,11 @@ def merge(config: MergeConfig) -> dict[str, Any]:
     write_json(join(job.out, REPORT_NAME), report, job.storage)
     with AtomicFile(join(job.out, CONFIG_NAME), job.storage) as f:
         f.write(render(job).encode())
+    card = model_card(
+        report, base=config.base, inputs=job.identity()["inputs"], version=__version__
+    )
+    with AtomicFile(join(job.out, CARD_NAME), job.storage) as f:
+        f.write(card.encode())
     manifest.complete = True
     save_manifest(job.out, manifest, job.storage)
     if job.layout.sharded:

@@ -1,0 +1,278 @@
+"""The model card (`README.md`) of a merged model, in the Hugging Face style.
+
+A pure function of the merge report, the inputs' identities (the manifest's format) and the
+ram-dist version: it reads no file and opens no connection. It never writes storage options
+or credentials: only whitelisted fields of the report and the identities are rendered, and
+every location passes through `redact_location` (user:password@ in a URL's authority, and
+query strings such as pre-signed URL signatures, are dropped).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "METHOD_LABELS",
+    "RAM_METHODS",
+    "format_parameters",
+    "format_rho",
+    "hub_repo_id",
+    "md_cell",
+    "md_code",
+    "model_card",
+    "ram_task_table",
+    "redact_location",
+]
+
+RAM_METHODS = ("ram", "ram_plus", "ram_plus_soft", "ramplus_tl")
+
+METHOD_LABELS = {
+    "ram": "RAM (Reinforced Agent Merging)",
+    "ram_plus": "RAM+ (clipped linear rescaling, Eq. 6)",
+    "ram_plus_soft": "RAM+s (soft-saturation rescaling, Eq. 8)",
+    "ramplus_tl": "RAM+ with lambda per tensor (mergekit's ramplus_tl)",
+    "task_arithmetic": "Task Arithmetic",
+    "ties": "TIES",
+    "dare_linear": "DARE (linear)",
+    "dare_ties": "DARE (TIES)",
+    "linear": "Linear (weighted average)",
+}
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<authority>[^/?#]*)(?P<rest>.*)$")
+_SECRET_KEY = re.compile(r"storage_options|secret|token|password|credential", re.IGNORECASE)
+
+
+def redact_location(location: str) -> str:
+    """`location` without credentials: `s3://KEY:SECRET@bucket/x?X-Amz-Signature=..` becomes
+    `s3://bucket/x`. Local paths and `org/name@revision` ids are returned unchanged."""
+    match = _URL.match(location)
+    if not match:
+        return location
+    authority = match["authority"].rpartition("@")[2]
+    rest = re.split(r"[?#]", match["rest"], maxsplit=1)[0]
+    return f"{match['scheme']}{authority}{rest}"
+
+
+def hub_repo_id(location: str) -> str:
+    """The Hub repo id of `hf://org/name@rev` or `org/name@rev` (`org/name`); any other
+    location, redacted, as it is."""
+    loc = redact_location(location)
+    if loc.startswith("hf://"):
+        loc = loc[len("hf://") :]
+        if loc.startswith("models/"):
+            loc = loc[len("models/") :]
+        return loc.partition("@")[0]
+    if re.fullmatch(r"[\w.-]+/[\w.-]+@[^/]+", loc):
+        return loc.partition("@")[0]
+    return loc
+
+
+def format_parameters(parameters: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(name, value) pairs for people. The report gives the parameters once when every tensor
+    has the same ones, else per tensor; then each parameter shows its one value, or the
+    number of distinct values it takes across tensors."""
+    items = {k: v for k, v in parameters.items() if not _SECRET_KEY.search(str(k))}
+    if items and all(isinstance(v, Mapping) for v in items.values()):
+        names: list[str] = []
+        for per_tensor in items.values():
+            names += [k for k in per_tensor if k not in names and not _SECRET_KEY.search(k)]
+        out = []
+        for name in names:
+            values = {_value(p.get(name)) for p in items.values()}
+            if len(values) == 1:
+                out.append((name, values.pop()))
+            else:
+                out.append(
+                    (
+                        name,
+                        f"varies by tensor ({len(values)} values over "
+                        f"{len(items)} tensors; see mergekit_config.yml)",
+                    )
+                )
+        return out
+    return [(k, _value(v)) for k, v in items.items()]
+
+
+def model_card(
+    report: Mapping[str, Any], *, base: str, inputs: Sequence[Mapping[str, Any]], version: str
+) -> str:
+    """A Hugging Face style README.md for the merged model.
+
+    `report` is the merge report (merge_report.json); `base` what goes in the metadata's
+    `base_model` (an `hf://` or `org/name@rev` location is given as its repo id); `inputs`
+    the manifest's identities, `[{"role", "location", "files": {name: {"size",
+    "header_sha256", "version"}}}]`; `version` the ram-dist version that merged.
+    """
+    import yaml
+
+    method = str(report.get("method", ""))
+    label = METHOD_LABELS.get(method, method)
+    base_id = hub_repo_id(base)
+    meta = {"base_model": base_id, "tags": ["merge", "ram-dist"], "library_name": "transformers"}
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(), "---", ""]
+    tasks_given = [redact_location(str(t)) for t in report.get("tasks_given", [])]
+    lines += [
+        "# Merged model",
+        "",
+        f"A merge of {len(tasks_given)} task models fine-tuned from `{base_id}`, made with "
+        f"ram-dist {version} using **{label}** (`{method}`).",
+        "",
+        "## Merge method",
+        "",
+        _method_text(method),
+        "",
+        "## Parameters",
+        "",
+        "| parameter | value |",
+        "|---|---|",
+    ]
+    lines += [
+        f"| {md_cell(k)} | {md_cell(v)} |"
+        for k, v in format_parameters(report.get("parameters") or {})
+    ]
+    out_dtype = report.get("out_dtype")
+    dtype_text = md_cell(out_dtype or "each base tensor's dtype")
+    lines.append(f"| out_dtype | {dtype_text} |")
+    notes = [str(n) for n in report.get("notes") or []]
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {md_cell(n)}" for n in notes]
+
+    lines += ["", "## Inputs", "", "In task order (the order is part of the result).", ""]
+    lines += ["| role | location | file | size (bytes) | header sha256 | store version |"]
+    lines += ["|---|---|---|---:|---|---|"]
+    for entry in inputs:
+        role = md_cell(entry.get("role", ""))
+        location = md_code(redact_location(str(entry.get("location", ""))))
+        files = entry.get("files") or {}
+        if not files:
+            lines.append(f"| {role} | {location} |  |  |  |  |")
+        for name, ident in sorted(files.items()):
+            ident = ident or {}
+            cells = [
+                role,
+                location,
+                md_cell(name),
+                md_cell(ident.get("size", "")),
+                md_code(ident.get("header_sha256") or ""),
+                md_cell(ident.get("version") or ""),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+
+    if method in RAM_METHODS and report.get("tasks"):
+        lines += ["", "## Task vector statistics", ""]
+        lines += ram_task_table(report)
+
+    lines += ["", "## How to load", "", "```python"]
+    lines += _load_snippet(report)
+    lines += ["```", ""]
+    lines += [
+        "The exact configuration is in `mergekit_config.yml` (running it again with ram-dist "
+        "gives the same bytes); the statistics are in `merge_report.json`, and the identity of "
+        "every input file in `ram_dist_manifest.json`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _method_text(method: str) -> str:
+    if method in RAM_METHODS:
+        text = (
+            "Reinforced Agent Merging (Yuan et al. 2026): an element that no task changed keeps "
+            "the base value; an element that exactly one task changed takes that task's update "
+            "scaled by `lambda_t`; an element that two or more tasks changed takes the mean of "
+            "their updates. A task's change counts where `abs(theta_t - theta_base) > epsilon`."
+        )
+        if method == "ram":
+            return text + " RAM keeps every `lambda_t = 1`."
+        if method == "ramplus_tl":
+            return text + " `lambda_t` is computed per tensor from that tensor's counts."
+        return text + " `lambda_t` grows with the task's ratio `rho_t` of shared to unique changes."
+    return (
+        f"`{method}`, computed as mergekit computes it (float32), streamed chunk by chunk on Ray."
+    )
+
+
+def ram_task_table(report: Mapping[str, Any]) -> list[str]:
+    tasks = report["tasks"]
+    applied = report.get("lambda_applied")
+    variants = list(tasks[0].get("lambda") or {})
+    head = ["task", "model", "changed", "density", "unique", "shared", "rho"]
+    head += [f"lambda {m}" for m in variants]
+    if applied is not None:
+        head.append("lambda applied")
+    align = ["---:", ":---"] + ["---:"] * (len(head) - 2)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
+    for i, t in enumerate(tasks):
+        model = t.get("model") or (report.get("tasks_given") or [""] * len(tasks))[i]
+        cells = [
+            str(i + 1),
+            md_code(redact_location(str(model))),
+            str(t["changed"]),
+            f"{100 * t['density']:.2f}%",
+            str(t["unique"]),
+            str(t["shared"]),
+            format_rho(t["rho"]),
+        ]
+        cells += [f"{t['lambda'][m]:.6g}" for m in variants]
+        if applied is not None:
+            cells.append(f"{applied[i]:.6g}")
+        lines.append("| " + " | ".join(cells) + " |")
+    if applied is None and "lambda_per_tensor" in report:
+        lines += ["", "`lambda_t` was computed per tensor; see `merge_report.json`."]
+    el = report.get("elements") or {}
+    if el.get("participating") is not None:
+        lines += [
+            "",
+            f"Density is the share of the {el['participating']} floating-point elements a task "
+            f"changed; {el.get('unchanged')} elements were changed by no task.",
+        ]
+    return lines
+
+
+def format_rho(value: Any) -> str:
+    return value if isinstance(value, str) else f"{value:.4f}"
+
+
+def _load_snippet(report: Mapping[str, Any]) -> list[str]:
+    output = report.get("output") or {}
+    url = str(output.get("url") or ".")
+    where = hub_repo_id(url)
+    lines = []
+    if re.match(r"^(s3|gs|gcs|az|abfs)://", where):
+        lines.append(f"# copy {where} to a local folder first, then load that folder")
+        where = "./merged-model"
+    tokenizer = any(f in TOKENIZER_FILES for f in output.get("files_copied") or [])
+    lines += [
+        "from transformers import AutoModelForCausalLM" + (", AutoTokenizer" if tokenizer else ""),
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained({json.dumps(where)}, dtype="auto")',
+    ]
+    if tokenizer:
+        lines.append(f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(where)})")
+    return lines
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True)
+
+
+def md_cell(value: Any) -> str:
+    """Text safe inside a Markdown table cell."""
+    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def md_code(value: str) -> str:
+    """`value` as inline code in a table cell (backticks and pipes cannot break out)."""
+    if not value:
+        return ""
+    fence = "``" if "`" in value else "`"
+    pad = " " if "`" in value else ""
+    escaped = value.replace("|", "\\|")
+    return f"{fence}{pad}{escaped}{pad}{fence}"
