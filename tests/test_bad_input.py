@@ -160,12 +160,20 @@ def test_names_and_shapes_must_match(inputs, tmp_path, capsys):
     base, tasks = inputs
     out = tmp_path / "out"
     state = load_checkpoint(tasks[0])
+    task_file = str(tasks[0] / "model.safetensors")
+    index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
     save_checkpoint({"a.weight": state["a.weight"]}, tasks[0])
-    _fails(capsys, _argv(base, tasks, out), out, "task 1", "'b.weight'", "base model")
+    _fails(
+        capsys, _argv(base, tasks, out), out, f"task 1 ({tasks[0]}) has no tensor 'b.weight'",
+        f"base model ({base}), file {base / index['b.weight']}",
+    )  # fmt: skip
     save_checkpoint(state | {"c": torch.zeros(2)}, tasks[0])
-    _fails(capsys, _argv(base, tasks, out), out, "task 1", "'c'")
+    _fails(capsys, _argv(base, tasks, out), out, f"file {task_file} holds tensor 'c'")
     save_checkpoint(state | {"b.weight": torch.zeros(3, 2, dtype=torch.bfloat16)}, tasks[0])
-    _fails(capsys, _argv(base, tasks, out), out, "'b.weight'", "[3, 2]", "[6]")
+    _fails(
+        capsys, _argv(base, tasks, out), out, "tensor 'b.weight': shape [3, 2] in task 1",
+        task_file, "differs from [6] in base model", str(base / index["b.weight"]),
+    )  # fmt: skip
 
 
 # 8. task count, duplicates, the base as a task
@@ -244,7 +252,10 @@ def test_output_holding_another_finished_merge(inputs, tmp_path, capsys):
         (["--method", "ties", "--density", "0"], "density must be in (0, 1]"),
         (["--method", "dare_ties", "--density", "1.01"], "density must be in (0, 1]"),
         (["--out-dtype", "int8"], "not a floating dtype"),
-        (["--method", "slerp"], "unknown merge method 'slerp'"),
+        (["--method", "slerp"], "unknown merge method 'slerp'; valid methods: dare_linear"),
+        (["--weight", "1", "--weight", "2", "--weight", "3"], "--weight given 3 times for 2"),
+        (["--method", "ram", "--density", "0.5"], "method ram has no per-model parameter"),
+        (["--chunk-mb", "0"], "--chunk-mb must be positive"),
     ],
 )
 def test_parameters_out_of_range(inputs, tmp_path, capsys, flags, fragment):
