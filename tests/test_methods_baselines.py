@@ -1,19 +1,22 @@
 """Baselines (task_arithmetic, ties, dare_linear, dare_ties, linear) against mergekit.
 
 mergekit (LGPL) is a test-time oracle only. Its functions run on whole float32 tensors;
-ours run on flat chunks, as the engine will: reduce rounds over chunks, statistics summed as
-the driver would, then a map pass, and the chunks concatenated.
+ours run on flat chunks, as the engine does: reduce rounds over chunks, statistics summed as
+the driver would, then a map pass, and the chunks concatenated. TIES runs through the
+engine's own method object (`get_method("ties")`), round by round.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 
 import pytest
 import torch
 
-from ram_dist.methods import dare, linear, task_arithmetic, ties
-from ram_dist.methods.topk import equal_before, find_cut, find_high_bin, kept_count
+from ram_dist.methods import dare, get_method, linear, task_arithmetic
+from ram_dist.methods.registry import Chunk, State
+from ram_dist.methods.topk import LOW_BINS, kept_count
 
 try:
     import mergekit.merge_methods.base as mk_base
@@ -87,40 +90,66 @@ def run_ta(base, tasks, bounds, **kw) -> torch.Tensor:
     return torch.cat(parts).reshape(base.shape)
 
 
-def run_ties(base, tasks, bounds, weights, densities, rescale=False, **kw) -> torch.Tensor:
-    chunks = split(base, tasks, bounds)
+def ties_state(base, tasks, bounds, weights, densities, *, rescale=False, normalize=True,
+               lambda_=1.0, name="w"):  # fmt: skip
+    """The engine's reduce rounds of TIES on one tensor: per chunk `chunk_statistics` of the
+    active rounds, summed as the driver does, then `finalize`; the state goes through JSON
+    between rounds, as it does through the manifest. Returns (params, state)."""
+    method = get_method("ties")
+    params = {
+        "weight": list(weights), "density": list(densities), "normalize": normalize,
+        "lambda": lambda_, "rescale": rescale,
+    }  # fmt: skip
     numel = base.numel()
-    high_tot = total([ties.high_histograms(b, ts) for _, b, ts in chunks])
-    ks = [kept_count(d, numel) if ties.needs_cut(d, numel) else 0 for d in densities]
-    highs = [find_high_bin(high_tot[t], k) if k else None for t, k in enumerate(ks)]
-    bins = [h.high_bin if h else 0 for h in highs]
-    low_tot = total([ties.low_histograms(b, ts, bins) for _, b, ts in chunks])
-    cuts = [
-        find_cut(low_tot[t], h, k) if h else None
-        for t, (h, k) in enumerate(zip(highs, ks, strict=True))
-    ]
-    thresholds = [c.threshold if c else 0 for c in cuts]
-    counts = torch.stack([ties.equal_counts(b, ts, thresholds) for _, b, ts in chunks])
-    before = [equal_before(counts[:, t].tolist()) for t in range(len(tasks))]
-    factors = None
-    if rescale:
-        l1_all = total([ties.l1_statistics(b, ts) for _, b, ts in chunks])
-        l1_above = total([ties.l1_statistics(b, ts, thresholds) for _, b, ts in chunks])
-        factors = ties.rescale_factors(l1_all, l1_above, cuts)
+    state: State = method.initial_state({name: params}, {name: numel}, len(tasks))
+    for round_ in range(method.rounds):
+        if not method.active(round_, state, name):
+            continue
+        totals: dict[str, torch.Tensor] = {}
+        for lo, b, ts in split(base, tasks, bounds):
+            stats = method.chunk_statistics(round_, Chunk(name, lo, numel), b, ts, params, state)
+            for key, value in stats.items():
+                assert value.dtype == torch.int64, key
+                totals[key] = totals[key] + value if key in totals else value
+        state = method.finalize(round_, totals, {name: params}, {name: numel}, state)
+        state = json.loads(json.dumps(state))
+    return params, state
+
+
+def run_ties(base, tasks, bounds, weights, densities, rescale=False, name="w", **kw):
+    """TIES as the engine runs it: `ties_state`, then the map pass chunk by chunk."""
+    method = get_method("ties")
+    params, state = ties_state(
+        base, tasks, bounds, weights, densities, rescale=rescale, name=name, **kw
+    )
+    numel = base.numel()
     parts = [
-        ties.merge_chunk(
-            b,
-            ts,
-            weights,
-            densities=densities,
-            cuts=cuts,
-            equal_before=[before[t][i] for t in range(len(tasks))],
-            factors=factors,
-            **kw,
-        )
-        for i, (_, b, ts) in enumerate(chunks)
+        method.merge_chunk(Chunk(name, lo, numel), b, ts, params, state)
+        for lo, b, ts in split(base, tasks, bounds)
     ]
     return torch.cat(parts).reshape(base.shape)
+
+
+def reference_ties(base, tasks, weights, densities, normalize=True, lambda_=1.0) -> torch.Tensor:
+    """TIES on whole tensors with the spec's cut: a stable sort by (-|delta|, flat index)."""
+    b, deltas = task_arithmetic.task_vectors(base, tasks)
+    sparse = []
+    for d, density in zip(deltas, densities, strict=True):
+        if density >= 1:
+            sparse.append(d)
+            continue
+        order = torch.sort(d.reshape(-1).abs(), descending=True, stable=True).indices
+        keep = torch.zeros(d.numel(), dtype=torch.bool)
+        keep[order[: kept_count(density, d.numel())]] = True
+        sparse.append(dare.sparsify(d, keep, None))
+    merged = task_arithmetic.combine(
+        b, sparse, weights, consensus=True, normalize=normalize, lambda_=lambda_
+    )
+    return merged.reshape(base.shape)
+
+
+def cuts_through_equal(state: State) -> int:
+    return get_method("ties").report(state)["ties"]["cuts_through_equal_magnitudes"]
 
 
 def run_dare(base, tasks, bounds, weights, densities, *, rescale=True, seed=5, name="w", **kw):
@@ -264,9 +293,31 @@ def test_ties_many_ties_at_cut_is_chunk_invariant() -> None:
         assert_chunk_invariant(
             lambda bd, r=rescale: run_ties(base, tasks, bd, WEIGHTS[:3], dens, rescale=r), 300
         )
+    _, state = ties_state(base, tasks, [0, 300], WEIGHTS[:3], dens)
+    assert cuts_through_equal(state) == 3  # every task takes the flat-index rounds
+    ref = reference_ties(base, tasks, WEIGHTS[:3], dens)
+    assert same_bytes(run_ties(base, tasks, [*range(301)], WEIGHTS[:3], dens), ref)
     small, few = base[:40], [t[:40] for t in tasks]
     singles = run_ties(small, few, [*range(41)], WEIGHTS[:3], dens, rescale=True)
     assert same_bytes(singles, run_ties(small, few, [0, 40], WEIGHTS[:3], dens, rescale=True))
+
+
+def test_ties_equal_magnitudes_over_several_index_bins() -> None:
+    """A tensor over three flat-index bins of 65536; an uncut task gives zero index rows."""
+    n = 2 * LOW_BINS + 999
+    gen = torch.Generator().manual_seed(5)
+    levels = torch.tensor([0.0, 0.25, -0.25, 0.5, -0.75])
+    base = torch.randint(-64, 64, (n,), generator=gen) / 64.0
+    tasks = [base + levels[torch.randint(0, 5, (n,), generator=gen)] for _ in range(3)]
+    dens = [0.2, 1.0, 0.5]  # index cuts in the last and the first bin
+    ref = reference_ties(base, tasks, WEIGHTS[:3], dens)
+    edges = [m + d for m in (LOW_BINS, 2 * LOW_BINS) for d in (-2, -1, 0, 1)]
+    for bounds in ([0, n], [0, *edges, n], [*range(0, n, 40_000), n]):
+        assert same_bytes(run_ties(base, tasks, bounds, WEIGHTS[:3], dens), ref), bounds
+    _, state = ties_state(base, tasks, [0, *edges, n], WEIGHTS[:3], dens)
+    cuts = state["tensors"]["w"]["cuts"]
+    assert cuts_through_equal(state) == 2 and cuts[1] is None
+    assert [cuts[0]["index_bin"], cuts[2]["index_bin"]] == [2, 0]
 
 
 @needs_mergekit

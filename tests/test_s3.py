@@ -24,6 +24,13 @@ from ram_dist.io.storage import Storage
 from ram_dist.plan import Piece, WorkUnit
 
 BUCKET = "ram-dist-test"
+#: Files that name the input and output locations, so differ between a local and an S3 run.
+LOCATION_DEPENDENT = (
+    "merge_report.json",
+    "ram_dist_manifest.json",
+    "mergekit_config.yml",
+    "README.md",
+)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +112,7 @@ def test_bucket_to_bucket_equals_local_merge(models, options, fs, server, tmp_pa
     remote = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{BUCKET}/out", refresh=True))
     assert remote == local
     for name in local:
-        if name not in ("merge_report.json", "ram_dist_manifest.json", "mergekit_config.yml"):
+        if name not in LOCATION_DEPENDENT:
             assert fs.cat_file(f"{BUCKET}/out/{name}") == (tmp_path / "local" / name).read_bytes()
     base, tasks = models["states"]
     expected, _ = reference_merge(base, tasks, "ram_plus")

@@ -3,9 +3,10 @@
 Configured instances of two families: the generalized task arithmetic family
 (`task_arithmetic`, `ties`, `dare_linear`, `dare_ties`: optional sparsification by magnitude
 or at random, optional sign consensus) and `linear`. Whole-tensor quantities are reduce
-rounds: TIES's exact top-k cut (`topk.py`: magnitude histograms, then, when the cut splits a
-group of equal magnitudes, histograms of their flat indices, so the rule stays per element)
-and the L1 norms of the rescale rule (`dare.l1_statistic`, exact integer sums).
+rounds: TIES's exact top-k cut (`topk.py`: rounds 0-1 magnitude histograms, then, when the
+cut splits a group of equal magnitudes, rounds 2-3 histograms of their flat indices, so the
+kept set is a rule of each element) and the L1 norms of the rescale rule
+(`dare.l1_statistic`, exact integer sums; for TIES the kept L1 is summed in round 2).
 """
 
 from __future__ import annotations
@@ -30,11 +31,6 @@ def _densities(params: TensorParams) -> list[float]:
 
 def _weights(params: TensorParams) -> list[float]:
     return [float(w) for w in params["weight"]]
-
-
-def index_keys(chunk: Chunk, n: int, device: torch.device) -> torch.Tensor:
-    """Flat indices of a chunk's elements in their tensor."""
-    return torch.arange(chunk.start, chunk.start + n, dtype=torch.int64, device=device)
 
 
 @dataclass(frozen=True)
@@ -144,21 +140,18 @@ class TaskArithmeticFamily:
                 for k, c in zip(keys, info["cuts"], strict=True)
             ]
             return {chunk.tensor: torch.stack(rows)}
-        index = index_keys(chunk, keys[0].numel(), keys[0].device)
-        bins = -(-chunk.numel // topk.LOW_BINS)
-        out = {}
         rows = []
         for k, c in zip(keys, info["cuts"], strict=True):
-            if c is None or c["need"] >= c["equal"]:
-                rows.append(_zeros(bins if round_ == 2 else topk.LOW_BINS, k.device))
-                continue
-            equal = index[k == c["threshold"]]
-            if round_ == 2:
-                rows.append(torch.bincount(equal >> 16, minlength=bins))
+            if c is None or c["need"] >= c["equal"]:  # no index cut: a zero row
+                size = topk.index_bins(chunk.numel) if round_ == 2 else topk.LOW_BINS
+                rows.append(_zeros(size, k.device))
+            elif round_ == 2:
+                row = topk.index_high_histogram(k, c["threshold"], chunk.start, chunk.numel)
+                rows.append(row)
             else:
-                inside = equal[(equal >> 16) == c["index_bin"]]
-                rows.append(torch.bincount(inside & 0xFFFF, minlength=topk.LOW_BINS))
-        out[chunk.tensor] = torch.stack(rows).to(torch.int64)
+                row = topk.index_low_histogram(k, c["threshold"], chunk.start, c["index_bin"])
+                rows.append(row)
+        out = {chunk.tensor: torch.stack(rows)}
         if round_ == 2 and info["rescale"]:
             out[chunk.tensor + L1_ABOVE] = torch.stack(
                 [
@@ -202,14 +195,11 @@ class TaskArithmeticFamily:
                     cut.update(threshold=found.threshold, need=found.need_at_threshold)
                     cut["equal"] = found.equal_at_threshold
                 elif cut["need"] < cut["equal"] and round_ == 2:
-                    cum = total[t].cumsum(0)
-                    b = int(torch.searchsorted(cum, cut["need"]))
-                    cut["index_bin"] = b
-                    cut["need_in_bin"] = cut["need"] - (int(cum[b - 1]) if b else 0)
+                    found_bin = topk.find_index_bin(total[t], cut["need"])
+                    cut.update(index_bin=found_bin.index_bin, need_in_bin=found_bin.need_in_bin)
                 elif cut["need"] < cut["equal"] and round_ == 3:
-                    cum = total[t].cumsum(0)
-                    low = int(torch.searchsorted(cum, cut["need_in_bin"]))
-                    cut["index_cut"] = (cut["index_bin"] << 16) + low + 1
+                    found_bin = topk.IndexBin(cut["index_bin"], cut["need_in_bin"])
+                    cut["index_cut"] = topk.find_index_cut(total[t], found_bin)
                 if round_ == 2 and name + L1_ABOVE in totals:
                     found = topk.Cut(cut["threshold"], cut["need"], cut["equal"])
                     above = totals[name + L1_ABOVE][t]
@@ -244,16 +234,13 @@ class TaskArithmeticFamily:
             )  # fmt: skip
         b, deltas = task_arithmetic.task_vectors(base, tasks)
         sparse = []
-        for d, c in zip(deltas, info["cuts"], strict=True):
-            if c is None:
-                sparse.append(d)
+        for d, density, c in zip(deltas, _densities(params), info["cuts"], strict=True):
+            if c is None:  # density >= 1: untouched; density <= 0: zeros (as in mergekit)
+                sparse.append(d if density >= 1 else torch.zeros_like(d))
                 continue
             keys = topk.magnitude_keys(d)
-            keep = keys > c["threshold"]
-            at = keys == c["threshold"]
-            if "index_cut" in c:
-                at = at & (index_keys(chunk, keys.numel(), keys.device) < c["index_cut"])
-            sparse.append(dare.sparsify(d, keep | at, c.get("factor")))
+            keep = topk.keep_mask(keys, c["threshold"], chunk.start, c.get("index_cut"))
+            sparse.append(dare.sparsify(d, keep, c.get("factor")))
         return task_arithmetic.combine(
             b, sparse, weights, consensus=self.consensus, normalize=normalize, lambda_=lam
         )

@@ -1,23 +1,29 @@
 """TIES's exact magnitude cut over a whole tensor, computed chunk by chunk.
 
-TIES keeps the k = max(1, int(density * numel)) largest |delta| of a whole tensor. No worker
-holds a whole tensor, so the cut is found from int64 histograms that the driver sums:
+TIES keeps the k = max(1, int(density * numel)) largest |delta| of a whole tensor, ties at
+the cut going to the lowest flat indices. No worker holds a whole tensor, so the cut is found
+from int64 histograms that the driver sums, in up to four reduce rounds (numbered from 0,
+as in the engine):
 
 * Keys: the bits of float32 |delta| as an integer. For non-negative floats the bit pattern
   is monotonic in the value (NaN sorts above inf, as in torch's descending sort), and the
   sign bit is 0, so keys lie in [0, 2**31).
-* Round 1, per (tensor, task): `high_histogram`, counts of `key >> 16` (32768 bins).
+* Round 0, per (tensor, task): `high_histogram`, counts of `key >> 16` (32768 bins).
   The driver's `find_high_bin` finds the bin holding the k-th largest key and how many lie
   above that bin.
-* Round 2: `low_histogram`, counts of `key & 0xFFFF` among keys in that bin (65536 bins).
+* Round 1: `low_histogram`, counts of `key & 0xFFFF` among keys in that bin (65536 bins).
   `find_cut` then knows the threshold key T exactly, `above = #(key > T)`,
   `need_at_threshold = k - above` and `equal_at_threshold = #(key == T)`.
-* Round 3, only when `Cut.ordered` (fewer T-equal elements are kept than exist): per chunk
-  `equal_count`, not summed but kept in flat order; `equal_before` turns them into each
-  chunk's number of T-equal elements before it. Ties at the cut go to the lowest flat
-  indices, so the kept set cannot depend on chunking.
-* Map pass: `ties_keep_mask` keeps key > T, and key == T when the element's global rank among
-  T-equal elements is below `need_at_threshold`.
+* Rounds 2 and 3, only when `Cut.ordered` (the cut splits the group of keys equal to T):
+  the same two-level search over the flat indices of the T-equal elements, lowest first.
+  Round 2, `index_high_histogram`: counts of `index >> 16` (`index_bins(numel)` bins);
+  `find_index_bin` picks the bin holding the `need_at_threshold`-th T-equal element.
+  Round 3, `index_low_histogram`: counts of `index & 0xFFFF` in that bin (65536 bins);
+  `find_index_cut` gives the exclusive cutoff `index_cut`: exactly `need_at_threshold`
+  T-equal elements have a flat index below it.
+* Map pass: `keep_mask` keeps `key > T | (key == T & index < index_cut)` (every T-equal
+  element when there is no `index_cut`), a rule of each element alone, so the kept set
+  cannot depend on chunking.
 
 All counts are int64 integer sums, exact whatever the split, order or device. mergekit takes
 `torch.argsort(descending=True)[:k]`, an unstable sort: its choice among equal magnitudes at
@@ -27,7 +33,6 @@ magnitudes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,19 +53,52 @@ def kept_count(density: float, numel: int) -> int:
 
 
 def high_histogram(keys: torch.Tensor) -> torch.Tensor:
-    """Round 1 statistic: int64[32768], how many keys have each value of `key >> 16`."""
+    """Round 0 statistic: int64[32768], how many keys have each value of `key >> 16`."""
     return torch.bincount(keys >> 16, minlength=HIGH_BINS).to(torch.int64)
 
 
 def low_histogram(keys: torch.Tensor, high_bin: int) -> torch.Tensor:
-    """Round 2 statistic: int64[65536], counts of `key & 0xFFFF` where `key >> 16 == high_bin`."""
+    """Round 1 statistic: int64[65536], counts of `key & 0xFFFF` where `key >> 16 == high_bin`."""
     inside = keys[(keys >> 16) == high_bin]
+    return torch.bincount(inside & _LOW_MASK, minlength=LOW_BINS).to(torch.int64)
+
+
+def index_bins(numel: int) -> int:
+    """Length of the round 2 histogram of a tensor of `numel` elements: ceil(numel / 65536)."""
+    return -(-numel // LOW_BINS)
+
+
+def _equal_index(keys: torch.Tensor, threshold: int, start: int) -> torch.Tensor:
+    """Flat indices in the tensor of a chunk's keys equal to the threshold (the chunk's first
+    element has index `start`)."""
+    return torch.nonzero(keys == threshold).reshape(-1) + start
+
+
+def index_high_histogram(
+    keys: torch.Tensor, threshold: int, start: int, numel: int
+) -> torch.Tensor:
+    """Round 2 statistic: int64[index_bins(numel)], counts of `index >> 16` among the chunk's
+    keys equal to the threshold; `start` is the chunk's first flat index, `numel` the
+    tensor's size."""
+    if start < 0 or start + keys.numel() > numel:
+        raise ValueError(f"chunk [{start}, {start + keys.numel()}) outside a tensor of {numel}")
+    index = _equal_index(keys, threshold, start)
+    return torch.bincount(index >> 16, minlength=index_bins(numel)).to(torch.int64)
+
+
+def index_low_histogram(
+    keys: torch.Tensor, threshold: int, start: int, index_bin: int
+) -> torch.Tensor:
+    """Round 3 statistic: int64[65536], counts of `index & 0xFFFF` among the chunk's keys
+    equal to the threshold whose `index >> 16 == index_bin`."""
+    index = _equal_index(keys, threshold, start)
+    inside = index[(index >> 16) == index_bin]
     return torch.bincount(inside & _LOW_MASK, minlength=LOW_BINS).to(torch.int64)
 
 
 @dataclass(frozen=True)
 class HighCut:
-    """Driver, after round 1: the high bin holding the k-th largest key."""
+    """Driver, after round 0: the high bin holding the k-th largest key."""
 
     high_bin: int
     above: int
@@ -69,7 +107,7 @@ class HighCut:
 
 @dataclass(frozen=True)
 class Cut:
-    """Driver, after round 2: keep key > threshold, and the first `need_at_threshold` keys
+    """Driver, after round 1: keep key > threshold, and the first `need_at_threshold` keys
     equal to it in flat order."""
 
     threshold: int
@@ -78,23 +116,38 @@ class Cut:
 
     @property
     def ordered(self) -> bool:
-        """True when only some T-equal keys are kept, so round 3 (flat order) is needed."""
+        """True when only some T-equal keys are kept, so rounds 2 and 3 (flat order) run."""
         return self.need_at_threshold < self.equal_at_threshold
+
+
+@dataclass(frozen=True)
+class IndexBin:
+    """Driver, after round 2: the index bin holding the last kept T-equal element."""
+
+    index_bin: int
+    need_in_bin: int
+    """How many T-equal elements of that bin are kept (those of lower bins all are)."""
+
+
+def _first(hist: torch.Tensor, n: int) -> tuple[int, int]:
+    """The first bin where the cumulative count reaches n (n >= 1), and the count before it."""
+    hist = hist.cpu()
+    cum = hist.cumsum(0)
+    b = int(torch.searchsorted(cum, n))
+    if b == hist.numel():
+        total = int(cum[-1]) if b else 0
+        raise ValueError(f"cannot keep {n} elements of a histogram of {total}")
+    return b, int(cum[b]) - int(hist[b])
 
 
 def _find(hist: torch.Tensor, k: int) -> tuple[int, int]:
     """The bin (from the top) where the cumulative count reaches k, and the count above it."""
-    hist = hist.cpu()
-    from_top = hist.flip(0).cumsum(0)  # from_top[j]: keys in bins >= len - 1 - j
-    j = int(torch.searchsorted(from_top, k))
-    if j == hist.numel():
-        raise ValueError(f"cannot keep {k} elements of a tensor with {int(from_top[-1])}")
-    b = hist.numel() - 1 - j
-    return b, int(from_top[j]) - int(hist[b])
+    j, above = _first(hist.flip(0), k)
+    return hist.numel() - 1 - j, above
 
 
 def find_high_bin(hist: torch.Tensor, k: int) -> HighCut:
-    """Driver: from the summed round 1 histogram of one (tensor, task)."""
+    """Driver: from the summed round 0 histogram of one (tensor, task)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     high_bin, above = _find(hist, k)
@@ -102,7 +155,7 @@ def find_high_bin(hist: torch.Tensor, k: int) -> HighCut:
 
 
 def find_cut(low_hist: torch.Tensor, high: HighCut, k: int) -> Cut:
-    """Driver: from the summed round 2 histogram of the bin `high` names."""
+    """Driver: from the summed round 1 histogram of the bin `high` names."""
     low, above_low = _find(low_hist, k - high.above)
     equal = int(low_hist[low])
     need = k - high.above - above_low
@@ -111,27 +164,33 @@ def find_cut(low_hist: torch.Tensor, high: HighCut, k: int) -> Cut:
     )
 
 
-def equal_count(keys: torch.Tensor, threshold: int) -> int:
-    """Round 3 statistic of one chunk: how many of its keys equal the threshold."""
-    return int((keys == threshold).sum())
+def find_index_bin(hist: torch.Tensor, need_at_threshold: int) -> IndexBin:
+    """Driver: from the summed round 2 histogram of one (tensor, task) whose `Cut.ordered`."""
+    if need_at_threshold < 1:
+        raise ValueError(f"need_at_threshold must be >= 1, got {need_at_threshold}")
+    index_bin, before = _first(hist, need_at_threshold)
+    return IndexBin(index_bin=index_bin, need_in_bin=need_at_threshold - before)
 
 
-def equal_before(counts: Sequence[int]) -> list[int]:
-    """Driver: per chunk (chunks in flat order), how many T-equal keys precede it."""
-    out, total = [], 0
-    for count in counts:
-        out.append(total)
-        total += count
-    return out
+def find_index_cut(low_hist: torch.Tensor, found: IndexBin) -> int:
+    """Driver: from the summed round 3 histogram of the bin `found` names, the exclusive
+    flat-index cutoff of the kept T-equal elements."""
+    low, _ = _first(low_hist, found.need_in_bin)
+    return (found.index_bin << 16) + low + 1
 
 
-def ties_keep_mask(
-    keys: torch.Tensor, threshold: int, need_at_threshold: int, equal_before_chunk: int
+def keep_mask(
+    keys: torch.Tensor, threshold: int, start: int, index_cut: int | None
 ) -> torch.Tensor:
-    """Map pass: bool mask of a chunk, identical to the whole-tensor stable top-k."""
+    """Map pass: bool mask of a chunk (first flat index `start`), `key > threshold`, or
+    `key == threshold` and `index < index_cut` (None: every T-equal key is kept).
+
+    A rule of each element alone: the masks of any chunking concatenate to the whole
+    tensor's stable top-k.
+    """
+    if index_cut is None:
+        return keys >= threshold
     keep = keys > threshold
-    if need_at_threshold <= equal_before_chunk:
-        return keep  # every kept T-equal key lies in earlier chunks
-    equal = keys == threshold
-    rank = torch.cumsum(equal, dim=0) + (equal_before_chunk - 1)
-    return keep | (equal & (rank < need_at_threshold))
+    before = min(max(index_cut - start, 0), keys.numel())  # chunk elements below index_cut
+    keep[:before] |= keys[:before] == threshold
+    return keep
