@@ -126,6 +126,12 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
         "--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else a local Ray)"
     )
     p.add_argument(
+        "--kernels",
+        choices=("auto", "eager"),
+        default="auto",
+        help="auto: fused CPU kernels where they apply (the same bytes); eager: plain torch",
+    )
+    p.add_argument(
         "--log-format",
         choices=("text", "json"),
         default="text",
@@ -177,6 +183,7 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
     kwargs["workers"] = args.workers
     kwargs["allow_nonfinite"] = args.allow_nonfinite
     kwargs["log_format"] = args.log_format
+    kwargs["kernels"] = args.kernels
     if args.storage_options is not None:
         kwargs["storage_options"] = parse_storage_options(args.storage_options)
     kwargs["address"] = args.address

@@ -43,6 +43,8 @@ class MergeConfig:
     """Ray cluster address; None uses RAY_ADDRESS or starts a local Ray."""
     overwrite: bool = False
     """Replace an output folder that already holds files."""
+    kernels: str = "auto"
+    """`auto`: fused CPU kernels where they apply (same bytes); `eager`: plain torch only."""
     log_format: str = "text"
     """`text` (a progress bar on a terminal) or `json` (one JSON object per line on stderr)."""
     allow_nonfinite: bool = False
@@ -67,6 +69,8 @@ class MergeConfig:
             )
         object.__setattr__(self, "task_parameters", tuple(self.task_parameters))
         get_method(self.method)  # raises on an unknown method
+        if self.kernels not in ("auto", "eager"):
+            raise RamDistError(f"kernels must be auto or eager, got {self.kernels!r}")
         if self.log_format not in ("text", "json"):
             raise RamDistError(f"log format must be text or json, got {self.log_format!r}")
         if self.chunk_bytes <= 0:

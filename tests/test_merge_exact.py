@@ -66,11 +66,18 @@ def _assert_stats_match(report: dict, ref: dict) -> None:
     assert report["lambda_applied"] == ref["lambda32"]
 
 
+@pytest.mark.parametrize("kernels", ["auto", "eager"])
 @pytest.mark.parametrize("dtypes", list(DTYPE_SETS))
 @pytest.mark.parametrize("method", METHODS)
-def test_bytes_equal_reference(model_sets, tmp_path, method, dtypes):
+def test_bytes_equal_reference(model_sets, tmp_path, method, dtypes, kernels):
+    """Both paths: the fused CPU kernels (`auto`) and plain torch (`eager`)."""
     base_dir, task_dirs, base, tasks = model_sets[dtypes]
-    report = _merge(base_dir, task_dirs, tmp_path / "out", method=method, chunk_bytes=4096)
+    report = _merge(
+        base_dir, task_dirs, tmp_path / "out", method=method, chunk_bytes=4096, kernels=kernels
+    )
+    merged_elements = sum(t.numel() for t in base.values() if t.is_floating_point())
+    fused = report["passes"]["map"]["fused_elements"]
+    assert fused == (merged_elements if kernels == "auto" else 0)
     expected, ref_stats = reference_merge(base, tasks, method)
     _assert_same_bytes(load_checkpoint(tmp_path / "out"), expected)
     _assert_stats_match(report, ref_stats)

@@ -38,9 +38,11 @@ class PassStats:
     bytes_written: int = 0
     max_unit_bytes_read: list[int] = field(default_factory=list)
     worker_peak_rss_bytes: int = 0
+    fused_elements: int = 0
 
-    def add(self, bytes_read: tuple[int, ...], peak_rss: int) -> None:
+    def add(self, bytes_read: tuple[int, ...], peak_rss: int, fused: int = 0) -> None:
         self.units += 1
+        self.fused_elements += fused
         self.bytes_read += sum(bytes_read)
         if not self.max_unit_bytes_read:
             self.max_unit_bytes_read = [0] * len(bytes_read)
@@ -56,6 +58,7 @@ class PassStats:
             "bytes_read": self.bytes_read,
             "bytes_written": self.bytes_written,
             "max_unit_bytes_read_per_input": self.max_unit_bytes_read,
+            "fused_elements": self.fused_elements,
         }
 
 
@@ -91,7 +94,8 @@ def reduce_pass(
             continue
         totals: dict[str, torch.Tensor] = {}
         nonfinite: dict[str, list[int]] = {}
-        shared = (job.layout, job.storage, method, job.params, state, round_, checking)
+        shipped = {**state, "fused": job.config.kernels == "auto"}
+        shared = (job.layout, job.storage, method, job.params, shipped, round_, checking)
         results = ordered_map(reduce_unit, units, shared, workers, resources)
         progress = progress or Progress()
         total_bytes = sum(job.unit_bytes(u, wanted) for u in units)
@@ -143,7 +147,8 @@ def map_pass(
     writer: ShardWriter | None = None
     shard = ""
     workers, resources = _options(job, cluster)
-    shared = (job.layout, job.storage, job.method, job.params, state)
+    shipped = {**state, "fused": job.config.kernels == "auto"}
+    shared = (job.layout, job.storage, job.method, job.params, shipped)
     results = ordered_map(map_unit, units, shared, workers, resources)
 
     progress = progress or Progress()
@@ -166,7 +171,7 @@ def map_pass(
                 tensors = job.layout.out_tensors(shard)
                 writer = ShardWriter(job.out, shard, tensors, job.storage)
             writer.write(memoryview(result.data))
-            stats.add(result.bytes_read, result.peak_rss_bytes)
+            stats.add(result.bytes_read, result.peak_rss_bytes, result.fused_elements)
         if writer is not None:
             publish()
             writer = None

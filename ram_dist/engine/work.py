@@ -37,6 +37,8 @@ class UnitResult:
     peak_rss_bytes: int
     nonfinite: dict[str, list[int]] | None = None
     """Reduce round 0: per tensor, NaN and Inf counts of each input (base first), when any."""
+    fused_elements: int = 0
+    """Map pass: elements merged by a fused kernel rather than the eager torch rule."""
 
 
 def device() -> torch.device:
@@ -137,7 +139,7 @@ def map_unit(
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     data = np.empty(sum(sizes), dtype=np.uint8)
     out = torch.from_numpy(data)
-    offset = 0
+    offset = fused_elements = 0
     for piece, inputs, size in zip(unit.pieces, tensors, sizes, strict=True):
         entry = layout.tensors[piece.tensor]
         target = out[offset : offset + size]
@@ -150,9 +152,28 @@ def map_unit(
         for lo, hi in _blocks(piece.numel):
             base, *tasks = (t[lo:hi].to(dev) for t in inputs)
             chunk = Chunk(piece.tensor, piece.start + lo, entry.numel)
+            fused = getattr(method, "merge_into", None)
+            view = _typed(target[lo * width : hi * width], out_dtype)
+            if (
+                fused
+                and view is not None
+                and fused(chunk, base, tasks, params[piece.tensor], state, view)
+            ):
+                fused_elements += hi - lo
+                continue
             merged = method.merge_chunk(chunk, base, tasks, params[piece.tensor], state)
             target[lo * width : hi * width].copy_(merged.to(out_dtype).cpu().view(torch.uint8))
-    return UnitResult(unit.index, None, data, tuple(bytes_read), _peak_rss())
+    return UnitResult(
+        unit.index, None, data, tuple(bytes_read), _peak_rss(), fused_elements=fused_elements
+    )
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The output bytes seen as `dtype`, when their alignment allows it."""
+    try:
+        return raw.view(dtype)
+    except RuntimeError:
+        return None
 
 
 def _blocks(numel: int) -> list[tuple[int, int]]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ram_dist import kernels
 from ram_dist.errors import RamDistError
 from ram_dist.methods.registry import Chunk, State, TensorParams, number, register
 
@@ -117,6 +118,15 @@ def summarize(total: torch.Tensor, r: float, alpha: float) -> dict[str, Any]:
 LAYER = re.compile(r"^(.*?layers\.\d+)\.")
 
 
+def _fused(state: State, base: torch.Tensor, tasks: list[torch.Tensor]) -> bool:
+    """Whether the fused CPU kernels (byte-identical to the eager rule) take this chunk."""
+    if not state.get("fused") or base.device.type != "cpu" or not kernels.available():
+        return False
+    from ram_dist.kernels import ram_numba
+
+    return ram_numba.supports([base.dtype, *(t.dtype for t in tasks)])
+
+
 def layer_summary(per_tensor: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
     """Per layer (`model.layers.{i}`; everything else is `other`), per task: changed, unique
     and shared elements and the layer's participating elements, for the per-layer table."""
@@ -213,6 +223,10 @@ class RamMethod:
         params: TensorParams,
         state: State,
     ) -> dict[str, torch.Tensor]:
+        if _fused(state, base, tasks):
+            from ram_dist.kernels import ram_numba
+
+            return {chunk.tensor: ram_numba.overlap_counts(base, tasks, params["epsilon"])}
         return {chunk.tensor: overlap_statistics(base, tasks, params["epsilon"])}
 
     def finalize(
@@ -260,6 +274,31 @@ class RamMethod:
         else:
             lambdas = state["tensor_lambdas"][chunk.tensor]
         return merge_ram(base, tasks, params["epsilon"], lambdas)
+
+    def merge_into(
+        self,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+        out: torch.Tensor,
+    ) -> bool:
+        """The fused kernel's merge, written straight into `out` (the output dtype); False
+        when it does not apply (float64, a GPU, kernels off), and the eager path runs."""
+        if not _fused(state, base, tasks):
+            return False
+        from ram_dist.kernels import ram_numba
+
+        if not ram_numba.supports([], out.dtype):
+            return False
+        ram_numba.merge_ram(base, tasks, params["epsilon"], self._lambdas(chunk, state), out)
+        return True
+
+    def _lambdas(self, chunk: Chunk, state: State) -> list[float]:
+        if "lambdas" in state:
+            return state["lambdas"]
+        return state["tensor_lambdas"][chunk.tensor]
 
     def report(self, state: State) -> dict[str, Any]:
         summary = state.get("summary") or {}
