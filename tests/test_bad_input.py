@@ -208,9 +208,12 @@ def test_nonfinite_values_stop_the_job_unless_allowed(inputs, tmp_path, capsys):
     err = _fails(capsys, _argv(base, tasks, out), out, "tensor 'a.weight': 3 NaN/Inf in task 2")
     assert str(tasks[1] / "model.safetensors") in err and "--allow-nonfinite" in err
     assert not out.exists()
-    for method in ("ram_plus", "task_arithmetic"):  # also without a statistics round
-        assert main(_argv(base, tasks, out, "--method", method, "--overwrite")) == 2
-        assert "NaN/Inf" in capsys.readouterr().err
+    # also without a statistics round, and on the eager path (torch.isfinite)
+    for method in ("ram_plus", "task_arithmetic"):
+        for kernels in ("auto", "eager"):
+            argv = _argv(base, tasks, out, "--method", method, "--kernels", kernels)
+            assert main([*argv, "--overwrite"]) == 2
+            assert "tensor 'a.weight': 3 NaN/Inf in task 2" in capsys.readouterr().err
     assert main(_argv(base, tasks, out, "--allow-nonfinite")) == 0
     assert (out / "model.safetensors.index.json").exists()
 

@@ -383,3 +383,22 @@ def test_unsupported_and_invalid() -> None:
         kernels.merge_ram(x, [x], EPS, [1.0], torch.empty(8, dtype=BF16)[::2])
     with pytest.raises(ValueError):
         kernels.merge_ram(x, [x], EPS, [1.0], torch.empty(5, dtype=BF16))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32, F64])
+def test_nonfinite_count_agrees_with_isfinite(dtype):
+    """The raw-bits NaN/Inf sweep of the reduce pass counts what torch.isfinite rejects:
+    NaN payloads of both signs, +-inf, and not the largest finite, subnormals or -0.0."""
+    from ram_dist.kernels import scan_numba
+
+    info = torch.finfo(dtype)
+    edge = torch.tensor(
+        [math.nan, -math.nan, math.inf, -math.inf, info.max, -info.max, info.tiny / 2, -0.0],
+        dtype=dtype,
+    )
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5 * TILE + 11, generator=g).to(dtype)
+    x[torch.randperm(x.numel(), generator=g)[:97]] = edge.repeat(13)[:97]
+    assert scan_numba.nonfinite_count(x) == int((~torch.isfinite(x)).sum()) > 0
+    assert scan_numba.nonfinite_count(x[::3]) == int((~torch.isfinite(x[::3])).sum())
+    assert scan_numba.nonfinite_count(x[:0]) == 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ram_dist import kernels
 from ram_dist.dtypes import SAFETENSORS_DTYPES, itemsize
 from ram_dist.engine.layout import Layout, TensorEntry
 from ram_dist.io.storage import Storage
@@ -110,19 +111,53 @@ def reduce_unit(
         active = method_rounds and method.active(round_, state, piece.tensor)
         for lo, hi in _blocks(piece.numel):
             base, *tasks = (t[lo:hi].to(dev) for t in inputs)
-            if check_finite:
-                counts = [int((~torch.isfinite(x)).sum()) for x in (base, *tasks)]
-                if any(counts):
-                    old = nonfinite.get(piece.tensor, [0] * len(counts))
-                    nonfinite[piece.tensor] = [a + b for a, b in zip(old, counts, strict=True)]
+            chunk = Chunk(piece.tensor, piece.start + lo, numel)
+            stats, counts = None, None
+            if active and check_finite:  # one sweep for both, when the method has one
+                both = _checked_statistics(method, round_, chunk, base, tasks, params, state)
+                stats, counts = both if both is not None else (None, None)
+            if check_finite and counts is None:
+                counts = [_nonfinite(x, state) for x in (base, *tasks)]
+            if counts is not None and any(counts):
+                old = nonfinite.get(piece.tensor, [0] * len(counts))
+                nonfinite[piece.tensor] = [a + b for a, b in zip(old, counts, strict=True)]
             if not active:
                 continue
-            chunk = Chunk(piece.tensor, piece.start + lo, numel)
-            stats = method.chunk_statistics(round_, chunk, base, tasks, params[piece.tensor], state)
+            if stats is None:
+                stats = method.chunk_statistics(
+                    round_, chunk, base, tasks, params[piece.tensor], state
+                )
             for key, value in stats.items():
                 value = value.to(device="cpu", dtype=torch.int64)
                 totals[key] = totals[key] + value if key in totals else value
     return UnitResult(unit.index, totals, None, tuple(bytes_read), _peak_rss(), nonfinite or None)
+
+
+def _checked_statistics(
+    method: MergeMethod,
+    round_: int,
+    chunk: Chunk,
+    base: torch.Tensor,
+    tasks: list[torch.Tensor],
+    params: Mapping[str, TensorParams],
+    state: State,
+) -> tuple[dict[str, torch.Tensor], list[int]] | None:
+    """The method's statistics and the inputs' NaN/Inf counts from one fused sweep, when the
+    method offers one for this chunk (`chunk_statistics_checked`); else None."""
+    fused = getattr(method, "chunk_statistics_checked", None)
+    if fused is None:
+        return None
+    return fused(round_, chunk, base, tasks, params[chunk.tensor], state)
+
+
+def _nonfinite(x: torch.Tensor, state: State) -> int:
+    """NaN and Inf count of one input block: a raw-bits sweep when kernels are on."""
+    if state.get("fused") and x.device.type == "cpu" and kernels.available():
+        from ram_dist.kernels import scan_numba
+
+        if scan_numba.supports(x.dtype):
+            return scan_numba.nonfinite_count(x)
+    return int((~torch.isfinite(x)).sum())
 
 
 def map_unit(

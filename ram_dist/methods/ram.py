@@ -229,6 +229,24 @@ class RamMethod:
             return {chunk.tensor: ram_numba.overlap_counts(base, tasks, params["epsilon"])}
         return {chunk.tensor: overlap_statistics(base, tasks, params["epsilon"])}
 
+    def chunk_statistics_checked(
+        self,
+        round_: int,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> tuple[dict[str, torch.Tensor], list[int]] | None:
+        """`chunk_statistics` plus each input's NaN/Inf count, from one fused sweep; None
+        when the fused kernels do not take this chunk (the engine then counts separately)."""
+        if not _fused(state, base, tasks):
+            return None
+        from ram_dist.kernels import ram_numba
+
+        hist, counts = ram_numba.overlap_counts_nonfinite(base, tasks, params["epsilon"])
+        return {chunk.tensor: hist}, counts
+
     def finalize(
         self,
         round_: int,
