@@ -8,7 +8,9 @@ it is whole, telling the caller so it can record the shard in the manifest.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,11 +65,40 @@ class PassStats:
 
 
 def _options(job: Job, cluster: Cluster) -> tuple[int, dict[str, Any]]:
-    workers = job.config.workers or (cluster.gpus or cluster.cpus)
+    """Units in flight, and the Ray options of each. With `--workers`, exactly that many run
+    at once; by default twice the cluster's CPUs (or GPUs) are submitted, Ray runs as many as
+    it has cores for, and the rest are queued so that a worker never waits on the driver."""
+    slots = cluster.gpus or cluster.cpus
+    in_flight = job.config.workers or 2 * slots
     resources: dict[str, Any] = {"num_cpus": 1, "max_retries": SYSTEM_RETRIES}
     if cluster.gpus:
         resources["num_gpus"] = 1
-    return workers, resources
+    return in_flight, resources
+
+
+class WriteBehind:
+    """Appends merged bytes to the open shard in a thread (hashing and file or upload writes
+    release the GIL), so the driver goes on collecting results and submitting units. At most
+    `depth` appends wait; `drain` before a shard is committed."""
+
+    def __init__(self, depth: int = 4) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ram-dist-write")
+        self._pending: deque[Future[None]] = deque()
+        self._depth = depth
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        self._pending.append(self._pool.submit(fn, *args))
+        while len(self._pending) > self._depth:
+            self._pending.popleft().result()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._pending.popleft().result()
+
+    def close(self) -> None:
+        """Stop: appends not yet started are dropped (the caller discards the shard)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()
 
 
 def reduce_pass(
@@ -154,8 +185,11 @@ def map_pass(
     progress = progress or Progress()
     progress.start_pass("map", sum(job.unit_bytes(u) for u in units), len(units))
 
+    behind = WriteBehind()
+
     def publish() -> None:
         assert writer is not None
+        behind.drain()
         writer.commit()
         stats.bytes_written += writer.written
         on_shard(shard, writer.sha256, writer.written)
@@ -170,15 +204,17 @@ def map_pass(
                 shard = unit.shard
                 tensors = job.layout.out_tensors(shard)
                 writer = ShardWriter(job.out, shard, tensors, job.storage)
-            writer.write(memoryview(result.data))
+            behind.submit(writer.write, memoryview(result.data))
             stats.add(result.bytes_read, result.peak_rss_bytes, result.fused_elements)
         if writer is not None:
             publish()
             writer = None
     except BaseException:
+        behind.close()
         if writer is not None:
             writer.discard()
         raise
+    behind.close()
     progress.end_pass(bytes_written=stats.bytes_written)
     stats.wall_s = time.perf_counter() - start
     return stats

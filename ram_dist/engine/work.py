@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import resource
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,10 +19,10 @@ import torch
 from ram_dist import kernels
 from ram_dist.dtypes import SAFETENSORS_DTYPES, itemsize
 from ram_dist.engine.layout import Layout, TensorEntry
-from ram_dist.io.storage import Storage
+from ram_dist.io.storage import Buffer, Storage
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.registry import Chunk, State, TensorParams
-from ram_dist.plan import WorkUnit
+from ram_dist.plan import Piece, WorkUnit
 
 #: Elements computed at once; bounds a worker's float temporaries (about 40 bytes each).
 COMPUTE_BLOCK = 1 << 22
@@ -54,7 +55,7 @@ def _inputs_of(entry: TensorEntry) -> int:
 def read_unit(
     unit: WorkUnit, layout: Layout, storage: Storage
 ) -> tuple[list[list[torch.Tensor]], list[int]]:
-    """Read every piece of a unit from every input it needs: one batched range read."""
+    """Read every piece of a unit from every input it needs, at once (one batched read)."""
     requests: list[tuple[str, int, int]] = []
     owners: list[tuple[int, int, str]] = []
     for p, piece in enumerate(unit.pieces):
@@ -65,8 +66,7 @@ def read_unit(
                 (src.file, src.start + piece.start * size, src.start + piece.stop * size)
             )
             owners.append((p, i, src.dtype))
-    n_inputs = max(len(e.sources) for e in layout.tensors.values())
-    bytes_read = [0] * n_inputs
+    bytes_read = [0] * _input_count(layout)
     tensors: list[list[torch.Tensor]] = [[] for _ in unit.pieces]
     for blob, (p, i, dtype) in zip(storage.read_ranges(requests), owners, strict=True):
         bytes_read[i] += len(blob)
@@ -74,11 +74,87 @@ def read_unit(
     return tensors, bytes_read
 
 
-def _tensor_from_bytes(blob: bytes, dtype: str) -> torch.Tensor:
-    if not blob:
+def _input_count(layout: Layout) -> int:
+    return max(len(e.sources) for e in layout.tensors.values())
+
+
+@dataclass(frozen=True)
+class Block:
+    """Elements [lo, hi) of one piece of a unit: what is read and computed at once."""
+
+    piece: int
+    lo: int
+    hi: int
+
+
+class _Buffers:
+    """Two reusable read buffers per worker process (the block being computed and the one
+    being read): fresh memory would be faulted in, and zeroed by the kernel, for every block,
+    which costs as much as the copy out of the page cache. On a GPU worker they are pinned,
+    so that copies to the device can run asynchronously."""
+
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self._slots: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
+
+    def views(self, slot: int, sizes: list[int]) -> list[memoryview]:
+        offsets, total = [], 0
+        for size in sizes:
+            offsets.append(total)
+            total += -(-size // self.ALIGN) * self.ALIGN
+        if self._slots[slot].numel() < total:
+            pinned = torch.cuda.is_available()
+            self._slots[slot] = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+        whole = memoryview(self._slots[slot].numpy())
+        return [whole[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+
+
+_BUFFERS = _Buffers()
+
+
+def stream_blocks(
+    pieces: tuple[Piece, ...], layout: Layout, storage: Storage, bytes_read: list[int]
+) -> Iterator[tuple[Block, list[torch.Tensor]]]:
+    """Each compute block of `pieces` with its inputs (base first; only the base for tensors
+    that are copied), in order. A thread reads the next block while the caller computes this
+    one (reads and the fused kernels release the GIL), into one of two reused buffers: the
+    tensors of a block are valid until the caller asks for the block after it.
+    `bytes_read[i]` grows by what is read from input i."""
+    blocks = [Block(p, lo, hi) for p, piece in enumerate(pieces) for lo, hi in _blocks(piece.numel)]
+
+    def read(k: int) -> list[torch.Tensor]:
+        block = blocks[k]
+        piece = pieces[block.piece]
+        entry = layout.tensors[piece.tensor]
+        sources = entry.sources[: _inputs_of(entry)]
+        requests = []
+        for src in sources:
+            size = itemsize(src.dtype)
+            lo, hi = piece.start + block.lo, piece.start + block.hi
+            requests.append((src.file, src.start + lo * size, src.start + hi * size))
+        views = _BUFFERS.views(k % 2, [end - start for _, start, end in requests])
+        blobs = storage.read_ranges(requests, into=views)
+        for i, blob in enumerate(blobs):
+            bytes_read[i] += len(blob)
+        return [_tensor_from_bytes(b, s.dtype) for b, s in zip(blobs, sources, strict=True)]
+
+    if not blocks:
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-read") as reader:
+        ahead = reader.submit(read, 0)
+        for k, block in enumerate(blocks):
+            inputs = ahead.result()
+            if k + 1 < len(blocks):
+                ahead = reader.submit(read, k + 1)
+            yield block, inputs
+
+
+def _tensor_from_bytes(blob: Buffer, dtype: str) -> torch.Tensor:
+    if not len(blob):
         return torch.empty(0, dtype=SAFETENSORS_DTYPES[dtype])
     with warnings.catch_warnings():
-        # The buffer is read-only bytes; nothing here writes to it.
+        # Fetched bytes are read-only; nothing here writes to them.
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(blob, dtype=SAFETENSORS_DTYPES[dtype])
 
@@ -102,34 +178,32 @@ def reduce_unit(
         return layout.tensors[tensor].participating and (active or check_finite)
 
     pieces = tuple(p for p in unit.pieces if wanted(p.tensor))
-    tensors, bytes_read = read_unit(WorkUnit(unit.index, unit.shard, pieces), layout, storage)
+    bytes_read = [0] * _input_count(layout)
     dev = device()
     totals: dict[str, torch.Tensor] = {}
     nonfinite: dict[str, list[int]] = {}
-    for piece, inputs in zip(pieces, tensors, strict=True):
+    for block, inputs in stream_blocks(pieces, layout, storage, bytes_read):
+        piece = pieces[block.piece]
         numel = layout.tensors[piece.tensor].numel
         active = method_rounds and method.active(round_, state, piece.tensor)
-        for lo, hi in _blocks(piece.numel):
-            base, *tasks = (t[lo:hi].to(dev) for t in inputs)
-            chunk = Chunk(piece.tensor, piece.start + lo, numel)
-            stats, counts = None, None
-            if active and check_finite:  # one sweep for both, when the method has one
-                both = _checked_statistics(method, round_, chunk, base, tasks, params, state)
-                stats, counts = both if both is not None else (None, None)
-            if check_finite and counts is None:
-                counts = [_nonfinite(x, state) for x in (base, *tasks)]
-            if counts is not None and any(counts):
-                old = nonfinite.get(piece.tensor, [0] * len(counts))
-                nonfinite[piece.tensor] = [a + b for a, b in zip(old, counts, strict=True)]
-            if not active:
-                continue
-            if stats is None:
-                stats = method.chunk_statistics(
-                    round_, chunk, base, tasks, params[piece.tensor], state
-                )
-            for key, value in stats.items():
-                value = value.to(device="cpu", dtype=torch.int64)
-                totals[key] = totals[key] + value if key in totals else value
+        base, *tasks = (t.to(dev, non_blocking=True) for t in inputs)
+        chunk = Chunk(piece.tensor, piece.start + block.lo, numel)
+        stats, counts = None, None
+        if active and check_finite:  # one sweep for both, when the method has one
+            both = _checked_statistics(method, round_, chunk, base, tasks, params, state)
+            stats, counts = both if both is not None else (None, None)
+        if check_finite and counts is None:
+            counts = [_nonfinite(x, state) for x in (base, *tasks)]
+        if counts is not None and any(counts):
+            old = nonfinite.get(piece.tensor, [0] * len(counts))
+            nonfinite[piece.tensor] = [a + b for a, b in zip(old, counts, strict=True)]
+        if not active:
+            continue
+        if stats is None:
+            stats = method.chunk_statistics(round_, chunk, base, tasks, params[piece.tensor], state)
+        for key, value in stats.items():
+            value = value.to(device="cpu", dtype=torch.int64)
+            totals[key] = totals[key] + value if key in totals else value
     return UnitResult(unit.index, totals, None, tuple(bytes_read), _peak_rss(), nonfinite or None)
 
 
@@ -169,35 +243,35 @@ def map_unit(
     state: State,
 ) -> UnitResult:
     """Map pass: merged bytes of a unit's pieces, in order, in each tensor's output dtype."""
-    tensors, bytes_read = read_unit(unit, layout, storage)
+    bytes_read = [0] * _input_count(layout)
     dev = device()
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
+    offsets = [sum(sizes[:k]) for k in range(len(sizes))]
     data = np.empty(sum(sizes), dtype=np.uint8)
     out = torch.from_numpy(data)
-    offset = fused_elements = 0
-    for piece, inputs, size in zip(unit.pieces, tensors, sizes, strict=True):
+    fused_elements = 0
+    fused = getattr(method, "merge_into", None)
+    for block, inputs in stream_blocks(unit.pieces, layout, storage, bytes_read):
+        piece = unit.pieces[block.piece]
         entry = layout.tensors[piece.tensor]
-        target = out[offset : offset + size]
-        offset += size
+        width = itemsize(entry.out_dtype)
+        at = offsets[block.piece]
+        target = out[at + block.lo * width : at + block.hi * width]
         if not entry.participating:
             target.copy_(inputs[0].view(torch.uint8))  # copied from the base, byte for byte
             continue
-        out_dtype = SAFETENSORS_DTYPES[entry.out_dtype]
-        width = itemsize(entry.out_dtype)
-        for lo, hi in _blocks(piece.numel):
-            base, *tasks = (t[lo:hi].to(dev) for t in inputs)
-            chunk = Chunk(piece.tensor, piece.start + lo, entry.numel)
-            fused = getattr(method, "merge_into", None)
-            view = _typed(target[lo * width : hi * width], out_dtype)
-            if (
-                fused
-                and view is not None
-                and fused(chunk, base, tasks, params[piece.tensor], state, view)
-            ):
-                fused_elements += hi - lo
-                continue
-            merged = method.merge_chunk(chunk, base, tasks, params[piece.tensor], state)
-            target[lo * width : hi * width].copy_(merged.to(out_dtype).cpu().view(torch.uint8))
+        base, *tasks = (t.to(dev, non_blocking=True) for t in inputs)
+        chunk = Chunk(piece.tensor, piece.start + block.lo, entry.numel)
+        view = _typed(target, SAFETENSORS_DTYPES[entry.out_dtype])
+        if (
+            fused
+            and view is not None
+            and fused(chunk, base, tasks, params[piece.tensor], state, view)
+        ):
+            fused_elements += block.hi - block.lo
+            continue
+        merged = method.merge_chunk(chunk, base, tasks, params[piece.tensor], state)
+        target.copy_(merged.to(SAFETENSORS_DTYPES[entry.out_dtype]).cpu().view(torch.uint8))
     return UnitResult(
         unit.index, None, data, tuple(bytes_read), _peak_rss(), fused_elements=fused_elements
     )
