@@ -6,7 +6,10 @@ from typing import Any
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """Per-task statistics, lambda under each RAM variant, and the overlap histogram."""
+    """Per-task statistics, lambda under each RAM variant, and the overlap histogram (RAM
+    family); for the baselines, which gather no such statistics, what their method reports."""
+    if "tasks" not in report:
+        return _baseline_summary(report)
     tasks = report["tasks"]
     methods = list(tasks[0]["lambda"]) if tasks else []
     head = ["task", "changed", "density", "unique", "shared", "rho"] + [
@@ -34,6 +37,16 @@ def format_report(report: dict[str, Any]) -> str:
     )
     for i, t in enumerate(tasks, 1):
         lines.append(f"task {i}: {t['model']}")
+    return "\n".join(lines)
+
+
+def _baseline_summary(report: dict[str, Any]) -> str:
+    lines = [f"method: {report['method']}"]
+    for key in ("ties", "dare"):
+        for name, value in (report.get(key) or {}).items():
+            lines.append(f"{key} {name.replace('_', ' ')}: {value}")
+    for i, model in enumerate(report.get("tasks_given", []), 1):
+        lines.append(f"task {i}: {model}")
     return "\n".join(lines)
 
 

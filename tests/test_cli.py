@@ -117,3 +117,21 @@ def test_demo_command_merges_its_generated_agents(tmp_path):
     assert [x / ref["d"] for x in densities] == pytest.approx([0.03, 0.46, 0.54], abs=0.02)
     assert "overlap histogram" in done.stdout
     assert (demo / "merged" / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("method", ["ties", "task_arithmetic", "dare_ties", "linear"])
+def test_merge_prints_a_summary_for_every_method(inputs, tmp_path, capsys, method):
+    """The baselines have no overlap statistics: the CLI prints what they report instead."""
+    from ram_dist.cli import main
+
+    base, tasks = inputs
+    out = tmp_path / method
+    argv = ["merge", "--base", base, *[a for t in tasks for a in ("--task", t)], "--out", out]
+    extra = ["--density", "0.5"] if method in ("ties", "dare_ties") else []
+    assert main([str(a) for a in [*argv, "--method", method, *extra]]) == 0
+    printed = capsys.readouterr().out
+    assert f"method: {method}" in printed and f"merged model written to {out}" in printed
+    if method == "ties":
+        assert "ties cuts through equal magnitudes: " in printed
+    assert (out / "model.safetensors").exists()

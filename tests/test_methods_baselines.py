@@ -302,6 +302,31 @@ def test_ties_many_ties_at_cut_is_chunk_invariant() -> None:
     assert same_bytes(singles, run_ties(small, few, [0, 40], WEIGHTS[:3], dens, rescale=True))
 
 
+@needs_mergekit
+def test_ties_cut_among_zeros_skips_the_index_rounds() -> None:
+    """RL-like sparse task vectors (most deltas exactly 0) with a density above the changed
+    fraction: the cut falls among the zeros. Which zeros are kept changes no byte, so the
+    flat-index rounds do not run, and the bytes still equal a stable top-k and mergekit."""
+    gen = torch.Generator().manual_seed(21)
+    base = torch.randn(SHAPE, generator=gen)
+    tasks = [
+        torch.where(torch.rand(SHAPE, generator=gen) < p, base + torch.randn(SHAPE) * 0.01, base)
+        for p in (0.03, 0.46, 0.54)
+    ]
+    dens = [0.5, 0.5, 0.3]  # tasks 1 and 2 cut among zeros, task 3 among changed values
+    method = get_method("ties")
+    _, state = ties_state(base, tasks, [0, base.numel()], WEIGHTS[:3], dens)
+    cuts = state["tensors"]["w"]["cuts"]
+    assert [c["threshold"] == 0 and c["need"] < c["equal"] for c in cuts] == [True, True, False]
+    assert not method.active(2, state, "w") and not method.active(3, state, "w")
+    ref = reference_ties(base, tasks, WEIGHTS[:3], dens)
+    ours = assert_chunk_invariant(
+        lambda bd: run_ties(base, tasks, bd, WEIGHTS[:3], dens), base.numel()
+    )
+    assert same_bytes(ours, ref)
+    assert same_bytes(ours, mergekit_gta("ties", base, tasks, WEIGHTS[:3], dens))
+
+
 def test_ties_equal_magnitudes_over_several_index_bins() -> None:
     """A tensor over three flat-index bins of 65536; an uncut task gives zero index rows."""
     n = 2 * LOW_BINS + 999

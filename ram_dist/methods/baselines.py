@@ -25,6 +25,14 @@ L1 = "#l1"
 L1_ABOVE = "#l1-above"
 
 
+def _ordered(cut: dict[str, Any] | None) -> bool:
+    """Whether TIES needs the flat-index rounds (2 and 3) for this cut: only when it splits
+    a group of equal non-zero magnitudes. At magnitude zero every zero is kept: which zeros
+    a top-k keeps changes no byte (a kept or a dropped +-0 delta is the same +-0, and adds
+    nothing to an L1 norm), so the two rounds would read every input twice for nothing."""
+    return cut is not None and cut["need"] < cut["equal"] and cut["threshold"] != 0
+
+
 def _densities(params: TensorParams) -> list[float]:
     return [float(d) for d in params["density"]]
 
@@ -108,7 +116,7 @@ class TaskArithmeticFamily:
             return False
         if round_ <= 1:
             return True
-        ordered = any(c is not None and c["need"] < c["equal"] for c in info["cuts"])
+        ordered = any(_ordered(c) for c in info["cuts"])
         return ordered or (round_ == 2 and info["rescale"])
 
     def chunk_statistics(
@@ -142,7 +150,7 @@ class TaskArithmeticFamily:
             return {chunk.tensor: torch.stack(rows)}
         rows = []
         for k, c in zip(keys, info["cuts"], strict=True):
-            if c is None or c["need"] >= c["equal"]:  # no index cut: a zero row
+            if not _ordered(c):  # no index cut: a zero row
                 size = topk.index_bins(chunk.numel) if round_ == 2 else topk.LOW_BINS
                 rows.append(_zeros(size, k.device))
             elif round_ == 2:
@@ -194,10 +202,10 @@ class TaskArithmeticFamily:
                     found = topk.find_cut(total[t], high, cut["k"])
                     cut.update(threshold=found.threshold, need=found.need_at_threshold)
                     cut["equal"] = found.equal_at_threshold
-                elif cut["need"] < cut["equal"] and round_ == 2:
+                elif _ordered(cut) and round_ == 2:
                     found_bin = topk.find_index_bin(total[t], cut["need"])
                     cut.update(index_bin=found_bin.index_bin, need_in_bin=found_bin.need_in_bin)
-                elif cut["need"] < cut["equal"] and round_ == 3:
+                elif _ordered(cut) and round_ == 3:
                     found_bin = topk.IndexBin(cut["index_bin"], cut["need_in_bin"])
                     cut["index_cut"] = topk.find_index_cut(total[t], found_bin)
                 if round_ == 2 and name + L1_ABOVE in totals:
@@ -248,12 +256,7 @@ class TaskArithmeticFamily:
     def report(self, state: State) -> dict[str, Any]:
         tensors = state.get("tensors", {})
         if self.sparsify == "magnitude":
-            ordered = sum(
-                1
-                for info in tensors.values()
-                for c in info["cuts"]
-                if c is not None and c["need"] < c["equal"]
-            )
+            ordered = sum(1 for info in tensors.values() for c in info["cuts"] if _ordered(c))
             return {"ties": {"cuts_through_equal_magnitudes": ordered}}
         if self.sparsify == "random":
             return {"dare": {"seed": state.get("seed", 0)}}
