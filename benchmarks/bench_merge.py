@@ -1,4 +1,4 @@
-"""End-to-end benchmark of ``ram-dist merge`` against a plain-I/O floor.
+"""End-to-end benchmark of ``ram-dist merge`` and mergekit against a plain-I/O floor.
 
 What it does, in one run:
 
@@ -8,15 +8,22 @@ What it does, in one run:
    and 54 %, as reported for RL-trained agents) and changes large enough to survive bf16
    rounding and the merge's ``eps = 1e-5`` threshold. Generation works tensor by tensor and
    holds at most one output shard in memory.
-2. Warms the page cache by reading every input once, then alternates, ``--repeats`` times:
+2. Warms the page cache by reading every input once, then measures every configuration of
+   ``--runs``, ``--repeats`` times, in an order that rotates by one each repeat:
 
-   * the I/O floor: read every input byte twice (the merge has a reduce pass and a map pass,
+   * ``floor``: read every input byte twice (the merge has a reduce pass and a map pass,
      each reading all inputs), with plain buffered 16 MiB reads, and write as many bytes as
      the base's safetensors files once (no fsync, like the merge);
-   * the merge: ``ram-dist merge`` as a subprocess, wall time measured from outside, with
-     ``OUT/merge_report.json`` read afterwards for per-pass times, bytes and peak memory.
+   * ``ramdist:METHOD``: ``ram-dist merge`` as a subprocess, wall time and max RSS (wait4)
+     measured from outside, ``OUT/merge_report.json`` read for pass times, bytes, memory;
+   * ``mergekit:METHOD``: ``mergekit-yaml`` on the same inputs with matching parameters, run
+     in-process by ``mergekit_wrapper.py`` (which records ``/proc/self/io`` and the tensor
+     bytes mergekit loaded), wall time and max RSS from wait4.
 
-3. Prints medians (and every sample) as a table; ``--json FILE`` writes the same as JSON.
+   Every output is checked to hold every tensor of the model.
+3. Prints medians (one column per configuration), every sample, and ``--json FILE`` writes it
+   all. ``--memory-sizes`` also runs ram-dist ``ram_plus`` once per model size and compares
+   the largest worker's peak RSS across sizes.
 
 Example::
 
@@ -42,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from safetensors.torch import save_file
 
 GENERATOR_VERSION = 1
@@ -314,26 +322,126 @@ def write_bytes(path: Path, nbytes: int, buf: bytearray) -> None:
             left -= f.write(view[: min(left, len(view))])
 
 
-def measure_floor(inputs: Sequence[Path], out_bytes: int, scratch: Path) -> dict[str, float]:
+def measure_floor(inputs: Sequence[Path], out_bytes: int, scratch: Path) -> dict[str, Any]:
     """Time two full reads of the inputs plus one write of ``out_bytes``."""
     buf = bytearray(READ_BLOCK)
     start = time.perf_counter()
-    read_files(inputs, buf)
-    read_files(inputs, buf)
+    read_bytes = read_files(inputs, buf) + read_files(inputs, buf)
     t_read2 = time.perf_counter()
     write_bytes(scratch, out_bytes, buf)
     end = time.perf_counter()
     scratch.unlink()
     return {
-        "floor_s": end - start,
+        "wall_s": end - start,
         "floor_read_pass_s": (t_read2 - start) / 2,
         "floor_write_s": end - t_read2,
+        "bytes_read": read_bytes,
+        "out_bytes": out_bytes,
     }
 
 
 # --------------------------------------------------------------------------------------------
-# Merge run
+# Configurations and their commands
 # --------------------------------------------------------------------------------------------
+
+RAMDIST_METHODS = ("ram_plus", "ram", "ties", "ram_plus_soft", "ramplus_tl")
+MERGEKIT_METHODS = ("ram", "ramplus_tl", "ties")
+DEFAULT_RUNS = (
+    "floor,ramdist:ram_plus,ramdist:ram,ramdist:ties,mergekit:ram,mergekit:ramplus_tl,mergekit:ties"
+)
+WRAPPER = Path(__file__).resolve().parent / "mergekit_wrapper.py"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One configuration to measure: ``floor``, ``ramdist:METHOD`` or ``mergekit:METHOD``."""
+
+    tool: str
+    method: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.tool}:{self.method}" if self.method else self.tool
+
+    @property
+    def slug(self) -> str:
+        """The name as a file name part."""
+        return self.name.replace(":", "-")
+
+
+def parse_runs(text: str) -> list[Run]:
+    """``floor,ramdist:ram,...`` as Runs; ``none`` (or nothing) for no comparison at all."""
+    allowed = {"floor": ("",), "ramdist": RAMDIST_METHODS, "mergekit": MERGEKIT_METHODS}
+    runs: list[Run] = []
+    for item in (s.strip() for s in text.split(",")):
+        if item in ("", "none"):
+            continue
+        tool, _, method = item.partition(":")
+        if tool not in allowed or method not in allowed[tool]:
+            raise SystemExit(
+                f"--runs: unknown configuration {item!r}; valid: floor, "
+                f"ramdist:{{{','.join(RAMDIST_METHODS)}}}, "
+                f"mergekit:{{{','.join(MERGEKIT_METHODS)}}}"
+            )
+        if Run(tool, method) in runs:
+            raise SystemExit(f"--runs lists {item} twice")
+        runs.append(Run(tool, method))
+    return runs
+
+
+@dataclass(frozen=True)
+class MethodParams:
+    """Merge parameters given to both tools, so that their runs compute the same thing."""
+
+    r: float
+    alpha: float
+    eps: float
+    density: float
+    weight: float
+
+
+def ramdist_method_args(method: str, p: MethodParams) -> list[str]:
+    """``ram-dist merge`` flags for ``method``: every parameter explicit, none left to defaults."""
+    if method == "ties":
+        density, weight = repr(p.density), repr(p.weight)
+        return ["--density", density, "--weight", weight, "--lambda", "1.0", "--normalize"]
+    args = ["--eps", repr(p.eps)]
+    if method != "ram":
+        args += ["--r", repr(p.r), "--alpha", repr(p.alpha)]
+    return args
+
+
+def mergekit_config(method: str, p: MethodParams, models_dir: Path) -> dict[str, Any]:
+    """mergekit's YAML for ``method``, matching ``ramdist_method_args``.
+
+    ``dtype: float32`` because ram-dist computes in float32 (mergekit would otherwise compute
+    in the inputs' bf16), ``out_dtype: bfloat16`` so that both write the base's dtype.
+    """
+    tasks = [str(models_dir / name) for name in model_names()[1:]]
+    if method == "ties":
+        models = [
+            {"model": t, "parameters": {"weight": p.weight, "density": p.density}} for t in tasks
+        ]
+        params: dict[str, Any] = {"normalize": True, "lambda": 1.0}
+    else:
+        models = [{"model": t} for t in tasks]
+        params = {"epsilon": p.eps}
+        if method != "ram":
+            params |= {"r": p.r, "alpha": p.alpha}
+    return {
+        "merge_method": method,
+        "base_model": str(models_dir / "base"),
+        "models": models,
+        "parameters": params,
+        "dtype": "float32",
+        "out_dtype": "bfloat16",
+    }
+
+
+def mergekit_options(args: argparse.Namespace) -> list[str]:
+    """The ``mergekit-yaml`` options of a fast CPU merge (see the README for why each)."""
+    base = ["--lazy-unpickle", "--no-copy-tokenizer", "--out-shard-size", f"{args.shard_mb}M"]
+    return base + ["--quiet"] + list(args.mergekit_arg)
 
 
 def cli_command() -> tuple[list[str], dict[str, str]]:
@@ -349,23 +457,22 @@ def cli_command() -> tuple[list[str], dict[str, str]]:
     return [sys.executable, "-m", "ram_dist.cli"], env
 
 
-def merge_argv(args: argparse.Namespace, models_dir: Path, out: Path) -> list[str]:
-    argv = ["merge", "--base", str(models_dir / "base")]
-    for name in model_names()[1:]:
-        argv += ["--task", str(models_dir / name)]
-    argv += ["--out", str(out), "--method", args.method, "--chunk-mb", str(args.chunk_mb)]
-    if args.workers is not None:
-        argv += ["--workers", str(args.workers)]
-    return argv + list(args.merge_arg)
+def cpu_count() -> int:
+    """CPUs this process may use: what a local Ray offers as workers by default."""
+    return len(os.sched_getaffinity(0))
 
 
-def run_merge(cmd: list[str], env: dict[str, str], out: Path, log: Path) -> dict[str, Any]:
-    """Run one merge; return wall time, the process's own max RSS and the merge report.
+# --------------------------------------------------------------------------------------------
+# Running one configuration
+# --------------------------------------------------------------------------------------------
+
+
+def run_process(cmd: list[str], env: dict[str, str], log: Path) -> tuple[float, Any]:
+    """Run ``cmd`` with output to ``log``; return its wall time and its wait4 rusage.
 
     The command runs in the log's folder, not the caller's: ``python -m`` puts the working
     directory first on ``sys.path``, which would shadow a ``PYTHONPATH`` given with ``--cli``.
     """
-    shutil.rmtree(out, ignore_errors=True)
     with open(log, "w") as log_f:
         start = time.perf_counter()
         proc = subprocess.Popen(
@@ -373,19 +480,26 @@ def run_merge(cmd: list[str], env: dict[str, str], out: Path, log: Path) -> dict
         )
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
         tail = log.read_text(errors="replace")[-4000:]
-        raise RuntimeError(f"merge failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
-    report_path = out / "merge_report.json"
-    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
-    out_bytes = sum(p.stat().st_size for p in safetensors_files(out))
-    return {
-        "wall_s": wall,
-        "cli_maxrss_bytes": usage.ru_maxrss * 1024,  # Linux reports KiB
-        "out_bytes": out_bytes,
-        "report": report,
-    }
+        raise RuntimeError(f"command failed (exit {code}): {' '.join(cmd)}\n{tail}")
+    return wall, usage
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size))
+
+
+def check_output(out: Path, expected_tensors: int) -> dict[str, int]:
+    """Bytes and tensor count of a merge output; raise unless it holds every tensor."""
+    files = safetensors_files(out)
+    tensors = sum(len([k for k in safetensors_header(p) if k != "__metadata__"]) for p in files)
+    if tensors != expected_tensors:
+        raise RuntimeError(f"{out}: {tensors} tensors written, expected {expected_tensors}")
+    return {"out_bytes": sum(p.stat().st_size for p in files), "out_tensors": tensors}
 
 
 def dig(data: Any, dotted: str) -> Any:
@@ -403,30 +517,220 @@ REPORT_KEYS = {
     "reduce_bytes_read": "passes.reduce.bytes_read",
     "map_bytes_read": "passes.map.bytes_read",
     "map_bytes_written": "passes.map.bytes_written",
+    "units": "passes.map.units",
     "driver_peak_rss_bytes": "memory.driver_peak_rss_bytes",
     "worker_peak_rss_bytes": "memory.worker_peak_rss_bytes",
 }
 
 
-def sample_from(floor: dict[str, float], merge: dict[str, Any]) -> dict[str, Any]:
-    """Flatten one repeat into named figures (None where the report lacks a key)."""
-    sample: dict[str, Any] = dict(floor)
-    sample["merge_wall_s"] = merge["wall_s"]
-    sample["cli_maxrss_bytes"] = merge["cli_maxrss_bytes"]
-    sample["out_bytes"] = merge["out_bytes"]
+def total(*values: Any) -> float | None:
+    """Sum of the values, or None when any is missing."""
+    return None if None in values else sum(values)
+
+
+def ramdist_figures(report: dict[str, Any], wall: float, maxrss: int, workers: int) -> dict:
+    """One ram-dist run as named figures (None where the report lacks a key)."""
+    sample: dict[str, Any] = {"wall_s": wall, "proc_maxrss_bytes": maxrss}
     for name, dotted in REPORT_KEYS.items():
-        value = dig(merge["report"], dotted)
+        value = dig(report, dotted)
         sample[name] = value if isinstance(value, (int, float)) else None
-    passes = [sample["reduce_s"], sample["map_s"]]
-    sample["passes_s"] = sum(passes) if None not in passes else None
-    sample["overhead_s"] = (
-        merge["wall_s"] - sample["passes_s"] if sample["passes_s"] is not None else None
-    )
-    sample["ratio_wall"] = merge["wall_s"] / floor["floor_s"]
-    sample["ratio_passes"] = (
-        sample["passes_s"] / floor["floor_s"] if sample["passes_s"] is not None else None
-    )
+    sample["bytes_read"] = total(sample["reduce_bytes_read"], sample["map_bytes_read"])
+    sample["passes_s"] = total(sample["reduce_s"], sample["map_s"])
+    sample["overhead_s"] = None if sample["passes_s"] is None else wall - sample["passes_s"]
+    units = sample["units"]
+    sample["workers_used"] = None if units is None else min(units, workers)
+    peaks = [sample["driver_peak_rss_bytes"], sample["worker_peak_rss_bytes"], maxrss]
+    sample["largest_process_rss_bytes"] = max(v for v in peaks if v is not None)
     return sample
+
+
+def mergekit_figures(stats: dict[str, Any], wall: float, maxrss: int) -> dict[str, Any]:
+    """One mergekit run as named figures, from wait4 and the wrapper's I/O record."""
+    io, before = stats["proc_io"], stats.get("proc_io_before") or {}
+    children = sum(c.get("rchar", 0) for c in stats.get("children_io", {}).values())
+    return {
+        "wall_s": wall,
+        "proc_maxrss_bytes": maxrss,
+        "largest_process_rss_bytes": maxrss,
+        "bytes_read": stats["tensor_bytes_loaded"],
+        "rchar_bytes": io["rchar"] + children,
+        "rchar_merge_bytes": io["rchar"] - before.get("rchar", 0) + children,
+        "live_children": len(stats.get("children_io", {})),
+    }
+
+
+@dataclass
+class Bench:
+    """One set of generated inputs and how to run every configuration on them."""
+
+    args: argparse.Namespace
+    workdir: Path
+    layout: Layout
+    params: MethodParams
+    ramdist_cli: list[str]
+    env: dict[str, str]
+
+    @property
+    def models_dir(self) -> Path:
+        return self.workdir / "models"
+
+    @property
+    def inputs(self) -> list[Path]:
+        return [p for name in model_names() for p in safetensors_files(self.models_dir / name)]
+
+    @property
+    def base_bytes(self) -> int:
+        return sum(p.stat().st_size for p in safetensors_files(self.models_dir / "base"))
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.inputs)
+
+    def out_dir(self, run: Run) -> Path:
+        return self.workdir / "out" / run.slug
+
+    def yaml_path(self, run: Run) -> Path:
+        return self.workdir / f"mergekit_{run.method}.yaml"
+
+    def command(self, run: Run, repeat: int = 1) -> list[str]:
+        """The exact command line of ``run`` (the floor has none)."""
+        out = self.out_dir(run)
+        if run.tool == "ramdist":
+            argv = ["merge", "--base", str(self.models_dir / "base")]
+            for name in model_names()[1:]:
+                argv += ["--task", str(self.models_dir / name)]
+            argv += ["--out", str(out), "--method", run.method]
+            argv += ["--chunk-mb", str(self.args.chunk_mb)]
+            if self.args.workers is not None:
+                argv += ["--workers", str(self.args.workers)]
+            argv += ramdist_method_args(run.method, self.params) + list(self.args.merge_arg)
+            return self.ramdist_cli + argv
+        if run.tool == "mergekit":
+            stats = self.workdir / f"{run.slug}_{repeat}.io.json"
+            mk = [str(self.yaml_path(run)), str(out)] + mergekit_options(self.args)
+            return [sys.executable, str(WRAPPER), str(stats), "--"] + mk
+        return []
+
+    def user_command(self, run: Run) -> str:
+        """What a user would type for ``run`` (mergekit without the measuring wrapper)."""
+        cmd = self.command(run)
+        if run.tool == "mergekit":
+            cmd = ["mergekit-yaml"] + cmd[cmd.index("--") + 1 :]
+        return " ".join(shlex.quote(c) for c in cmd) if cmd else "(in-process reads and writes)"
+
+    def write_mergekit_configs(self, runs: Sequence[Run]) -> None:
+        for run in runs:
+            if run.tool == "mergekit":
+                config = mergekit_config(run.method, self.params, self.models_dir)
+                self.yaml_path(run).write_text(yaml.safe_dump(config, sort_keys=False))
+
+    def measure(self, run: Run, repeat: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Run ``run`` once; return its figures and (ram-dist) its merge report."""
+        if run.tool == "floor":
+            return measure_floor(self.inputs, self.base_bytes, self.workdir / "floor_out.bin"), {}
+        out = self.out_dir(run)
+        shutil.rmtree(out, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = self.command(run, repeat)
+        wall, usage = run_process(cmd, self.env, self.workdir / f"{run.slug}_{repeat}.log")
+        maxrss = usage.ru_maxrss * 1024  # Linux reports KiB
+        report: dict[str, Any] = {}
+        if run.tool == "ramdist":
+            report_path = out / "merge_report.json"
+            report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+            workers = self.args.workers or cpu_count()
+            sample = ramdist_figures(report, wall, maxrss, workers)
+        else:
+            stats = json.loads(Path(cmd[2]).read_text())
+            sample = mergekit_figures(stats, wall, maxrss)
+        sample |= check_output(out, len(self.layout.tensors))
+        if not self.args.keep:
+            shutil.rmtree(out, ignore_errors=True)
+        return sample, report
+
+
+def rotated(runs: Sequence[Run], k: int) -> list[Run]:
+    """``runs`` started at position ``k``: each repeat starts with the next configuration."""
+    k %= max(1, len(runs))
+    return list(runs[k:]) + list(runs[:k])
+
+
+def add_ratios(results: dict[str, dict[str, Any]]) -> None:
+    """Ratios to the floor measured in the same repeat (none if the floor was not run)."""
+    floor = results.get("floor")
+    for name, sample in results.items():
+        if name == "floor" or floor is None:
+            continue
+        sample["ratio_wall"] = sample["wall_s"] / floor["wall_s"]
+        passes = sample.get("passes_s")
+        sample["ratio_passes"] = None if passes is None else passes / floor["wall_s"]
+
+
+def measure_all(
+    bench: Bench, runs: Sequence[Run], repeats: int
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, Any]]]:
+    """``repeats`` rounds over ``runs`` in rotating order; samples and last report per run."""
+    samples: dict[str, list[dict[str, Any]]] = {run.name: [] for run in runs}
+    reports: dict[str, dict[str, Any]] = {}
+    for r in range(repeats):
+        results: dict[str, dict[str, Any]] = {}
+        for run in rotated(runs, r):
+            results[run.name], report = bench.measure(run, r + 1)
+            if report:
+                reports[run.name] = report
+            wall = results[run.name]["wall_s"]
+            print(f"repeat {r + 1}/{repeats}: {run.name} {wall:.2f} s", flush=True)
+        add_ratios(results)
+        for run in runs:
+            samples[run.name].append(results[run.name])
+    return samples, reports
+
+
+# --------------------------------------------------------------------------------------------
+# Memory scaling
+# --------------------------------------------------------------------------------------------
+
+
+def memory_scaling(
+    args: argparse.Namespace, sizes: Sequence[float], params: MethodParams
+) -> list[dict[str, Any]]:
+    """ram-dist ``ram_plus`` once per model size, each in ``WORKDIR/mem-SIZE``."""
+    rows: list[dict[str, Any]] = []
+    run = Run("ramdist", "ram_plus")
+    cli, env = ramdist_cli(args)
+    for size in sizes:
+        sub = args.workdir / f"mem-{size / 1e9:g}B"
+        layout = ensure_models(sub, size, args.shard_mb * 10**6, args.seed)
+        bench = Bench(args, sub, layout, params, cli, env)
+        read_files(bench.inputs, bytearray(READ_BLOCK))
+        sample, _ = bench.measure(run, 1)
+        print(f"memory scaling: {size:g} params, {sample['wall_s']:.2f} s", flush=True)
+        keys = ("wall_s", "units", "worker_peak_rss_bytes", "driver_peak_rss_bytes", "bytes_read")
+        row = {"size": size, "params": layout.params, "input_bytes": bench.input_bytes}
+        rows.append(row | {k: sample.get(k) for k in keys} | {"command": bench.command(run)})
+    return rows
+
+
+def print_memory_scaling(rows: list[dict[str, Any]], chunk_mb: int) -> None:
+    first = rows[0]["worker_peak_rss_bytes"]
+    print(f"\nmemory scaling: ram-dist ram_plus, --chunk-mb {chunk_mb}, one run per size")
+    print(
+        f"{'params':>14}  {'inputs':>10}  {'units':>6}  {'largest worker':>14}  "
+        f"{'driver':>10}  {'worker / first':>14}"
+    )
+    for row in rows:
+        worker = row["worker_peak_rss_bytes"]
+        ratio = worker / first if worker and first else None
+        print(
+            f"{row['params']:>14,}  {fmt(row['input_bytes'], 'B'):>10}  "
+            f"{fmt(row['units'], 'n'):>6}  {fmt(worker, 'B'):>14}  "
+            f"{fmt(row['driver_peak_rss_bytes'], 'B'):>10}  {fmt(ratio, 'x'):>14}"
+        )
+    peaks = [r["worker_peak_rss_bytes"] for r in rows if r["worker_peak_rss_bytes"]]
+    if len(peaks) >= 2:
+        spread = max(peaks) / min(peaks)
+        verdict = "within" if spread <= 1.2 else "NOT within"
+        print(f"largest / smallest worker peak: {spread:.2f}x ({verdict} the 20 % target)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,28 +738,43 @@ def sample_from(floor: dict[str, float], merge: dict[str, Any]) -> dict[str, Any
 # --------------------------------------------------------------------------------------------
 
 ROWS = [
-    ("I/O floor (2 reads + 1 write)", "floor_s", "s"),
+    ("wall time", "wall_s", "s"),
+    ("ratio wall / floor (same repeat)", "ratio_wall", "x"),
     ("  floor: one read of all inputs", "floor_read_pass_s", "s"),
     ("  floor: write of output", "floor_write_s", "s"),
-    ("merge wall (subprocess)", "merge_wall_s", "s"),
-    ("ratio merge wall / floor", "ratio_wall", "x"),
     ("reduce pass wall", "reduce_s", "s"),
     ("map pass wall", "map_s", "s"),
     ("ratio (reduce+map) / floor", "ratio_passes", "x"),
     ("startup/plan/shutdown (wall - passes)", "overhead_s", "s"),
-    ("driver peak RSS", "driver_peak_rss_bytes", "B"),
-    ("largest worker peak RSS", "worker_peak_rss_bytes", "B"),
-    ("CLI process max RSS (wait4)", "cli_maxrss_bytes", "B"),
-    ("reduce bytes read", "reduce_bytes_read", "B"),
-    ("map bytes read", "map_bytes_read", "B"),
-    ("map bytes written", "map_bytes_written", "B"),
+    ("work units (map pass)", "units", "n"),
+    ("driver peak RSS (report)", "driver_peak_rss_bytes", "B"),
+    ("largest worker peak RSS (report)", "worker_peak_rss_bytes", "B"),
+    ("process max RSS (wait4)", "proc_maxrss_bytes", "B"),
+    ("largest single process peak RSS", "largest_process_rss_bytes", "B"),
+    ("bytes read (tensor data)", "bytes_read", "B"),
+    ("  reduce pass bytes read", "reduce_bytes_read", "B"),
+    ("  map pass bytes read", "map_bytes_read", "B"),
+    ("rchar, whole process", "rchar_bytes", "B"),
+    ("rchar, merge only (after imports)", "rchar_merge_bytes", "B"),
     ("output safetensors bytes", "out_bytes", "B"),
+    ("output tensors", "out_tensors", "n"),
+]
+SAMPLE_ROWS = [
+    ("wall", "wall_s", "s"),
+    ("wall / floor", "ratio_wall", "x"),
+    ("reduce+map", "passes_s", "s"),
+    ("(reduce+map) / floor", "ratio_passes", "x"),
 ]
 
 
 def median_of(values: Sequence[Any]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
+
+
+def medians(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = dict.fromkeys(k for s in samples for k in s)
+    return {k: median_of([s.get(k) for s in samples]) for k in keys}
 
 
 def fmt(value: float | None, unit: str) -> str:
@@ -465,19 +784,46 @@ def fmt(value: float | None, unit: str) -> str:
         return f"{value:.2f} s"
     if unit == "x":
         return f"{value:.2f}x"
+    if unit == "n":
+        return f"{value:,.0f}"
     return f"{value / 2**20:,.0f} MiB"
 
 
-def print_table(samples: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+def print_medians(summary: dict[str, dict[str, Any]]) -> None:
+    """Medians, one column per configuration; rows that no configuration has are left out."""
+    names = list(summary)
     width = max(len(label) for label, _, _ in ROWS)
-    runs = "  ".join(f"{'run ' + str(k + 1):>12}" for k in range(len(samples)))
-    print(f"\n{'metric':<{width}}  {'median':>12}  {'min':>12}  {runs}")
-    print("-" * (width + 30 + 14 * len(samples)))
+    cols = [max(12, len(n)) for n in names]
+    print(
+        "\nmedians"
+        + " " * (width - 5)
+        + "".join(f"  {n:>{w}}" for n, w in zip(names, cols, strict=True))
+    )
+    print("-" * (width + sum(c + 2 for c in cols)))
     for label, key, unit in ROWS:
-        present = [s[key] for s in samples if s.get(key) is not None]
-        low = min(present) if present else None
-        cells = "  ".join(f"{fmt(s.get(key), unit):>12}" for s in samples)
-        print(f"{label:<{width}}  {fmt(summary[key], unit):>12}  {fmt(low, unit):>12}  {cells}")
+        values = [summary[n].get(key) for n in names]
+        if all(v is None for v in values):
+            continue
+        cells = "".join(f"  {fmt(v, unit):>{w}}" for v, w in zip(values, cols, strict=True))
+        print(f"{label:<{width}}{cells}")
+
+
+def print_samples(samples: dict[str, list[dict[str, Any]]]) -> None:
+    """Every sample of the timing rows, with its median and minimum."""
+    repeats = max(len(s) for s in samples.values())
+    width = max(len(n) for n in samples) + 2 + max(len(label) for label, _, _ in SAMPLE_ROWS)
+    runs = "".join(f"  {'run ' + str(k + 1):>10}" for k in range(repeats))
+    print(f"\n{'samples':<{width}}  {'median':>10}  {'min':>10}{runs}")
+    print("-" * (width + 24 + 12 * repeats))
+    for name, rows in samples.items():
+        for label, key, unit in SAMPLE_ROWS:
+            values = [s.get(key) for s in rows]
+            present = [v for v in values if v is not None]
+            if not present:
+                continue
+            cells = "".join(f"  {fmt(v, unit):>10}" for v in values)
+            line = f"{name + '  ' + label:<{width}}  {fmt(median_of(values), unit):>10}"
+            print(f"{line}  {fmt(min(present), unit):>10}{cells}")
 
 
 def print_task_stats(report: dict[str, Any]) -> None:
@@ -486,7 +832,7 @@ def print_task_stats(report: dict[str, Any]) -> None:
     if not isinstance(tasks, list):
         return
     lambdas = report.get("lambda_applied")
-    print("\nmerge statistics (last run) vs generated mask density:")
+    print("\nram-dist ram_plus statistics (last run) vs generated mask density:")
     for k, task in enumerate(tasks):
         expected = AGENT_DENSITIES[k] if k < len(AGENT_DENSITIES) else "n/a"
         density, rho = task.get("density", "n/a"), task.get("rho", "n/a")
@@ -502,91 +848,121 @@ def print_task_stats(report: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def parse_sizes(text: str) -> list[float]:
+    return [float(s) for s in text.split(",") if s.strip()]
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--params", type=float, default=0.5e9, help="parameters per model")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/ramdist-bench"))
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--runs", default=DEFAULT_RUNS, help="configurations to measure, or none")
     p.add_argument("--chunk-mb", type=int, default=256)
     p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--method", default="ram_plus")
+    p.add_argument("--r", type=float, default=0.1, help="RAM+ r (ram-dist and mergekit)")
+    p.add_argument("--alpha", type=float, default=2.0, help="RAM+ alpha (both tools)")
+    p.add_argument("--eps", type=float, default=1e-5, help="RAM epsilon (both tools)")
+    p.add_argument("--ties-density", type=float, default=0.5, help="TIES density (both)")
+    p.add_argument("--ties-weight", type=float, default=1.0, help="TIES weight (both)")
     p.add_argument("--shard-mb", type=int, default=2000, help="max shard size of the inputs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    p.add_argument("--keep", action="store_true", help="keep the last merge output")
+    p.add_argument("--keep", action="store_true", help="keep the merge outputs in WORKDIR/out")
     p.add_argument("--generate-only", action="store_true", help="generate inputs and stop")
-    p.add_argument("--floor-only", action="store_true", help="skip the merge runs")
     p.add_argument("--cli", default=None, help="command to run instead of ram-dist")
     p.add_argument(
         "--merge-arg", action="append", default=[], help="extra argument for ram-dist merge"
     )
+    p.add_argument(
+        "--mergekit-arg", action="append", default=[], help="extra argument for mergekit-yaml"
+    )
+    p.add_argument(
+        "--memory-sizes",
+        type=parse_sizes,
+        default=[],
+        help="also run ram-dist ram_plus once per size (e.g. 0.1e9,1e9) for memory scaling",
+    )
     return p.parse_args(argv)
+
+
+def ramdist_cli(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    cmd, env = cli_command()
+    return (shlex.split(args.cli) if args.cli else cmd), env
+
+
+def method_params(args: argparse.Namespace) -> MethodParams:
+    return MethodParams(args.r, args.alpha, args.eps, args.ties_density, args.ties_weight)
+
+
+def model_info(bench: Bench) -> dict[str, Any]:
+    lay = bench.layout
+    return {
+        "params": lay.params,
+        "hidden": lay.hidden,
+        "layers": lay.layers,
+        "vocab": lay.vocab,
+        "tensors": len(lay.tensors),
+        "shards": len(lay.shards),
+        "input_bytes": bench.input_bytes,
+        "base_bytes": bench.base_bytes,
+    }
+
+
+def compare(args: argparse.Namespace, runs: list[Run], result: dict[str, Any]) -> None:
+    """Generate (or reuse) the inputs, measure ``runs``, print and record the results."""
+    start = time.perf_counter()
+    layout = ensure_models(args.workdir, args.params, args.shard_mb * 10**6, args.seed)
+    result["generation_s"] = time.perf_counter() - start
+    if args.generate_only:
+        return
+    cli, env = ramdist_cli(args)
+    bench = Bench(args, args.workdir, layout, method_params(args), cli, env)
+    bench.write_mergekit_configs(runs)
+    print(f"warming page cache: reading {bench.input_bytes / 2**30:.2f} GiB", flush=True)
+    read_files(bench.inputs, bytearray(READ_BLOCK))
+    samples, reports = measure_all(bench, runs, args.repeats)
+    summary = {name: medians(rows) for name, rows in samples.items()}
+
+    info = model_info(bench)
+    print(
+        f"\nmodel: {info['params'] / 1e9:.3f} B params x 4 checkpoints, "
+        f"{info['input_bytes'] / 2**30:.2f} GiB read per pass, base "
+        f"{info['base_bytes'] / 2**30:.2f} GiB, {info['shards']} shard(s) each; "
+        f"{args.repeats} repeat(s), {cpu_count()} CPUs"
+    )
+    commands = {run.name: bench.user_command(run) for run in runs}
+    for name, command in commands.items():
+        print(f"  {name}: {command}")
+    print_medians(summary)
+    print_samples(samples)
+    print_task_stats(reports.get("ramdist:ram_plus", {}))
+    result |= {
+        "model": info,
+        "runs": [run.name for run in runs],
+        "commands": commands,
+        "argv": {run.name: bench.command(run) for run in runs},
+        "mergekit_options": mergekit_options(args),
+        "median": summary,
+        "samples": samples,
+        "last_reports": reports,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    workdir: Path = args.workdir
-    workdir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    layout = ensure_models(workdir, args.params, args.shard_mb * 10**6, args.seed)
-    gen_s = time.perf_counter() - start
-    if args.generate_only:
-        return 0
-    models_dir = workdir / "models"
-    inputs = [p for name in model_names() for p in safetensors_files(models_dir / name)]
-    base_bytes = sum(p.stat().st_size for p in safetensors_files(models_dir / "base"))
-    input_bytes = sum(p.stat().st_size for p in inputs)
-
-    print(f"warming page cache: reading {input_bytes / 2**30:.2f} GiB of inputs", flush=True)
-    read_files(inputs, bytearray(READ_BLOCK))
-
-    cmd, env = cli_command()
-    if args.cli:
-        cmd = shlex.split(args.cli)
-    out = workdir / "out"
-    full_cmd = cmd + merge_argv(args, models_dir, out)
-    samples: list[dict[str, Any]] = []
-    last_report: dict[str, Any] = {}
-    for r in range(args.repeats):
-        floor = measure_floor(inputs, base_bytes, workdir / "floor_out.bin")
-        print(f"repeat {r + 1}/{args.repeats}: floor {floor['floor_s']:.2f} s", flush=True)
-        if args.floor_only:
-            samples.append(dict(floor))
-            continue
-        merge = run_merge(full_cmd, env, out, workdir / f"merge_{r + 1}.log")
-        print(f"repeat {r + 1}/{args.repeats}: merge {merge['wall_s']:.2f} s", flush=True)
-        samples.append(sample_from(floor, merge))
-        last_report = merge["report"]
-    if not args.keep:
-        shutil.rmtree(out, ignore_errors=True)
-
-    summary = {key: median_of([s.get(key) for s in samples]) for _, key, _ in ROWS}
-    print(
-        f"\nmodel: {layout.params / 1e9:.3f} B params x 4 checkpoints, "
-        f"{input_bytes / 2**30:.2f} GiB read per pass, base {base_bytes / 2**30:.2f} GiB, "
-        f"{len(layout.shards)} shard(s) each; {args.repeats} repeat(s), medians"
-    )
-    print("command: " + " ".join(full_cmd))
-    print_table(samples, summary)
-    print_task_stats(last_report)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    runs = parse_runs(args.runs)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result: dict[str, Any] = {"config": config, "cpus": cpu_count()}
+    result["method_params"] = vars(method_params(args))
+    if runs or args.generate_only:
+        compare(args, runs, result)
+    if args.memory_sizes and not args.generate_only:
+        rows = memory_scaling(args, args.memory_sizes, method_params(args))
+        print_memory_scaling(rows, args.chunk_mb)
+        result["memory_scaling"] = rows
     if args.json:
-        result = {
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "model": {
-                "params": layout.params,
-                "hidden": layout.hidden,
-                "layers": layout.layers,
-                "vocab": layout.vocab,
-                "shards": len(layout.shards),
-                "input_bytes": input_bytes,
-                "base_bytes": base_bytes,
-            },
-            "generation_s": gen_s,
-            "command": full_cmd,
-            "median": summary,
-            "samples": samples,
-            "last_report": last_report,
-        }
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return 0
