@@ -175,7 +175,9 @@ def test_ties_with_many_equal_magnitudes_matches_a_whole_tensor_reference(tmp_pa
                 workers=workers,
             )
         )
-        assert report["ties"]["cuts_through_equal_magnitudes"] >= 3
+        # tasks 1 and 2 cut through equal magnitudes; task 3 (30 % changed, density 0.8)
+        # cuts among its zeros, where the choice changes no byte and no index round runs
+        assert report["ties"]["cuts_through_equal_magnitudes"] == 2
         merged = load_checkpoint(out)
         for name, want in expected.items():
             assert torch.equal(merged[name].view(torch.int32), want.view(torch.int32)), name

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ram_dist import kernels
 from ram_dist.errors import RamDistError
 from ram_dist.methods import dare, linear, task_arithmetic, ties, topk
 from ram_dist.methods.registry import Chunk, State, TensorParams, flag, number, register
@@ -31,6 +32,40 @@ def _ordered(cut: dict[str, Any] | None) -> bool:
     a top-k keeps changes no byte (a kept or a dropped +-0 delta is the same +-0, and adds
     nothing to an L1 norm), so the two rounds would read every input twice for nothing."""
     return cut is not None and cut["need"] < cut["equal"] and cut["threshold"] != 0
+
+
+def _fused(state: State, base: torch.Tensor, tasks: list[torch.Tensor]) -> bool:
+    """Whether the fused CPU kernels (byte-identical to the eager rule) take this chunk."""
+    if not state.get("fused") or base.device.type != "cpu" or not kernels.available():
+        return False
+    from ram_dist.kernels import ram_numba
+
+    return ram_numba.supports([base.dtype, *(t.dtype for t in tasks)])
+
+
+def _fused_statistics(
+    round_: int,
+    chunk: Chunk,
+    base: torch.Tensor,
+    tasks: list[torch.Tensor],
+    cuts: list[dict[str, Any] | None],
+) -> torch.Tensor:
+    """The TIES round's histograms (no L1 statistics) by the fused kernel."""
+    from ram_dist.kernels import ties_numba
+
+    if round_ == 0:
+        return ties_numba.statistics(base, tasks, ties_numba.HIGH, topk.HIGH_BINS)
+    if round_ == 1:
+        select = [(c["high_bin"], -1) if c else (-1, -1) for c in cuts]
+        return ties_numba.statistics(base, tasks, ties_numba.LOW, topk.LOW_BINS, select)
+    if round_ == 2:
+        select = [(c["threshold"], -1) if _ordered(c) else (-1, -1) for c in cuts]
+        size = topk.index_bins(chunk.numel)
+        kind = ties_numba.INDEX_HIGH
+    else:
+        select = [(c["threshold"], c["index_bin"]) if _ordered(c) else (-1, -1) for c in cuts]
+        size, kind = topk.LOW_BINS, ties_numba.INDEX_LOW
+    return ties_numba.statistics(base, tasks, kind, size, select, chunk.start)
 
 
 def _densities(params: TensorParams) -> list[float]:
@@ -134,9 +169,11 @@ class TaskArithmeticFamily:
                 densities=_densities(params),
             )  # fmt: skip
             return {chunk.tensor: stats}
+        info = state["tensors"][chunk.tensor]
+        if not info["rescale"] and _fused(state, base, tasks):
+            return {chunk.tensor: _fused_statistics(round_, chunk, base, tasks, info["cuts"])}
         _, deltas = task_arithmetic.task_vectors(base, tasks)
         keys = [topk.magnitude_keys(d) for d in deltas]
-        info = state["tensors"][chunk.tensor]
         if round_ == 0:
             out = {chunk.tensor: torch.stack([topk.high_histogram(k) for k in keys])}
             if info["rescale"]:
@@ -252,6 +289,48 @@ class TaskArithmeticFamily:
         return task_arithmetic.combine(
             b, sparse, weights, consensus=self.consensus, normalize=normalize, lambda_=lam
         )
+
+    def merge_into(
+        self,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+        out: torch.Tensor,
+    ) -> bool:
+        """`merge_chunk` by a fused kernel, written straight into `out` (the output dtype);
+        False where none applies (DARE, L1 rescaling, float64, a GPU, kernels off)."""
+        if self.sparsify == "random" or not _fused(state, base, tasks):
+            return False
+        from ram_dist.kernels import ram_numba, ties_numba
+
+        if not ram_numba.supports([], out.dtype):
+            return False
+        densities = _densities(params)
+        cuts: list[dict[str, Any] | None] = [None] * len(tasks)
+        if self.sparsify == "magnitude":
+            cuts = state["tensors"][chunk.tensor]["cuts"]
+            if any(c is not None and c.get("factor") is not None for c in cuts):
+                return False
+        keep, bounds = [], []
+        for density, c in zip(densities, cuts, strict=True):
+            if c is None:
+                keep.append(ties_numba.KEEP_ALL if density >= 1 else ties_numba.KEEP_NONE)
+                bounds.append((-1, -1))
+            else:
+                keep.append(ties_numba.KEEP_CUT)
+                bounds.append((c["threshold"], c.get("index_cut", -1)))
+        weights = torch.tensor(_weights(params), dtype=torch.float32)
+        divisor = task_arithmetic.ordered_sum(list(weights))
+        if divisor.abs() < task_arithmetic.WEIGHT_SUM_EPS:
+            divisor = torch.ones_like(divisor)
+        ties_numba.merge(
+            base, tasks, out, weights=weights.tolist(), keep=keep, cuts=bounds,
+            start=chunk.start, consensus=self.consensus, normalize=bool(params["normalize"]),
+            divisor=float(divisor), lambda_=float(params["lambda"]),
+        )  # fmt: skip
+        return True
 
     def report(self, state: State) -> dict[str, Any]:
         tensors = state.get("tensors", {})

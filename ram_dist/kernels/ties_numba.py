@@ -1,0 +1,246 @@
+"""Fused CPU kernels (numba) for TIES's reduce rounds and for the task-arithmetic family's
+map pass (task_arithmetic, ties), byte-identical to the eager torch path.
+
+Eager TIES costs about 150 ns per element and round on 2 cores here: every round rebuilds
+float32 task vectors, int64 keys and boolean masks of the whole block before a `bincount`.
+These kernels read each input element once per round in its stored dtype (the tile
+loaders of `ram_numba`), keep everything else in registers or an L2-sized tile, and write
+the output dtype directly.
+
+- Statistics (`topk.py`'s four histograms): the key of a task's element is the bits of
+  `|float32(x_t) - float32(b)|` (`bits & 0x7FFFFFFF`, what `abs` does to any float, NaN
+  included); the rounds count `key >> 16`, `key & 0xFFFF` within a high bin, and flat
+  indices (`>> 16`, `& 0xFFFF`) of keys equal to the cut, exactly as `topk` does.
+- Merge: `task_arithmetic.combine` op for op in float32, with TIES's keep rule
+  (`topk.keep_mask`) and `dare.sparsify` without a rescale factor (`delta * 1.0` or
+  `delta * 0.0`); sums run in task order from +0; no fastmath, so no multiply-add is
+  contracted into an FMA (checked like `ram_numba`'s kernels).
+- Not handled, so the eager path runs: float64 inputs, L1 rescaling, DARE's random masks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from numba import literal_unroll, njit
+
+from ram_dist.kernels.ram_numba import (
+    _OPTIONS,
+    _TORCH_OUT_TO_KERNEL,
+    TILE,
+    ArrayLike,
+    _bits,
+    _inputs,
+    _kernel_view,
+    _load,
+    _store,
+    torch_bf16_nan,
+)
+
+_ABS = np.uint32(0x7FFFFFFF)
+
+#: Statistic kinds (the TIES reduce round that computes them).
+HIGH, LOW, INDEX_HIGH, INDEX_LOW = 0, 1, 2, 3
+#: Per task in the merge: keep every delta (density >= 1), none (density <= 0), or cut.
+KEEP_ALL, KEEP_NONE, KEEP_CUT = 0, 1, 2
+
+
+@njit(cache=True, **_OPTIONS)
+def _stats_kernel(
+    inputs: tuple[np.ndarray, ...], kind: int, select: np.ndarray, start: int, hist: np.ndarray
+) -> None:
+    """hist[t] += statistic `kind` of task t's keys (base is inputs[0]); `select[t]` is the
+    high bin (LOW), the cut key (INDEX_*) or -1 to skip the task; `select[t, 1]` the index
+    bin (INDEX_LOW); `start` the flat index of the first element."""
+    n = inputs[0].size
+    ntasks = len(inputs) - 1
+    buf = np.empty((ntasks + 1, TILE), np.uint32)
+    vals = buf.view(np.float32)
+    base = vals[0]
+    for lo in range(0, n, TILE):
+        m = min(TILE, n - lo)
+        j = 0
+        for src in literal_unroll(inputs):
+            _load(src[lo : lo + m], buf[j, :m])
+            j += 1
+        for t in range(ntasks):
+            x = vals[t + 1]
+            row = hist[t]
+            if kind == 0:
+                for i in range(m):
+                    key = _bits(x[i] - base[i]) & _ABS
+                    row[key >> np.uint32(16)] += 1
+                continue
+            want = select[t, 0]
+            if want < 0:
+                continue
+            if kind == 1:
+                for i in range(m):
+                    key = _bits(x[i] - base[i]) & _ABS
+                    if np.int64(key >> np.uint32(16)) == want:
+                        row[key & np.uint32(0xFFFF)] += 1
+            else:
+                for i in range(m):
+                    key = _bits(x[i] - base[i]) & _ABS
+                    if np.int64(key) == want:
+                        index = start + lo + i
+                        if kind == 2:
+                            row[index >> 16] += 1
+                        elif (index >> 16) == select[t, 1]:
+                            row[index & 0xFFFF] += 1
+
+
+@njit(cache=True, **_OPTIONS)
+def _merge_kernel(
+    inputs: tuple[np.ndarray, ...],
+    keep: np.ndarray,
+    cut: np.ndarray,
+    start: int,
+    weights: np.ndarray,
+    consensus: bool,
+    normalize: bool,
+    divisor: np.float32,
+    lam: np.float32,
+    scale: bool,
+    out: np.ndarray,
+    nan_bits: int,
+) -> None:
+    """out[:] = combine(base, sparse deltas) cast to out's dtype (see the module docstring).
+    keep[t] is KEEP_*; cut[t] = (threshold key, exclusive index cut or -1) for KEEP_CUT;
+    `divisor` is the plain weight sum (used without consensus); `scale`: multiply by lam."""
+    n = inputs[0].size
+    ntasks = len(inputs) - 1
+    buf = np.empty((ntasks + 1, TILE), np.uint32)
+    vals = buf.view(np.float32)
+    base = vals[0]
+    total = np.empty(TILE, np.float32)
+    div = np.empty(TILE, np.float32)
+    res = np.empty(TILE, np.float32)
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    for lo in range(0, n, TILE):
+        m = min(TILE, n - lo)
+        j = 0
+        for src in literal_unroll(inputs):
+            _load(src[lo : lo + m], buf[j, :m])
+            j += 1
+        # weighted_t = sparse(delta_t) * w_t, written over the task's row
+        for t in range(ntasks):
+            x = vals[t + 1]
+            w = weights[t]
+            mode = keep[t]
+            threshold = cut[t, 0]
+            index_cut = cut[t, 1]
+            for i in range(m):
+                d = x[i] - base[i]
+                if mode == 2:
+                    key = np.int64(_bits(d) & _ABS)
+                    kept = key > threshold or (
+                        key == threshold and (index_cut < 0 or start + lo + i < index_cut)
+                    )
+                    d = d * (one if kept else zero)
+                elif mode == 1:
+                    d = zero
+                x[i] = d * w
+        for i in range(m):
+            total[i] = zero
+        for t in range(ntasks):
+            x = vals[t + 1]
+            for i in range(m):
+                total[i] = total[i] + x[i]
+        if consensus:
+            for i in range(m):
+                res[i] = total[i]  # the signed sum that elects each element's sign
+                total[i] = zero
+                div[i] = zero
+            for t in range(ntasks):
+                x = vals[t + 1]
+                w = weights[t]
+                for i in range(m):
+                    positive = res[i] >= zero
+                    d = x[i]
+                    agree = (d > zero) if positive else (d < zero)
+                    f = one if agree else zero
+                    total[i] = total[i] + d * f
+                    div[i] = div[i] + w * f
+            for i in range(m):
+                div[i] = one if div[i] == zero else div[i]
+        else:
+            for i in range(m):
+                div[i] = divisor
+        for i in range(m):
+            mixed = total[i] / div[i] if normalize else total[i]
+            mixed = mixed * lam if scale else mixed
+            res[i] = base[i] + mixed
+        _store(res[:m], out[lo : lo + m], nan_bits)
+
+
+# ---- Python API ------------------------------------------------------------------------
+
+
+def statistics(
+    base: ArrayLike,
+    tasks: Sequence[ArrayLike],
+    kind: int,
+    size: int,
+    select: Sequence[tuple[int, int]] | None = None,
+    start: int = 0,
+) -> torch.Tensor:
+    """int64 [N, size]: TIES round `kind` statistic of every task (rows of skipped tasks,
+    `select[t][0] < 0`, are zeros), equal to `topk`'s histograms of `magnitude_keys`."""
+    arrays = _inputs(base, tasks)
+    ntasks = len(arrays) - 1
+    chosen = np.full((ntasks, 2), -1, np.int64)
+    if select is not None:
+        chosen[:] = np.asarray(select, dtype=np.int64).reshape(ntasks, 2)
+    hist = np.zeros((ntasks, size), np.int64)
+    _stats_kernel(arrays, kind, chosen, start, hist)
+    return torch.from_numpy(hist)
+
+
+def merge(
+    base: ArrayLike,
+    tasks: Sequence[ArrayLike],
+    out: ArrayLike,
+    *,
+    weights: Sequence[float],
+    keep: Sequence[int],
+    cuts: Sequence[tuple[int, int]],
+    start: int,
+    consensus: bool,
+    normalize: bool,
+    divisor: float,
+    lambda_: float,
+    bf16_nan: int | None = None,
+) -> None:
+    """Write `task_arithmetic.combine` of the (TIES-sparsified) task vectors into `out`.
+
+    `weights` and `divisor` (the plain weight sum, 1 where mergekit treats it as zero) are
+    float32 values; `lambda_` is applied (rounded to float32) unless it is 1."""
+    arrays = _inputs(base, tasks)
+    target = _kernel_view(out, _TORCH_OUT_TO_KERNEL, True)
+    if target.size != arrays[0].size:
+        raise ValueError(f"out has {target.size} elements, the inputs {arrays[0].size}")
+    ntasks = len(arrays) - 1
+    if not len(weights) == len(keep) == len(cuts) == ntasks:
+        raise ValueError(f"weights, keep and cuts must have one entry per task ({ntasks})")
+    nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
+    _merge_kernel(
+        arrays,
+        np.asarray(keep, np.int64),
+        np.asarray(cuts, np.int64).reshape(ntasks, 2),
+        start,
+        np.asarray(weights, np.float32),
+        consensus,
+        normalize,
+        np.float32(divisor),
+        np.float32(lambda_),
+        lambda_ != 1,
+        target,
+        nan_bits,
+    )
+
+
+KERNELS = (_stats_kernel, _merge_kernel)
