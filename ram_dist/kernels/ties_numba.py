@@ -29,6 +29,7 @@ from numba import literal_unroll, njit
 from ram_dist.kernels.ram_numba import (
     _OPTIONS,
     _TORCH_OUT_TO_KERNEL,
+    LANES,
     TILE,
     ArrayLike,
     _bits,
@@ -40,6 +41,9 @@ from ram_dist.kernels.ram_numba import (
 )
 
 _ABS = np.uint32(0x7FFFFFFF)
+#: HIGH's int32 sub-histograms are folded into the int64 result every FOLD elements (a
+#: multiple of TILE, far below 2**31 increments per bin).
+FOLD = TILE * 4096
 
 #: Statistic kinds (the TIES reduce round that computes them).
 HIGH, LOW, INDEX_HIGH, INDEX_LOW = 0, 1, 2, 3
@@ -59,6 +63,11 @@ def _stats_kernel(
     buf = np.empty((ntasks + 1, TILE), np.uint32)
     vals = buf.view(np.float32)
     base = vals[0]
+    # HIGH: increments go to LANES sub-histograms in turn (int32, folded into `hist` every
+    # FOLD elements): consecutive increments of one bin wait on each other, and sparse task
+    # vectors (mostly zero deltas, bin 0) and narrow magnitude ranges hit few bins.
+    bins = hist.shape[1]
+    lanes = np.zeros((ntasks, LANES, bins if kind == 0 else 0), np.int32)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
         j = 0
@@ -69,9 +78,10 @@ def _stats_kernel(
             x = vals[t + 1]
             row = hist[t]
             if kind == 0:
+                sub = lanes[t]
                 for i in range(m):
                     key = _bits(x[i] - base[i]) & _ABS
-                    row[key >> np.uint32(16)] += 1
+                    sub[i & (LANES - 1), key >> np.uint32(16)] += 1
                 continue
             want = select[t, 0]
             if want < 0:
@@ -90,6 +100,12 @@ def _stats_kernel(
                             row[index >> 16] += 1
                         elif (index >> 16) == select[t, 1]:
                             row[index & 0xFFFF] += 1
+        if kind == 0 and ((lo + m) % FOLD == 0 or lo + m == n):
+            for t in range(ntasks):
+                for lane in range(LANES):
+                    for b in range(bins):
+                        hist[t, b] += lanes[t, lane, b]
+                        lanes[t, lane, b] = 0
 
 
 @njit(cache=True, **_OPTIONS)
