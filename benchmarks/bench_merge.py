@@ -600,7 +600,8 @@ class Bench:
             for name in model_names()[1:]:
                 argv += ["--task", str(self.models_dir / name)]
             argv += ["--out", str(out), "--method", run.method]
-            argv += ["--chunk-mb", str(self.args.chunk_mb)]
+            if self.args.chunk_mb is not None:
+                argv += ["--chunk-mb", str(self.args.chunk_mb)]
             if self.args.workers is not None:
                 argv += ["--workers", str(self.args.workers)]
             argv += ramdist_method_args(run.method, self.params) + list(self.args.merge_arg)
@@ -697,6 +698,7 @@ def memory_scaling(
     """ram-dist ``ram_plus`` once per model size, each in ``WORKDIR/mem-SIZE``."""
     rows: list[dict[str, Any]] = []
     run = Run("ramdist", "ram_plus")
+    args = argparse.Namespace(**(vars(args) | {"chunk_mb": args.memory_chunk_mb}))
     cli, env = ramdist_cli(args)
     for size in sizes:
         sub = args.workdir / f"mem-{size / 1e9:g}B"
@@ -858,7 +860,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/ramdist-bench"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--runs", default=DEFAULT_RUNS, help="configurations to measure, or none")
-    p.add_argument("--chunk-mb", type=int, default=256)
+    p.add_argument(
+        "--chunk-mb", type=int, default=None, help="ram-dist --chunk-mb (default: its own)"
+    )
+    p.add_argument(
+        "--memory-chunk-mb", type=int, default=64, help="--chunk-mb of the memory-scaling runs"
+    )
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--r", type=float, default=0.1, help="RAM+ r (ram-dist and mergekit)")
     p.add_argument("--alpha", type=float, default=2.0, help="RAM+ alpha (both tools)")
@@ -960,7 +967,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         compare(args, runs, result)
     if args.memory_sizes and not args.generate_only:
         rows = memory_scaling(args, args.memory_sizes, method_params(args))
-        print_memory_scaling(rows, args.chunk_mb)
+        print_memory_scaling(rows, args.memory_chunk_mb)
         result["memory_scaling"] = rows
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

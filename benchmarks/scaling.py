@@ -109,18 +109,26 @@ def mergekit_lines(result: dict[str, Any], sizes: Sequence[float]) -> list[str]:
     return lines
 
 
+def chunk_bytes_of(result: dict[str, Any]) -> int:
+    """The chunk budget the ram_plus runs used: the one given, else the one ram-dist chose
+    (recorded in its report)."""
+    if result["config"].get("chunk_mb") is not None:
+        return int(result["config"]["chunk_mb"] * 2**20)
+    return int(result["last_reports"]["ramdist:ram_plus"]["chunk_bytes"])
+
+
 def memory_lines(result: dict[str, Any]) -> list[str]:
     med = result["median"]["ramdist:ram_plus"]
     lines = [
         f"* largest worker peak RSS, measured: {gib(med.get('worker_peak_rss_bytes'))} at "
-        f"--chunk-mb {result['config']['chunk_mb']}; a worker holds one work unit (each input "
+        f"--chunk-mb {chunk_bytes_of(result) // 2**20}; a worker holds one work unit (each input "
         "contributes at most chunk-mb bytes to it), so this is bounded by the chunk budget, "
         "not by the model size: the same figure is assumed for 70B and 405B.",
         f"* driver peak RSS, measured: {gib(med.get('driver_peak_rss_bytes'))} (it receives "
         "every merged chunk and writes the output; the memory scaling rows, if any, show whether "
         "it grows with the model).",
     ]
-    chunk_bytes = result["config"]["chunk_mb"] * 2**20
+    chunk_bytes = chunk_bytes_of(result)
     if result["model"]["base_bytes"] < chunk_bytes:
         lines.append(
             "* CAUTION: the measured model is smaller than one chunk per input "
@@ -143,7 +151,7 @@ def memory_lines(result: dict[str, Any]) -> list[str]:
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     rate, used = rate_per_worker(result)
-    chunk_bytes = result["config"]["chunk_mb"] * 2**20
+    chunk_bytes = chunk_bytes_of(result)
     model = result["model"]
     out = [
         "# ram-dist scaling model (an extrapolation, not a measurement)",

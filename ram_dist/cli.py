@@ -8,7 +8,8 @@ import sys
 from typing import Any
 
 from ram_dist import __version__
-from ram_dist.config import DEFAULT_CHUNK_MB, MergeConfig, load_yaml
+from ram_dist.config import MergeConfig, load_yaml
+from ram_dist.engine.sizing import MAX_CHUNK_BYTES
 from ram_dist.errors import RamDistError
 from ram_dist.io.storage import parse_storage_options
 
@@ -113,8 +114,9 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chunk-mb",
         type=float,
-        default=DEFAULT_CHUNK_MB,
-        help=f"input bytes one work unit may read, per input (default {DEFAULT_CHUNK_MB:g})",
+        default=None,
+        help="input MiB one work unit may read, per input (default: from the cluster's cores "
+        f"and memory, at most {MAX_CHUNK_BYTES // 2**20})",
     )
     p.add_argument("--workers", type=int, default=None, help="work units at once (default: all)")
     p.add_argument(
@@ -130,6 +132,19 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
         choices=("auto", "eager"),
         default="auto",
         help="auto: fused CPU kernels where they apply (the same bytes); eager: plain torch",
+    )
+    p.add_argument(
+        "--input-cache",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="keep what the first pass fetched on each node's disk, so later passes read it "
+        "there: auto (inputs not on a local filesystem), on (every input), off",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="node-local folder for --input-cache (default: a private folder in the temp dir)",
     )
     p.add_argument(
         "--log-format",
@@ -177,13 +192,16 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
         )
     if args.out_dtype is not None:
         kwargs["out_dtype"] = args.out_dtype
-    if not args.chunk_mb > 0:
-        raise RamDistError(f"--chunk-mb must be positive, got {args.chunk_mb}")
-    kwargs["chunk_bytes"] = max(1, int(args.chunk_mb * 2**20))
+    if args.chunk_mb is not None:
+        if not args.chunk_mb > 0:
+            raise RamDistError(f"--chunk-mb must be positive, got {args.chunk_mb}")
+        kwargs["chunk_bytes"] = max(1, int(args.chunk_mb * 2**20))
     kwargs["workers"] = args.workers
     kwargs["allow_nonfinite"] = args.allow_nonfinite
     kwargs["log_format"] = args.log_format
     kwargs["kernels"] = args.kernels
+    kwargs["input_cache"] = args.input_cache
+    kwargs["cache_dir"] = args.cache_dir
     if args.storage_options is not None:
         kwargs["storage_options"] = parse_storage_options(args.storage_options)
     kwargs["address"] = args.address

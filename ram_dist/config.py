@@ -5,6 +5,7 @@ Everything is checked here, when the job starts, never in the middle of a merge.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,8 +13,6 @@ from ram_dist.dtypes import parse_out_dtype
 from ram_dist.errors import RamDistError
 from ram_dist.io.storage import Storage
 from ram_dist.methods import get_method
-
-DEFAULT_CHUNK_MB = 256.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,8 +34,9 @@ class MergeConfig:
     """Per-task parameters (weight, density), in task order; empty: none given."""
     out_dtype: str | None = None
     """Safetensors dtype of merged floating tensors; None keeps each base tensor's dtype."""
-    chunk_bytes: int = int(DEFAULT_CHUNK_MB * 2**20)
-    """Bytes one work unit may read from each input."""
+    chunk_bytes: int | None = None
+    """Bytes one work unit may read from each input; None: chosen from the cluster's cores
+    and memory (`engine.sizing`, at most 256 MiB)."""
     workers: int | None = None
     """Work units running at once; None uses every CPU (or GPU) of the cluster."""
     address: str | None = None
@@ -49,6 +49,11 @@ class MergeConfig:
     """`text` (a progress bar on a terminal) or `json` (one JSON object per line on stderr)."""
     allow_nonfinite: bool = False
     """Merge inputs holding NaN or Inf instead of refusing them."""
+    input_cache: str = "auto"
+    """Keep what the first pass fetched on each node's disk for the later passes: `auto`
+    (inputs not on a local filesystem), `on` (every input) or `off`. Never changes a byte."""
+    cache_dir: str | None = None
+    """Node-local folder for that cache; None: a private folder in each node's temp dir."""
     notes: tuple[str, ...] = ()
     """What the config asked for that was accepted but ignored or changed."""
     storage_options: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
@@ -73,7 +78,15 @@ class MergeConfig:
             raise RamDistError(f"kernels must be auto or eager, got {self.kernels!r}")
         if self.log_format not in ("text", "json"):
             raise RamDistError(f"log format must be text or json, got {self.log_format!r}")
-        if self.chunk_bytes <= 0:
+        if self.input_cache not in ("auto", "on", "off"):
+            raise RamDistError(f"input cache must be auto, on or off, got {self.input_cache!r}")
+        if self.cache_dir is not None:
+            if "://" in self.cache_dir:
+                raise RamDistError(f"cache dir must be a local folder, got {self.cache_dir!r}")
+            # absolute here: the workers' current folder is not the driver's
+            absolute = os.path.abspath(os.path.expanduser(self.cache_dir))
+            object.__setattr__(self, "cache_dir", absolute)
+        if self.chunk_bytes is not None and self.chunk_bytes <= 0:
             raise RamDistError(f"chunk budget must be positive, got {self.chunk_bytes} bytes")
         if self.workers is not None and self.workers < 1:
             raise RamDistError(f"workers must be >= 1, got {self.workers}")

@@ -78,6 +78,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         + (f" ({b['reduce_rounds_note']})" if b["reduce_rounds_note"] else ""),
         f"map: {_size(b['map'])} read",
         f"memory per worker: about {_size(plan['memory_per_worker_bytes'])}",
+        _cache_line(plan.get("input_cache")),
     ]
     out = plan["output"]
     if out is None:
@@ -86,3 +87,15 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append(f"output: {out['url']} ({out['state']}, {len(out['shards'])} shard(s))")
     lines.append("nothing was written")
     return "\n".join(lines)
+
+
+def _cache_line(cache: dict[str, Any] | None) -> str:
+    """Whether later passes would read pass 1's bytes from node-local disk."""
+    if not cache or not cache["used"]:
+        return f"input cache: {cache['note'] if cache else 'off'}"
+    free = cache.get("free_bytes_here")
+    room = f"; {_size(free)} free here" if free is not None else ""
+    return (
+        f"input cache: {cache['note']}; keeps up to {_size(cache['bytes_kept_at_most'])} "
+        f"in {cache['folder']} on the nodes{room}"
+    )

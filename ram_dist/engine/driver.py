@@ -9,7 +9,9 @@ on the same output resumes: the reduce statistics and the finished shards are re
 from __future__ import annotations
 
 import json
+import os
 import resource
+import shutil
 from dataclasses import replace
 from typing import Any
 
@@ -20,12 +22,14 @@ from ram_dist.engine.effective import CONFIG_NAME, render
 from ram_dist.engine.job import Job, prepare
 from ram_dist.engine.output import check_writable, clear_published, open_output
 from ram_dist.engine.passes import PassStats, map_pass, reduce_pass
+from ram_dist.engine.pool import on_every_node
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import ray_cluster
 from ram_dist.engine.work import COMPUTE_BLOCK
 from ram_dist.errors import RamDistError
 from ram_dist.io.files import copy_files, non_weight_files
 from ram_dist.io.manifest import save_manifest
+from ram_dist.io.range_cache import InputCache, job_key
 from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
 from ram_dist.methods import get_method
@@ -52,6 +56,7 @@ def probe(config: MergeConfig) -> dict[str, Any]:
     progress = Progress(config.log_format)
     progress.event("job_start", command="probe", method="ram statistics", units=len(job.units))
     with ray_cluster(config.address) as cluster:
+        job = job.replanned(cluster.gpus or cluster.cpus, cluster.memory)
         state, stats = reduce_pass(job, cluster, progress)
     return _report(job, state, {"reduce": stats.as_dict()}, stats.worker_peak_rss_bytes)
 
@@ -75,14 +80,18 @@ def merge(config: MergeConfig) -> dict[str, Any]:
         "job_start", command="merge", method=job.method.name, output=job.out,
         units=len(job.units), resumed=state.resumed,
     )  # fmt: skip
+    cache, cache_note = input_cache(job)
+    first_node: dict[int, str] = {}
     with ray_cluster(config.address) as cluster:
+        job = job.replanned(cluster.gpus or cluster.cpus, cluster.memory)
         passes: dict[str, Any] = {}
         worker_rss = 0
         if manifest.statistics is not None:
             state = manifest.statistics
             passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
         else:
-            state, reduce_stats = reduce_pass(job, cluster, progress)
+            state, reduce_stats = reduce_pass(job, cluster, progress, cache)
+            first_node = reduce_stats.first_node
             passes["reduce"] = reduce_stats.as_dict()
             worker_rss = reduce_stats.worker_peak_rss_bytes
             fs.makedirs(path, exist_ok=True)
@@ -100,11 +109,18 @@ def merge(config: MergeConfig) -> dict[str, Any]:
             manifest.shards[shard] = {"sha256": sha256, "size": size}
             save_manifest(job.out, manifest, job.storage)
 
-        map_stats = map_pass(job, cluster, state, todo, finished, progress) if todo else PassStats()
+        map_stats = (
+            map_pass(job, cluster, state, todo, finished, progress, cache, first_node)
+            if todo
+            else PassStats()
+        )
         passes["map"] = map_stats.as_dict()
         worker_rss = max(worker_rss, map_stats.worker_peak_rss_bytes)
+        cleaned = len(on_every_node(cache.remove)) if cache is not None else 0
 
     report = _report(job, state, passes, worker_rss)
+    report["input_cache"] = _cache_report(job, cache, cache_note)
+    report["input_cache"]["nodes_cleaned"] = cleaned
     report["output"] = {
         "url": job.out,
         "files_copied": names,
@@ -133,6 +149,61 @@ def merge(config: MergeConfig) -> dict[str, Any]:
     return report
 
 
+def input_cache(job: Job) -> tuple[InputCache | None, str]:
+    """The cache a merge keeps pass-1 input ranges in, or None; and why, in words."""
+    mode = job.config.input_cache
+    if mode == "off":
+        return None, "off (--input-cache off)"
+    if job.method.rounds == 0 and job.config.allow_nonfinite:
+        return None, "off: this merge reads its inputs once"
+    if mode == "auto" and all(job.storage.is_local(f) for c in _inputs(job) for f in _files(c)):
+        return None, "off: every input is on a local filesystem (--input-cache on caches those too)"
+    identity = json.dumps({"inputs": job.identity()["inputs"], "out": job.out}, sort_keys=True)
+    cache = InputCache(job_key(identity), local_inputs=mode == "on", base_dir=job.config.cache_dir)
+    scope = "every input" if mode == "on" else "inputs not on a local filesystem"
+    return cache, f"on (--input-cache {mode}): {scope}, while each node's disk has room"
+
+
+def _inputs(job: Job) -> list[Any]:
+    return [job.base, *job.tasks]
+
+
+def _files(ckpt: Any) -> list[str]:
+    return [join(ckpt.url, f) for f in ckpt.files]
+
+
+def _cache_report(job: Job, cache: InputCache | None, note: str) -> dict[str, Any]:
+    """What the cache would keep (at most: the participating ranges of the inputs it covers)
+    and where; free space is this machine's, a hint for the workers' own disks."""
+    out: dict[str, Any] = {"mode": job.config.input_cache, "used": cache is not None, "note": note}
+    if cache is None:
+        return out
+    covered = {f for c in _inputs(job) for f in _files(c) if cache.covers(f, job.storage.is_local)}
+    kept = sum(
+        entry.numel * itemsize(src.dtype)
+        for entry in job.layout.tensors.values()
+        if entry.participating
+        for src in entry.sources
+        if src.file in covered
+    )
+    out.update({"folder": cache.root(), "bytes_kept_at_most": kept})
+    out["free_bytes_here"] = _free_bytes(cache.parent())
+    return out
+
+
+def _free_bytes(folder: str) -> int | None:
+    """Free space on the disk that holds (or would hold) `folder`."""
+    while True:
+        try:
+            return shutil.disk_usage(folder).free
+        except FileNotFoundError:
+            if os.path.dirname(folder) == folder:
+                return None
+            folder = os.path.dirname(folder)
+        except OSError:
+            return None
+
+
 def plan(config: MergeConfig) -> dict[str, Any]:
     """Headers only: every up-front check, then what the job would read, run and write.
 
@@ -157,7 +228,12 @@ def plan(config: MergeConfig) -> dict[str, Any]:
         (sum(p.numel * itemsize(job.layout.tensors[p.tensor].out_dtype) for p in u.pieces)
          for u in job.units), default=0,
     )  # fmt: skip
+    # A worker holds two read blocks (at most COMPUTE_BLOCK elements of every input), its
+    # unit's merged bytes, and float temporaries of one block on the eager path.
     largest = max((job.unit_bytes(u) for u in job.units), default=0)
+    widest = max((itemsize(s.dtype) for e in job.layout.tensors.values() for s in e.sources),
+                 default=1)  # fmt: skip
+    blocks = min(2 * COMPUTE_BLOCK * widest * (len(job.tasks) + 1), 2 * largest)
     temporaries = min(COMPUTE_BLOCK, largest) * 8 * (len(job.tasks) + 4)
     out.update(
         {
@@ -170,7 +246,7 @@ def plan(config: MergeConfig) -> dict[str, Any]:
                 "elements_merged": sum(job.layout.tensors[n].numel for n in participating),
             },
             "work_units": len(job.units),
-            "chunk_bytes": config.chunk_bytes,
+            "chunk_bytes": job.chunk_bytes,
             "bytes_per_pass": {
                 "reduce_round": merge_bytes,
                 "reduce_rounds": rounds,
@@ -180,7 +256,8 @@ def plan(config: MergeConfig) -> dict[str, Any]:
                 else "",
                 "map": sum(job.unit_bytes(u) for u in job.units),
             },
-            "memory_per_worker_bytes": largest + out_bytes + temporaries,
+            "memory_per_worker_bytes": blocks + out_bytes + temporaries,
+            "input_cache": _cache_report(job, *input_cache(job)),
         }
     )
     return out
@@ -208,7 +285,7 @@ def _report(
         "tasks_given": list(config.tasks),
         "notes": list(config.notes),
         "out_dtype": config.out_dtype,
-        "chunk_bytes": config.chunk_bytes,
+        "chunk_bytes": job.chunk_bytes,
     }
     report.update(job.method.report(state))
     for url, t in zip(config.tasks, report.get("tasks", []), strict=False):

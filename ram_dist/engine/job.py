@@ -5,6 +5,7 @@ Built on the driver from headers only, before any tensor byte is read.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,7 @@ from ram_dist.config import MergeConfig
 from ram_dist.dtypes import itemsize
 from ram_dist.engine.layout import Layout, build_layout
 from ram_dist.engine.params import resolve_all
+from ram_dist.engine.sizing import auto_chunk_bytes, machine
 from ram_dist.errors import RamDistError
 from ram_dist.io.checkpoint import Checkpoint, open_checkpoint
 from ram_dist.io.locations import resolve_location, resolve_output
@@ -33,6 +35,27 @@ class Job:
     out: str | None
     params: dict[str, dict[str, Any]]
     """Per participating tensor, every parameter of the method, resolved and checked."""
+    chunk_bytes: int
+    """The budget the units were planned with: the configured one, or `sizing`'s default."""
+
+    def replanned(self, slots: int, memory_bytes: int) -> Job:
+        """The job with units re-planned for a cluster of `slots` cores and `memory_bytes`
+        of memory, when the budget is not configured (the bytes do not change)."""
+        if self.config.chunk_bytes is not None:
+            return self
+        budget = auto_chunk_bytes(self.largest_input_bytes(), slots, memory_bytes)
+        if budget == self.chunk_bytes:
+            return self
+        units = plan_units(self.layout.slots(), budget)
+        return dataclasses.replace(self, units=units, chunk_bytes=budget)
+
+    def largest_input_bytes(self) -> int:
+        """Tensor bytes of the largest input checkpoint (what one pass reads from it)."""
+        per_input = [0] * (len(self.tasks) + 1)
+        for entry in self.layout.tensors.values():
+            for i, src in enumerate(entry.sources):
+                per_input[i] += entry.numel * itemsize(src.dtype)
+        return max(per_input)
 
     @property
     def method(self) -> MergeMethod:
@@ -88,9 +111,12 @@ def prepare(config: MergeConfig) -> Job:
     layout = build_layout(base, tasks, config.out_dtype)
     merging = [name for name, e in layout.tensors.items() if e.participating]
     params = resolve_all(config, get_method(config.method), merging)
-    units = plan_units(layout.slots(), config.chunk_bytes)
     out = resolve_output(config.out) if config.out is not None else None
-    return Job(config, storage, base, tasks, layout, units, out, params)
+    job = Job(config, storage, base, tasks, layout, [], out, params, 0)
+    budget = config.chunk_bytes
+    if budget is None:  # this machine's default; `replanned` adapts it to the cluster
+        budget = auto_chunk_bytes(job.largest_input_bytes(), *machine())
+    return dataclasses.replace(job, units=plan_units(layout.slots(), budget), chunk_bytes=budget)
 
 
 def _check_distinct(base: str, tasks: list[str], method: str) -> None:

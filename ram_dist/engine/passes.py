@@ -2,7 +2,9 @@
 
 The reduce pass sums int64 statistics (order and chunking cannot change a sum of integers);
 the map pass appends merged bytes to the shard they belong to and publishes each shard when
-it is whole, telling the caller so it can record the shard in the manifest.
+it is whole, telling the caller so it can record the shard in the manifest. With an input
+cache, the first round to read a unit records its node, and every later read of that unit
+is sent back there, where the cache holds its bytes.
 """
 
 from __future__ import annotations
@@ -11,17 +13,20 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
 
 from ram_dist.engine.job import Job
-from ram_dist.engine.pool import ordered_map
+from ram_dist.engine.pool import near, ordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster
 from ram_dist.engine.work import map_unit, reduce_unit
 from ram_dist.errors import RamDistError
+from ram_dist.io.range_cache import CacheTraffic, InputCache, counted
+from ram_dist.io.storage import Storage
 from ram_dist.io.writer import ShardWriter
 from ram_dist.plan import WorkUnit
 
@@ -41,6 +46,24 @@ class PassStats:
     max_unit_bytes_read: list[int] = field(default_factory=list)
     worker_peak_rss_bytes: int = 0
     fused_elements: int = 0
+    cache_bytes_read: int = 0
+    cache_bytes_written: int = 0
+    units_per_node: dict[str, int] = field(default_factory=dict)
+    units_sent_back: int = 0
+    """Units sent to the node that read them first (where the cache holds their bytes)."""
+    units_ran_there: int = 0
+    first_node: dict[int, str] = field(default_factory=dict)
+    """Per unit index, the node that first read it (not reported)."""
+
+    def ran(self, index: int, node: str, traffic: CacheTraffic, sent_to: str | None) -> None:
+        """Where a unit ran, and what it read from and wrote to the cache there."""
+        self.cache_bytes_read += traffic.read
+        self.cache_bytes_written += traffic.written
+        self.units_per_node[node] = self.units_per_node.get(node, 0) + 1
+        self.first_node.setdefault(index, node)
+        if sent_to is not None:
+            self.units_sent_back += 1
+            self.units_ran_there += node == sent_to
 
     def add(self, bytes_read: tuple[int, ...], peak_rss: int, fused: int = 0) -> None:
         self.units += 1
@@ -61,6 +84,12 @@ class PassStats:
             "bytes_written": self.bytes_written,
             "max_unit_bytes_read_per_input": self.max_unit_bytes_read,
             "fused_elements": self.fused_elements,
+            "bytes_fetched": self.bytes_read - self.cache_bytes_read,
+            "cache_bytes_read": self.cache_bytes_read,
+            "cache_bytes_written": self.cache_bytes_written,
+            "units_per_node": dict(self.units_per_node),
+            "units_sent_back": self.units_sent_back,
+            "units_ran_there": self.units_ran_there,
         }
 
 
@@ -74,6 +103,16 @@ def _options(job: Job, cluster: Cluster) -> tuple[int, dict[str, Any]]:
     if cluster.gpus:
         resources["num_gpus"] = 1
     return in_flight, resources
+
+
+def _placement(
+    storage: Storage, cache: InputCache | None, first_node: dict[int, str]
+) -> tuple[Storage, Callable[[WorkUnit], str | None]]:
+    """The storage a pass's workers read through (with the cache, if any), and the node
+    each unit should run on: the one that read it first, when a cache may hold its bytes."""
+    if cache is None:
+        return storage, lambda unit: None
+    return replace(storage, cache=cache), lambda unit: first_node.get(unit.index)
 
 
 class WriteBehind:
@@ -102,13 +141,15 @@ class WriteBehind:
 
 
 def reduce_pass(
-    job: Job, cluster: Cluster, progress: Progress | None = None
+    job: Job, cluster: Cluster, progress: Progress | None = None, cache: InputCache | None = None
 ) -> tuple[dict[str, Any], PassStats]:
     """Every reduce round of the method: sum each unit's int64 statistics per key, then let
     the method fold the sums into its state. Rounds no tensor needs read nothing. The first
     round also counts NaN and Inf in every input (a check-only round for methods without
-    statistics), unless the job allows them."""
+    statistics), unless the job allows them. With a `cache`, what a round fetches is kept on
+    its node, and `stats.first_node` says which node first read each unit."""
     stats = PassStats()
+    storage, node_of = _placement(job.storage, cache, stats.first_node)
     start = time.perf_counter()
     method, state = job.method, job.initial_state()
     workers, resources = _options(job, cluster)
@@ -126,12 +167,14 @@ def reduce_pass(
         totals: dict[str, torch.Tensor] = {}
         nonfinite: dict[str, list[int]] = {}
         shipped = {**state, "fused": job.config.kernels == "auto"}
-        shared = (job.layout, job.storage, method, job.params, shipped, round_, checking)
-        results = ordered_map(reduce_unit, units, shared, workers, resources)
+        shared = (job.layout, storage, method, job.params, shipped, round_, checking)
+        fn = partial(counted, reduce_unit)
+        results = ordered_map(fn, units, shared, workers, resources, lambda u: near(node_of(u)))
         progress = progress or Progress()
         total_bytes = sum(job.unit_bytes(u, wanted) for u in units)
         progress.start_pass(f"reduce {round_ + 1}", total_bytes, len(units))
-        for result in results:
+        for unit, (node, (result, traffic)) in zip(units, results, strict=True):
+            stats.ran(unit.index, node, traffic, node_of(unit))
             progress.advance(sum(result.bytes_read))
             for key, value in (result.stats or {}).items():
                 totals[key] = totals[key] + value if key in totals else value
@@ -169,18 +212,24 @@ def map_pass(
     units: list[WorkUnit],
     on_shard: Callable[[str, str, int], None],
     progress: Progress | None = None,
+    cache: InputCache | None = None,
+    first_node: dict[int, str] | None = None,
 ) -> PassStats:
     """Merge `units` in order; each shard is published when whole, then `on_shard(name,
-    sha256, size)` is called."""
+    sha256, size)` is called. With a `cache`, the last reader of it, a unit runs on its
+    `first_node` (while that node lives) and removes what it reads from the cache there."""
     assert job.out is not None
     stats = PassStats()
+    last = cache.for_last_pass() if cache is not None else None
+    storage, node_of = _placement(job.storage, last, first_node or {})
     start = time.perf_counter()
     writer: ShardWriter | None = None
     shard = ""
     workers, resources = _options(job, cluster)
     shipped = {**state, "fused": job.config.kernels == "auto"}
-    shared = (job.layout, job.storage, job.method, job.params, shipped)
-    results = ordered_map(map_unit, units, shared, workers, resources)
+    shared = (job.layout, storage, job.method, job.params, shipped)
+    fn = partial(counted, map_unit)
+    results = ordered_map(fn, units, shared, workers, resources, lambda u: near(node_of(u)))
 
     progress = progress or Progress()
     progress.start_pass("map", sum(job.unit_bytes(u) for u in units), len(units))
@@ -196,7 +245,8 @@ def map_pass(
         progress.event("shard_written", shard=shard, bytes=writer.written, sha256=writer.sha256)
 
     try:
-        for unit, result in zip(units, results, strict=True):
+        for unit, (node, (result, traffic)) in zip(units, results, strict=True):
+            stats.ran(unit.index, node, traffic, node_of(unit))
             progress.advance(sum(result.bytes_read))
             if writer is None or unit.shard != shard:
                 if writer is not None:

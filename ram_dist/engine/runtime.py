@@ -18,6 +18,8 @@ class Cluster:
     cpus: int
     gpus: int
     embedded: bool
+    memory: int = 0
+    """Bytes of Ray's `memory` resource over all nodes (what tasks may use)."""
 
 
 @contextmanager
@@ -41,6 +43,7 @@ def ray_cluster(address: str | None) -> Iterator[Cluster]:
             cpus=max(1, int(res.get("CPU", 1))),
             gpus=int(res.get("GPU", 0)),
             embedded=started and not address,
+            memory=int(res.get("memory", 0)),
         )
     finally:
         if started:

@@ -12,13 +12,16 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from ram_dist.errors import RamDistError
+
+if TYPE_CHECKING:
+    from ram_dist.io.range_cache import InputCache
 
 #: Largest single range request; a unit's range is cut into requests this size.
 REQUEST_BYTES = 16 * 2**20
@@ -52,6 +55,9 @@ class Storage:
     """
 
     options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    cache: InputCache | None = field(default=None, compare=False)
+    """Set by the driver for a pass's workers: ranges it covers are read from node-local
+    disk when an earlier pass kept them there (see `range_cache`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.options, Mapping) or not all(
@@ -93,9 +99,20 @@ class Storage:
         those buffers are returned: a worker reuses its buffers instead of faulting in fresh
         memory for every block. Local files are read with `preadv` (one copy out of the
         page cache, like plain file I/O); other filesystems get batched `cat_ranges`
-        requests of at most `REQUEST_BYTES`."""
+        requests of at most `REQUEST_BYTES`. With a `cache`, what it holds is read from it."""
         if into is not None and len(into) != len(url_ranges):
             raise ValueError(f"{len(into)} buffers for {len(url_ranges)} ranges")
+        if self.cache is None:
+            return self._read_direct(url_ranges, into)
+        if into is None:
+            into = [memoryview(bytearray(end - start)) for _, start, end in url_ranges]
+        self.cache.read(url_ranges, into, self._read_direct, self.is_local)
+        return list(into)
+
+    def _read_direct(
+        self, url_ranges: list[tuple[str, int, int]], into: list[memoryview] | None
+    ) -> list[Buffer]:
+        """`read_ranges` without the cache."""
         out: list[Buffer | None] = [None] * len(url_ranges)
         remote: list[int] = []
         for i, (url, start, end) in enumerate(url_ranges):

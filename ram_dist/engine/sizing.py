@@ -1,0 +1,42 @@
+"""Default work-unit size from the machine or cluster: its cores and memory.
+
+A worker streams its unit through two read buffers of one compute block per input (about
+`COMPUTE_BLOCK` elements each, whatever the unit size), so the unit size bounds only the
+merged bytes it returns (held by the worker, then by Ray's object store until the driver
+writes them) and sets how finely the work is spread: units much larger than a model's
+share per core leave cores idle at the end of each pass.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+MIB = 2**20
+#: The largest default budget; a larger `--chunk-mb` only makes fewer, bigger units.
+MAX_CHUNK_BYTES = 256 * MIB
+#: The smallest default budget: below it, per-unit overhead (a Ray task, a result) shows.
+MIN_CHUNK_BYTES = 16 * MIB
+#: Units per core and pass, so that every core stays busy until near the end of a pass.
+UNITS_PER_SLOT = 8
+#: Share of a core's memory the merged bytes of its units may take (a unit's output is in
+#: the worker, then in the object store, and twice the cores' units are in flight).
+MEMORY_SHARE = 0.125
+
+
+def machine() -> tuple[int, int]:
+    """This machine's cores and physical memory in bytes (what an embedded Ray gets)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, cores or 1), int(memory)
+
+
+def auto_chunk_bytes(largest_input_bytes: int, slots: int, memory_bytes: int) -> int:
+    """The budget per input of one unit: at least `UNITS_PER_SLOT` units per core over the
+    largest input, at most `MEMORY_SHARE` of a core's memory, within [16, 256] MiB, in
+    whole MiB."""
+    slots = max(1, slots)
+    by_units = math.ceil(largest_input_bytes / (UNITS_PER_SLOT * slots))
+    by_memory = int(memory_bytes / slots * MEMORY_SHARE)
+    budget = min(MAX_CHUNK_BYTES, by_units, by_memory)
+    return max(MIN_CHUNK_BYTES, budget // MIB * MIB)
