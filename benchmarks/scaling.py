@@ -121,9 +121,10 @@ def memory_lines(result: dict[str, Any]) -> list[str]:
     med = result["median"]["ramdist:ram_plus"]
     lines = [
         f"* largest worker peak RSS, measured: {gib(med.get('worker_peak_rss_bytes'))} at "
-        f"--chunk-mb {chunk_bytes_of(result) // 2**20}; a worker holds one work unit (each input "
-        "contributes at most chunk-mb bytes to it), so this is bounded by the chunk budget, "
-        "not by the model size: the same figure is assumed for 70B and 405B.",
+        f"--chunk-mb {chunk_bytes_of(result) // 2**20}; a worker holds two read blocks of at "
+        "most 4M elements per input and one unit's merged bytes (at most chunk-mb), so it is "
+        "bounded by the chunk budget, not by the model size: the same figure is assumed for "
+        "70B and 405B.",
         f"* driver peak RSS, measured: {gib(med.get('driver_peak_rss_bytes'))} (it receives "
         "every merged chunk and writes the output; the memory scaling rows, if any, show whether "
         "it grows with the model).",

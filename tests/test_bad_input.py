@@ -199,6 +199,7 @@ def test_pickle_checkpoints_are_never_opened(inputs, tmp_path, capsys):
 
 
 # 10. NaN and Inf are counted in the reduce pass
+@pytest.mark.usefixtures("ray_local")  # one Ray for the six merges below
 def test_nonfinite_values_stop_the_job_unless_allowed(inputs, tmp_path, capsys):
     base, tasks = inputs
     state = load_checkpoint(tasks[1])
