@@ -520,6 +520,8 @@ REPORT_KEYS = {
     "units": "passes.map.units",
     "driver_peak_rss_bytes": "memory.driver_peak_rss_bytes",
     "worker_peak_rss_bytes": "memory.worker_peak_rss_bytes",
+    "driver_peak_private_bytes": "memory.driver_peak_private_bytes",
+    "worker_peak_private_bytes": "memory.worker_peak_private_bytes",
 }
 
 
@@ -707,32 +709,40 @@ def memory_scaling(
         read_files(bench.inputs, bytearray(READ_BLOCK))
         sample, _ = bench.measure(run, 1)
         print(f"memory scaling: {size:g} params, {sample['wall_s']:.2f} s", flush=True)
-        keys = ("wall_s", "units", "worker_peak_rss_bytes", "driver_peak_rss_bytes", "bytes_read")
+        keys = (
+            "wall_s", "units", "worker_peak_rss_bytes", "driver_peak_rss_bytes", "bytes_read",
+            "worker_peak_private_bytes", "driver_peak_private_bytes",
+        )  # fmt: skip
         row = {"size": size, "params": layout.params, "input_bytes": bench.input_bytes}
         rows.append(row | {k: sample.get(k) for k in keys} | {"command": bench.command(run)})
     return rows
 
 
 def print_memory_scaling(rows: list[dict[str, Any]], chunk_mb: int) -> None:
-    first = rows[0]["worker_peak_rss_bytes"]
+    """Per size: worker and driver peaks, as RSS (with the pages of Ray's object store that
+    the process touched) and private (without them), and the spread of the worker peaks."""
     print(f"\nmemory scaling: ram-dist ram_plus, --chunk-mb {chunk_mb}, one run per size")
     print(
-        f"{'params':>14}  {'inputs':>10}  {'units':>6}  {'largest worker':>14}  "
-        f"{'driver':>10}  {'worker / first':>14}"
+        f"{'params':>14}  {'inputs':>10}  {'units':>6}  {'worker RSS':>11}  "
+        f"{'worker private':>14}  {'driver RSS':>11}  {'driver private':>14}"
     )
     for row in rows:
-        worker = row["worker_peak_rss_bytes"]
-        ratio = worker / first if worker and first else None
         print(
             f"{row['params']:>14,}  {fmt(row['input_bytes'], 'B'):>10}  "
-            f"{fmt(row['units'], 'n'):>6}  {fmt(worker, 'B'):>14}  "
-            f"{fmt(row['driver_peak_rss_bytes'], 'B'):>10}  {fmt(ratio, 'x'):>14}"
+            f"{fmt(row['units'], 'n'):>6}  {fmt(row['worker_peak_rss_bytes'], 'B'):>11}  "
+            f"{fmt(row.get('worker_peak_private_bytes'), 'B'):>14}  "
+            f"{fmt(row['driver_peak_rss_bytes'], 'B'):>11}  "
+            f"{fmt(row.get('driver_peak_private_bytes'), 'B'):>14}"
         )
-    peaks = [r["worker_peak_rss_bytes"] for r in rows if r["worker_peak_rss_bytes"]]
-    if len(peaks) >= 2:
-        spread = max(peaks) / min(peaks)
-        verdict = "within" if spread <= 1.2 else "NOT within"
-        print(f"largest / smallest worker peak: {spread:.2f}x ({verdict} the 20 % target)")
+    for key, label in (
+        ("worker_peak_private_bytes", "worker peak private"),
+        ("worker_peak_rss_bytes", "worker peak RSS"),
+    ):
+        peaks = [r[key] for r in rows if r.get(key)]
+        if len(peaks) >= 2:
+            spread = max(peaks) / min(peaks)
+            verdict = "within" if spread <= 1.2 else "NOT within"
+            print(f"largest / smallest {label}: {spread:.2f}x ({verdict} the 20 % target)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -751,6 +761,8 @@ ROWS = [
     ("work units (map pass)", "units", "n"),
     ("driver peak RSS (report)", "driver_peak_rss_bytes", "B"),
     ("largest worker peak RSS (report)", "worker_peak_rss_bytes", "B"),
+    ("driver peak private (no object store)", "driver_peak_private_bytes", "B"),
+    ("largest worker peak private", "worker_peak_private_bytes", "B"),
     ("process max RSS (wait4)", "proc_maxrss_bytes", "B"),
     ("largest single process peak RSS", "largest_process_rss_bytes", "B"),
     ("bytes read (tensor data)", "bytes_read", "B"),

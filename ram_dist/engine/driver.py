@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 from dataclasses import replace
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from ram_dist import __version__
 from ram_dist.config import MergeConfig
 from ram_dist.dtypes import itemsize
+from ram_dist.engine import memory
 from ram_dist.engine.effective import CONFIG_NAME, render
 from ram_dist.engine.job import Job, prepare
 from ram_dist.engine.output import check_writable, clear_published, open_output
@@ -58,7 +58,7 @@ def probe(config: MergeConfig) -> dict[str, Any]:
     with ray_cluster(config.address) as cluster:
         job = job.replanned(cluster.gpus or cluster.cpus, cluster.memory)
         state, stats = reduce_pass(job, cluster, progress)
-    return _report(job, state, {"reduce": stats.as_dict()}, stats.worker_peak_rss_bytes)
+    return _report(job, state, {"reduce": stats.as_dict()}, [stats])
 
 
 def merge(config: MergeConfig) -> dict[str, Any]:
@@ -85,7 +85,7 @@ def merge(config: MergeConfig) -> dict[str, Any]:
     with ray_cluster(config.address) as cluster:
         job = job.replanned(cluster.gpus or cluster.cpus, cluster.memory)
         passes: dict[str, Any] = {}
-        worker_rss = 0
+        measured: list[PassStats] = []
         if manifest.statistics is not None:
             state = manifest.statistics
             passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
@@ -93,7 +93,7 @@ def merge(config: MergeConfig) -> dict[str, Any]:
             state, reduce_stats = reduce_pass(job, cluster, progress, cache)
             first_node = reduce_stats.first_node
             passes["reduce"] = reduce_stats.as_dict()
-            worker_rss = reduce_stats.worker_peak_rss_bytes
+            measured.append(reduce_stats)
             fs.makedirs(path, exist_ok=True)
             manifest.statistics = state
             save_manifest(job.out, manifest, job.storage)
@@ -115,10 +115,10 @@ def merge(config: MergeConfig) -> dict[str, Any]:
             else PassStats()
         )
         passes["map"] = map_stats.as_dict()
-        worker_rss = max(worker_rss, map_stats.worker_peak_rss_bytes)
+        measured.append(map_stats)
         cleaned = len(on_every_node(cache.remove)) if cache is not None else 0
 
-    report = _report(job, state, passes, worker_rss)
+    report = _report(job, state, passes, measured)
     report["input_cache"] = _cache_report(job, cache, cache_note)
     report["input_cache"]["nodes_cleaned"] = cleaned
     report["output"] = {
@@ -274,7 +274,7 @@ def _finished_report(job: Job) -> dict[str, Any]:
 
 
 def _report(
-    job: Job, state: dict[str, Any], passes: dict[str, Any], worker_rss: int
+    job: Job, state: dict[str, Any], passes: dict[str, Any], measured: list[PassStats]
 ) -> dict[str, Any]:
     config = job.config
     report: dict[str, Any] = {
@@ -294,7 +294,11 @@ def _report(
             t["rho"] = "inf"
     report["passes"] = passes
     report["memory"] = {
-        "driver_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "worker_peak_rss_bytes": worker_rss,
+        "driver_peak_rss_bytes": memory.peak_rss(),
+        "worker_peak_rss_bytes": max((p.worker_peak_rss_bytes for p in measured), default=0),
+        "driver_peak_private_bytes": memory.note(),
+        "worker_peak_private_bytes": max(
+            (p.worker_peak_private_bytes for p in measured), default=0
+        ),
     }
     return report

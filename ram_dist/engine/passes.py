@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
+from ram_dist.engine import memory
 from ram_dist.engine.job import Job
 from ram_dist.engine.pool import near, ordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster
-from ram_dist.engine.work import map_unit, reduce_unit
+from ram_dist.engine.work import UnitResult, map_unit, reduce_unit
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import CacheTraffic, InputCache, counted
 from ram_dist.io.storage import Storage
@@ -45,6 +46,7 @@ class PassStats:
     bytes_written: int = 0
     max_unit_bytes_read: list[int] = field(default_factory=list)
     worker_peak_rss_bytes: int = 0
+    worker_peak_private_bytes: int = 0
     fused_elements: int = 0
     cache_bytes_read: int = 0
     cache_bytes_written: int = 0
@@ -65,16 +67,20 @@ class PassStats:
             self.units_sent_back += 1
             self.units_ran_there += node == sent_to
 
-    def add(self, bytes_read: tuple[int, ...], peak_rss: int, fused: int = 0) -> None:
+    def add(self, result: UnitResult) -> None:
+        bytes_read = result.bytes_read
         self.units += 1
-        self.fused_elements += fused
+        self.fused_elements += result.fused_elements
         self.bytes_read += sum(bytes_read)
         if not self.max_unit_bytes_read:
             self.max_unit_bytes_read = [0] * len(bytes_read)
         self.max_unit_bytes_read = [
             max(a, b) for a, b in zip(self.max_unit_bytes_read, bytes_read, strict=True)
         ]
-        self.worker_peak_rss_bytes = max(self.worker_peak_rss_bytes, peak_rss)
+        self.worker_peak_rss_bytes = max(self.worker_peak_rss_bytes, result.peak_rss_bytes)
+        self.worker_peak_private_bytes = max(
+            self.worker_peak_private_bytes, result.peak_private_bytes
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -181,7 +187,7 @@ def reduce_pass(
             for name, counts in (result.nonfinite or {}).items():
                 old = nonfinite.get(name, [0] * len(counts))
                 nonfinite[name] = [a + b for a, b in zip(old, counts, strict=True)]
-            stats.add(result.bytes_read, result.peak_rss_bytes)
+            stats.add(result)
         progress.end_pass()
         if nonfinite:
             raise _nonfinite_error(job, nonfinite)
@@ -255,7 +261,8 @@ def map_pass(
                 tensors = job.layout.out_tensors(shard)
                 writer = ShardWriter(job.out, shard, tensors, job.storage)
             behind.submit(writer.write, memoryview(result.data))
-            stats.add(result.bytes_read, result.peak_rss_bytes, result.fused_elements)
+            stats.add(result)
+            memory.note()  # the driver, holding this result
         if writer is not None:
             publish()
             writer = None

@@ -7,7 +7,6 @@ and returned as raw little-endian bytes, ready to append to the output shard.
 
 from __future__ import annotations
 
-import resource
 import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ import torch
 
 from ram_dist import kernels
 from ram_dist.dtypes import SAFETENSORS_DTYPES, itemsize
+from ram_dist.engine import memory
 from ram_dist.engine.layout import Layout, TensorEntry
 from ram_dist.io.storage import Buffer, Storage
 from ram_dist.methods import MergeMethod
@@ -41,6 +41,8 @@ class UnitResult:
     """Reduce round 0: per tensor, NaN and Inf counts of each input (base first), when any."""
     fused_elements: int = 0
     """Map pass: elements merged by a fused kernel rather than the eager torch rule."""
+    peak_private_bytes: int = 0
+    """This worker's peak memory without Ray's shared object-store pages (`memory`)."""
 
 
 def device() -> torch.device:
@@ -147,6 +149,7 @@ def stream_blocks(
             inputs = ahead.result()
             if k + 1 < len(blocks):
                 ahead = reader.submit(read, k + 1)
+            memory.note()
             yield block, inputs
 
 
@@ -204,7 +207,10 @@ def reduce_unit(
         for key, value in stats.items():
             value = value.to(device="cpu", dtype=torch.int64)
             totals[key] = totals[key] + value if key in totals else value
-    return UnitResult(unit.index, totals, None, tuple(bytes_read), _peak_rss(), nonfinite or None)
+    return UnitResult(
+        unit.index, totals, None, tuple(bytes_read), memory.peak_rss(), nonfinite or None,
+        peak_private_bytes=memory.note(),
+    )  # fmt: skip
 
 
 def _checked_statistics(
@@ -273,8 +279,9 @@ def map_unit(
         merged = method.merge_chunk(chunk, base, tasks, params[piece.tensor], state)
         target.copy_(merged.to(SAFETENSORS_DTYPES[entry.out_dtype]).cpu().view(torch.uint8))
     return UnitResult(
-        unit.index, None, data, tuple(bytes_read), _peak_rss(), fused_elements=fused_elements
-    )
+        unit.index, None, data, tuple(bytes_read), memory.peak_rss(),
+        fused_elements=fused_elements, peak_private_bytes=memory.note(),
+    )  # fmt: skip
 
 
 def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -289,8 +296,3 @@ def _blocks(numel: int) -> list[tuple[int, int]]:
     """Split a piece into compute blocks, so float temporaries stay small whatever the chunk
     budget (the rule is element-wise: the split changes no byte)."""
     return [(lo, min(lo + COMPUTE_BLOCK, numel)) for lo in range(0, numel, COMPUTE_BLOCK)]
-
-
-def _peak_rss() -> int:
-    """This worker process's peak resident memory so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
