@@ -34,15 +34,6 @@ def _ordered(cut: dict[str, Any] | None) -> bool:
     return cut is not None and cut["need"] < cut["equal"] and cut["threshold"] != 0
 
 
-def _fused(state: State, base: torch.Tensor, tasks: list[torch.Tensor]) -> bool:
-    """Whether the fused CPU kernels (byte-identical to the eager rule) take this chunk."""
-    if not state.get("fused") or base.device.type != "cpu" or not kernels.available():
-        return False
-    from ram_dist.kernels import ram_numba
-
-    return ram_numba.supports([base.dtype, *(t.dtype for t in tasks)])
-
-
 def _fused_statistics(
     round_: int,
     chunk: Chunk,
@@ -170,7 +161,7 @@ class TaskArithmeticFamily:
             )  # fmt: skip
             return {chunk.tensor: stats}
         info = state["tensors"][chunk.tensor]
-        if not info["rescale"] and _fused(state, base, tasks):
+        if not info["rescale"] and kernels.take(state, [base, *tasks]):
             return {chunk.tensor: _fused_statistics(round_, chunk, base, tasks, info["cuts"])}
         _, deltas = task_arithmetic.task_vectors(base, tasks)
         keys = [topk.magnitude_keys(d) for d in deltas]
@@ -301,7 +292,7 @@ class TaskArithmeticFamily:
     ) -> bool:
         """`merge_chunk` by a fused kernel, written straight into `out` (the output dtype);
         False where none applies (DARE, L1 rescaling, float64, a GPU, kernels off)."""
-        if self.sparsify == "random" or not _fused(state, base, tasks):
+        if self.sparsify == "random" or not kernels.take(state, [base, *tasks]):
             return False
         from ram_dist.kernels import ram_numba, ties_numba
 

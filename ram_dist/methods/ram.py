@@ -118,15 +118,6 @@ def summarize(total: torch.Tensor, r: float, alpha: float) -> dict[str, Any]:
 LAYER = re.compile(r"^(.*?layers\.\d+)\.")
 
 
-def _fused(state: State, base: torch.Tensor, tasks: list[torch.Tensor]) -> bool:
-    """Whether the fused CPU kernels (byte-identical to the eager rule) take this chunk."""
-    if not state.get("fused") or base.device.type != "cpu" or not kernels.available():
-        return False
-    from ram_dist.kernels import ram_numba
-
-    return ram_numba.supports([base.dtype, *(t.dtype for t in tasks)])
-
-
 def layer_summary(per_tensor: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
     """Per layer (`model.layers.{i}`; everything else is `other`), per task: changed, unique
     and shared elements and the layer's participating elements, for the per-layer table."""
@@ -223,7 +214,7 @@ class RamMethod:
         params: TensorParams,
         state: State,
     ) -> dict[str, torch.Tensor]:
-        if _fused(state, base, tasks):
+        if kernels.take(state, [base, *tasks]):
             from ram_dist.kernels import ram_numba
 
             return {chunk.tensor: ram_numba.overlap_counts(base, tasks, params["epsilon"])}
@@ -240,7 +231,7 @@ class RamMethod:
     ) -> tuple[dict[str, torch.Tensor], list[int]] | None:
         """`chunk_statistics` plus each input's NaN/Inf count, from one fused sweep; None
         when the fused kernels do not take this chunk (the engine then counts separately)."""
-        if not _fused(state, base, tasks):
+        if not kernels.take(state, [base, *tasks]):
             return None
         from ram_dist.kernels import ram_numba
 
@@ -304,7 +295,7 @@ class RamMethod:
     ) -> bool:
         """The fused kernel's merge, written straight into `out` (the output dtype); False
         when it does not apply (float64, a GPU, kernels off), and the eager path runs."""
-        if not _fused(state, base, tasks):
+        if not kernels.take(state, [base, *tasks]):
             return False
         from ram_dist.kernels import ram_numba
 
