@@ -124,7 +124,9 @@ def merge(run: str, mode: str, args: argparse.Namespace, options: dict, env: dic
     for name in names[1:]:
         cmd += ["--task", f"s3://{BUCKET}/in/{name}"]
     cmd += ["--input-cache", mode, "--storage-options", json.dumps(options)]
-    cmd += ["--chunk-mb", str(args.chunk_mb), "--address", "local", *args.merge_arg]
+    if args.chunk_mb is not None:
+        cmd += ["--chunk-mb", str(args.chunk_mb)]
+    cmd += ["--address", "local", *args.merge_arg]
     if args.workers:
         cmd += ["--workers", str(args.workers)]
     start = time.perf_counter()
@@ -143,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", type=float, default=0.02e9, help="parameters per checkpoint")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/ram-dist-bench-s3"))
     p.add_argument("--shard-mb", type=int, default=2000, help="largest input shard (MB)")
-    p.add_argument("--chunk-mb", type=float, default=256, help="ram-dist's --chunk-mb")
+    p.add_argument(
+        "--chunk-mb", type=float, default=None, help="ram-dist's --chunk-mb (default: its own)"
+    )
     p.add_argument("--workers", type=int, default=None, help="ram-dist's --workers")
     p.add_argument(
         "--modes", default="auto,off", help="--input-cache modes to run, in order (may repeat)"
