@@ -77,7 +77,9 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"reduce: {b['reduce_rounds']} round(s), up to {_size(b['reduce_round'])} read each"
         + (f" ({b['reduce_rounds_note']})" if b["reduce_rounds_note"] else ""),
         f"map: {_size(b['map'])} read",
-        f"memory per worker: about {_size(plan['memory_per_worker_bytes'])}",
+        f"memory per worker: about {_size(plan['memory_per_worker_bytes'])} of data (read "
+        "blocks, the unit's merged bytes, eager temporaries), plus the process itself (torch, "
+        "numba, Ray: about 0.25 GiB on CPU)",
         _cache_line(plan.get("input_cache")),
     ]
     out = plan["output"]
