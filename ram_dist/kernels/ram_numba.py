@@ -234,6 +234,17 @@ def _store_impl(res: Any, out: Any, nan_bits: Any) -> Callable[..., None] | None
 # ---- the two passes --------------------------------------------------------------------
 
 
+@register_jitable
+def _load_tile(inputs: tuple[np.ndarray, ...], lo: int, m: int, buf: np.ndarray) -> None:
+    """buf[j, :m] = float32 bits of inputs[j][lo : lo + m], for every input (the tile every
+    kernel here and in `ties_numba` works on; each input is widened by its own dtype's loop)."""
+    j = 0
+    for src in literal_unroll(inputs):
+        _load(src[lo : lo + m], buf[j, :m])
+        j += 1
+
+
+
 @njit(cache=True, **_OPTIONS)
 def _count_kernel(
     inputs: tuple[np.ndarray, ...],
@@ -254,10 +265,7 @@ def _count_kernel(
     patterns = np.zeros((LANES, (1 << ntasks) if small else 1), np.int64)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        j = 0
-        for src in literal_unroll(inputs):
-            _load(src[lo : lo + m], buf[j, :m])
-            j += 1
+        _load_tile(inputs, lo, m, buf)
         if nonfinite.size:
             for j in range(ntasks + 1):
                 row = buf[j, :m]
@@ -318,10 +326,7 @@ def _merge_kernel(
     zero = np.float32(0.0)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        j = 0
-        for src in literal_unroll(inputs):
-            _load(src[lo : lo + m], buf[j, :m])
-            j += 1
+        _load_tile(inputs, lo, m, buf)
         for i in range(m):
             total[i] = zero
             count[i] = 0

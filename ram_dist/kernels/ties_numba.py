@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from numba import literal_unroll, njit
+from numba import njit
 
 from ram_dist.kernels.ram_numba import (
     _OPTIONS,
@@ -35,7 +35,7 @@ from ram_dist.kernels.ram_numba import (
     _bits,
     _inputs,
     _kernel_view,
-    _load,
+    _load_tile,
     _store,
     torch_bf16_nan,
 )
@@ -70,10 +70,7 @@ def _stats_kernel(
     lanes = np.zeros((ntasks, LANES, bins if kind == 0 else 0), np.int32)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        j = 0
-        for src in literal_unroll(inputs):
-            _load(src[lo : lo + m], buf[j, :m])
-            j += 1
+        _load_tile(inputs, lo, m, buf)
         for t in range(ntasks):
             x = vals[t + 1]
             row = hist[t]
@@ -138,10 +135,7 @@ def _merge_kernel(
     one = np.float32(1.0)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        j = 0
-        for src in literal_unroll(inputs):
-            _load(src[lo : lo + m], buf[j, :m])
-            j += 1
+        _load_tile(inputs, lo, m, buf)
         # weighted_t = sparse(delta_t) * w_t, written over the task's row
         for t in range(ntasks):
             x = vals[t + 1]
