@@ -62,18 +62,25 @@ def read_unit(
     owners: list[tuple[int, int, str]] = []
     for p, piece in enumerate(unit.pieces):
         entry = layout.tensors[piece.tensor]
-        for i, src in enumerate(entry.sources[: _inputs_of(entry)]):
-            size = itemsize(src.dtype)
-            requests.append(
-                (src.file, src.start + piece.start * size, src.start + piece.stop * size)
-            )
-            owners.append((p, i, src.dtype))
+        ranges = _ranges(entry, piece.start, piece.stop)
+        requests += ranges
+        owners += [(p, i, src.dtype) for i, src in enumerate(entry.sources[: len(ranges)])]
     bytes_read = [0] * _input_count(layout)
     tensors: list[list[torch.Tensor]] = [[] for _ in unit.pieces]
     for blob, (p, i, dtype) in zip(storage.read_ranges(requests), owners, strict=True):
         bytes_read[i] += len(blob)
         tensors[p].append(_tensor_from_bytes(blob, dtype))
     return tensors, bytes_read
+
+
+def _ranges(entry: TensorEntry, start: int, stop: int) -> list[tuple[str, int, int]]:
+    """The byte ranges of elements [start, stop) of a tensor in every input it needs (base
+    first; only the base for a tensor that is copied)."""
+    out = []
+    for src in entry.sources[: _inputs_of(entry)]:
+        size = itemsize(src.dtype)
+        out.append((src.file, src.start + start * size, src.start + stop * size))
+    return out
 
 
 def _input_count(layout: Layout) -> int:
@@ -130,11 +137,7 @@ def stream_blocks(
         piece = pieces[block.piece]
         entry = layout.tensors[piece.tensor]
         sources = entry.sources[: _inputs_of(entry)]
-        requests = []
-        for src in sources:
-            size = itemsize(src.dtype)
-            lo, hi = piece.start + block.lo, piece.start + block.hi
-            requests.append((src.file, src.start + lo * size, src.start + hi * size))
+        requests = _ranges(entry, piece.start + block.lo, piece.start + block.hi)
         views = _BUFFERS.views(k % 2, [end - start for _, start, end in requests])
         blobs = storage.read_ranges(requests, into=views)
         for i, blob in enumerate(blobs):
