@@ -11,6 +11,7 @@ from ram_dist import __version__
 from ram_dist.config import MergeConfig, load_yaml
 from ram_dist.engine.sizing import MAX_CHUNK_BYTES
 from ram_dist.errors import RamDistError
+from ram_dist.io.range_cache import MODES as CACHE_MODES
 from ram_dist.io.storage import parse_storage_options
 
 
@@ -118,7 +119,12 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
         help="input MiB one work unit may read, per input (default: from the cluster's cores "
         f"and memory, at most {MAX_CHUNK_BYTES // 2**20})",
     )
-    p.add_argument("--workers", type=int, default=None, help="work units at once (default: all)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="work units at once (default: one per CPU or GPU of the cluster, as many queued)",
+    )
     p.add_argument(
         "--allow-nonfinite",
         action="store_true",
@@ -135,7 +141,7 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--input-cache",
-        choices=("auto", "on", "off"),
+        choices=CACHE_MODES,
         default="auto",
         help="keep what the first pass fetched on each node's disk, so later passes read it "
         "there: auto (inputs not on a local filesystem), on (every input), off",

@@ -11,6 +11,7 @@ from typing import Any
 
 from ram_dist.dtypes import parse_out_dtype
 from ram_dist.errors import RamDistError
+from ram_dist.io.range_cache import MODES as CACHE_MODES
 from ram_dist.io.storage import Storage
 from ram_dist.methods import get_method
 
@@ -78,7 +79,7 @@ class MergeConfig:
             raise RamDistError(f"kernels must be auto or eager, got {self.kernels!r}")
         if self.log_format not in ("text", "json"):
             raise RamDistError(f"log format must be text or json, got {self.log_format!r}")
-        if self.input_cache not in ("auto", "on", "off"):
+        if self.input_cache not in CACHE_MODES:
             raise RamDistError(f"input cache must be auto, on or off, got {self.input_cache!r}")
         if self.cache_dir is not None:
             if "://" in self.cache_dir:
