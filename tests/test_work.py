@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from builders import build_model_set
@@ -12,8 +13,11 @@ from ram_dist.engine import driver, work
 from ram_dist.methods import get_method
 
 
+@pytest.mark.parametrize("reuse_output", [False, True])
 @pytest.mark.parametrize("block", [7, 1000, 1 << 22])
-def test_units_and_compute_blocks_reassemble_the_reference(tmp_path, monkeypatch, block):
+def test_units_and_compute_blocks_reassemble_the_reference(
+    tmp_path, monkeypatch, block, reuse_output
+):
     monkeypatch.setattr(work, "COMPUTE_BLOCK", block)
     base_dir, task_dirs, base, tasks = build_model_set(
         tmp_path, kind="llama", task_dtypes=[torch.float32, None, torch.float16]
@@ -32,8 +36,12 @@ def test_units_and_compute_blocks_reassemble_the_reference(tmp_path, monkeypatch
     assert histograms == [list(map(int, h)) for h in ref["H"]]
 
     blobs: dict[str, list[bytes]] = {}
+    previous = None
     for unit in job.units:
-        data = work.map_unit(unit, *args, state).data.tobytes()
+        result = work.map_unit(unit, *args, state, reuse_output=reuse_output).data
+        if previous is not None:  # the worker's buffer is used again, or fresh memory is
+            assert np.shares_memory(result, previous) == reuse_output
+        previous, data = result, result.tobytes()
         offset = 0
         for piece in unit.pieces:
             size = piece.numel * base[piece.tensor].element_size()

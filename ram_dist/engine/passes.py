@@ -234,7 +234,7 @@ def map_pass(
     workers, resources = _options(job, cluster)
     shipped = {**state, "fused": job.config.kernels == "auto"}
     shared = (job.layout, storage, job.method, job.params, shipped)
-    fn = partial(counted, map_unit)
+    fn = partial(counted, partial(map_unit, reuse_output=True))  # Ray copies each result out
     results = ordered_map(fn, units, shared, workers, resources, lambda u: near(node_of(u)))
 
     progress = progress or Progress()
