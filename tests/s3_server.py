@@ -6,11 +6,15 @@ what the client believes it asked for.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import s3fs
 from moto.moto_server.threaded_moto_server import ThreadedMotoServer
 from moto.moto_server.werkzeug_app import (
     DomainDispatcherApplication,
@@ -18,6 +22,15 @@ from moto.moto_server.werkzeug_app import (
     create_backend_app,
 )
 from werkzeug.serving import make_server
+
+#: Output files that name the input and output locations, so differ between a local and an
+#: S3 run of the same merge.
+LOCATION_DEPENDENT = (
+    "merge_report.json",
+    "ram_dist_manifest.json",
+    "mergekit_config.yml",
+    "README.md",
+)
 
 
 @dataclass(frozen=True)
@@ -87,3 +100,42 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def env(**values: str) -> Iterator[None]:
+    """Set environment variables for a while (Ray workers started meanwhile inherit them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
+def running_server() -> Iterator[CountingMotoServer]:
+    """A started server, with test credentials in the environment before Ray starts workers."""
+    with env(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing"):
+        srv = CountingMotoServer()
+        srv.start()
+        try:
+            yield srv
+        finally:
+            srv.stop()
+
+
+def storage_options(srv: CountingMotoServer) -> dict[str, Any]:
+    """ram-dist's storage options for this server (listings not cached: tests write and list)."""
+    return {"s3": {"endpoint_url": srv.endpoint, "use_listings_cache": False}}
+
+
+def bucket_fs(options: dict[str, Any], bucket: str) -> s3fs.S3FileSystem:
+    """An s3fs client for the server, with `bucket` created."""
+    fs = s3fs.S3FileSystem(**options["s3"])
+    fs.mkdir(bucket)
+    return fs

@@ -13,7 +13,6 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,14 @@ import s3fs
 import torch
 from builders import build_model_set, load_checkpoint, save_checkpoint
 from reference import reference_merge
-from s3_server import CountingMotoServer
+from s3_server import (
+    LOCATION_DEPENDENT,
+    CountingMotoServer,
+    bucket_fs,
+    env,
+    running_server,
+    storage_options,
+)
 
 from ram_dist.cli import main
 from ram_dist.config import MergeConfig
@@ -33,13 +39,6 @@ from ram_dist.io.range_cache import InputCache, counted
 from ram_dist.io.storage import Storage
 
 BUCKET = "ram-dist-cache-test"
-#: Files that name the input and output locations, so differ between a local and an S3 run.
-LOCATION_DEPENDENT = (
-    "merge_report.json",
-    "ram_dist_manifest.json",
-    "mergekit_config.yml",
-    "README.md",
-)
 
 
 # -- the cache alone, no Ray ---------------------------------------------------------------
@@ -100,41 +99,20 @@ def test_full_disk_wrong_file_or_unsafe_folder_means_fetching(tmp_path):
 # -- bucket to bucket on a multi-node Ray ----------------------------------------------------
 
 
-@contextmanager
-def _env(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[CountingMotoServer]:
-    with _env(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing"):
-        srv = CountingMotoServer()
-        srv.start()
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    with running_server() as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def options(server) -> dict:
-    return {"s3": {"endpoint_url": server.endpoint, "use_listings_cache": False}}
+    return storage_options(server)
 
 
 @pytest.fixture(scope="module")
 def fs(options) -> s3fs.S3FileSystem:
-    fs = s3fs.S3FileSystem(**options["s3"])
-    fs.mkdir(BUCKET)
-    return fs
+    return bucket_fs(options, BUCKET)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +131,7 @@ def nodes(server, tmp_path_factory) -> Iterator[dict]:
     workers, tmpdirs = [], []
     for i in range(2):
         tmpdirs.append(tmp_path_factory.mktemp(f"node{i}-tmp"))
-        with _env(TMPDIR=str(tmpdirs[-1])):  # the node's processes inherit it
+        with env(TMPDIR=str(tmpdirs[-1])):  # the node's processes inherit it
             workers.append(cluster.add_node(num_cpus=1))
     ray.init(address=cluster.address, log_to_driver=False)
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,13 @@ import s3fs
 import torch
 from builders import build_model_set, load_checkpoint, save_checkpoint
 from reference import reference_merge
-from s3_server import CountingMotoServer
+from s3_server import (
+    LOCATION_DEPENDENT,
+    CountingMotoServer,
+    bucket_fs,
+    running_server,
+    storage_options,
+)
 
 from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
@@ -24,43 +29,22 @@ from ram_dist.io.storage import Storage
 from ram_dist.plan import Piece, WorkUnit
 
 BUCKET = "ram-dist-test"
-#: Files that name the input and output locations, so differ between a local and an S3 run.
-LOCATION_DEPENDENT = (
-    "merge_report.json",
-    "ram_dist_manifest.json",
-    "mergekit_config.yml",
-    "README.md",
-)
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[CountingMotoServer]:
-    """The S3 server, and credentials in the environment before Ray starts its workers."""
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
-    srv = CountingMotoServer()
-    srv.start()
-    try:
+    with running_server() as srv:
         yield srv
-    finally:
-        srv.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
 def options(server) -> dict:
-    return {"s3": {"endpoint_url": server.endpoint, "use_listings_cache": False}}
+    return storage_options(server)
 
 
 @pytest.fixture(scope="module")
 def fs(options) -> s3fs.S3FileSystem:
-    fs = s3fs.S3FileSystem(**options["s3"])
-    fs.mkdir(BUCKET)
-    return fs
+    return bucket_fs(options, BUCKET)
 
 
 @pytest.fixture(scope="module")
