@@ -30,9 +30,16 @@ def _tiny_config(kind: str):
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     return classes[kind](
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=3,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
     )
 
 
@@ -45,8 +52,13 @@ def _save_tiny_tokenizer(folder: str) -> None:
     vocab.update({f"w{i}": 4 + i for i in range(252)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
 
@@ -125,8 +137,10 @@ def make_agents(
 ) -> list[State]:
     """Tasks with independent masks (seed + i), so some elements are changed by 1, 2, 3 agents."""
     dtypes = dtypes or [None] * len(densities)
-    return [make_task_state(base, p, seed + i, dtype=dt)
-            for i, (p, dt) in enumerate(zip(densities, dtypes, strict=True))]
+    return [
+        make_task_state(base, p, seed + i, dtype=dt)
+        for i, (p, dt) in enumerate(zip(densities, dtypes, strict=True))
+    ]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -170,8 +184,10 @@ def save_checkpoint(
         fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         save_file({n: tensors[n] for n in shard}, str(folder / fname), metadata=meta)
         weight_map.update({n: fname for n in shard})
-    index = {"metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
-             "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
+        "weight_map": weight_map,
+    }
     (folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 

@@ -26,8 +26,10 @@ def _check_inputs(base: State, tasks: list[State]) -> None:
             raise ValueError(f"task {t}: extra tensors {extra}, missing tensors {missing}")
         for name, tensor in base.items():
             if task[name].shape != tensor.shape:
-                raise ValueError(f"task {t}: {name} shape {tuple(task[name].shape)} "
-                                 f"!= base {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"task {t}: {name} shape {tuple(task[name].shape)} "
+                    f"!= base {tuple(tensor.shape)}"
+                )
 
 
 def _task_vectors(
@@ -71,12 +73,20 @@ def reference_stats(base: State, tasks: list[State], eps: float = 1e-5) -> dict:
     pairs = list(zip(unique, shared, strict=True))
     density = [(u + s) / d if d else 0.0 for u, s in pairs]
     rho = [s / u if u else (math.inf if s > 0 else 0.0) for u, s in pairs]
-    return {"d": d, "unchanged": unchanged, "H": hist, "unique": unique, "shared": shared,
-            "density": density, "rho": rho}
+    return {
+        "d": d,
+        "unchanged": unchanged,
+        "H": hist,
+        "unique": unique,
+        "shared": shared,
+        "density": density,
+        "rho": rho,
+    }
 
 
-def reference_lambdas(rho: list[float], method: str, r: float = 0.1,
-                      alpha: float = 2.0) -> list[float]:
+def reference_lambdas(
+    rho: list[float], method: str, r: float = 0.1, alpha: float = 2.0
+) -> list[float]:
     """lambda_t in float64 (python floats), before the single float32 rounding."""
     if method == "ram":
         return [1.0 for _ in rho]

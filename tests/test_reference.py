@@ -133,8 +133,10 @@ def test_mean_is_summed_in_task_order_then_divided_once():
 
 def test_integer_tensors_copied_and_not_counted():
     base = {"ids": t([1, 2, 3], torch.int64), "w": t([1.0])}
-    tasks = [{"ids": t([4, 5, 6], torch.int64), "w": t([1.5])},
-             {"ids": t([7, 8, 9], torch.int64), "w": t([2.0])}]
+    tasks = [
+        {"ids": t([4, 5, 6], torch.int64), "w": t([1.5])},
+        {"ids": t([7, 8, 9], torch.int64), "w": t([2.0])},
+    ]
     out, s = reference_merge(base, tasks, "ram_plus", out_dtype=torch.float16)
     assert out["ids"].dtype == torch.int64 and out["ids"].tolist() == [1, 2, 3]
     assert s["d"] == 1 and s["H"] == [[0, 1], [0, 1]]
@@ -154,8 +156,10 @@ def test_0d_and_1d_tensors_share_global_stats():
 def test_bf16_output_round_to_nearest_even_and_negative_zero():
     u = 2.0**-7  # bf16 spacing in [1, 2); 2**-6 in [2, 4)
     base = {"w": t([1.0, 1.0, 1.0, -0.0, 2.0], BF16)}
-    tasks = [{"w": t([1 + 2 * u, 1 + u, 1 + u, -0.0, 2.0], BF16)},
-             {"w": t([1 - u, 1 + 2 * u, 1.0, 0.0, 2 + 2 * u], BF16)}]
+    tasks = [
+        {"w": t([1 + 2 * u, 1 + u, 1 + u, -0.0, 2.0], BF16)},
+        {"w": t([1 - u, 1 + 2 * u, 1.0, 0.0, 2 + 2 * u], BF16)},
+    ]
     out, s = reference_merge(base, tasks, "ram_plus")
     # rho = [2/1, 2/1] -> lambda 1.2 -> float32 1.2000000476837158.
     assert s["H"] == [[1, 2], [1, 2]] and s["lambda32"] == [f32(1.2)] * 2
@@ -167,8 +171,7 @@ def test_bf16_output_round_to_nearest_even_and_negative_zero():
     assert torch.signbit(w[3]).item()
     out32, _ = reference_merge(base, tasks, "ram_plus", out_dtype=F32)
     lam = f32(1.2)
-    assert vals(out32["w"]) == [1 + u / 2, 1 + 1.5 * u, f32(1 + lam * u), 0.0,
-                                f32(2 + lam * 2 * u)]
+    assert vals(out32["w"]) == [1 + u / 2, 1 + 1.5 * u, f32(1 + lam * u), 0.0, f32(2 + lam * 2 * u)]
     assert torch.signbit(out32["w"][3]).item()
 
 
@@ -197,14 +200,21 @@ def test_tiny_model_set_densities_overlaps_and_files(tmp_path):
 
     densities = (0.03, 0.46, 0.54)
     base_dir, task_dirs, base, tasks = build_model_set(
-        tmp_path, "llama", BF16, [None, F32, torch.float16], densities,
-        base_shard="100KB", task_shard=60_000)
+        tmp_path,
+        "llama",
+        BF16,
+        [None, F32, torch.float16],
+        densities,
+        base_shard="100KB",
+        task_shard=60_000,
+    )
     assert len(list(base_dir.glob("model-*-of-*.safetensors"))) > 1
     for i, d in enumerate(task_dirs):
         index = json.loads((d / "model.safetensors.index.json").read_text())
         assert set(index["weight_map"]) == set(base)
         assert index["metadata"]["total_size"] == sum(
-            x.numel() * x.element_size() for x in tasks[i].values())
+            x.numel() * x.element_size() for x in tasks[i].values()
+        )
         assert (d / "config.json").read_bytes() == (base_dir / "config.json").read_bytes()
         assert (d / "tokenizer.json").exists() and (d / "chat_template.jinja").exists()
         loaded = load_checkpoint(d)

@@ -244,7 +244,6 @@ def _load_tile(inputs: tuple[np.ndarray, ...], lo: int, m: int, buf: np.ndarray)
         j += 1
 
 
-
 @njit(cache=True, **_OPTIONS)
 def _count_kernel(
     inputs: tuple[np.ndarray, ...],
