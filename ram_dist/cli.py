@@ -38,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_job_arguments(plan)
     plan.add_argument("--out", help="output folder (or give it after CONFIG)")
+    for p in (merge, plan):
+        p.add_argument(
+            "--output-shared",
+            action="store_true",
+            help="the local output folder is mounted on every node: workers write their parts "
+            "there (default: only on a one-node cluster; else the driver writes)",
+        )
 
     probe = sub.add_parser("probe", help="reduce pass only: print sparsity and overlap statistics")
     _add_job_arguments(probe)
@@ -220,6 +227,8 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
         kwargs["out"] = out
     if getattr(args, "overwrite", False):
         kwargs["overwrite"] = True
+    if getattr(args, "output_shared", False):
+        kwargs["output_shared"] = True
     return MergeConfig(**kwargs)
 
 
@@ -315,12 +324,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     print(format_report(report))
     passes, output = report["passes"], report["output"]
+    if output.get("lease", {}).get("took_over"):
+        print(f"\n{config.out}: {output['lease']['took_over']}")
     reused = f", {len(output['shards_reused'])} shard(s) reused" if output["shards_reused"] else ""
     reduce = "skipped" if passes["reduce"].get("skipped") else f"{passes['reduce']['wall_s']:.2f} s"
     print(
         f"\nmerged model written to {config.out} (reduce {reduce}, "
         f"map {passes['map']['wall_s']:.2f} s, {passes['map']['bytes_written']} bytes written"
-        f"{reused})"
+        f"{reused}; output path: {passes['map'].get('output_path', 'none')})"
     )
     return 0
 

@@ -44,6 +44,10 @@ class MergeConfig:
     """Ray cluster address; None uses RAY_ADDRESS or starts a local Ray."""
     overwrite: bool = False
     """Replace an output folder that already holds files."""
+    output_shared: bool = False
+    """The local output folder is one filesystem mounted on every node of the cluster, so
+    workers write their parts there themselves (on several nodes without it, the driver
+    streams the output)."""
     kernels: str = "auto"
     """`auto`: fused CPU kernels where they apply (same bytes); `eager`: plain torch only."""
     log_format: str = "text"

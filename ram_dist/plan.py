@@ -9,6 +9,7 @@ together. Every split gives the same merged bytes: the rule is element-wise.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from ram_dist.errors import RamDistError
@@ -92,3 +93,127 @@ def plan_units(slots: list[TensorSlot], budget_bytes: int) -> list[WorkUnit]:
                 flush()
     flush()
     return units
+
+
+#: S3's limits on a multipart upload: every part but the last at least 5 MiB, at most
+#: 10,000 parts (other S3-compatible stores take the same limits).
+MIN_PART_BYTES = 5 * 2**20
+MAX_PARTS = 10_000
+
+
+@dataclass(frozen=True)
+class Part:
+    """Bytes [start, stop) of an output shard, made by one task from consecutive units.
+
+    `number` counts from 1 within the shard (a multipart upload's part number); part 1
+    starts at byte 0 and so holds the shard's safetensors header before its units' bytes.
+    """
+
+    shard: str
+    number: int
+    units: tuple[int, ...]
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def plan_parts(
+    units: list[WorkUnit],
+    unit_bytes: dict[int, int],
+    header_bytes: dict[str, int],
+    min_part_bytes: int = MIN_PART_BYTES,
+    max_parts: int = MAX_PARTS,
+) -> list[Part]:
+    """Group each shard's units, in order, into parts of at least `min_part_bytes` (all but a
+    shard's last) and at most `max_parts` per shard. `unit_bytes` is each unit's output size;
+    `header_bytes` the header size of each shard to plan (part 1 carries it), in order. Every
+    unit of such a shard must be in `units`: a part's place follows from all before it."""
+    by_shard: dict[str, list[WorkUnit]] = {shard: [] for shard in header_bytes}
+    for unit in units:
+        if unit.shard in by_shard:
+            by_shard[unit.shard].append(unit)
+    parts: list[Part] = []
+    for shard, members in by_shard.items():
+        size = header_bytes[shard] + sum(unit_bytes[u.index] for u in members)
+        target = max(min_part_bytes, -(-size // max_parts), 1)
+        groups: list[list[WorkUnit]] = [[]]
+        filled = header_bytes[shard]
+        for unit in members:
+            if filled >= target and groups[-1]:
+                groups.append([])
+                filled = 0
+            groups[-1].append(unit)
+            filled += unit_bytes[unit.index]
+        if len(groups) > 1 and filled == 0:  # a last part of empty tensors only
+            last = groups.pop()
+            groups[-1] += last
+        start = 0
+        for number, group in enumerate(groups, 1):
+            stop = start + sum(unit_bytes[u.index] for u in group)
+            if number == 1:
+                stop += header_bytes[shard]
+            parts.append(Part(shard, number, tuple(u.index for u in group), start, stop))
+            start = stop
+    return parts
+
+
+def parts_as_recorded(
+    shard: str,
+    units: list[WorkUnit],
+    itemsize: dict[str, int],
+    header_bytes: int,
+    ranges: list[list[int]],
+    next_index: int,
+) -> tuple[list[Part], list[WorkUnit]] | None:
+    """Cut a shard's `units` (in order) again so that its parts are the byte `ranges` a
+    resumed run recorded, whatever chunk budget planned the units now: a unit that straddles
+    a range's end is split there (the new pieces get indices from `next_index` on). Returns
+    the parts and the units, or None when the ranges do not tile the shard or one ends inside
+    an element. `itemsize` is each tensor's output itemsize."""
+
+    def nbytes(pieces: tuple[Piece, ...] | list[Piece]) -> int:
+        return sum(p.numel * itemsize[p.tensor] for p in pieces)
+
+    size = header_bytes + sum(nbytes(u.pieces) for u in units)
+    starts = [r[0] for r in ranges]
+    if not ranges or starts[0] != 0 or ranges[-1][1] != size or ranges[0][1] < header_bytes:
+        return None
+    if any(a[1] != b[0] or a[0] >= a[1] for a, b in zip(ranges, ranges[1:], strict=False)):
+        return None
+    cuts = [r[1] for r in ranges[:-1]]
+    split: list[tuple[int, WorkUnit]] = []  # (byte where the unit starts, unit)
+    k, at, fresh = 0, header_bytes, next_index
+    for unit in units:
+        pending: list[Piece] = []
+        begin, index = at, unit.index
+        for piece in unit.pieces:
+            width, start = itemsize[piece.tensor], piece.start
+            end = at + piece.numel * width
+            while k < len(cuts) and cuts[k] < end:
+                if cuts[k] > at:
+                    if (cuts[k] - at) % width:
+                        return None  # a recorded part ends inside an element
+                    step = (cuts[k] - at) // width
+                    pending.append(Piece(piece.tensor, start, start + step))
+                    start, at = start + step, cuts[k]
+                if cuts[k] == at and pending:
+                    split.append((begin, WorkUnit(index, shard, tuple(pending))))
+                    pending, begin, index, fresh = [], at, fresh, fresh + 1
+                k += 1
+            pending.append(Piece(piece.tensor, start, piece.stop))
+            at = end
+        split.append((begin, WorkUnit(index, shard, tuple(pending))))
+    members: list[list[int]] = [[] for _ in ranges]
+    for begin, unit in split:
+        members[bisect.bisect_right(starts, begin) - 1].append(unit.index)
+    parts = [Part(shard, n, tuple(m), lo, hi)
+             for n, ((lo, hi), m) in enumerate(zip(ranges, members, strict=True), 1)]  # fmt: skip
+    by_index = {u.index: u for _, u in split}
+    for part in parts:
+        made = nbytes([p for i in part.units for p in by_index[i].pieces])
+        if made + (header_bytes if part.number == 1 else 0) != part.size:
+            return None
+    return parts, [u for _, u in split]

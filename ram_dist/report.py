@@ -87,6 +87,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append("output: none given")
     else:
         lines.append(f"output: {out['url']} ({out['state']}, {len(out['shards'])} shard(s))")
+        lines.append(f"output path: {out['path']} ({out['path_reason']})")
     lines.append("nothing was written")
     return "\n".join(lines)
 

@@ -1,5 +1,8 @@
 """`ram-dist verify OUT`: re-hash every shard against the manifest and check the index.
 
+A shard's digest is defined from its parts (the sha256 of their sha256 digests, in order, as
+S3 defines a multipart object's composite checksum), so each part is re-hashed and checked.
+
 Reads only the output location. Returns the problems found, each naming the shard or file,
 so that a scheduler can refuse to publish a damaged model.
 """
@@ -12,6 +15,7 @@ import json
 from ram_dist.io.checkpoint import INDEX_NAME
 from ram_dist.io.locations import resolve_output
 from ram_dist.io.manifest import MANIFEST_NAME, load_manifest
+from ram_dist.io.sinks import shard_digest
 from ram_dist.io.storage import Storage, join
 
 READ_BYTES = 16 * 2**20
@@ -37,26 +41,54 @@ def verify(out: str, storage: Storage) -> tuple[list[str], int]:
         if recorded is None:
             problems.append(f"shard {name}: not recorded as finished in the manifest")
             continue
-        digest, size = _sha256(fs, shard_path)
         checked += 1
-        if size != recorded["size"] or digest != recorded["sha256"]:
-            problems.append(
-                f"shard {name}: sha256 {digest} ({size} bytes) does not match the manifest's "
-                f"{recorded['sha256']} ({recorded['size']} bytes)"
-            )
+        problems += _check_shard(fs, shard_path, name, recorded)
     if manifest.sharded:
         problems += _check_index(fs, join(path, INDEX_NAME), set(manifest.shard_names))
     return problems, checked
 
 
-def _sha256(fs, path: str) -> tuple[str, int]:
+def _check_shard(fs, path: str, name: str, recorded: dict) -> list[str]:
+    """Re-hash a shard: part by part against its recorded part digests and the shard digest
+    defined from them, or (a manifest of format 1) as one sha256 of the whole file."""
+    size = fs.size(path)
+    if size != recorded["size"]:
+        return [f"shard {name}: {size} bytes, the manifest says {recorded['size']}"]
+    if "parts" not in recorded:
+        digest = _sha256(fs, path, 0, size)
+        if digest != recorded["sha256"]:
+            return [f"shard {name}: sha256 {digest} does not match the manifest's "
+                    f"{recorded['sha256']}"]  # fmt: skip
+        return []
+    parts, problems, at = recorded["parts"], [], 0
+    for number, part in enumerate(parts, 1):
+        if part["start"] != at:
+            return [f"shard {name}: the manifest's parts do not cover it (part {number})"]
+        digest = _sha256(fs, path, part["start"], part["stop"])
+        if digest != part["sha256"]:
+            problems.append(
+                f"shard {name}: part {number} (bytes {part['start']} to {part['stop']}) has "
+                f"sha256 {digest}; the manifest says {part['sha256']}"
+            )
+        at = part["stop"]
+    if at != size:
+        problems.append(f"shard {name}: the manifest's parts end at {at}, the file at {size}")
+    whole = shard_digest([p["sha256"] for p in parts])
+    if whole != recorded["digest"]:
+        problems.append(f"shard {name}: digest {whole} from its parts does not match the "
+                        f"manifest's {recorded['digest']}")  # fmt: skip
+    return problems
+
+
+def _sha256(fs, path: str, start: int, stop: int) -> str:
     h = hashlib.sha256()
-    size = 0
     with fs.open(path, "rb") as f:
-        while block := f.read(READ_BYTES):
+        f.seek(start)
+        left = stop - start
+        while left > 0 and (block := f.read(min(READ_BYTES, left))):
             h.update(block)
-            size += len(block)
-    return h.hexdigest(), size
+            left -= len(block)
+    return h.hexdigest()
 
 
 def _check_index(fs, index_path: str, shards: set[str]) -> list[str]:

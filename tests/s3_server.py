@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ class Served:
     query: str
     range: str | None
     nbytes: int
+    checksum: str | None = None
+    """The request's `x-amz-checksum-sha256` (base64), which S3 checks against the body."""
 
 
 class CountingMotoServer(ThreadedMotoServer):
@@ -49,6 +52,9 @@ class CountingMotoServer(ThreadedMotoServer):
         super().__init__(ip_address="127.0.0.1", port=free_port(), verbose=False)
         self.log: list[Served] = []
         self._lock = threading.Lock()
+        self.part_delay_s = 0.0
+        """Seconds each UploadPart request waits before the server handles it: a slow link,
+        so a test can stop a job while parts are in flight."""
 
     @property
     def endpoint(self) -> str:
@@ -59,6 +65,8 @@ class CountingMotoServer(ThreadedMotoServer):
         app = DomainDispatcherApplication(create_backend_app)
 
         def counting(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+            if self.part_delay_s and _is_upload_part(environ):
+                time.sleep(self.part_delay_s)
             body = list(app(environ, start_response))
             with self._lock:
                 self.log.append(
@@ -68,6 +76,7 @@ class CountingMotoServer(ThreadedMotoServer):
                         environ.get("QUERY_STRING", ""),
                         environ.get("HTTP_RANGE"),
                         sum(len(c) for c in body),
+                        environ.get("HTTP_X_AMZ_CHECKSUM_SHA256"),
                     )
                 )
             return body
@@ -91,9 +100,28 @@ class CountingMotoServer(ThreadedMotoServer):
                 and "uploads" not in s.query
             ]
 
+    def uploaded_parts(self, key: str = "") -> list[tuple[str, int]]:
+        """(object path, part number) of each UploadPart request, in the order served."""
+        return [(s.path, number) for s, number in self.part_requests(key)]
+
+    def part_requests(self, key: str = "") -> list[tuple[Served, int]]:
+        """Each UploadPart request served, with its part number."""
+        with self._lock:
+            served = list(self.log)
+        out = []
+        for s in served:
+            query = dict(q.split("=", 1) for q in s.query.split("&") if "=" in q)
+            if s.method == "PUT" and "partNumber" in query and s.path.endswith(key):
+                out.append((s, int(query["partNumber"])))
+        return out
+
     def clear(self) -> None:
         with self._lock:
             self.log.clear()
+
+
+def _is_upload_part(environ: dict[str, Any]) -> bool:
+    return environ["REQUEST_METHOD"] == "PUT" and "partNumber=" in environ.get("QUERY_STRING", "")
 
 
 def free_port() -> int:

@@ -52,8 +52,11 @@ def _manifest(read_text) -> dict | None:
         return None
 
 
-def _kill_after_first_shard(args: list[str], env: dict, read_manifest) -> dict:
-    """Run the CLI, SIGKILL its whole process group once one shard (not all) is finished."""
+def _kill_after_first_shard(
+    args: list[str], env: dict, read_manifest, mid_shard: bool = False
+) -> dict:
+    """Run the CLI, SIGKILL its whole process group once one shard (not all) is finished
+    and, with `mid_shard`, the manifest records finished parts of a shard being written."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "ram_dist.cli", *args],
         env=env,
@@ -65,7 +68,12 @@ def _kill_after_first_shard(args: list[str], env: dict, read_manifest) -> dict:
     try:
         while time.monotonic() < deadline:
             manifest = read_manifest()
-            if manifest and 1 <= len(manifest["shards"]) < len(manifest["shard_names"]):
+            inside = (
+                not mid_shard or any(w["parts"] for w in manifest.get("writing", {}).values())
+                if manifest
+                else False
+            )
+            if manifest and 1 <= len(manifest["shards"]) < len(manifest["shard_names"]) and inside:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
                 return manifest
@@ -87,6 +95,7 @@ def crashed(models) -> tuple[Path, dict, dict[str, int]]:
         _args(models, str(out), "--chunk-mb", ONE_ROW_MB, "--workers", "1"),
         _env(),
         lambda: _manifest((out / "ram_dist_manifest.json").read_text),
+        mid_shard=True,
     )
     assert not (out / "model.safetensors.index.json").exists()
     mtimes = {name: (out / name).stat().st_mtime_ns for name in manifest["shards"]}
@@ -115,9 +124,25 @@ def test_rerun_after_sigkill_resumes_with_identical_bytes(models, crashed, tmp_p
     assert set(report["output"]["shards_written"]) == set(manifest["shard_names"]) - set(mtimes)
     for name, mtime in mtimes.items():  # finished shards were not rewritten
         assert (out / name).stat().st_mtime_ns == mtime
+    # Inside the shard being written, the recorded parts were not made or written again.
+    recorded = [(w["parts"], w["plan"]) for w in manifest["writing"].values()]
+    assert recorded and all(parts for parts, _ in recorded)
+    m = report["passes"]["map"]
+    assert m["parts_reused"] >= sum(len(parts) for parts, _ in recorded)
+    unfinished = sum(plan[-1][1] for _, plan in recorded) + sum(
+        (out / n).stat().st_size
+        for n in report["output"]["shards_written"]
+        if n not in manifest["writing"]
+    )
+    reused = sum(p["stop"] - p["start"] for parts, _ in recorded for p in parts.values())
+    assert m["bytes_written_by_workers"] <= unfinished - reused
     merged = load_checkpoint(out)
     assert all(torch.equal(merged[k], v) for k, v in models["expected"].items())
     assert "reduce skipped" in done.stdout and "reused" in done.stdout
+    # The killed run's lease was taken over at once: its process is gone from this host.
+    assert "took over the lease of job ram-dist merge" in done.stdout
+    assert "that process no longer exists" in done.stdout
+    assert not (out / ".ram-dist-lease.json").exists()
     # A third run finds the merge complete and does nothing.
     again = subprocess.run(
         [sys.executable, "-m", "ram_dist.cli", *_args(models, str(out))],
@@ -170,7 +195,11 @@ def test_verify_names_corrupted_and_missing_shards(models, tmp_path, capsys):
     (out / names[2]).unlink()
     assert main(["verify", str(out)]) == 1
     err = capsys.readouterr().err
-    assert f"shard {names[1]}: sha256" in err and "does not match" in err
+    # The last part of shard 2 (its digest defined from its parts) is named, not the others.
+    parts = json.loads((out / "ram_dist_manifest.json").read_text())["shards"][names[1]]["parts"]
+    last = f"part {len(parts)} (bytes {parts[-1]['start']} to {parts[-1]['stop']}) has sha256"
+    assert f"shard {names[1]}: {last}" in err and "the manifest says" in err
+    assert f"shard {names[1]}: part 1 " not in err or len(parts) == 1
     assert f"shard {names[2]}: missing" in err
     assert names[0] not in err
 

@@ -1,16 +1,21 @@
 """The merge job on the driver: check, plan, reduce pass, lambda, map pass, publish.
 
-Nothing heavy happens before every input has been checked. Shards appear under their final
-names only when complete, each recorded with its sha256 in the manifest; the index is
-written last, so a reader never takes a partial result for a model. Re-running the same job
-on the same output resumes: the reduce statistics and the finished shards are reused.
+Nothing heavy happens before every input has been checked. Workers write the shards' parts
+themselves where the store allows it (an S3 multipart upload, a filesystem every worker
+sees), else the driver streams them; shards appear under their final names only when
+complete, each recorded with its parts' digests in the manifest; the index is written last,
+so a reader never takes a partial result for a model. Re-running the same job on the same
+output resumes: the reduce statistics, the finished shards and the finished parts of an
+unfinished shard are reused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import uuid
 from dataclasses import replace
 from typing import Any
 
@@ -20,16 +25,18 @@ from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
 from ram_dist.engine.effective import CONFIG_NAME, render
 from ram_dist.engine.job import Job, prepare
-from ram_dist.engine.output import check_writable, clear_published, open_output
-from ram_dist.engine.passes import PassStats, map_pass, reduce_pass
-from ram_dist.engine.pool import on_every_node
+from ram_dist.engine.output import OutputState, check_writable, clear_published, open_output
+from ram_dist.engine.passes import PassStats, ShardBook, map_pass, reduce_pass
+from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import ray_cluster
 from ram_dist.engine.work import COMPUTE_BLOCK
 from ram_dist.errors import RamDistError
 from ram_dist.io.files import copy_files, non_weight_files
+from ram_dist.io.lease import OutputLease
 from ram_dist.io.manifest import save_manifest
 from ram_dist.io.range_cache import InputCache, job_key
+from ram_dist.io.sinks import FileSink, OutputSink, choose_sink
 from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
 from ram_dist.methods import get_method
@@ -71,11 +78,38 @@ def merge(config: MergeConfig) -> dict[str, Any]:
     check_writable(job)
     if state.finished:
         return _finished_report(job)
+    # One writer per output: claim it before writing anything, then look again under the
+    # claim (a run that held it a moment ago may have written meanwhile).
+    lease = OutputLease(job.out, job.storage, f"ram-dist merge {uuid.uuid4().hex[:12]}")
+    created = job.storage.is_local(job.out) and not os.path.exists(job.out)
+    try:
+        with lease:
+            state = open_output(job)
+            if state.finished:
+                return _finished_report(job)
+            return _merge_held(job, state, lease)
+    finally:
+        if created:  # the lease made the folder: leave none behind when nothing was written
+            with contextlib.suppress(OSError):
+                os.rmdir(job.out)
+
+
+def _merge_held(job: Job, state: OutputState, lease: OutputLease) -> dict[str, Any]:
+    """The merge, once this run holds the output's lease."""
+    config = job.config
+    assert job.out is not None
+
+    def still_ours() -> None:
+        if lease.lost:
+            raise RamDistError(f"output {job.out}: {lease.lost}; stopped before publishing more")
+
     manifest = state.manifest
     fs, path = job.storage.fs(job.out)
     if config.overwrite:
         clear_published(job)
     progress = Progress(config.log_format)
+    if lease.note:
+        progress.event("lease_taken_over", output=job.out, note=lease.note)
     progress.event(
         "job_start", command="merge", method=job.method.name, output=job.out,
         units=len(job.units), resumed=state.resumed,
@@ -90,7 +124,10 @@ def merge(config: MergeConfig) -> dict[str, Any]:
             state = manifest.statistics
             passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
         else:
-            state, reduce_stats = reduce_pass(job, cluster, progress, cache)
+            min_part = choose_sink(
+                job.out, job.storage, shared=config.output_shared, single_node=None
+            ).min_part_bytes
+            state, reduce_stats = reduce_pass(job, cluster, progress, cache, min_part)
             first_node = reduce_stats.first_node
             passes["reduce"] = reduce_stats.as_dict()
             measured.append(reduce_stats)
@@ -103,16 +140,15 @@ def merge(config: MergeConfig) -> dict[str, Any]:
         done = [
             s for s in manifest.shard_names if s in manifest.shards and fs.exists(join(path, s))
         ]
-        todo = [u for u in job.units if u.shard not in done]
-
-        def finished(shard: str, sha256: str, size: int) -> None:
-            manifest.shards[shard] = {"sha256": sha256, "size": size}
-            save_manifest(job.out, manifest, job.storage)
-
-        map_stats = (
-            map_pass(job, cluster, state, todo, finished, progress, cache, first_node)
-            if todo
-            else PassStats()
+        for shard in done:
+            manifest.writing.pop(shard, None)
+        todo = [s for s in manifest.shard_names if s not in done]
+        sink, pin_to = output_sink(job)
+        book = ShardBook(
+            manifest, lambda: save_manifest(job.out, manifest, job.storage), still_ours
+        )
+        map_stats = map_pass(
+            job, cluster, state, todo, sink, book, progress, cache, first_node, pin_to
         )
         passes["map"] = map_stats.as_dict()
         measured.append(map_stats)
@@ -123,6 +159,7 @@ def merge(config: MergeConfig) -> dict[str, Any]:
     report["input_cache"]["nodes_cleaned"] = cleaned
     report["output"] = {
         "url": job.out,
+        "lease": {"url": lease.url, "took_over": lease.note},
         "files_copied": names,
         "shards_reused": done,
         "shards_written": [s for s in manifest.shard_names if s not in done],
@@ -135,6 +172,7 @@ def merge(config: MergeConfig) -> dict[str, Any]:
     )
     with AtomicFile(join(job.out, CARD_NAME), job.storage) as f:
         f.write(card.encode())
+    still_ours()
     manifest.complete = True
     save_manifest(job.out, manifest, job.storage)
     if job.layout.sharded:
@@ -147,6 +185,21 @@ def merge(config: MergeConfig) -> dict[str, Any]:
         lambdas=report.get("lambda_applied"), bytes_written=passes["map"]["bytes_written"],
     )  # fmt: skip
     return report
+
+
+def output_sink(job: Job, nodes: int | None = -1) -> tuple[OutputSink, str | None]:
+    """The sink the map pass writes through, and the node every part must run on when the
+    output is a local folder only the driver's node sees (None: anywhere). `nodes` is the
+    cluster's node count (-1: ask Ray; None: not known, as in `ram-dist plan`)."""
+    assert job.out is not None
+    if nodes == -1:
+        nodes = alive_nodes()
+    shared = job.config.output_shared
+    sink = choose_sink(
+        job.out, job.storage, shared=shared, single_node=None if nodes is None else nodes == 1
+    )
+    pin = isinstance(sink, FileSink) and not shared and nodes is not None
+    return sink, this_node() if pin else None
 
 
 def input_cache(job: Job) -> tuple[InputCache | None, str]:
@@ -221,6 +274,9 @@ def plan(config: MergeConfig) -> dict[str, Any]:
             "shards": list(job.layout.shards),
             "shards_finished": sorted(state.manifest.shards) if state.resumed else [],
         }
+        embedded = not (config.address or os.environ.get("RAY_ADDRESS"))
+        sink, _ = output_sink(job, nodes=1 if embedded else None)
+        out["output"].update({"path": sink.path, "path_reason": sink.reason})
     participating = [n for n, e in job.layout.tensors.items() if e.participating]
     merge_bytes = sum(job.unit_bytes(u, set(participating)) for u in job.units)
     rounds = job.method.rounds + (1 if job.method.rounds == 0 and not config.allow_nonfinite else 0)

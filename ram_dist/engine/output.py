@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ram_dist.engine.job import Job
 from ram_dist.errors import RamDistError
 from ram_dist.io.checkpoint import INDEX_NAME
+from ram_dist.io.lease import LEASE_NAME
 from ram_dist.io.manifest import MANIFEST_NAME, Manifest, differences, load_manifest
 from ram_dist.io.storage import join
 
@@ -72,7 +73,8 @@ def open_output(job: Job) -> OutputState:
         return OutputState(fresh, resumed=False, finished=False)
     if not fs.isdir(path):
         raise RamDistError(f"output {job.out} exists and is not a folder")
-    if job.config.overwrite or not fs.ls(path):
+    held = [n for n in fs.ls(path, detail=False) if not _is_lease(n)]
+    if job.config.overwrite or not held:
         return OutputState(fresh, resumed=False, finished=False)
     old = load_manifest(job.out, job.storage)
     if old is None:
@@ -93,6 +95,11 @@ def open_output(job: Job) -> OutputState:
         else set(old.shards) >= set(old.shard_names)
     )
     return OutputState(old, resumed=True, finished=finished)
+
+
+def _is_lease(path: str) -> bool:
+    """The output's lease (and its short-lived helper files), which is no output file."""
+    return path.rstrip("/").rsplit("/", 1)[-1].startswith(LEASE_NAME)
 
 
 def clear_published(job: Job) -> None:

@@ -1,8 +1,9 @@
 """The two passes over the work units, run from the driver on Ray.
 
-The reduce pass sums int64 statistics (order and chunking cannot change a sum of integers);
-the map pass appends merged bytes to the shard they belong to and publishes each shard when
-it is whole, telling the caller so it can record the shard in the manifest. With an input
+Both take results as they finish. The reduce pass sums int64 statistics (order and chunking
+cannot change a sum of integers); the map pass has each task write its part of a shard
+through the output sink (no data byte reaches the driver, except on the through-driver
+fallback) and completes each shard when all its parts are in, recording it. With an input
 cache, the first round to read a unit records its node, and every later read of that unit
 is sent back there, where the cache holds its bytes.
 """
@@ -10,26 +11,27 @@ is sent back there, where the cache holds its bytes.
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
 import torch
 
+from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
 from ram_dist.engine.job import Job
-from ram_dist.engine.pool import near, ordered_map
+from ram_dist.engine.pool import near, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster
-from ram_dist.engine.work import UnitResult, map_unit, reduce_unit
+from ram_dist.engine.work import PartTask, UnitResult, map_part, reduce_group, unit_out_bytes
 from ram_dist.errors import RamDistError
+from ram_dist.io.manifest import Manifest
 from ram_dist.io.range_cache import CacheTraffic, InputCache, counted
+from ram_dist.io.sinks import OpenShard, OutputSink, PartReceipt, shard_digest
 from ram_dist.io.storage import Storage
-from ram_dist.io.writer import ShardWriter
-from ram_dist.plan import WorkUnit
+from ram_dist.io.writer import shard_header
+from ram_dist.plan import Part, WorkUnit, parts_as_recorded, plan_parts
 
 #: Ray re-runs a unit whose worker or node died this many times; a unit that raised is not
 #: re-run (bad data fails the same way twice).
@@ -56,6 +58,15 @@ class PassStats:
     units_ran_there: int = 0
     first_node: dict[int, str] = field(default_factory=dict)
     """Per unit index, the node that first read it (not reported)."""
+    parts: int = 0
+    """Map pass: output parts made (each by one task, of one or more units)."""
+    parts_reused: int = 0
+    """Map pass: parts of resumed shards already in place, not made again."""
+    output_path: str | None = None
+    """Map pass: `direct` (workers write the output) or `through-driver`, and why."""
+    output_path_reason: str = ""
+    bytes_written_by_workers: int = 0
+    bytes_written_by_driver: int = 0
 
     def ran(self, index: int, node: str, traffic: CacheTraffic, sent_to: str | None) -> None:
         """Where a unit ran, and what it read from and wrote to the cache there."""
@@ -67,9 +78,9 @@ class PassStats:
             self.units_sent_back += 1
             self.units_ran_there += node == sent_to
 
-    def add(self, result: UnitResult) -> None:
+    def add(self, result: UnitResult, units: int = 1) -> None:
         bytes_read = result.bytes_read
-        self.units += 1
+        self.units += units
         self.fused_elements += result.fused_elements
         self.bytes_read += sum(bytes_read)
         if not self.max_unit_bytes_read:
@@ -83,7 +94,7 @@ class PassStats:
         )
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "units": self.units,
             "wall_s": round(self.wall_s, 4),
             "bytes_read": self.bytes_read,
@@ -97,6 +108,18 @@ class PassStats:
             "units_sent_back": self.units_sent_back,
             "units_ran_there": self.units_ran_there,
         }
+        if self.output_path is not None:
+            out.update(
+                {
+                    "parts": self.parts,
+                    "parts_reused": self.parts_reused,
+                    "output_path": self.output_path,
+                    "output_path_reason": self.output_path_reason,
+                    "bytes_written_by_workers": self.bytes_written_by_workers,
+                    "bytes_written_by_driver": self.bytes_written_by_driver,
+                }
+            )
+        return out
 
 
 def _options(job: Job, cluster: Cluster) -> tuple[int, dict[str, Any]]:
@@ -121,40 +144,32 @@ def _placement(
     return replace(storage, cache=cache), lambda unit: first_node.get(unit.index)
 
 
-class WriteBehind:
-    """Appends merged bytes to the open shard in a thread (hashing and file or upload writes
-    release the GIL), so the driver goes on collecting results and submitting units. At most
-    `depth` appends wait; `drain` before a shard is committed."""
-
-    def __init__(self, depth: int = 4) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ram-dist-write")
-        self._pending: deque[Future[None]] = deque()
-        self._depth = depth
-
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        self._pending.append(self._pool.submit(fn, *args))
-        while len(self._pending) > self._depth:
-            self._pending.popleft().result()
-
-    def drain(self) -> None:
-        while self._pending:
-            self._pending.popleft().result()
-
-    def close(self) -> None:
-        """Stop: appends not yet started are dropped (the caller discards the shard)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._pending.clear()
+def unit_groups(job: Job, min_part_bytes: int) -> list[tuple[WorkUnit, ...]]:
+    """The units of each output part the map pass will make (`plan_parts`), in order: a
+    reduce task reads one group, so that with an input cache the part's task finds all its
+    bytes on one node. Parts are single units unless units are smaller than a part must be."""
+    sizes = {u.index: unit_out_bytes(u, job.layout) for u in job.units}
+    headers = {s: len(shard_header(job.layout.out_tensors(s))) for s in job.layout.shards}
+    by_index = {u.index: u for u in job.units}
+    parts = plan_parts(job.units, sizes, headers, min_part_bytes)
+    return [tuple(by_index[i] for i in p.units) for p in parts if p.units]
 
 
 def reduce_pass(
-    job: Job, cluster: Cluster, progress: Progress | None = None, cache: InputCache | None = None
+    job: Job,
+    cluster: Cluster,
+    progress: Progress | None = None,
+    cache: InputCache | None = None,
+    min_part_bytes: int = 0,
 ) -> tuple[dict[str, Any], PassStats]:
     """Every reduce round of the method: sum each unit's int64 statistics per key, then let
     the method fold the sums into its state. Rounds no tensor needs read nothing. The first
     round also counts NaN and Inf in every input (a check-only round for methods without
     statistics), unless the job allows them. With a `cache`, what a round fetches is kept on
-    its node, and `stats.first_node` says which node first read each unit."""
+    its node, and `stats.first_node` says which node first read each unit. A task reads the
+    units of one output part of at least `min_part_bytes` (see `unit_groups`)."""
     stats = PassStats()
+    groups = unit_groups(job, min_part_bytes)
     storage, node_of = _placement(job.storage, cache, stats.first_node)
     start = time.perf_counter()
     method, state = job.method, job.initial_state()
@@ -167,27 +182,36 @@ def reduce_pass(
             n for n in job.params if round_ < method.rounds and method.active(round_, state, n)
         }
         wanted = set(job.params) if checking else active
-        units = [u for u in job.units if any(p.tensor in wanted for p in u.pieces)]
+        items = [
+            kept
+            for group in groups
+            if (kept := tuple(u for u in group if any(p.tensor in wanted for p in u.pieces)))
+        ]
+        units = [u for group in items for u in group]
         if not units:
             continue
         totals: dict[str, torch.Tensor] = {}
         nonfinite: dict[str, list[int]] = {}
         shipped = {**state, "fused": job.config.kernels == "auto"}
         shared = (job.layout, storage, method, job.params, shipped, round_, checking)
-        fn = partial(counted, reduce_unit)
-        results = ordered_map(fn, units, shared, workers, resources, lambda u: near(node_of(u)))
+        fn = partial(counted, reduce_group)
+        results = unordered_map(
+            fn, items, shared, workers, resources, lambda g: near(node_of(g[0]))
+        )
         progress = progress or Progress()
         total_bytes = sum(job.unit_bytes(u, wanted) for u in units)
         progress.start_pass(f"reduce {round_ + 1}", total_bytes, len(units))
-        for unit, (node, (result, traffic)) in zip(units, results, strict=True):
-            stats.ran(unit.index, node, traffic, node_of(unit))
+        for group, node, (result, traffic) in results:
+            for k, unit in enumerate(group):
+                stats.ran(unit.index, node, traffic if k == 0 else CacheTraffic(0, 0),
+                          node_of(group[0]))  # fmt: skip
             progress.advance(sum(result.bytes_read))
             for key, value in (result.stats or {}).items():
                 totals[key] = totals[key] + value if key in totals else value
             for name, counts in (result.nonfinite or {}).items():
                 old = nonfinite.get(name, [0] * len(counts))
                 nonfinite[name] = [a + b for a, b in zip(old, counts, strict=True)]
-            stats.add(result)
+            stats.add(result, units=len(group))
         progress.end_pass()
         if nonfinite:
             raise _nonfinite_error(job, nonfinite)
@@ -211,67 +235,172 @@ def _nonfinite_error(job: Job, found: dict[str, list[int]]) -> RamDistError:
     )
 
 
+class ShardBook:
+    """The driver's record of what the map pass has written, kept in the manifest: each
+    shard being written (how it is cut into parts, its upload, the parts already in) and
+    each finished shard with its digest. A part's record is saved at most every
+    `every_s` seconds (a store may hold a part the manifest does not know yet: on S3 a
+    resumed upload lists its parts); a shard opened or finished is saved at once."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        save: Callable[[], None],
+        check: Callable[[], None] = lambda: None,
+        every_s: float = 2.0,
+    ) -> None:
+        self.manifest = manifest
+        self._save = save
+        self._check = check
+        """Raises when the job may no longer write (it lost the output's lease)."""
+        self._every_s = every_s
+        self._saved = time.monotonic()
+
+    def save(self, now: bool = True) -> None:
+        self._check()
+        if now or time.monotonic() - self._saved >= self._every_s:
+            self._save()
+            self._saved = time.monotonic()
+
+    def opened(self, shard: OpenShard, plan: list[Part]) -> None:
+        self.manifest.writing[shard.name] = {
+            "plan": [[p.start, p.stop] for p in plan],
+            **shard.resume,
+            "parts": {str(n): r.record() for n, r in sorted(shard.done.items())},
+        }
+        self.save()
+
+    def part_done(self, receipt: PartReceipt) -> None:
+        self.manifest.writing[receipt.shard]["parts"][str(receipt.number)] = receipt.record()
+        self.save(now=False)
+
+    def finished(self, shard: OpenShard) -> str:
+        parts = [shard.done[n] for n in sorted(shard.done)]
+        digest = shard_digest([p.sha256 for p in parts])
+        self.manifest.shards[shard.name] = {
+            "size": shard.size,
+            "digest": digest,
+            "parts": [p.record() for p in parts],
+        }
+        self.manifest.writing.pop(shard.name, None)
+        self.save()
+        return digest
+
+    def dropped(self, shard: str) -> None:
+        self.manifest.writing.pop(shard, None)
+
+
 def map_pass(
     job: Job,
     cluster: Cluster,
     state: dict[str, Any],
-    units: list[WorkUnit],
-    on_shard: Callable[[str, str, int], None],
+    shards: list[str],
+    sink: OutputSink,
+    book: ShardBook,
     progress: Progress | None = None,
     cache: InputCache | None = None,
     first_node: dict[int, str] | None = None,
+    pin_to: str | None = None,
 ) -> PassStats:
-    """Merge `units` in order; each shard is published when whole, then `on_shard(name,
-    sha256, size)` is called. With a `cache`, the last reader of it, a unit runs on its
-    `first_node` (while that node lives) and removes what it reads from the cache there."""
+    """Merge `shards` part by part, results taken as they finish: each task writes its part
+    through the `sink`'s target (or sends it back, through the driver), and each shard is
+    completed once all its parts are in, then recorded in the `book`. A resumed shard's
+    parts already in place are not made again. With a `cache`, the last reader of it, a
+    part runs on its first unit's `first_node` (while that node lives) and removes what it
+    reads from the cache there; with `pin_to`, every part runs on that node."""
     assert job.out is not None
-    stats = PassStats()
+    stats = PassStats(output_path=sink.path, output_path_reason=sink.reason)
     last = cache.for_last_pass() if cache is not None else None
     storage, node_of = _placement(job.storage, last, first_node or {})
     start = time.perf_counter()
-    writer: ShardWriter | None = None
-    shard = ""
     workers, resources = _options(job, cluster)
     shipped = {**state, "fused": job.config.kernels == "auto"}
     shared = (job.layout, storage, job.method, job.params, shipped)
-    fn = partial(counted, partial(map_unit, reuse_output=True))  # Ray copies each result out
-    results = ordered_map(fn, units, shared, workers, resources, lambda u: near(node_of(u)))
-
+    units = {u.index: u for u in job.units if u.shard in set(shards)}
+    headers = {s: shard_header(job.layout.out_tensors(s)) for s in shards}
+    sizes = {i: unit_out_bytes(u, job.layout) for i, u in units.items()}
+    plan: dict[str, list[Part]] = {s: [] for s in shards}
+    for part in plan_parts(list(units.values()), sizes, {s: len(h) for s, h in headers.items()},
+                           sink.min_part_bytes):  # fmt: skip
+        plan[part.shard].append(part)
+    for name in shards:  # a shard a killed run was writing keeps the parts it recorded
+        recorded = (book.manifest.writing.get(name) or {}).get("plan")
+        if recorded and recorded != [[p.start, p.stop] for p in plan[name]]:
+            fresh = 1 + max([u.index for u in job.units] + list(units))
+            again = parts_as_recorded(
+                name, [units[i] for p in plan[name] for i in p.units],
+                {n: itemsize(job.layout.tensors[n].out_dtype) for n in job.layout.shards[name]},
+                len(headers[name]), recorded, fresh,
+            )  # fmt: skip
+            if again is not None:
+                plan[name], cut = again
+                units.update({u.index: u for u in cut})
+    opened: dict[str, OpenShard] = {}
     progress = progress or Progress()
-    progress.start_pass("map", sum(job.unit_bytes(u) for u in units), len(units))
 
-    behind = WriteBehind()
+    def read_bytes(part: Part) -> int:
+        return sum(job.unit_bytes(units[i]) for i in part.units)
 
-    def publish() -> None:
-        assert writer is not None
-        behind.drain()
-        writer.commit()
-        stats.bytes_written += writer.written
-        on_shard(shard, writer.sha256, writer.written)
-        progress.event("shard_written", shard=shard, bytes=writer.written, sha256=writer.sha256)
+    progress.start_pass("map", sum(read_bytes(p) for ps in plan.values() for p in ps), len(units))
 
+    def complete(shard: OpenShard) -> None:
+        sink.complete(shard)
+        digest = book.finished(shard)
+        del opened[shard.name]
+        stats.bytes_written += shard.size
+        progress.event("shard_written", shard=shard.name, bytes=shard.size, digest=digest)
+
+    def tasks() -> Iterator[PartTask]:
+        for name in shards:
+            size = plan[name][-1].stop
+            shard = sink.open(name, size, plan[name], book.manifest.writing.get(name))
+            opened[name] = shard
+            book.opened(shard, plan[name])
+            for part in plan[name]:
+                if part.number in shard.done:
+                    progress.advance(read_bytes(part))
+                    stats.parts_reused += 1
+                    continue
+                part_units = tuple(units[i] for i in part.units)
+                header = headers[name] if part.number == 1 else b""
+                yield PartTask(part, part_units, header, shard.target)
+            if len(shard.done) == len(plan[name]) and name in opened:
+                complete(shard)  # every part was in already (a resumed shard)
+
+    def placement(task: PartTask) -> dict[str, Any] | None:
+        if pin_to is not None:
+            return near(pin_to, only=True)
+        return near(node_of(units[task.part.units[0]])) if task.part.units else None
+
+    fn = partial(counted, map_part)
     try:
-        for unit, (node, (result, traffic)) in zip(units, results, strict=True):
-            stats.ran(unit.index, node, traffic, node_of(unit))
+        for task, node, (result, traffic) in unordered_map(
+            fn, tasks(), shared, workers, resources, placement
+        ):
+            if task.part.units:
+                sent_to = node_of(units[task.part.units[0]])
+                for k, index in enumerate(task.part.units):
+                    stats.ran(index, node, traffic if k == 0 else CacheTraffic(0, 0), sent_to)
             progress.advance(sum(result.bytes_read))
-            if writer is None or unit.shard != shard:
-                if writer is not None:
-                    publish()
-                shard = unit.shard
-                tensors = job.layout.out_tensors(shard)
-                writer = ShardWriter(job.out, shard, tensors, job.storage)
-            behind.submit(writer.write, memoryview(result.data))
-            stats.add(result)
+            stats.add(result, units=len(task.part.units))
+            stats.parts += 1
+            receipt = result.receipt
+            assert receipt is not None
+            shard = opened[receipt.shard]
+            sink.accept(shard, receipt)
+            if receipt.data is None:
+                stats.bytes_written_by_workers += receipt.stop - receipt.start
+            shard.done[receipt.number] = replace(receipt, data=None)
+            book.part_done(shard.done[receipt.number])
             memory.note()  # the driver, holding this result
-        if writer is not None:
-            publish()
-            writer = None
+            if len(shard.done) == len(plan[shard.name]):
+                complete(shard)
     except BaseException:
-        behind.close()
-        if writer is not None:
-            writer.discard()
+        for shard in list(opened.values()):
+            sink.abort(shard)
+            book.dropped(shard.name)
         raise
-    behind.close()
+    stats.bytes_written_by_driver = sink.bytes_written_by_driver
     progress.end_pass(bytes_written=stats.bytes_written)
     stats.wall_s = time.perf_counter() - start
     return stats

@@ -1,14 +1,13 @@
-"""Run a plain function over work units on Ray, a bounded number at a time, in order.
+"""Run a plain function over work items on Ray, a bounded number at a time.
 
 Runs on the driver. The pool knows nothing of merging: it submits `fn(item, *shared)` as
-Ray tasks, keeps at most `max_in_flight` running (back-pressure bounds memory), and yields
-results in submission order so the map pass can append them to shards as they come, each
-with the node it ran on (so a later pass can send the item back there).
+Ray tasks, keeps at most `max_in_flight` submitted (back-pressure bounds memory), and yields
+each result as it finishes, with its item and the node it ran on (so a later pass can send
+the item back there).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -23,15 +22,17 @@ def _run(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
     return ray.get_runtime_context().get_node_id(), fn(item, *shared)
 
 
-def ordered_map(
+def unordered_map(
     fn: Callable[..., Any],
     items: Iterable[Any],
     shared: tuple[Any, ...],
     max_in_flight: int,
     resources: dict[str, Any],
     options_of: Callable[[Any], dict[str, Any] | None] | None = None,
-) -> Iterator[tuple[str, Any]]:
-    """Yield `(node id, fn(item, *shared))` for each item, in order, with Ray doing the work.
+) -> Iterator[tuple[Any, str, Any]]:
+    """Yield `(item, node id, fn(item, *shared))` for each item as it finishes, with Ray
+    doing the work and at most `max_in_flight` items submitted at once (back-pressure
+    bounds memory); one slow item never holds back the others' results.
 
     `shared` values are put in the object store once. `options_of(item)` may add Ray options
     for one item (e.g. a scheduling strategy). A worker's `RamDistError` is raised again
@@ -39,19 +40,32 @@ def ordered_map(
     """
     remote = _run.options(**resources)
     shared_refs = tuple(ray.put(v) for v in shared)
-    pending: deque[ray.ObjectRef] = deque()
+    pending: dict[ray.ObjectRef, Any] = {}
+    queue = iter(items)
+    more = True
     try:
-        for item in items:
-            extra = options_of(item) if options_of is not None else None
-            task = _run.options(**resources, **extra) if extra else remote
-            pending.append(task.remote(fn, item, *shared_refs))
-            if len(pending) >= max_in_flight:
-                yield _get(pending.popleft())
-        while pending:
-            yield _get(pending.popleft())
+        while True:
+            while more and len(pending) < max_in_flight:
+                item = next(queue, _END)
+                if item is _END:
+                    more = False
+                    break
+                extra = options_of(item) if options_of is not None else None
+                task = _run.options(**resources, **extra) if extra else remote
+                pending[task.remote(fn, item, *shared_refs)] = item
+            if not pending:
+                return
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                item = pending.pop(ref)
+                node, result = _get(ref)
+                yield item, node, result
     finally:
         for ref in pending:
             ray.cancel(ref)
+
+
+_END = object()
 
 
 def _get(ref: ray.ObjectRef) -> Any:
@@ -63,11 +77,23 @@ def _get(ref: ray.ObjectRef) -> Any:
         raise
 
 
-def near(node_id: str | None) -> dict[str, Any] | None:
-    """Ray options that send a task to `node_id` while that node lives (else anywhere)."""
+def near(node_id: str | None, only: bool = False) -> dict[str, Any] | None:
+    """Ray options that send a task to `node_id` while that node lives (else anywhere), or,
+    with `only`, to that node and no other."""
     if node_id is None:
         return None
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)}
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=not only)
+    return {"scheduling_strategy": strategy}
+
+
+def this_node() -> str:
+    """The driver's own node."""
+    return ray.get_runtime_context().get_node_id()
+
+
+def alive_nodes() -> int:
+    """Nodes of the cluster now alive."""
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
 @ray.remote(num_cpus=0, max_retries=0)

@@ -7,6 +7,7 @@ and returned as raw little-endian bytes, ready to append to the output shard.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -19,10 +20,11 @@ from ram_dist import kernels
 from ram_dist.dtypes import SAFETENSORS_DTYPES, itemsize
 from ram_dist.engine import memory
 from ram_dist.engine.layout import Layout, TensorEntry
+from ram_dist.io.sinks import PartReceipt, ShardTarget
 from ram_dist.io.storage import Buffer, Storage
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.registry import Chunk, State, TensorParams
-from ram_dist.plan import Piece, WorkUnit
+from ram_dist.plan import Part, Piece, WorkUnit
 
 #: Elements computed at once; bounds a worker's float temporaries (about 40 bytes each).
 COMPUTE_BLOCK = 1 << 22
@@ -43,6 +45,8 @@ class UnitResult:
     """Map pass: elements merged by a fused kernel rather than the eager torch rule."""
     peak_private_bytes: int = 0
     """This worker's peak memory without Ray's shared object-store pages (`memory`)."""
+    receipt: PartReceipt | None = None
+    """Map pass: the part written (and its bytes, on the through-driver path)."""
 
 
 def device() -> torch.device:
@@ -236,6 +240,41 @@ def reduce_unit(
     )  # fmt: skip
 
 
+def reduce_group(
+    units: tuple[WorkUnit, ...],
+    layout: Layout,
+    storage: Storage,
+    method: MergeMethod,
+    params: Mapping[str, TensorParams],
+    state: State,
+    round_: int,
+    check_finite: bool,
+) -> UnitResult:
+    """`reduce_unit` over units one task reads together (those of one output part, so the
+    map pass, which makes the part in one task, finds all their bytes in this node's input
+    cache), the results summed."""
+    results = [
+        reduce_unit(u, layout, storage, method, params, state, round_, check_finite) for u in units
+    ]
+    totals: dict[str, torch.Tensor] = {}
+    nonfinite: dict[str, list[int]] = {}
+    for r in results:
+        for key, value in (r.stats or {}).items():
+            totals[key] = totals[key] + value if key in totals else value
+        for name, counts in (r.nonfinite or {}).items():
+            old = nonfinite.get(name, [0] * len(counts))
+            nonfinite[name] = [a + b for a, b in zip(old, counts, strict=True)]
+    return UnitResult(
+        units[0].index,
+        totals,
+        None,
+        tuple(map(sum, zip(*(r.bytes_read for r in results), strict=True))),
+        max(r.peak_rss_bytes for r in results),
+        nonfinite or None,
+        peak_private_bytes=max(r.peak_private_bytes for r in results),
+    )
+
+
 def _checked_statistics(
     method: MergeMethod,
     round_: int,
@@ -276,10 +315,84 @@ def map_unit(
     With `reuse_output`, the bytes live in this process's reused output buffer (see
     `_OutputBuffer`) and are valid until the next such call."""
     bytes_read = [0] * _input_count(layout)
+    size = unit_out_bytes(unit, layout)
+    data = _OUTPUT.take(size) if reuse_output else np.empty(size, dtype=np.uint8)
+    fused_elements = _merge_into(unit, layout, storage, method, params, state, data, bytes_read)
+    return UnitResult(
+        unit.index, None, data, tuple(bytes_read), memory.peak_rss(),
+        fused_elements=fused_elements, peak_private_bytes=memory.note(),
+    )  # fmt: skip
+
+
+def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
+    """Bytes a unit's merged pieces take in the output shard."""
+    return sum(p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces)
+
+
+@dataclass(frozen=True)
+class PartTask:
+    """One part of an output shard to make and write: its units, in order, and the shard's
+    header when it is part 1."""
+
+    part: Part
+    units: tuple[WorkUnit, ...]
+    header: bytes
+    target: ShardTarget
+
+
+def map_part(
+    task: PartTask,
+    layout: Layout,
+    storage: Storage,
+    method: MergeMethod,
+    params: Mapping[str, TensorParams],
+    state: State,
+) -> UnitResult:
+    """Map pass: merge a part's units into this process's reused output buffer, hash them
+    (in a thread, unit by unit, while the next unit is merged) and hand the part to its
+    target, which writes it in place (direct) or sends it back (through the driver)."""
+    part = task.part
+    bytes_read = [0] * _input_count(layout)
+    data = _OUTPUT.take(part.size)
+    at = len(task.header)
+    data[:at] = np.frombuffer(task.header, dtype=np.uint8)
+    digest = hashlib.sha256()
+    fused_elements = 0
+    with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-sha256") as hasher:
+        hasher.submit(digest.update, data[:at])
+        for unit in task.units:
+            size = unit_out_bytes(unit, layout)
+            out = data[at : at + size]
+            fused_elements += _merge_into(
+                unit, layout, storage, method, params, state, out, bytes_read
+            )
+            hasher.submit(digest.update, out)
+            at += size
+    if at != part.size:
+        raise RuntimeError(f"{task.target.url}: part {part.number} made {at} bytes, "
+                           f"expected {part.size}")  # fmt: skip
+    receipt = task.target.write(part, data, digest.digest())
+    return UnitResult(
+        part.units[0] if part.units else -1, None, None, tuple(bytes_read), memory.peak_rss(),
+        fused_elements=fused_elements, peak_private_bytes=memory.note(), receipt=receipt,
+    )  # fmt: skip
+
+
+def _merge_into(
+    unit: WorkUnit,
+    layout: Layout,
+    storage: Storage,
+    method: MergeMethod,
+    params: Mapping[str, TensorParams],
+    state: State,
+    data: np.ndarray,
+    bytes_read: list[int],
+) -> int:
+    """Merge a unit's pieces into `data` (its output bytes); returns the elements a fused
+    kernel merged. `bytes_read[i]` grows by what is read from input i."""
     dev = device()
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     offsets = [sum(sizes[:k]) for k in range(len(sizes))]
-    data = _OUTPUT.take(sum(sizes)) if reuse_output else np.empty(sum(sizes), dtype=np.uint8)
     out = torch.from_numpy(data)
     fused_elements = 0
     fused = getattr(method, "merge_into", None)
@@ -304,10 +417,7 @@ def map_unit(
             continue
         merged = method.merge_chunk(chunk, base, tasks, params[piece.tensor], state)
         target.copy_(merged.to(SAFETENSORS_DTYPES[entry.out_dtype]).cpu().view(torch.uint8))
-    return UnitResult(
-        unit.index, None, data, tuple(bytes_read), memory.peak_rss(),
-        fused_elements=fused_elements, peak_private_bytes=memory.note(),
-    )  # fmt: skip
+    return fused_elements
 
 
 def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

@@ -27,20 +27,26 @@ class Manifest:
     shard_names: list[str]
     """Every shard the output will have, in order."""
     sharded: bool
-    statistics: list[list[int]] | None = None
-    """The reduce pass's summed int64 statistics, once known."""
+    statistics: dict[str, Any] | None = None
+    """The reduce pass's summed int64 statistics (the method's state), once known."""
     shards: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Finished shards: name -> {"sha256", "size"}."""
+    """Finished shards: name -> {"size", "digest", "parts": [{"start", "stop", "sha256",
+    "etag"?}]}; `digest` is the sha256 of the parts' sha256 digests (`sinks.shard_digest`).
+    A manifest of format 1 has {"sha256", "size"}: the whole file's sha256."""
+    writing: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Shards being written: name -> {"plan": [[start, stop], ...], "parts": {number:
+    record}, and the store's handle, e.g. "upload_id"}, so a re-run resumes inside them."""
     complete: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": 1,
+            "format": 2,
             "identity": self.identity,
             "shard_names": self.shard_names,
             "sharded": self.sharded,
             "statistics": self.statistics,
             "shards": self.shards,
+            "writing": self.writing,
             "complete": self.complete,
         }
 
@@ -53,6 +59,7 @@ class Manifest:
                 sharded=bool(raw["sharded"]),
                 statistics=raw.get("statistics"),
                 shards=dict(raw.get("shards") or {}),
+                writing=dict(raw.get("writing") or {}),
                 complete=bool(raw.get("complete")),
             )
         except (KeyError, TypeError) as e:

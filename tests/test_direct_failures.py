@@ -1,0 +1,210 @@
+"""Parts survive failures: a driver SIGKILLed mid-shard resumes inside the shard on S3, and
+on a three-node cluster a worker killed mid-part is re-run, with parts from several nodes.
+
+moto's S3 server delays each UploadPart (a slow link), so parts are in flight when a test
+stops something; the server's log says which parts were uploaded, and when.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+import torch
+from big_model import build_big_set
+from builders import load_checkpoint
+from s3_server import CountingMotoServer, bucket_fs, running_server, storage_options
+
+from ram_dist.config import MergeConfig
+from ram_dist.engine import driver
+from ram_dist.io.storage import Storage
+from ram_dist.verify import verify
+
+BUCKET = "failures"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[CountingMotoServer]:
+    with running_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def options(server) -> dict:
+    return storage_options(server)
+
+
+@pytest.fixture(scope="module")
+def fs(options):
+    return bucket_fs(options, BUCKET)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory, fs) -> dict:
+    root = tmp_path_factory.mktemp("big")
+    models = build_big_set(root)
+    for d in [models["base"], *models["tasks"]]:
+        fs.put(str(d), f"{BUCKET}/in/{d.name}", recursive=True)
+    models["base_url"] = f"s3://{BUCKET}/in/base"
+    models["task_urls"] = [f"s3://{BUCKET}/in/{d.name}" for d in models["tasks"]]
+    return models
+
+
+def _fetch_and_compare(fs, prefix: str, expected: dict, tmp_path) -> None:
+    local = tmp_path / "fetched"
+    fs.get(f"{BUCKET}/{prefix}", str(local), recursive=True)
+    merged = load_checkpoint(local)
+    assert merged.keys() == expected.keys()
+    assert all(torch.equal(merged[k], v) for k, v in expected.items())
+
+
+def test_driver_killed_mid_shard_resumes_inside_it(big, options, fs, server, tmp_path):
+    out = f"s3://{BUCKET}/killed"
+    args = [sys.executable, "-m", "ram_dist.cli", "merge", "--base", big["base_url"],
+            "--out", out, "--chunk-mb", "1", "--workers", "1",
+            "--storage-options", json.dumps(options)]  # fmt: skip
+    for t in big["task_urls"]:
+        args += ["--task", t]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+    def recorded() -> dict | None:
+        """The manifest, once it records a finished part of a shard still being written."""
+        try:
+            manifest = json.loads(fs.cat_file(f"{BUCKET}/killed/ram_dist_manifest.json"))
+        except (FileNotFoundError, ValueError):
+            return None
+        return manifest if any(w["parts"] for w in manifest["writing"].values()) else None
+
+    server.clear()
+    server.part_delay_s = 1.0  # a shard's three parts take longer than a manifest save
+    proc = subprocess.Popen(args, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while (manifest := recorded()) is None:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no part was ever recorded"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        server.part_delay_s = 0.0
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    time.sleep(1.5)  # a part the server was still receiving ends either way
+    kept = {
+        (f"/{BUCKET}/killed/{name}", int(n))
+        for name, w in manifest["writing"].items()
+        for n in w["parts"]
+    }
+    assert kept <= set(server.uploaded_parts())
+    for name in manifest["shard_names"]:
+        if name not in manifest["shards"]:  # nothing at an unfinished shard's key
+            fs.invalidate_cache()
+            assert not fs.exists(f"{BUCKET}/killed/{name}")
+    assert not fs.exists(f"{BUCKET}/killed/model.safetensors.index.json")
+
+    server.clear()
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    again = set(server.uploaded_parts())
+    assert not kept & again, "a part recorded before the crash was uploaded again"
+    report = json.loads(fs.cat_file(f"{BUCKET}/killed/merge_report.json"))
+    assert report["passes"]["reduce"]["skipped"] is True
+    assert report["passes"]["map"]["parts_reused"] >= len(kept)
+    _fetch_and_compare(fs, "killed", big["expected"], tmp_path)
+    assert verify(out, Storage(options))[0] == []
+
+
+def _map_task_workers(gcs_address: str) -> list[psutil.Process]:
+    """This cluster's worker processes now running a ram-dist task (Ray titles them
+    `ray::_run`; their parent is a raylet of the cluster at `gcs_address`)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if " ".join(p.info["cmdline"] or []).startswith("ray::_run"):
+                parent = p.parent()
+                port = gcs_address.rsplit(":", 1)[1]
+                args = parent.cmdline() if parent is not None else []
+                if any(a.startswith("--gcs-address=") and a.endswith(f":{port}") for a in args):
+                    found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_three_nodes_upload_parts_and_survive_a_killed_worker(big, options, fs, server, tmp_path):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    out = f"s3://{BUCKET}/cluster"
+    config = MergeConfig(
+        base=big["base_url"], tasks=tuple(big["task_urls"]), out=out, chunk_bytes=2**20,
+        storage_options=options, input_cache="off",
+    )  # fmt: skip
+    errors: list[BaseException] = []
+    reports: list[dict] = []
+    killed: list[int] = []
+
+    def run() -> None:
+        try:
+            reports.append(driver.merge(config))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    server.clear()
+    server.part_delay_s = 0.4
+    thread = threading.Thread(target=run)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 240
+        while not killed:
+            assert time.monotonic() < deadline and thread.is_alive(), errors
+            if server.uploaded_parts():  # the map pass is uploading; parts are in flight
+                for p in _map_task_workers(cluster.address)[:1]:
+                    killed.append(p.pid)
+                    p.send_signal(signal.SIGKILL)
+            time.sleep(0.05)
+        thread.join(timeout=300)
+        assert not thread.is_alive() and not errors, errors
+        server.part_delay_s = 0.0
+        # A local folder on these three nodes: through the driver, unless declared shared
+        # (it is: the nodes share this machine's disk), when the workers write it in place.
+        local = {}
+        for shared in (False, True):
+            out_dir = tmp_path / f"local-{shared}"
+            local[shared] = driver.merge(
+                MergeConfig(base=str(big["base"]), tasks=tuple(map(str, big["tasks"])),
+                            out=str(out_dir), chunk_bytes=2**20, output_shared=shared)
+            )["passes"]["map"]  # fmt: skip
+            merged = load_checkpoint(out_dir)
+            assert all(torch.equal(merged[k], v) for k, v in big["expected"].items())
+    finally:
+        server.part_delay_s = 0.0
+        ray.shutdown()
+        cluster.shutdown()
+    assert local[False]["output_path"] == "through-driver"
+    assert "several nodes without --output-shared" in local[False]["output_path_reason"]
+    assert local[False]["bytes_written_by_driver"] == local[False]["bytes_written"]
+    assert local[True]["output_path"] == "direct" and local[True]["bytes_written_by_driver"] == 0
+    assert len(local[True]["units_per_node"]) >= 2
+    report = reports[0]
+    m = report["passes"]["map"]
+    assert m["output_path"] == "direct" and m["bytes_written_by_driver"] == 0
+    assert len(m["units_per_node"]) >= 2, m["units_per_node"]  # parts from several nodes
+    uploads = server.uploaded_parts(".safetensors")
+    assert len(uploads) - len(set(uploads)) <= 1  # only the killed task's part, if any, twice
+    _fetch_and_compare(fs, "cluster", big["expected"], tmp_path)
+    assert verify(out, Storage(options))[0] == []

@@ -1,0 +1,219 @@
+"""Workers write the output themselves: S3 parts, ranges of a local file; the fallback streams
+through the driver. Real Ray, moto's S3 server over HTTP, bytes checked against the reference.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from big_model import build_big_set
+from builders import build_model_set, load_checkpoint
+from reference import reference_merge
+from s3_server import CountingMotoServer, bucket_fs, running_server, storage_options
+
+from ram_dist.config import MergeConfig
+from ram_dist.engine import driver
+from ram_dist.engine.pool import unordered_map
+from ram_dist.io.sinks import shard_digest
+from ram_dist.io.storage import Storage
+from ram_dist.verify import verify
+
+BUCKET = "direct"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[CountingMotoServer]:
+    with running_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def options(server) -> dict:
+    return storage_options(server)
+
+
+@pytest.fixture(scope="module")
+def fs(options):
+    return bucket_fs(options, BUCKET)
+
+
+@pytest.fixture(scope="module")
+def ray_here(server) -> Iterator[None]:
+    """A two-CPU Ray started after the server, so its workers hold the test credentials."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("tiny")
+    base_dir, task_dirs, base, tasks = build_model_set(root, base_shard="100KB", task_shard=70_000)
+    expected, _ = reference_merge(base, tasks, "ram_plus")
+    return {"base": base_dir, "tasks": task_dirs, "expected": expected}
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory, fs) -> dict:
+    root = tmp_path_factory.mktemp("big")
+    models = build_big_set(root)
+    for d in [models["base"], *models["tasks"]]:
+        fs.put(str(d), f"{BUCKET}/in/{d.name}", recursive=True)
+    models["s3"] = (
+        f"s3://{BUCKET}/in/base",
+        [f"s3://{BUCKET}/in/{d.name}" for d in models["tasks"]],
+    )
+    return models
+
+
+def _merge(base, tasks, out, options=None, **kw) -> dict:
+    return driver.merge(
+        MergeConfig(
+            base=str(base),
+            tasks=tuple(map(str, tasks)),
+            out=str(out),
+            storage_options=options or {},
+            **kw,
+        )
+    )
+
+
+def _written_by_this_process() -> int:
+    """Bytes this process (the driver) passed to write calls so far: /proc/self/io's wchar."""
+    with open("/proc/self/io") as f:
+        return int(dict(line.split(": ") for line in f.read().splitlines())["wchar"])
+
+
+@pytest.mark.usefixtures("ray_here")
+@pytest.mark.parametrize("chunk_bytes", [4096, 100_000, None])
+def test_local_output_is_written_by_the_workers(tiny, tmp_path, chunk_bytes):
+    out = tmp_path / "out"
+    report = _merge(tiny["base"], tiny["tasks"], out, chunk_bytes=chunk_bytes)
+    m = report["passes"]["map"]
+    shards = sorted(out.glob("*.safetensors"))
+    total = sum(p.stat().st_size for p in shards)
+    assert m["output_path"] == "direct" and "one-node cluster" in m["output_path_reason"]
+    assert m["bytes_written_by_driver"] == 0
+    assert m["bytes_written_by_workers"] == m["bytes_written"] == total
+    assert m["parts"] >= len(shards) and m["parts_reused"] == 0
+    assert not list(out.glob("*.ram-dist-partial"))
+    merged = load_checkpoint(out)
+    assert all(torch.equal(merged[k], v) for k, v in tiny["expected"].items())
+    assert verify(str(out), Storage()) == ([], len(shards))
+
+
+@pytest.mark.usefixtures("ray_here")
+def test_driver_writes_no_data_on_the_direct_path(big, tmp_path):
+    before = _written_by_this_process()
+    report = _merge(big["base"], big["tasks"], tmp_path / "out", chunk_bytes=2**20)
+    written = _written_by_this_process() - before
+    total = report["passes"]["map"]["bytes_written"]
+    assert total > 20 * 2**20
+    assert written < total / 10, (written, total)  # manifest, report, card, task messages
+    merged = load_checkpoint(tmp_path / "out")
+    assert all(torch.equal(merged[k], v) for k, v in big["expected"].items())
+
+
+@pytest.mark.usefixtures("ray_here")
+def test_s3_output_is_uploaded_in_parts_by_the_workers(big, options, fs, server, tmp_path):
+    _merge(big["base"], big["tasks"], tmp_path / "local", chunk_bytes=2**20)
+    server.clear()
+    # (This process also runs the S3 server, so its I/O counters count what the server sends:
+    # the local test above reads them; here the report and the server's log speak.)
+    report = _merge(*big["s3"], f"s3://{BUCKET}/out", options, chunk_bytes=2**20)
+    m = report["passes"]["map"]
+    assert m["output_path"] == "direct" and m["bytes_written_by_driver"] == 0
+    assert m["bytes_written_by_workers"] == m["bytes_written"]
+
+    manifest = json.loads(fs.cat_file(f"{BUCKET}/out/ram_dist_manifest.json"))
+    assert manifest["writing"] == {}
+    uploads = server.uploaded_parts()
+    checksums = {(s.path, n): s.checksum for s, n in server.part_requests()}
+    for name, shard in manifest["shards"].items():
+        local = (tmp_path / "local" / name).read_bytes()
+        assert fs.cat_file(f"{BUCKET}/out/{name}") == local
+        parts = shard["parts"]
+        assert len(parts) >= 2
+        assert all(p["stop"] - p["start"] >= 5 * 2**20 for p in parts[:-1])
+        assert sorted(n for path, n in uploads if path.endswith(name)) == list(
+            range(1, len(parts) + 1)
+        )  # each part uploaded once, by a worker
+        # ... with its SHA-256, which S3 checks against the body (BadDigest on a mismatch;
+        # moto records it without checking).
+        for number, p in enumerate(parts, 1):
+            sent = checksums[(f"/{BUCKET}/out/{name}", number)]
+            assert sent is not None and base64.b64decode(sent).hex() == p["sha256"]
+        # The recorded digest is S3's own composite checksum of the object.
+        bucket, key = BUCKET, f"out/{name}"
+        head = fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+        composite = base64.b64encode(bytes.fromhex(shard["digest"])).decode()
+        assert head["ChecksumSHA256"].split("-")[0] == composite  # S3 adds "-N"; moto not
+        assert shard["digest"] == shard_digest([p["sha256"] for p in parts])
+    assert verify(f"s3://{BUCKET}/out", Storage(options)) == ([], len(manifest["shards"]))
+
+
+@pytest.mark.usefixtures("ray_here")
+def test_other_stores_stream_through_the_driver(tiny, tmp_path):
+    """memory:// takes no parts from workers: the driver streams it (as for gs:// or hf://)."""
+    import fsspec
+
+    _merge(tiny["base"], tiny["tasks"], tmp_path / "local", chunk_bytes=4096)
+    report = _merge(tiny["base"], tiny["tasks"], "memory://through/out", chunk_bytes=4096)
+    m = report["passes"]["map"]
+    assert m["output_path"] == "through-driver" and "memory://" in m["output_path_reason"]
+    assert m["bytes_written_by_workers"] == 0
+    assert m["bytes_written_by_driver"] == m["bytes_written"] > 0
+    mem = fsspec.filesystem("memory")
+    for p in sorted((tmp_path / "local").glob("*.safetensors")):
+        assert mem.cat_file(f"/through/out/{p.name}") == p.read_bytes()
+
+
+@pytest.mark.usefixtures("ray_here")
+def test_results_are_taken_as_they_finish():
+    def slow_first(item: int) -> int:
+        time.sleep(3.0 if item == 0 else 0.0)
+        return item * 10
+
+    got = [
+        (item, result)
+        for item, _, result in unordered_map(slow_first, range(6), (), 2, {"num_cpus": 1})
+    ]
+    assert sorted(got) == [(i, i * 10) for i in range(6)]
+    assert got[-1] == (0, 0)  # one slow item held back nobody
+
+
+def test_plan_says_which_output_path(tiny, tmp_path, capsys):
+    from ram_dist.cli import main
+
+    args = ["plan", "--base", str(tiny["base"]), "--out", str(tmp_path / "p")]
+    for t in tiny["tasks"]:
+        args += ["--task", str(t)]
+    assert main(args) == 0
+    assert "output path: direct (a local folder on a one-node cluster" in capsys.readouterr().out
+    planned = driver.plan(
+        MergeConfig(
+            base=str(tiny["base"]), tasks=tuple(map(str, tiny["tasks"])), out="memory://x/y"
+        )  # fmt: skip
+    )
+    assert planned["output"]["path"] == "through-driver"
+
+
+def test_paths_are_chosen_by_store_and_cluster(tmp_path, options):
+    from ram_dist.io.sinks import choose_sink
+
+    storage = Storage(options)
+    local = str(tmp_path / "o")
+    assert choose_sink(local, storage, shared=False, single_node=True).path == "direct"
+    assert choose_sink(local, storage, shared=False, single_node=False).path == "through-driver"
+    assert choose_sink(local, storage, shared=True, single_node=False).path == "direct"
+    s3 = choose_sink("s3://b/o", storage, shared=False, single_node=False)
+    assert s3.path == "direct" and "multipart" in s3.reason
+    gs = choose_sink("memory://b/o", storage, shared=True, single_node=True)
+    assert gs.path == "through-driver"
