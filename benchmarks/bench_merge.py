@@ -371,7 +371,12 @@ class Run:
 
 def parse_runs(text: str) -> list[Run]:
     """``floor,ramdist:ram,...`` as Runs; ``none`` (or nothing) for no comparison at all."""
-    allowed = {"floor": ("",), "ramdist": RAMDIST_METHODS, "mergekit": MERGEKIT_METHODS}
+    allowed = {
+        "floor": ("",),
+        "ramdist": RAMDIST_METHODS,
+        "previous": RAMDIST_METHODS,
+        "mergekit": MERGEKIT_METHODS,
+    }
     runs: list[Run] = []
     for item in (s.strip() for s in text.split(",")):
         if item in ("", "none"):
@@ -380,7 +385,7 @@ def parse_runs(text: str) -> list[Run]:
         if tool not in allowed or method not in allowed[tool]:
             raise SystemExit(
                 f"--runs: unknown configuration {item!r}; valid: floor, "
-                f"ramdist:{{{','.join(RAMDIST_METHODS)}}}, "
+                f"ramdist:{{{','.join(RAMDIST_METHODS)}}} (previous:... with --previous-cli), "
                 f"mergekit:{{{','.join(MERGEKIT_METHODS)}}}"
             )
         if Run(tool, method) in runs:
@@ -597,7 +602,7 @@ class Bench:
     def command(self, run: Run, repeat: int = 1) -> list[str]:
         """The exact command line of ``run`` (the floor has none)."""
         out = self.out_dir(run)
-        if run.tool == "ramdist":
+        if run.tool in ("ramdist", "previous"):
             argv = ["merge", "--base", str(self.models_dir / "base")]
             for name in model_names()[1:]:
                 argv += ["--task", str(self.models_dir / name)]
@@ -607,6 +612,10 @@ class Bench:
             if self.args.workers is not None:
                 argv += ["--workers", str(self.args.workers)]
             argv += ramdist_method_args(run.method, self.params) + list(self.args.merge_arg)
+            if run.tool == "previous":
+                if not self.args.previous_cli:
+                    raise SystemExit("--runs previous:... needs --previous-cli")
+                return shlex.split(self.args.previous_cli) + argv
             return self.ramdist_cli + argv
         if run.tool == "mergekit":
             stats = self.workdir / f"{run.slug}_{repeat}.io.json"
@@ -638,7 +647,7 @@ class Bench:
         wall, usage = run_process(cmd, self.env, self.workdir / f"{run.slug}_{repeat}.log")
         maxrss = usage.ru_maxrss * 1024  # Linux reports KiB
         report: dict[str, Any] = {}
-        if run.tool == "ramdist":
+        if run.tool in ("ramdist", "previous"):
             report_path = out / "merge_report.json"
             report = json.loads(report_path.read_text()) if report_path.is_file() else {}
             workers = self.args.workers or cpu_count()
@@ -890,6 +899,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the merge outputs in WORKDIR/out")
     p.add_argument("--generate-only", action="store_true", help="generate inputs and stop")
     p.add_argument("--cli", default=None, help="command to run instead of ram-dist")
+    p.add_argument(
+        "--previous-cli",
+        default=None,
+        help="another ram-dist (e.g. an older checkout: 'env PYTHONPATH=/tmp/old python -m "
+        "ram_dist.cli'), measured as previous:METHOD in the same alternating run",
+    )
     p.add_argument(
         "--merge-arg", action="append", default=[], help="extra argument for ram-dist merge"
     )
