@@ -1,7 +1,8 @@
 """A base and two agents whose shards are several S3 parts long (parts are at least 5 MiB).
 
 The tiny transformers models of `builders` are one part per shard; these are plain bf16
-matrices, two shards of about 12 MiB each, so a multipart upload has several parts.
+matrices, two shards of 12 MiB each, so a multipart upload has several parts, and a third
+shard that is a single small tensor (one part of a few KiB).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def build_big_set(root: Path) -> dict:
     }
     base["norm.weight"] = torch.ones(3072, dtype=torch.bfloat16)
     tasks = make_agents(base, (0.1, 0.3), seed=8)
-    shard = 13 * 2**20
+    shard = 12 * 2**20  # two matrices a shard, and a last shard of one small tensor
     save_checkpoint(base, root / "base", max_shard_bytes=shard)
     task_dirs = []
     for i, task in enumerate(tasks):
