@@ -1,4 +1,5 @@
-"""Shared fixtures: one real local Ray per test module that asks for it."""
+"""Shared fixtures: one real local Ray per test module that asks for it; moto's S3 server over
+HTTP per module, with the module's `BUCKET` created (a module may define its own `server`)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,56 @@ def ray_local() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """moto's S3 server on 127.0.0.1 for this module (test credentials in the environment)."""
+    from s3_server import running_server
+
+    with running_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def options(server) -> dict:
+    """ram-dist's storage options for this module's server."""
+    from s3_server import storage_options
+
+    return storage_options(server)
+
+
+@pytest.fixture(scope="module")
+def fs(options, request):
+    """A client of this module's server, with the module's `BUCKET` created."""
+    from s3_server import bucket_fs
+
+    return bucket_fs(options, request.module.BUCKET)
+
+
+@pytest.fixture(scope="module")
+def ray_s3(server) -> Iterator[None]:
+    """A two-CPU Ray started after the server, so its workers hold the test credentials."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory, fs, request) -> dict:
+    """`big_model.build_big_set`, also uploaded to the module's bucket (`s3` urls)."""
+    from big_model import build_big_set
+
+    bucket = request.module.BUCKET
+    models = build_big_set(tmp_path_factory.mktemp("big"))
+    for d in [models["base"], *models["tasks"]]:
+        fs.put(str(d), f"{bucket}/in/{d.name}", recursive=True)
+    models["s3"] = (
+        f"s3://{bucket}/in/base",
+        [f"s3://{bucket}/in/{d.name}" for d in models["tasks"]],
+    )
+    return models

@@ -14,14 +14,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import psutil
-import pytest
 import torch
-from big_model import build_big_set
 from builders import load_checkpoint
-from s3_server import CountingMotoServer, bucket_fs, running_server, storage_options
 
 from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
@@ -29,33 +25,6 @@ from ram_dist.io.storage import Storage
 from ram_dist.verify import verify
 
 BUCKET = "failures"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[CountingMotoServer]:
-    with running_server() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def options(server) -> dict:
-    return storage_options(server)
-
-
-@pytest.fixture(scope="module")
-def fs(options):
-    return bucket_fs(options, BUCKET)
-
-
-@pytest.fixture(scope="module")
-def big(tmp_path_factory, fs) -> dict:
-    root = tmp_path_factory.mktemp("big")
-    models = build_big_set(root)
-    for d in [models["base"], *models["tasks"]]:
-        fs.put(str(d), f"{BUCKET}/in/{d.name}", recursive=True)
-    models["base_url"] = f"s3://{BUCKET}/in/base"
-    models["task_urls"] = [f"s3://{BUCKET}/in/{d.name}" for d in models["tasks"]]
-    return models
 
 
 def _fetch_and_compare(fs, prefix: str, expected: dict, tmp_path) -> None:
@@ -68,10 +37,10 @@ def _fetch_and_compare(fs, prefix: str, expected: dict, tmp_path) -> None:
 
 def test_driver_killed_mid_shard_resumes_inside_it(big, options, fs, server, tmp_path):
     out = f"s3://{BUCKET}/killed"
-    args = [sys.executable, "-m", "ram_dist.cli", "merge", "--base", big["base_url"],
+    args = [sys.executable, "-m", "ram_dist.cli", "merge", "--base", big["s3"][0],
             "--out", out, "--chunk-mb", "1", "--workers", "1",
             "--storage-options", json.dumps(options)]  # fmt: skip
-    for t in big["task_urls"]:
+    for t in big["s3"][1]:
         args += ["--task", t]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
 
@@ -151,7 +120,7 @@ def test_three_nodes_upload_parts_and_survive_a_killed_worker(big, options, fs, 
     ray.init(address=cluster.address, log_to_driver=False)
     out = f"s3://{BUCKET}/cluster"
     config = MergeConfig(
-        base=big["base_url"], tasks=tuple(big["task_urls"]), out=out, chunk_bytes=2**20,
+        base=big["s3"][0], tasks=tuple(big["s3"][1]), out=out, chunk_bytes=2**20,
         storage_options=options, input_cache="off",
     )  # fmt: skip
     errors: list[BaseException] = []

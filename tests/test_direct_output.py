@@ -7,14 +7,11 @@ from __future__ import annotations
 import base64
 import json
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
-from big_model import build_big_set
 from builders import build_model_set, load_checkpoint
 from reference import reference_merge
-from s3_server import CountingMotoServer, bucket_fs, running_server, storage_options
 
 from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
@@ -27,50 +24,11 @@ BUCKET = "direct"
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[CountingMotoServer]:
-    with running_server() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def options(server) -> dict:
-    return storage_options(server)
-
-
-@pytest.fixture(scope="module")
-def fs(options):
-    return bucket_fs(options, BUCKET)
-
-
-@pytest.fixture(scope="module")
-def ray_here(server) -> Iterator[None]:
-    """A two-CPU Ray started after the server, so its workers hold the test credentials."""
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tiny")
     base_dir, task_dirs, base, tasks = build_model_set(root, base_shard="100KB", task_shard=70_000)
     expected, _ = reference_merge(base, tasks, "ram_plus")
     return {"base": base_dir, "tasks": task_dirs, "expected": expected}
-
-
-@pytest.fixture(scope="module")
-def big(tmp_path_factory, fs) -> dict:
-    root = tmp_path_factory.mktemp("big")
-    models = build_big_set(root)
-    for d in [models["base"], *models["tasks"]]:
-        fs.put(str(d), f"{BUCKET}/in/{d.name}", recursive=True)
-    models["s3"] = (
-        f"s3://{BUCKET}/in/base",
-        [f"s3://{BUCKET}/in/{d.name}" for d in models["tasks"]],
-    )
-    return models
 
 
 def _merge(base, tasks, out, options=None, **kw) -> dict:
@@ -91,7 +49,7 @@ def _written_by_this_process() -> int:
         return int(dict(line.split(": ") for line in f.read().splitlines())["wchar"])
 
 
-@pytest.mark.usefixtures("ray_here")
+@pytest.mark.usefixtures("ray_s3")
 @pytest.mark.parametrize("chunk_bytes", [4096, 100_000, None])
 def test_local_output_is_written_by_the_workers(tiny, tmp_path, chunk_bytes):
     out = tmp_path / "out"
@@ -109,7 +67,7 @@ def test_local_output_is_written_by_the_workers(tiny, tmp_path, chunk_bytes):
     assert verify(str(out), Storage()) == ([], len(shards))
 
 
-@pytest.mark.usefixtures("ray_here")
+@pytest.mark.usefixtures("ray_s3")
 def test_driver_writes_no_data_on_the_direct_path(big, tmp_path):
     before = _written_by_this_process()
     report = _merge(big["base"], big["tasks"], tmp_path / "out", chunk_bytes=2**20)
@@ -121,7 +79,7 @@ def test_driver_writes_no_data_on_the_direct_path(big, tmp_path):
     assert all(torch.equal(merged[k], v) for k, v in big["expected"].items())
 
 
-@pytest.mark.usefixtures("ray_here")
+@pytest.mark.usefixtures("ray_s3")
 def test_s3_output_is_uploaded_in_parts_by_the_workers(big, options, fs, server, tmp_path):
     _merge(big["base"], big["tasks"], tmp_path / "local", chunk_bytes=2**20)
     server.clear()
@@ -160,7 +118,7 @@ def test_s3_output_is_uploaded_in_parts_by_the_workers(big, options, fs, server,
     assert verify(f"s3://{BUCKET}/out", Storage(options)) == ([], len(manifest["shards"]))
 
 
-@pytest.mark.usefixtures("ray_here")
+@pytest.mark.usefixtures("ray_s3")
 @pytest.mark.parametrize("method", ["ties", "dare_ties", "linear"])
 def test_every_output_path_gives_the_same_bytes(tiny, tmp_path, method, options, fs):
     """The direct local path (checked against the reference in test_merge_exact and
@@ -184,7 +142,7 @@ def test_every_output_path_gives_the_same_bytes(tiny, tmp_path, method, options,
         assert fs.cat_file(f"{BUCKET}/{method}/{p.name}") == p.read_bytes()
 
 
-@pytest.mark.usefixtures("ray_here")
+@pytest.mark.usefixtures("ray_s3")
 def test_results_are_taken_as_they_finish():
     def slow_first(item: int) -> int:
         time.sleep(3.0 if item == 0 else 0.0)

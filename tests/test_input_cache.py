@@ -16,17 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import s3fs
 import torch
 from builders import build_model_set, load_checkpoint, save_checkpoint
 from reference import reference_merge
 from s3_server import (
     LOCATION_DEPENDENT,
     CountingMotoServer,
-    bucket_fs,
     env,
-    running_server,
-    storage_options,
 )
 
 from ram_dist.cli import main
@@ -97,22 +93,6 @@ def test_full_disk_wrong_file_or_unsafe_folder_means_fetching(tmp_path):
 
 
 # -- bucket to bucket on a multi-node Ray ----------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[CountingMotoServer]:
-    with running_server() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def options(server) -> dict:
-    return storage_options(server)
-
-
-@pytest.fixture(scope="module")
-def fs(options) -> s3fs.S3FileSystem:
-    return bucket_fs(options, BUCKET)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,10 +13,6 @@ from builders import build_model_set, load_checkpoint, save_checkpoint
 from reference import reference_merge
 from s3_server import (
     LOCATION_DEPENDENT,
-    CountingMotoServer,
-    bucket_fs,
-    running_server,
-    storage_options,
 )
 
 from ram_dist.config import MergeConfig
@@ -29,31 +24,6 @@ from ram_dist.io.storage import Storage
 from ram_dist.plan import Piece, WorkUnit
 
 BUCKET = "ram-dist-test"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[CountingMotoServer]:
-    with running_server() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def options(server) -> dict:
-    return storage_options(server)
-
-
-@pytest.fixture(scope="module")
-def fs(options) -> s3fs.S3FileSystem:
-    return bucket_fs(options, BUCKET)
-
-
-@pytest.fixture(scope="module")
-def ray_s3(server) -> Iterator[None]:
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

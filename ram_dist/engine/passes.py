@@ -24,7 +24,14 @@ from ram_dist.engine.job import Job
 from ram_dist.engine.pool import near, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster
-from ram_dist.engine.work import PartTask, UnitResult, map_part, reduce_group, unit_out_bytes
+from ram_dist.engine.work import (
+    PartTask,
+    UnitResult,
+    add_up,
+    map_part,
+    reduce_group,
+    unit_out_bytes,
+)
 from ram_dist.errors import RamDistError
 from ram_dist.io.manifest import Manifest
 from ram_dist.io.range_cache import CacheTraffic, InputCache, counted
@@ -206,11 +213,7 @@ def reduce_pass(
                 stats.ran(unit.index, node, traffic if k == 0 else CacheTraffic(0, 0),
                           node_of(group[0]))  # fmt: skip
             progress.advance(sum(result.bytes_read))
-            for key, value in (result.stats or {}).items():
-                totals[key] = totals[key] + value if key in totals else value
-            for name, counts in (result.nonfinite or {}).items():
-                old = nonfinite.get(name, [0] * len(counts))
-                nonfinite[name] = [a + b for a, b in zip(old, counts, strict=True)]
+            add_up(result, totals, nonfinite)
             stats.add(result, units=len(group))
         progress.end_pass()
         if nonfinite:

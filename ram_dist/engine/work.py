@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -240,6 +240,18 @@ def reduce_unit(
     )  # fmt: skip
 
 
+def add_up(
+    result: UnitResult, totals: dict[str, torch.Tensor], nonfinite: dict[str, list[int]]
+) -> None:
+    """Add a reduce result's statistics to `totals` and its NaN/Inf counts to `nonfinite`
+    (sums of integers: the order never matters)."""
+    for key, value in (result.stats or {}).items():
+        totals[key] = totals[key] + value if key in totals else value
+    for name, counts in (result.nonfinite or {}).items():
+        old = nonfinite.get(name, [0] * len(counts))
+        nonfinite[name] = [a + b for a, b in zip(old, counts, strict=True)]
+
+
 def reduce_group(
     units: tuple[WorkUnit, ...],
     layout: Layout,
@@ -259,11 +271,7 @@ def reduce_group(
     totals: dict[str, torch.Tensor] = {}
     nonfinite: dict[str, list[int]] = {}
     for r in results:
-        for key, value in (r.stats or {}).items():
-            totals[key] = totals[key] + value if key in totals else value
-        for name, counts in (r.nonfinite or {}).items():
-            old = nonfinite.get(name, [0] * len(counts))
-            nonfinite[name] = [a + b for a, b in zip(old, counts, strict=True)]
+        add_up(r, totals, nonfinite)
     return UnitResult(
         units[0].index,
         totals,
@@ -351,27 +359,36 @@ def map_part(
     """Map pass: merge a part's units into this process's reused output buffer, hash them
     (in a thread, unit by unit, while the next unit is merged) and hand the part to its
     target, which writes it in place (direct) or sends it back (through the driver)."""
-    part = task.part
+    part, target = task.part, task.target
     bytes_read = [0] * _input_count(layout)
     data = _OUTPUT.take(part.size)
     at = len(task.header)
     data[:at] = np.frombuffer(task.header, dtype=np.uint8)
     digest = hashlib.sha256()
     fused_elements = 0
-    with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-sha256") as hasher:
-        hasher.submit(digest.update, data[:at])
+    with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-sha256") as behind:
+
+        def made(lo: int, hi: int) -> None:
+            """Bytes [lo, hi) of the part are final: hash them (and write them, when the
+            target streams) in the thread, in order, while the next block is merged."""
+            view = data[lo:hi]
+            behind.submit(digest.update, view)
+            if target.streams:
+                behind.submit(target.write_at, part.start + lo, view)
+
+        made(0, at)
         for unit in task.units:
             size = unit_out_bytes(unit, layout)
             out = data[at : at + size]
             fused_elements += _merge_into(
-                unit, layout, storage, method, params, state, out, bytes_read
-            )
-            hasher.submit(digest.update, out)
+                unit, layout, storage, method, params, state, out, bytes_read,
+                on_block=lambda lo, hi, base=at: made(base + lo, base + hi),
+            )  # fmt: skip
             at += size
     if at != part.size:
         raise RuntimeError(f"{task.target.url}: part {part.number} made {at} bytes, "
                            f"expected {part.size}")  # fmt: skip
-    receipt = task.target.write(part, data, digest.digest())
+    receipt = target.write(part, data, digest.digest())
     return UnitResult(
         part.units[0] if part.units else -1, None, None, tuple(bytes_read), memory.peak_rss(),
         fused_elements=fused_elements, peak_private_bytes=memory.note(), receipt=receipt,
@@ -387,9 +404,11 @@ def _merge_into(
     state: State,
     data: np.ndarray,
     bytes_read: list[int],
+    on_block: Callable[[int, int], None] | None = None,
 ) -> int:
     """Merge a unit's pieces into `data` (its output bytes); returns the elements a fused
-    kernel merged. `bytes_read[i]` grows by what is read from input i."""
+    kernel merged. `bytes_read[i]` grows by what is read from input i; `on_block(lo, hi)` is
+    told, in order, of each range of `data` once it is final."""
     dev = device()
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     offsets = [sum(sizes[:k]) for k in range(len(sizes))]
@@ -402,21 +421,22 @@ def _merge_into(
         width = itemsize(entry.out_dtype)
         at = offsets[block.piece]
         target = out[at + block.lo * width : at + block.hi * width]
+        lo, hi = at + block.lo * width, at + block.hi * width
         if not entry.participating:
             target.copy_(inputs[0].view(torch.uint8))  # copied from the base, byte for byte
-            continue
-        base, *tasks = (t.to(dev, non_blocking=True) for t in inputs)
-        chunk = Chunk(piece.tensor, piece.start + block.lo, entry.numel)
-        view = _typed(target, SAFETENSORS_DTYPES[entry.out_dtype])
-        if (
-            fused
-            and view is not None
-            and fused(chunk, base, tasks, params[piece.tensor], state, view)
-        ):
-            fused_elements += block.hi - block.lo
-            continue
-        merged = method.merge_chunk(chunk, base, tasks, params[piece.tensor], state)
-        target.copy_(merged.to(SAFETENSORS_DTYPES[entry.out_dtype]).cpu().view(torch.uint8))
+        else:
+            base, *tasks = (t.to(dev, non_blocking=True) for t in inputs)
+            chunk = Chunk(piece.tensor, piece.start + block.lo, entry.numel)
+            view = _typed(target, SAFETENSORS_DTYPES[entry.out_dtype])
+            p = params[piece.tensor]
+            if fused and view is not None and fused(chunk, base, tasks, p, state, view):
+                fused_elements += block.hi - block.lo
+            else:
+                merged = method.merge_chunk(chunk, base, tasks, p, state)
+                out_dtype = SAFETENSORS_DTYPES[entry.out_dtype]
+                target.copy_(merged.to(out_dtype).cpu().view(torch.uint8))
+        if on_block is not None:
+            on_block(lo, hi)
     return fused_elements
 
 

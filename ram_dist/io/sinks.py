@@ -61,9 +61,17 @@ class ShardTarget:
     """A shard open for writing; picklable, shipped to the tasks that write its parts."""
 
     url: str
+    streams: bool = False
+    """Whether a task writes the part's bytes as they are made (`write_at`), so writing
+    overlaps the merge; else it hands over the whole part in `write`."""
+
+    def write_at(self, offset: int, data: np.ndarray) -> None:
+        """On a worker, streaming targets only: put bytes at `offset` in the shard."""
+        raise NotImplementedError
 
     def write(self, part: Part, data: np.ndarray, sha256: bytes) -> PartReceipt:
-        """On a worker: put `data` (the part's bytes) in place and say what was written."""
+        """On a worker: put `data` (the part's bytes) in place, unless they were streamed
+        already, and say what was written."""
         raise NotImplementedError
 
 
@@ -97,19 +105,23 @@ class S3Target(ShardTarget):
 
 @dataclass(frozen=True)
 class FileTarget(ShardTarget):
-    """A partial file at the shard's final size; each task writes its range in place."""
+    """A partial file at the shard's final size; each task writes its range in place, block
+    by block while it merges the next."""
 
     url: str
     partial: str
+    streams = True
 
-    def write(self, part: Part, data: np.ndarray, sha256: bytes) -> PartReceipt:
+    def write_at(self, offset: int, data: np.ndarray) -> None:
         fd = os.open(self.partial, os.O_WRONLY)
         try:
             view, done = memoryview(data).cast("B"), 0
             while done < len(view):
-                done += os.pwrite(fd, view[done : done + _WRITE_BYTES], part.start + done)
+                done += os.pwrite(fd, view[done : done + _WRITE_BYTES], offset + done)
         finally:
             os.close(fd)
+
+    def write(self, part: Part, data: np.ndarray, sha256: bytes) -> PartReceipt:
         return PartReceipt(part.shard, part.number, part.start, part.stop, sha256.hex())
 
 
@@ -314,13 +326,10 @@ class FileSink(OutputSink):
         return OpenShard(shard, size, FileTarget(url, partial), done, {})
 
     def complete(self, shard: OpenShard) -> None:
+        # No fsync, as before workers wrote: a killed process's writes are in the page cache
+        # and a resumed run finds them; `ram-dist verify` re-checks every part's digest.
         target = shard.target
         assert isinstance(target, FileTarget)
-        fd = os.open(target.partial, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
         _, path = self.storage.fs(target.url)
         os.replace(target.partial, path)
 
