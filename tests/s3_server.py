@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ from moto.moto_server.werkzeug_app import (
     create_backend_app,
 )
 from werkzeug.serving import make_server
+
+from ram_dist.io.checkpoint import FIRST_READ_BYTES
 
 #: Output files that name the input and output locations, so differ between a local and an
 #: S3 run of the same merge.
@@ -43,6 +46,10 @@ class Served:
     nbytes: int
     checksum: str | None = None
     """The request's `x-amz-checksum-sha256` (base64), which S3 checks against the body."""
+    started: float | None = None
+    """`time.monotonic()` when the server took the request (before any delay)."""
+    finished: float | None = None
+    """`time.monotonic()` when its response body was ready."""
 
 
 class CountingMotoServer(ThreadedMotoServer):
@@ -55,6 +62,9 @@ class CountingMotoServer(ThreadedMotoServer):
         self.part_delay_s = 0.0
         """Seconds each UploadPart request waits before the server handles it: a slow link,
         so a test can stop a job while parts are in flight."""
+        self.get_delay_s = 0.0
+        """Seconds each GET of an object (not a listing) waits before the server handles it:
+        a slow store, so a test can tell requests sent together from one after another."""
 
     @property
     def endpoint(self) -> str:
@@ -65,8 +75,11 @@ class CountingMotoServer(ThreadedMotoServer):
         app = DomainDispatcherApplication(create_backend_app)
 
         def counting(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+            started = time.monotonic()
             if self.part_delay_s and _is_upload_part(environ):
                 time.sleep(self.part_delay_s)
+            if self.get_delay_s and _is_object_get(environ):
+                time.sleep(self.get_delay_s)
             body = list(app(environ, start_response))
             with self._lock:
                 self.log.append(
@@ -77,6 +90,8 @@ class CountingMotoServer(ThreadedMotoServer):
                         environ.get("HTTP_RANGE"),
                         sum(len(c) for c in body),
                         environ.get("HTTP_X_AMZ_CHECKSUM_SHA256"),
+                        started,
+                        time.monotonic(),
                     )
                 )
             return body
@@ -122,6 +137,26 @@ class CountingMotoServer(ThreadedMotoServer):
 
 def _is_upload_part(environ: dict[str, Any]) -> bool:
     return environ["REQUEST_METHOD"] == "PUT" and "partNumber=" in environ.get("QUERY_STRING", "")
+
+
+def _is_object_get(environ: dict[str, Any]) -> bool:
+    query = environ.get("QUERY_STRING", "")
+    return (
+        environ["REQUEST_METHOD"] == "GET"
+        and environ.get("PATH_INFO", "").count("/") >= 2
+        and "list-type" not in query
+        and "uploads" not in query
+    )
+
+
+def header_read_bytes(path: str | os.PathLike) -> int:
+    """Bytes the driver's header read fetches from a remote copy of the local safetensors file
+    `path`: its first read (the length, the header, and the tensor bytes that follow up to
+    `FIRST_READ_BYTES`), and the rest of a header longer than that."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    return max(min(size, FIRST_READ_BYTES), 8 + n)
 
 
 def free_port() -> int:

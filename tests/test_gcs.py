@@ -13,7 +13,7 @@ import torch
 from builders import INDEX_NAME, build_model_set, load_checkpoint
 from gcs_server import GcsServer, bucket_fs, running_gcs_server, storage_options
 from reference import reference_merge
-from s3_server import LOCATION_DEPENDENT
+from s3_server import LOCATION_DEPENDENT, header_read_bytes
 
 from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
@@ -62,7 +62,7 @@ def models(tmp_path_factory, fs) -> dict:
         "local": (base_dir, task_dirs),
         "gs": (f"gs://{BUCKET}/in/base", [f"gs://{BUCKET}/in/{d.name}" for d in task_dirs]),
         "states": (base, tasks),
-        "header_bytes": sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in files),
+        "header_bytes": sum(header_read_bytes(p) for p in files),  # the driver's reads
     }
 
 

@@ -15,7 +15,7 @@ from ram_dist.engine.layout import Layout, build_layout
 from ram_dist.engine.params import resolve_all
 from ram_dist.engine.sizing import auto_chunk_bytes, machine
 from ram_dist.errors import RamDistError
-from ram_dist.io.checkpoint import Checkpoint, open_checkpoint
+from ram_dist.io.checkpoint import Checkpoint, open_checkpoints
 from ram_dist.io.locations import resolve_location, resolve_output
 from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod, get_method
@@ -106,8 +106,8 @@ def prepare(config: MergeConfig) -> Job:
     base_url = resolve_location(config.base, "base model")
     task_urls = [resolve_location(loc, f"task {i + 1}") for i, loc in enumerate(config.tasks)]
     _check_distinct(base_url, task_urls, config.method)
-    base = open_checkpoint(base_url, "base model", storage)
-    tasks = [open_checkpoint(url, f"task {i + 1}", storage) for i, url in enumerate(task_urls)]
+    labelled = [(url, f"task {i + 1}") for i, url in enumerate(task_urls)]
+    base, *tasks = open_checkpoints([(base_url, "base model"), *labelled], storage)
     layout = build_layout(base, tasks, config.out_dtype)
     merging = [name for name, e in layout.tensors.items() if e.participating]
     params = resolve_all(config, get_method(config.method), merging)
