@@ -125,9 +125,10 @@ def memory_lines(result: dict[str, Any]) -> list[str]:
         "most 4M elements per input and one unit's merged bytes (at most chunk-mb), so it is "
         "bounded by the chunk budget, not by the model size: the same figure is assumed for "
         "70B and 405B.",
-        f"* driver peak RSS, measured: {gib(med.get('driver_peak_rss_bytes'))} (it receives "
-        "every merged chunk and writes the output; the memory scaling rows, if any, show whether "
-        "it grows with the model).",
+        f"* driver peak RSS, measured: {gib(med.get('driver_peak_rss_bytes'))}; on the direct "
+        "output paths (S3 parts, a local or shared filesystem) no merged byte reaches the "
+        "driver, which keeps the plan, the statistics and the manifest; the memory scaling "
+        "rows, if any, show whether it grows with the model.",
     ]
     chunk_bytes = chunk_bytes_of(result)
     if result["model"]["base_bytes"] < chunk_bytes:

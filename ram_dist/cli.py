@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ram_dist import __version__
-from ram_dist.config import MergeConfig, load_yaml
 from ram_dist.engine.sizing import MAX_CHUNK_BYTES
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import MODES as CACHE_MODES
 from ram_dist.io.storage import parse_storage_options
+
+if TYPE_CHECKING:  # imported where used: `--help` and `verify` load neither torch nor Ray
+    from ram_dist.config import MergeConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,6 +177,8 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> MergeConfig:
     """Flags override the YAML file; the YAML file overrides the defaults."""
+    from ram_dist.config import MergeConfig, load_yaml
+
     kwargs: dict[str, Any] = load_yaml(args.config) if args.config else {}
     if args.base is not None:
         kwargs["base"] = args.base
@@ -275,9 +279,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from ram_dist.engine import driver
-    from ram_dist.report import format_plan, format_report
-
     if args.command == "verify":
         from ram_dist.io.storage import Storage
         from ram_dist.verify import verify
@@ -295,6 +296,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         run_demo(args.dir, address=args.address)
         return 0
+    from ram_dist.engine import driver
+    from ram_dist.report import format_plan, format_report
+
     if args.command == "probe" and args.out_positional is not None:
         raise RamDistError("probe writes no model: give no output location")
     config = config_from_args(args)

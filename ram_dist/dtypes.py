@@ -1,38 +1,51 @@
-"""Safetensors dtype strings, their torch dtypes and sizes.
+"""Safetensors dtype strings, their sizes and (on first use, importing torch) torch dtypes.
 
 Kept in one table so that the header parser, the planner and the workers agree.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-# Dtypes that only newer torch builds know.
-for _name, _attr in (
-    ("U16", "uint16"),
-    ("U32", "uint32"),
-    ("U64", "uint64"),
-    ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"),
-):
-    if hasattr(torch, _attr):
-        SAFETENSORS_DTYPES[_name] = getattr(torch, _attr)
+if TYPE_CHECKING:
+    import torch
 
-TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+#: Bytes per element of each safetensors dtype string. Known without torch, so the storage
+#: layer, `verify` and `--help` never import it; the torch dtypes are `SAFETENSORS_DTYPES`.
+ITEMSIZE: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
+
+#: torch's name of each dtype; those only newer torch builds know are left out by those
+#: that do not.
+_TORCH_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}  # fmt: skip
+
+_TABLES: dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """`SAFETENSORS_DTYPES` (str -> torch.dtype) and `TORCH_TO_SAFETENSORS`, built (and torch
+    imported) on first use."""
+    if name not in ("SAFETENSORS_DTYPES", "TORCH_TO_SAFETENSORS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not _TABLES:
+        import torch
+
+        table: dict[str, torch.dtype] = {
+            k: getattr(torch, v) for k, v in _TORCH_NAMES.items() if hasattr(torch, v)
+        }
+        _TABLES["SAFETENSORS_DTYPES"] = table
+        _TABLES["TORCH_TO_SAFETENSORS"] = {v: k for k, v in table.items()}
+    return _TABLES[name]
+
 
 #: The dtypes that take part in a merge (the spec: F64, F32, F16, BF16); others are copied.
 FLOATING = frozenset({"F64", "F32", "F16", "BF16"})
@@ -53,7 +66,7 @@ OUT_DTYPE_NAMES: dict[str, str] = {
 
 def itemsize(dtype: str) -> int:
     """Bytes per element of a safetensors dtype string."""
-    return SAFETENSORS_DTYPES[dtype].itemsize
+    return ITEMSIZE[dtype]
 
 
 def parse_out_dtype(name: str | None) -> str | None:

@@ -135,3 +135,41 @@ def test_merge_prints_a_summary_for_every_method(inputs, tmp_path, capsys, metho
     if method == "ties":
         assert "ties cuts through equal magnitudes: " in printed
     assert (out / "model.safetensors").exists()
+
+
+_LOADED = """
+import sys
+from ram_dist.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+loaded = sorted(m for m in ("torch", "ray", "numba") if m in sys.modules)
+import ray
+print(code, loaded, ray.is_initialized())
+"""
+
+
+def _loaded(*argv: str) -> str:
+    """What a fresh process that ran `ram-dist ARGV` had imported (before the final check)."""
+    done = subprocess.run([sys.executable, "-c", _LOADED, *argv], capture_output=True, text=True)
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_help_and_verify_load_neither_torch_nor_ray_and_plan_starts_no_ray(tmp_path):
+    assert _loaded("--help") == "0 [] False"
+    assert _loaded("merge", "--help") == "0 [] False"
+    base, tasks = tmp_path / "base", [tmp_path / "t1", tmp_path / "t2"]
+    save_checkpoint(_state(0), base)
+    for i, t in enumerate(tasks):
+        save_checkpoint(_state(i + 1), t)
+    out = tmp_path / "out"
+    args = ["--base", str(base), "--task", str(tasks[0]), "--task", str(tasks[1])]
+    assert (
+        subprocess.run([*CLI, "merge", *args, "--out", str(out)], capture_output=True).returncode
+        == 0
+    )
+    # verify: the output's manifest, index and shards; no tensor library, no cluster
+    assert _loaded("verify", str(out)) == "0 [] False"
+    # plan reads headers with torch loaded (the dtypes), but starts no Ray
+    assert _loaded("plan", *args, "--out", str(tmp_path / "p")).endswith("False")

@@ -192,13 +192,14 @@ def output_sink(job: Job, nodes: int | None = -1) -> tuple[OutputSink, str | Non
     output is a local folder only the driver's node sees (None: anywhere). `nodes` is the
     cluster's node count (-1: ask Ray; None: not known, as in `ram-dist plan`)."""
     assert job.out is not None
-    if nodes == -1:
+    on_ray = nodes == -1
+    if on_ray:
         nodes = alive_nodes()
     shared = job.config.output_shared
     sink = choose_sink(
         job.out, job.storage, shared=shared, single_node=None if nodes is None else nodes == 1
     )
-    pin = isinstance(sink, FileSink) and not shared and nodes is not None
+    pin = on_ray and isinstance(sink, FileSink) and not shared
     return sink, this_node() if pin else None
 
 

@@ -16,7 +16,16 @@ _peak_private = 0
 
 
 def peak_rss() -> int:
-    """This process's peak resident memory so far, shared pages included (Linux: KiB)."""
+    """This process's peak resident memory so far, shared pages included: `VmHWM` on Linux.
+    Not `ru_maxrss`, which Linux carries over from before `exec`: a process started by a
+    large parent (a benchmark that generated the models) would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -182,11 +182,12 @@ def stream_blocks(
 
 def _tensor_from_bytes(blob: Buffer, dtype: str) -> torch.Tensor:
     if not len(blob):
-        return torch.empty(0, dtype=SAFETENSORS_DTYPES[dtype])
+        return torch.empty(0, dtype=SAFETENSORS_DTYPES.get(dtype, torch.uint8))
     with warnings.catch_warnings():
         # Fetched bytes are read-only; nothing here writes to them.
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(blob, dtype=SAFETENSORS_DTYPES[dtype])
+        # A dtype this torch build lacks is only ever copied, byte for byte: read it as bytes.
+        return torch.frombuffer(blob, dtype=SAFETENSORS_DTYPES.get(dtype, torch.uint8))
 
 
 def reduce_unit(

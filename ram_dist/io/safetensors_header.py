@@ -13,7 +13,7 @@ import math
 import struct
 from dataclasses import dataclass
 
-from ram_dist.dtypes import SAFETENSORS_DTYPES, itemsize
+from ram_dist.dtypes import ITEMSIZE, itemsize
 from ram_dist.errors import CheckpointError
 
 #: A header larger than this is refused before it is read (a header bomb).
@@ -124,7 +124,7 @@ def _tensor_info(name: str, entry: object, file: str, data_start: int) -> Tensor
     if not isinstance(entry, dict):
         raise CheckpointError(f"{where}: header entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
