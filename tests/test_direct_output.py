@@ -118,16 +118,37 @@ def test_s3_output_is_uploaded_in_parts_by_the_workers(big, options, fs, server,
     assert verify(f"s3://{BUCKET}/out", Storage(options)) == ([], len(manifest["shards"]))
 
 
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory) -> dict:
+    """A bf16 base with a float32, a float16 and a bf16 task."""
+    root = tmp_path_factory.mktemp("mixed")
+    dtypes = [torch.float32, torch.float16, None]
+    base_dir, task_dirs, _, _ = build_model_set(root, task_dtypes=dtypes, task_shard=70_000)
+    return {"base": base_dir, "tasks": task_dirs}
+
+
 @pytest.mark.usefixtures("ray_s3")
-@pytest.mark.parametrize("method", ["ties", "dare_ties", "linear"])
-def test_every_output_path_gives_the_same_bytes(tiny, tmp_path, method, options, fs):
+@pytest.mark.parametrize(
+    "method, models, extra",
+    [
+        ("ties", "tiny", {}),
+        ("dare_ties", "tiny", {}),
+        ("linear", "tiny", {}),
+        ("ram_plus", "mixed", {"out_dtype": "float32", "workers": 1, "chunk_bytes": 1000}),
+    ],
+)
+def test_every_output_path_gives_the_same_bytes(
+    request, tmp_path, method, models, extra, options, fs
+):
     """The direct local path (checked against the reference in test_merge_exact and
     test_baselines_engine), S3 parts, and memory://, which takes no parts from workers, so the
     driver streams it (as for gs:// or hf://): the same shards, byte for byte."""
     import fsspec
 
+    tiny = request.getfixturevalue(models)
     parameters = {"ties": {"density": 0.5}, "dare_ties": {"density": 0.5, "seed": 3}}
     kw = {"chunk_bytes": 4096, "method": method, "parameters": parameters.get(method, {})}
+    kw.update(extra)
     _merge(tiny["base"], tiny["tasks"], tmp_path / "local", **kw)
     through = _merge(tiny["base"], tiny["tasks"], f"memory://through/{method}", **kw)
     m = through["passes"]["map"]
