@@ -51,15 +51,9 @@ def fs(options, request):
 
 
 @pytest.fixture(scope="module")
-def ray_s3(server) -> Iterator[None]:
+def ray_s3(server, ray_local) -> Iterator[None]:
     """A two-CPU Ray started after the server, so its workers hold the test credentials."""
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    yield
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ Two things gcsfs needs to talk to the emulator:
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +30,7 @@ from typing import Any
 
 from gcp_storage_emulator.server import RequestHandler
 from gcp_storage_emulator.storage import Storage as EmulatorStorage
+from s3_server import env
 
 #: The environment gcsfs needs (besides STORAGE_EMULATOR_HOST, which names the port).
 GCS_ENV = {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
@@ -113,20 +113,6 @@ def _handler(srv: GcsServer, store: EmulatorStorage) -> type[RequestHandler]:
 
 
 @contextmanager
-def _env(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextmanager
 def _plain_gcsfs_registered() -> Iterator[None]:
     """`gs://` and `gcs://` served by gcsfs's plain class in this process (see the module
     docstring); fsspec's cached instances are dropped on both sides of the context."""
@@ -157,7 +143,7 @@ def running_gcs_server() -> Iterator[GcsServer]:
     thread = threading.Thread(target=httpd.serve_forever, name="gcs-emulator", daemon=True)
     thread.start()
     try:
-        with _env(STORAGE_EMULATOR_HOST=srv.endpoint, **GCS_ENV), _plain_gcsfs_registered():
+        with env(STORAGE_EMULATOR_HOST=srv.endpoint, **GCS_ENV), _plain_gcsfs_registered():
             yield srv
     finally:
         httpd.shutdown()
