@@ -118,16 +118,14 @@ def _merge_held(job: Job, state: OutputState, lease: OutputLease) -> dict[str, A
     first_node: dict[int, str] = {}
     with ray_cluster(config.address) as cluster:
         job = job.replanned(cluster.gpus or cluster.cpus, cluster.memory)
+        sink, pin_to = output_sink(job)
         passes: dict[str, Any] = {}
         measured: list[PassStats] = []
         if manifest.statistics is not None:
             state = manifest.statistics
             passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
         else:
-            min_part = choose_sink(
-                job.out, job.storage, shared=config.output_shared, single_node=None
-            ).min_part_bytes
-            state, reduce_stats = reduce_pass(job, cluster, progress, cache, min_part)
+            state, reduce_stats = reduce_pass(job, cluster, progress, cache, sink.min_part_bytes)
             first_node = reduce_stats.first_node
             passes["reduce"] = reduce_stats.as_dict()
             measured.append(reduce_stats)
@@ -143,7 +141,6 @@ def _merge_held(job: Job, state: OutputState, lease: OutputLease) -> dict[str, A
         for shard in done:
             manifest.writing.pop(shard, None)
         todo = [s for s in manifest.shard_names if s not in done]
-        sink, pin_to = output_sink(job)
         book = ShardBook(
             manifest, lambda: save_manifest(job.out, manifest, job.storage), still_ours
         )

@@ -11,7 +11,7 @@ is sent back there, where the cache holds its bytes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -75,15 +75,19 @@ class PassStats:
     bytes_written_by_workers: int = 0
     bytes_written_by_driver: int = 0
 
-    def ran(self, index: int, node: str, traffic: CacheTraffic, sent_to: str | None) -> None:
-        """Where a unit ran, and what it read from and wrote to the cache there."""
+    def ran(
+        self, indices: Sequence[int], node: str, traffic: CacheTraffic, sent_to: str | None
+    ) -> None:
+        """Where the units of one task ran, and what the task read from and wrote to the
+        cache there."""
         self.cache_bytes_read += traffic.read
         self.cache_bytes_written += traffic.written
-        self.units_per_node[node] = self.units_per_node.get(node, 0) + 1
-        self.first_node.setdefault(index, node)
+        self.units_per_node[node] = self.units_per_node.get(node, 0) + len(indices)
+        for index in indices:
+            self.first_node.setdefault(index, node)
         if sent_to is not None:
-            self.units_sent_back += 1
-            self.units_ran_there += node == sent_to
+            self.units_sent_back += len(indices)
+            self.units_ran_there += len(indices) * (node == sent_to)
 
     def add(self, result: UnitResult, units: int = 1) -> None:
         bytes_read = result.bytes_read
@@ -151,15 +155,27 @@ def _placement(
     return replace(storage, cache=cache), lambda unit: first_node.get(unit.index)
 
 
+def _parts_of(
+    job: Job, shards: Sequence[str], min_part_bytes: int
+) -> tuple[dict[int, WorkUnit], dict[str, bytes], dict[str, list[Part]]]:
+    """The units of `shards` by index, each shard's header, and its parts (`plan_parts`)."""
+    wanted = set(shards)
+    units = {u.index: u for u in job.units if u.shard in wanted}
+    headers = {s: shard_header(job.layout.out_tensors(s)) for s in shards}
+    sizes = {i: unit_out_bytes(u, job.layout) for i, u in units.items()}
+    plan: dict[str, list[Part]] = {s: [] for s in shards}
+    lengths = {s: len(h) for s, h in headers.items()}
+    for part in plan_parts(list(units.values()), sizes, lengths, min_part_bytes):
+        plan[part.shard].append(part)
+    return units, headers, plan
+
+
 def unit_groups(job: Job, min_part_bytes: int) -> list[tuple[WorkUnit, ...]]:
-    """The units of each output part the map pass will make (`plan_parts`), in order: a
-    reduce task reads one group, so that with an input cache the part's task finds all its
-    bytes on one node. Parts are single units unless units are smaller than a part must be."""
-    sizes = {u.index: unit_out_bytes(u, job.layout) for u in job.units}
-    headers = {s: len(shard_header(job.layout.out_tensors(s))) for s in job.layout.shards}
-    by_index = {u.index: u for u in job.units}
-    parts = plan_parts(job.units, sizes, headers, min_part_bytes)
-    return [tuple(by_index[i] for i in p.units) for p in parts if p.units]
+    """The units of each output part the map pass will make, in order: a reduce task reads
+    one group, so that with an input cache the part's task finds all its bytes on one node.
+    Parts are single units unless units are smaller than a part must be."""
+    units, _, plan = _parts_of(job, list(job.layout.shards), min_part_bytes)
+    return [tuple(units[i] for i in p.units) for ps in plan.values() for p in ps if p.units]
 
 
 def reduce_pass(
@@ -209,9 +225,7 @@ def reduce_pass(
         total_bytes = sum(job.unit_bytes(u, wanted) for u in units)
         progress.start_pass(f"reduce {round_ + 1}", total_bytes, len(units))
         for group, node, (result, traffic) in results:
-            for k, unit in enumerate(group):
-                stats.ran(unit.index, node, traffic if k == 0 else CacheTraffic(0, 0),
-                          node_of(group[0]))  # fmt: skip
+            stats.ran([u.index for u in group], node, traffic, node_of(group[0]))
             progress.advance(sum(result.bytes_read))
             add_up(result, totals, nonfinite)
             stats.add(result, units=len(group))
@@ -319,13 +333,7 @@ def map_pass(
     workers, resources = _options(job, cluster)
     shipped = {**state, "fused": job.config.kernels == "auto"}
     shared = (job.layout, storage, job.method, job.params, shipped)
-    units = {u.index: u for u in job.units if u.shard in set(shards)}
-    headers = {s: shard_header(job.layout.out_tensors(s)) for s in shards}
-    sizes = {i: unit_out_bytes(u, job.layout) for i, u in units.items()}
-    plan: dict[str, list[Part]] = {s: [] for s in shards}
-    for part in plan_parts(list(units.values()), sizes, {s: len(h) for s, h in headers.items()},
-                           sink.min_part_bytes):  # fmt: skip
-        plan[part.shard].append(part)
+    units, headers, plan = _parts_of(job, shards, sink.min_part_bytes)
     for name in shards:  # a shard a killed run was writing keeps the parts it recorded
         recorded = (book.manifest.writing.get(name) or {}).get("plan")
         if recorded and recorded != [[p.start, p.stop] for p in plan[name]]:
@@ -381,9 +389,7 @@ def map_pass(
             fn, tasks(), shared, workers, resources, placement
         ):
             if task.part.units:
-                sent_to = node_of(units[task.part.units[0]])
-                for k, index in enumerate(task.part.units):
-                    stats.ran(index, node, traffic if k == 0 else CacheTraffic(0, 0), sent_to)
+                stats.ran(task.part.units, node, traffic, node_of(units[task.part.units[0]]))
             progress.advance(sum(result.bytes_read))
             stats.add(result, units=len(task.part.units))
             stats.parts += 1

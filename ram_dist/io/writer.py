@@ -1,19 +1,17 @@
-"""Write safetensors shards as a stream, publish them atomically, write the index last.
+"""Safetensors shard headers, files published atomically, and the index, written last.
 
 The header of an output shard is known before any tensor is computed (names, dtypes and
-shapes come from the base), so a shard is written front to back: header, then each work
-unit's bytes in order. Nothing is visible at the final name until every byte is written:
-a local file is written under a temporary name and renamed; an object store upload
-(a multipart upload on S3) is completed only on commit and aborted on failure.
+shapes come from the base), so workers can write a shard's parts anywhere in it (`sinks`).
+`AtomicFile` makes small files and streamed shards visible at their final name only when
+every byte is written: a local file under a temporary name, then renamed; an object store
+upload (a multipart upload on S3) completed only on commit and aborted on failure.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -106,53 +104,6 @@ def shard_header(tensors: list[OutTensor]) -> bytes:
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
     return len(body).to_bytes(8, "little") + body
-
-
-class ShardWriter:
-    """Runs on the driver: streams one output shard, published only when complete. Each
-    block is hashed in a thread of its own while it is written (both release the GIL), so
-    the sha256 the manifest records costs no time on the write path."""
-
-    def __init__(
-        self, out_url: str, file_name: str, tensors: list[OutTensor], storage: Storage
-    ) -> None:
-        self.final_url = join(out_url, file_name)
-        header = shard_header(tensors)
-        self.expected = len(header) + sum(t.nbytes for t in tensors)
-        self._hash = hashlib.sha256(header)
-        self._file = AtomicFile(self.final_url, storage)
-        self._file.write(header)
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ram-dist-sha256")
-
-    @property
-    def written(self) -> int:
-        return self._file.written
-
-    def write(self, data: bytes | memoryview) -> None:
-        hashed = self._hasher.submit(self._hash.update, data)
-        try:
-            self._file.write(data)
-        finally:
-            hashed.result()
-
-    @property
-    def sha256(self) -> str:
-        return self._hash.hexdigest()
-
-    def commit(self) -> None:
-        """Publish; refuses a shard whose size is not what its header says."""
-        if self.written != self.expected:
-            self.discard()
-            raise RuntimeError(
-                f"{self.final_url}: wrote {self.written} bytes, expected {self.expected}"
-            )
-        self._hasher.shutdown()
-        self._file.commit()
-
-    def discard(self) -> None:
-        """Drop what was written after a failure; never touches the final name."""
-        self._hasher.shutdown()
-        self._file.discard()
 
 
 def write_index(
