@@ -12,9 +12,12 @@ import os
 import shutil
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from ram_dist.config import MergeConfig
 
 State = dict[str, torch.Tensor]
 INDEX_NAME = "model.safetensors.index.json"
@@ -228,3 +231,14 @@ def build_model_set(
         save_checkpoint(task, task_dir, max_shard_bytes=task_shard, copy_from=base_dir)
         task_dirs.append(task_dir)
     return base_dir, task_dirs, base, tasks
+
+
+def merge_config(base, tasks, out, options: dict | None = None, **kw: Any) -> MergeConfig:
+    """A `MergeConfig` from paths or URLs, with `options` as its storage options."""
+    return MergeConfig(
+        base=str(base),
+        tasks=tuple(map(str, tasks)),
+        out=str(out),
+        storage_options=options or {},
+        **kw,
+    )

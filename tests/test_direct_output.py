@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from builders import build_model_set, load_checkpoint
+from builders import build_model_set, load_checkpoint, merge_config
 from reference import reference_merge
 
 from ram_dist.config import MergeConfig
@@ -32,15 +32,7 @@ def tiny(tmp_path_factory) -> dict:
 
 
 def _merge(base, tasks, out, options=None, **kw) -> dict:
-    return driver.merge(
-        MergeConfig(
-            base=str(base),
-            tasks=tuple(map(str, tasks)),
-            out=str(out),
-            storage_options=options or {},
-            **kw,
-        )
-    )
+    return driver.merge(merge_config(base, tasks, out, options, **kw))
 
 
 def _written_by_this_process() -> int:

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import INDEX_NAME, build_model_set, load_checkpoint
+from builders import INDEX_NAME, build_model_set, load_checkpoint, merge_config
 from gcs_server import GcsServer, bucket_fs, running_gcs_server, storage_options
 from reference import reference_merge
 from s3_server import LOCATION_DEPENDENT, header_read_bytes
 
-from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
 from ram_dist.errors import RamDistError
 from ram_dist.io.storage import Storage
@@ -68,15 +67,7 @@ def models(tmp_path_factory, fs) -> dict:
 
 def _merge(base, tasks, out, options=None, **kw) -> dict:
     kw.setdefault("chunk_bytes", 8192)
-    return driver.merge(
-        MergeConfig(
-            base=str(base),
-            tasks=tuple(map(str, tasks)),
-            out=str(out),
-            storage_options=options or {},
-            **kw,
-        )
-    )
+    return driver.merge(merge_config(base, tasks, out, options, **kw))
 
 
 @pytest.mark.usefixtures("ray_gcs")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import build_model_set, load_checkpoint, save_checkpoint
+from builders import build_model_set, load_checkpoint, merge_config, save_checkpoint
 from reference import reference_merge
 from s3_server import (
     LOCATION_DEPENDENT,
@@ -147,10 +147,7 @@ def models(tmp_path_factory, fs) -> dict:
 
 def _config(base, tasks, out, options=None, **kw) -> MergeConfig:
     kw.setdefault("chunk_bytes", 8192)
-    return MergeConfig(
-        base=str(base), tasks=tuple(map(str, tasks)), out=str(out), storage_options=options or {},
-        **kw,
-    )  # fmt: skip
+    return merge_config(base, tasks, out, options, **kw)
 
 
 def _fetched(server: CountingMotoServer, prefix: str = "in/") -> int:

@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 import s3fs
 import torch
-from builders import build_model_set, load_checkpoint, save_checkpoint
+from builders import build_model_set, load_checkpoint, merge_config, save_checkpoint
 from reference import reference_merge
 from s3_server import (
     LOCATION_DEPENDENT,
     header_read_bytes,
 )
 
-from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
 from ram_dist.engine.layout import build_layout
 from ram_dist.engine.work import read_unit
@@ -45,15 +44,7 @@ def models(tmp_path_factory, fs) -> dict:
 
 def _merge(base, tasks, out, options=None, **kw) -> dict:
     kw.setdefault("chunk_bytes", 8192)
-    return driver.merge(
-        MergeConfig(
-            base=str(base),
-            tasks=tuple(map(str, tasks)),
-            out=str(out),
-            storage_options=options or {},
-            **kw,
-        )
-    )
+    return driver.merge(merge_config(base, tasks, out, options, **kw))
 
 
 @pytest.mark.usefixtures("ray_s3")
