@@ -537,7 +537,8 @@ def test_runtime_env_installs_the_package_dependencies():
 
 def _dockerfile() -> dict:
     """ARG defaults, the FROM image (ARGs expanded), COPY sources/destinations, RUN lines,
-    LABELs, from k8s/Dockerfile (continuation lines joined)."""
+    LABELs, and every (instruction, arguments) in order, from k8s/Dockerfile (continuation
+    lines joined)."""
     text = (K8S / "Dockerfile").read_text()
     logical, current = [], ""
     for line in text.splitlines():
@@ -548,9 +549,11 @@ def _dockerfile() -> dict:
             logical.append(current.strip())
             current = ""
     out: dict[str, Any] = {"args": {}, "from": None, "copies": [], "runs": [], "labels": {}}
+    out["steps"] = []
     for line in logical:
         instruction, _, rest = line.partition(" ")
         instruction = instruction.upper()
+        out["steps"].append((instruction, rest))
         if instruction == "ARG" and "=" in rest:
             name, _, default = rest.partition("=")
             out["args"].setdefault(name, default)
@@ -616,6 +619,35 @@ def test_image_recipe_installs_this_package_at_the_version_the_manifests_call():
             assert (JOBS / script.name).is_file()
     include = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
     assert "ram_dist*" in include
+
+
+def test_image_warms_the_kernels_it_installed():
+    """After the install, the image compiles the fused kernels into numba's cache beside the
+    installed package (not a cache directory of its own), as the user its pods run as."""
+    from ram_dist.kernels import warm
+
+    steps = _dockerfile()["steps"]
+    commands = [
+        (i, shlex.split(part))
+        for i, (instruction, rest) in enumerate(steps)
+        if instruction == "RUN"
+        for part in rest.split("&&")
+    ]
+    install = next(i for i, words in commands if words[:2] == ["pip", "install"])
+    (step, words), *others = [
+        (i, w) for i, w in commands if w[:3] == ["python", "-m", warm.__name__]
+    ]
+    assert not others and step > install, "warm the kernels once, after installing them"
+    # Every dtype, at least the default task counts, into numba's default place.
+    args = warm.build_parser().parse_args(words[3:])
+    assert args.cache_dir is None and not args.dtype and not args.out_dtype
+    assert args.tasks >= warm.TASKS
+    assert not any("NUMBA_CACHE_DIR" in rest for _, rest in steps)
+    # Written as the user that owns site-packages and that the pods run as (the last USER).
+    users = [
+        (i, rest.strip()) for i, (instruction, rest) in enumerate(steps) if instruction == "USER"
+    ]
+    assert [user for i, user in users if i < step][-1] == users[-1][1] == "ray"
 
 
 def test_docs_build_and_run_the_version_the_manifests_call():

@@ -2,11 +2,16 @@
 
 Import `ram_dist.kernels.ram_numba` only when `available()`; the eager torch methods give
 the same bytes and remain the fallback (and the only path for float64 tensors).
+
+The kernels are compiled once per signature and CPU, into numba's disk cache (see
+`use_writable_cache`); `python -m ram_dist.kernels.warm` fills it ahead of the jobs.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,3 +31,29 @@ def take(state: Mapping[str, Any], inputs: Sequence[torch.Tensor]) -> bool:
     from ram_dist.kernels import ram_numba
 
     return ram_numba.supports([t.dtype for t in inputs])
+
+
+def _probe() -> None:
+    """A function of this directory, for `use_writable_cache`'s question to numba."""
+
+
+def use_writable_cache() -> None:
+    """Give numba a cache directory it can write, before a kernel module is compiled.
+
+    numba caches into `NUMBA_CACHE_DIR` when set, else `__pycache__` beside the kernel
+    modules when writable (a checkout, or an install the user owns, as in the image), else
+    its user-wide directory (`$XDG_CACHE_HOME/numba` or `~/.cache/numba`); later runs load
+    from the same place. Where none is writable (a root-owned install run by a user whose
+    HOME is read-only or missing, e.g. an arbitrary uid on Kubernetes), numba refuses to
+    import the kernels at all; then cache in `<tempdir>/numba-cache-<uid>` (Ray needs a
+    writable temp dir anyway), which later runs on the host reuse."""
+    from numba.core import config
+    from numba.core.caching import FunctionCache
+
+    if config.CACHE_DIR:
+        return
+    try:
+        FunctionCache(_probe)  # what `@njit(cache=True)` does when the module is imported
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        config.CACHE_DIR = os.path.join(tempfile.gettempdir(), f"numba-cache-{uid}")

@@ -56,6 +56,8 @@ from numba import literal_unroll, njit, types
 from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic, overload, register_jitable
 
+from ram_dist.kernels import use_writable_cache
+
 #: Elements per tile: the float32 scratch of base and tasks plus four work rows stay in L2.
 TILE = 4096
 #: Up to this many tasks, the counting pass keeps a histogram of active-task bit patterns
@@ -80,6 +82,8 @@ _TWO_M24 = np.float32(2.0**-24)
 #: fastmath off (no FMA contraction, IEEE NaN/inf/subnormal semantics); numpy error model
 #: (x / 0 is inf or NaN, as in torch, instead of an exception); no GIL held.
 _OPTIONS = {"fastmath": False, "nogil": True, "error_model": "numpy"}
+
+use_writable_cache()  # before the first `@njit(cache=True)` picks numba's cache directory
 
 
 # ---- bit casts -------------------------------------------------------------------------

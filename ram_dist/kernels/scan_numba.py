@@ -12,6 +12,10 @@ import numpy as np
 import torch
 from numba import njit
 
+from ram_dist.kernels import use_writable_cache
+
+use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
+
 #: Raw-bits view and exponent mask of each floating dtype the engine reads.
 _EXPONENT = {
     torch.float64: (np.uint64, np.uint64(0x7FF0000000000000)),

@@ -1,0 +1,166 @@
+"""Build numba's disk cache for the fused kernels, so that jobs load them instead of compiling.
+
+    python -m ram_dist.kernels.warm [--tasks 8] [--dtype bf16 ...] [--out-dtype bf16 ...]
+                                    [--cache-dir DIR]
+
+Every `@njit(cache=True)` kernel compiles one specialization per argument types: per number
+of tasks, per dtype of each input and per output dtype, about a second each, in every
+worker process that finds it in no cache (loading one takes about 10 ms). This calls every
+kernel through its public wrapper, on tiny inputs, so that the signatures are exactly those
+a job meets: base and tasks of one dtype (bfloat16, float16, float32; mixed dtypes are not
+warmed), 1 to `--tasks` tasks, and every output dtype a merge kernel writes (those three
+and float64). All of it, 243 specializations, takes about 4 minutes on one core.
+
+The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
+beside the kernel modules when that is writable, else numba's user-wide cache directory
+(`~/.cache/numba`), else a directory in the temp dir (`ram_dist.kernels.use_writable_cache`).
+Entries are keyed on the kernel source and on the CPU (model name and features): on another
+CPU a job compiles again. Prints, per kernel, what was compiled and what loaded; exits 1 if
+a call failed, 2 if numba would not cache into `--cache-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+#: --dtype names -> torch dtype names (the inputs' dtype).
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: --out-dtype names: every output dtype the merge kernels write.
+OUT_DTYPES = {**DTYPES, "fp64": "float64"}
+#: Task counts 1..TASKS by default (the methods take any number).
+TASKS = 8
+EPS = 1e-5
+N = 16  # elements per input
+
+
+def dispatchers() -> dict[str, Any]:
+    """Every cached kernel (a numba dispatcher) by name, `module.function`."""
+    from ram_dist.kernels import ram_numba, scan_numba, ties_numba
+
+    found = (
+        ram_numba._count_kernel, ram_numba._merge_kernel,
+        ties_numba._stats_kernel, ties_numba._merge_kernel, scan_numba._count,
+    )  # fmt: skip
+    return {f"{k.py_func.__module__.rsplit('.', 1)[-1]}.{k.__name__}": k for k in found}
+
+
+def calls(
+    dtypes: list[str], tasks: int, out_dtypes: list[str]
+) -> Iterator[tuple[Any, str, Callable[[], Any]]]:
+    """(dispatcher, label, call) for every specialization to warm."""
+    import torch
+
+    from ram_dist.kernels import ram_numba, scan_numba, ties_numba
+
+    for name in dtypes:
+        for n in range(1, tasks + 1):
+            base = torch.zeros(N, dtype=getattr(torch, name))
+            agents = [torch.zeros_like(base) for _ in range(n)]
+            label = f"{name} x {n}"
+            ties_args = dict(
+                weights=[1.0] * n,
+                keep=[ties_numba.KEEP_ALL] * n,
+                cuts=[(-1, -1)] * n,
+                start=0,
+                consensus=True,
+                normalize=True,
+                divisor=1.0,
+                lambda_=1.0,
+            )
+            counts = partial(ram_numba.overlap_counts_nonfinite, base, agents, EPS)
+            stats = partial(ties_numba.statistics, base, agents, ties_numba.HIGH, 1 << 15)
+            yield ram_numba._count_kernel, label, counts
+            yield ties_numba._stats_kernel, label, stats
+            for out_name in out_dtypes:
+                out = torch.empty(N, dtype=getattr(torch, out_name))
+                ram = partial(ram_numba.merge_ram, base, agents, EPS, [1.0] * n, out)
+                ties = partial(ties_numba.merge, base, agents, out, **ties_args)
+                yield ram_numba._merge_kernel, f"{label} -> {out_name}", ram
+                yield ties_numba._merge_kernel, f"{label} -> {out_name}", ties
+    # The finiteness scan reads raw bits: one specialization per width (float64 included).
+    for name in ("bfloat16", "float32", "float64"):
+        x = torch.zeros(N, dtype=getattr(torch, name))
+        yield scan_numba._count, name, partial(scan_numba.nonfinite_count, x)
+
+
+def warm(dtypes: list[str], tasks: int, out_dtypes: list[str], cache_dir: str | None = None) -> int:
+    """Compile or load every specialization, printing a line per kernel; the exit code."""
+    found = dispatchers()
+    paths = {k.stats.cache_path for k in found.values()}
+    for path in sorted(paths):
+        print(f"numba cache: {path}", flush=True)
+    if cache_dir is not None:
+        root = os.path.join(os.path.abspath(cache_dir), "")
+        elsewhere = sorted(p for p in paths if not os.path.abspath(p).startswith(root))
+        if elsewhere:
+            why = f"not a writable directory? numba would use {elsewhere[0]}"
+            print(f"error: numba cannot cache into {cache_dir} ({why})", file=sys.stderr)
+            return 2
+    seconds = dict.fromkeys(found, 0.0)
+    names = {id(k): name for name, k in found.items()}
+    failed = 0
+    start = time.perf_counter()
+    for kernel, label, call in calls(dtypes, tasks, out_dtypes):
+        began = time.perf_counter()
+        try:
+            call()
+        except Exception as exc:  # report every failure, then exit non-zero
+            what = f"{names[id(kernel)]} [{label}]: {type(exc).__name__}: {exc}"
+            print(f"FAILED {what}", file=sys.stderr)
+            failed += 1
+        seconds[names[id(kernel)]] += time.perf_counter() - began
+    total = 0
+    for name, kernel in found.items():
+        compiled = sum(kernel.stats.cache_misses.values())
+        loaded = sum(kernel.stats.cache_hits.values())
+        total += compiled + loaded
+        print(f"{name:<28}{compiled:>4} compiled {loaded:>4} loaded {seconds[name]:>8.1f} s")
+    what = f"{', '.join(dtypes)}; 1..{tasks} tasks; out {', '.join(out_dtypes)}"
+    elapsed = time.perf_counter() - start
+    print(f"{total} specializations ({what}) in {elapsed:.1f} s; {failed} failed")
+    return 1 if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ram_dist.kernels.warm", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--tasks", type=int, default=TASKS, help=f"warm 1 to TASKS tasks (default {TASKS})"
+    )
+    parser.add_argument(
+        "--dtype",
+        action="append",
+        choices=list(DTYPES),
+        help="the inputs' dtype; repeat for more (default: all)",
+    )
+    parser.add_argument(
+        "--out-dtype",
+        action="append",
+        choices=list(OUT_DTYPES),
+        help="a merge's output dtype; repeat for more (default: all)",
+    )
+    parser.add_argument("--cache-dir", help="numba's cache directory (sets NUMBA_CACHE_DIR)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.tasks < 1:
+        parser.error("--tasks must be at least 1")
+    if args.cache_dir is not None:
+        os.environ["NUMBA_CACHE_DIR"] = args.cache_dir  # read when numba is first imported
+    dtypes = [DTYPES[d] for d in args.dtype or DTYPES]
+    out_dtypes = [OUT_DTYPES[d] for d in args.out_dtype or OUT_DTYPES]
+    return warm(dtypes, args.tasks, out_dtypes, args.cache_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
