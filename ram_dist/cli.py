@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import os
+import signal
 import sys
+import threading
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ram_dist import __version__
+from ram_dist.engine.devices import DEVICES
 from ram_dist.engine.sizing import MAX_CHUNK_BYTES
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import MODES as CACHE_MODES
@@ -135,6 +142,13 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
         help="work units at once (default: one per CPU or GPU of the cluster, as many queued)",
     )
     p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=None,
+        help="auto: one unit per GPU where the cluster has GPUs, else per CPU (default); "
+        "cpu: every CPU with the fused kernels, GPUs or not; cuda: the GPUs, or refuse to start",
+    )
+    p.add_argument(
         "--allow-nonfinite",
         action="store_true",
         help="merge inputs that hold NaN or Inf instead of refusing them",
@@ -214,6 +228,8 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
             raise RamDistError(f"--chunk-mb must be positive, got {args.chunk_mb}")
         kwargs["chunk_bytes"] = max(1, int(args.chunk_mb * 2**20))
     kwargs["workers"] = args.workers
+    if args.device is not None:
+        kwargs["device"] = args.device
     kwargs["allow_nonfinite"] = args.allow_nonfinite
     kwargs["log_format"] = args.log_format
     kwargs["kernels"] = args.kernels
@@ -271,14 +287,28 @@ def write_probe_files(report: dict[str, Any], json_path: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return _dispatch(args)
-    except RamDistError as e:
-        print(f"ram-dist: error: {e}", file=sys.stderr)
-        return 2
+    with contextlib.ExitStack() as last:  # a Ray this command starts is stopped after it ends
+        try:
+            return _dispatch(args, last)
+        except RamDistError as e:
+            print(f"ram-dist: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("ram-dist: interrupted; nothing more was published", file=sys.stderr)
+            return 130
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
 
 
-def _dispatch(args: argparse.Namespace) -> int:
+def _stop_on_sigterm() -> None:
+    """SIGTERM (a pod being stopped, a `timeout`) ends the command like Ctrl-C does, through
+    every cleanup: the lease released, an embedded Ray stopped, nothing published."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+def _dispatch(args: argparse.Namespace, last: contextlib.ExitStack) -> int:
     if args.command == "verify":
         from ram_dist.io.storage import Storage
         from ram_dist.verify import verify
@@ -291,26 +321,35 @@ def _dispatch(args: argparse.Namespace) -> int:
             return 1
         print(f"{args.out}: {checked} shard(s) match the manifest; index consistent")
         return 0
+    from ram_dist.engine.runtime import ray_session, ray_stopped_last
+    from ram_dist.report import format_plan, format_report
+
+    last.enter_context(ray_stopped_last())
+    _stop_on_sigterm()
     if args.command == "demo":
         from ram_dist.demo import run_demo
 
         run_demo(args.dir, address=args.address)
         return 0
-    from ram_dist.engine import driver
-    from ram_dist.report import format_plan, format_report
 
     if args.command == "probe" and args.out_positional is not None:
         raise RamDistError("probe writes no model: give no output location")
-    config = config_from_args(args)
     if args.command == "plan" or getattr(args, "dry_run", False):
+        from ram_dist.engine import driver
+
+        config = config_from_args(args)
         planned = driver.plan(config)
         if config.log_format == "json":
             print(json.dumps(planned, indent=2, default=str))
         else:
             print(format_plan(planned))
         return 0
+    # Below, the engine (torch and all) is imported, and the inputs checked, in the thread
+    # that runs while Ray starts (`ray_session`).
     if args.command == "probe":
-        report = driver.probe(config)
+        checks = lambda: _driver().probe_checks(config_from_args(args))  # noqa: E731
+        with ray_session(args.address, checks) as (cluster, job):
+            report = _driver().probe_on(job, cluster)
         if args.output_format == "markdown":
             from ram_dist.figures import markdown_summary
 
@@ -320,9 +359,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.json_path:
             write_probe_files(report, args.json_path)
         return 0
-    if config.out is None:
-        raise RamDistError("merge needs an output location: --out PATH")
-    report = driver.merge(config)
+
+    def merge_checks(held: contextlib.ExitStack) -> tuple[MergeConfig, Any]:
+        config = config_from_args(args)
+        if config.out is None:
+            raise RamDistError("merge needs an output location: --out PATH")
+        return config, _driver().merge_checks(config, held)
+
+    with contextlib.ExitStack() as held:
+        with ray_session(args.address, lambda: merge_checks(held)) as (cluster, (config, claim)):
+            report = _driver().merge_on(claim, cluster)
     if report.get("already_complete"):
         print(f"{config.out}: already holds this merge, complete; nothing to do")
         return 0
@@ -340,5 +386,22 @@ def _dispatch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _driver() -> ModuleType:
+    from ram_dist.engine import driver
+
+    return driver
+
+
+def run() -> None:
+    """The `ram-dist` executable: `main`, then exit at once. Everything the command wrote is
+    closed and an embedded Ray is stopped by then; tearing down torch's, numba's and Ray's
+    modules one by one at interpreter exit costs about a second for nothing."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

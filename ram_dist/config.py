@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ram_dist.dtypes import parse_out_dtype
+from ram_dist.engine.devices import DEVICES
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import MODES as CACHE_MODES
 from ram_dist.io.storage import Storage
@@ -40,6 +41,10 @@ class MergeConfig:
     and memory (`engine.sizing`, at most 256 MiB)."""
     workers: int | None = None
     """Work units running at once; None uses every CPU (or GPU) of the cluster."""
+    device: str = "auto"
+    """`auto`: one unit per GPU where the cluster has GPUs, else per CPU; `cpu`: every CPU
+    with the fused kernels, GPUs or not; `cuda`: the GPUs, refusing a cluster without any
+    (`engine.devices`). Never changes a byte."""
     address: str | None = None
     """Ray cluster address; None uses RAY_ADDRESS or starts a local Ray."""
     overwrite: bool = False
@@ -79,6 +84,8 @@ class MergeConfig:
             )
         object.__setattr__(self, "task_parameters", tuple(self.task_parameters))
         get_method(self.method)  # raises on an unknown method
+        if self.device not in DEVICES:
+            raise RamDistError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.kernels not in ("auto", "eager"):
             raise RamDistError(f"kernels must be auto or eager, got {self.kernels!r}")
         if self.log_format not in ("text", "json"):
@@ -122,6 +129,8 @@ def load_yaml(path: str) -> dict[str, Any]:
     }
     if spec.out_dtype is not None:
         kwargs["out_dtype"] = spec.out_dtype
+    if spec.device is not None:
+        kwargs["device"] = spec.device
     if spec.storage_options:
         kwargs["storage_options"] = {k: dict(v) for k, v in spec.storage_options.items()}
     return kwargs

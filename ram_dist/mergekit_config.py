@@ -21,6 +21,7 @@ What a mergekit configuration may say, for the methods ram-dist runs (`ram`, `ra
     out_dtype: bfloat16
     tokenizer_source: base
     storage_options: {s3: {endpoint_url: ...}}   # ram-dist's own: fsspec options per protocol
+    device: auto                                  # ram-dist's own: auto, cpu or cuda
 
 A parameter's value is a scalar, a list of numbers interpolated across the layers (a
 "gradient"), or a list of `{filter, value}` entries whose filters are matched as substrings of
@@ -63,6 +64,7 @@ from typing import Any
 
 import yaml
 
+from ram_dist.engine.devices import DEVICES as _DEVICES
 from ram_dist.errors import RamDistError
 
 __all__ = [
@@ -185,6 +187,8 @@ class JobSpec:
         default_factory=dict, repr=False, compare=False, hash=False
     )
     """fsspec options per protocol (ram-dist's own key); may hold secrets, never printed."""
+    device: str | None = None
+    """auto, cpu or cuda (ram-dist's own key, as `--device`); None: not given."""
     notes: tuple[str, ...] = ()
     """What was accepted but changed or ignored, one sentence each."""
     where: str = field(default="", compare=False)
@@ -256,6 +260,7 @@ TOP_KEYS = (
     "out_dtype",
     "tokenizer_source",
     "storage_options",
+    "device",
 )
 #: Keys `effective_config` writes that carry no setting: read back and ignored.
 _RECORD_KEYS = ("notes", "storage_protocols")
@@ -477,6 +482,9 @@ def parse_mergekit_config(raw: Any, where: str) -> JobSpec:
             f"{p}: storage_options must map a protocol to its fsspec options, "
             "e.g. {s3: {endpoint_url: ...}}"
         )
+    device = raw.get("device")
+    if device is not None and device not in _DEVICES:
+        raise RamDistError(f"{p}: device {device!r} is not one of {', '.join(_DEVICES)}")
     record = raw.get("notes")
     if record is not None and not isinstance(record, list):
         raise RamDistError(f"{p}: notes (written by ram-dist) must be a list")
@@ -490,6 +498,7 @@ def parse_mergekit_config(raw: Any, where: str) -> JobSpec:
         out_dtype=out_dtype,
         tokenizer_source=tokenizer_source,
         storage_options=storage,
+        device=device,
         notes=tuple(notes),
         where=where,
     )
@@ -748,6 +757,8 @@ def effective_config(spec: JobSpec) -> dict[str, Any]:
         out["tokenizer_source"] = spec.tokenizer_source
     if spec.storage_options:
         out["storage_protocols"] = sorted(spec.storage_options)
+    if spec.device is not None:
+        out["device"] = spec.device
     if spec.notes:
         out["notes"] = list(spec.notes)
     return out

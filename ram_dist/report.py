@@ -82,6 +82,9 @@ def format_plan(plan: dict[str, Any]) -> str:
         "numba, Ray: about 0.25 GiB on CPU)",
         _cache_line(plan.get("input_cache")),
     ]
+    device = plan.get("device")
+    if device is not None:
+        lines.append(f"device: {device['device'] or 'not known yet'} ({device['reason']})")
     out = plan["output"]
     if out is None:
         lines.append("output: none given")

@@ -17,19 +17,24 @@ import os
 import shutil
 import uuid
 from dataclasses import replace
+from functools import partial
 from typing import Any
+
+import ray
 
 from ram_dist import __version__
 from ram_dist.config import MergeConfig
 from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
+from ram_dist.engine.devices import DeviceChoice, choose_device
 from ram_dist.engine.effective import CONFIG_NAME, render
 from ram_dist.engine.job import Job, prepare
 from ram_dist.engine.output import OutputState, check_writable, clear_published, open_output
 from ram_dist.engine.passes import PassStats, ShardBook, map_pass, reduce_pass
 from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
 from ram_dist.engine.progress import Progress
-from ram_dist.engine.runtime import ray_cluster
+from ram_dist.engine.runtime import Cluster, ray_session
+from ram_dist.engine.sizing import machine
 from ram_dist.engine.work import COMPUTE_BLOCK
 from ram_dist.errors import RamDistError
 from ram_dist.io.files import copy_files, non_weight_files
@@ -46,11 +51,18 @@ from ram_dist.model_card import model_card
 REPORT_NAME = "merge_report.json"
 CARD_NAME = "README.md"
 
-__all__ = ["REPORT_NAME", "merge", "plan", "prepare", "probe"]
+__all__ = ["REPORT_NAME", "merge", "merge_checks", "merge_on", "plan", "prepare", "probe"]
 
 
 def probe(config: MergeConfig) -> dict[str, Any]:
-    """Run RAM's reduce pass only (whatever the method) and return the statistics report."""
+    """Run RAM's reduce pass only (whatever the method) and return the statistics report.
+    The checks run while Ray starts."""
+    with ray_session(config.address, partial(probe_checks, config)) as (cluster, job):
+        return probe_on(job, cluster)
+
+
+def probe_checks(config: MergeConfig) -> Job:
+    """Everything `probe` does before it needs Ray: the checks and the plan."""
     if not isinstance(get_method(config.method), RamMethod):
         ram_keys = {"r", "alpha", "epsilon"}
         config = replace(
@@ -60,16 +72,45 @@ def probe(config: MergeConfig) -> dict[str, Any]:
             task_parameters=(),
         )
     job = prepare(config)
-    progress = Progress(config.log_format)
-    progress.event("job_start", command="probe", method="ram statistics", units=len(job.units))
-    with ray_cluster(config.address) as cluster:
-        job = job.replanned(cluster.gpus or cluster.cpus, cluster.memory)
-        state, stats = reduce_pass(job, cluster, progress)
-    return _report(job, state, {"reduce": stats.as_dict()}, [stats])
+    Progress(config.log_format).event(
+        "job_start", command="probe", method="ram statistics", units=len(job.units)
+    )
+    return job
+
+
+def probe_on(job: Job, cluster: Cluster) -> dict[str, Any]:
+    """`probe` once Ray is up and `probe_checks` has passed."""
+    device = choose_device(job.config.device, cluster.gpus, cluster.cpus)
+    job = job.replanned(device.slots, cluster.memory)
+    state, stats = reduce_pass(job, cluster, Progress(job.config.log_format))
+    return _report(job, state, {"reduce": stats.as_dict()}, [stats], device)
+
+
+Claim = dict[str, Any] | tuple[Job, OutputState, OutputLease]
+"""What `merge_checks` gives: the stored report of a finished output, or what to merge."""
 
 
 def merge(config: MergeConfig) -> dict[str, Any]:
-    """Run (or resume) the whole merge; returns the report also written as merge_report.json."""
+    """Run (or resume) the whole merge; returns the report also written as merge_report.json.
+
+    Every check, and the claim on the output, runs while Ray starts."""
+    with contextlib.ExitStack() as held:
+        checks = partial(merge_checks, config, held)
+        with ray_session(config.address, checks) as (cluster, claim):
+            return merge_on(claim, cluster)
+
+
+def merge_on(claim: Claim, cluster: Cluster) -> dict[str, Any]:
+    """`merge` once Ray is up and `merge_checks` has passed."""
+    if isinstance(claim, dict):
+        return claim
+    return _merge_held(*claim, cluster)
+
+
+def merge_checks(config: MergeConfig, held: contextlib.ExitStack) -> Claim:
+    """Everything `merge` does before it needs Ray: every up-front check, then this run's
+    lease on the output (entered into `held`); or the stored report when the output already
+    holds this merge."""
     if config.out is None:
         raise RamDistError("merge needs an output location (--out)")
     job = prepare(config)
@@ -81,23 +122,28 @@ def merge(config: MergeConfig) -> dict[str, Any]:
     # One writer per output: claim it before writing anything, then look again under the
     # claim (a run that held it a moment ago may have written meanwhile).
     lease = OutputLease(job.out, job.storage, f"ram-dist merge {uuid.uuid4().hex[:12]}")
-    created = job.storage.is_local(job.out) and not os.path.exists(job.out)
-    try:
-        with lease:
-            state = open_output(job)
-            if state.finished:
-                return _finished_report(job)
-            return _merge_held(job, state, lease)
-    finally:
-        if created:  # the lease made the folder: leave none behind when nothing was written
-            with contextlib.suppress(OSError):
-                os.rmdir(job.out)
+    if job.storage.is_local(job.out) and not os.path.exists(job.out):
+        # The lease makes the folder: leave none behind when nothing was written.
+        held.callback(_remove_if_empty, job.out)
+    held.enter_context(lease)
+    state = open_output(job)
+    if state.finished:
+        return _finished_report(job)
+    return job, state, lease
 
 
-def _merge_held(job: Job, state: OutputState, lease: OutputLease) -> dict[str, Any]:
+def _remove_if_empty(folder: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
+
+
+def _merge_held(
+    job: Job, state: OutputState, lease: OutputLease, cluster: Cluster
+) -> dict[str, Any]:
     """The merge, once this run holds the output's lease."""
     config = job.config
     assert job.out is not None
+    device = choose_device(config.device, cluster.gpus, cluster.cpus)  # before anything runs
 
     def still_ours() -> None:
         if lease.lost:
@@ -116,42 +162,35 @@ def _merge_held(job: Job, state: OutputState, lease: OutputLease) -> dict[str, A
     )  # fmt: skip
     cache, cache_note = input_cache(job)
     first_node: dict[int, str] = {}
-    with ray_cluster(config.address) as cluster:
-        job = job.replanned(cluster.gpus or cluster.cpus, cluster.memory)
-        sink, pin_to = output_sink(job)
-        passes: dict[str, Any] = {}
-        measured: list[PassStats] = []
-        if manifest.statistics is not None:
-            state = manifest.statistics
-            passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
-        else:
-            state, reduce_stats = reduce_pass(job, cluster, progress, cache, sink.min_part_bytes)
-            first_node = reduce_stats.first_node
-            passes["reduce"] = reduce_stats.as_dict()
-            measured.append(reduce_stats)
-            fs.makedirs(path, exist_ok=True)
-            manifest.statistics = state
-            save_manifest(job.out, manifest, job.storage)
-        names = non_weight_files(job.base.url, job.storage)
-        copy_files(job.base.url, job.out, names, job.storage)
+    job = job.replanned(device.slots, cluster.memory)
+    sink, pin_to = output_sink(job)
+    passes: dict[str, Any] = {}
+    measured: list[PassStats] = []
+    if manifest.statistics is not None:
+        state = manifest.statistics
+        passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
+    else:
+        state, reduce_stats = reduce_pass(job, cluster, progress, cache, sink.min_part_bytes)
+        first_node = reduce_stats.first_node
+        passes["reduce"] = reduce_stats.as_dict()
+        measured.append(reduce_stats)
+        fs.makedirs(path, exist_ok=True)
+        manifest.statistics = state
+        save_manifest(job.out, manifest, job.storage)
+    names = non_weight_files(job.base.url, job.storage)
+    copy_files(job.base.url, job.out, names, job.storage)
 
-        done = [
-            s for s in manifest.shard_names if s in manifest.shards and fs.exists(join(path, s))
-        ]
-        for shard in done:
-            manifest.writing.pop(shard, None)
-        todo = [s for s in manifest.shard_names if s not in done]
-        book = ShardBook(
-            manifest, lambda: save_manifest(job.out, manifest, job.storage), still_ours
-        )
-        map_stats = map_pass(
-            job, cluster, state, todo, sink, book, progress, cache, first_node, pin_to
-        )
-        passes["map"] = map_stats.as_dict()
-        measured.append(map_stats)
-        cleaned = len(on_every_node(cache.remove)) if cache is not None else 0
+    done = [s for s in manifest.shard_names if s in manifest.shards and fs.exists(join(path, s))]
+    for shard in done:
+        manifest.writing.pop(shard, None)
+    todo = [s for s in manifest.shard_names if s not in done]
+    book = ShardBook(manifest, lambda: save_manifest(job.out, manifest, job.storage), still_ours)
+    map_stats = map_pass(job, cluster, state, todo, sink, book, progress, cache, first_node, pin_to)
+    passes["map"] = map_stats.as_dict()
+    measured.append(map_stats)
+    cleaned = len(on_every_node(cache.remove)) if cache is not None else 0
 
-    report = _report(job, state, passes, measured)
+    report = _report(job, state, passes, measured, device)
     report["input_cache"] = _cache_report(job, cache, cache_note)
     report["input_cache"]["nodes_cleaned"] = cleaned
     report["output"] = {
@@ -261,7 +300,10 @@ def plan(config: MergeConfig) -> dict[str, Any]:
     Writes nothing anywhere (a remote output's writability is not probed by a dry run).
     """
     job = prepare(config)
-    out: dict[str, Any] = {"output": None}
+    device, cluster = _planned_device(config)
+    if cluster is not None:
+        job = job.replanned(*cluster)
+    out: dict[str, Any] = {"output": None, "device": device}
     if job.out is not None:
         state = open_output(job)
         if job.storage.is_local(job.out):
@@ -317,6 +359,37 @@ def plan(config: MergeConfig) -> dict[str, Any]:
     return out
 
 
+def _planned_device(config: MergeConfig) -> tuple[dict[str, Any], tuple[int, int] | None]:
+    """The device a merge would choose (`choose_device`) and why, for `plan`, with the slots
+    and memory to plan units for; None for those where the cluster is not known without
+    connecting to it. The cluster is the Ray this process is connected to, else, with no
+    address, this machine (where a merge starts an embedded Ray)."""
+    if ray.is_initialized():
+        res = ray.cluster_resources()
+        gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 1))
+        memory = int(res.get("memory", 0))
+        where = "the Ray this process is connected to"
+    elif not (config.address or os.environ.get("RAY_ADDRESS")):
+        import torch
+
+        (cpus, memory), gpus = machine(), torch.cuda.device_count()
+        where = "this machine (a merge starts an embedded Ray)"
+    else:
+        how = {
+            "auto": "one unit per GPU if the cluster has GPUs, else per CPU: known once a merge "
+            "connects to it",
+            "cpu": "one unit per CPU of the cluster",
+            "cuda": "one unit per GPU; a cluster without GPUs is refused when a merge connects",
+        }[config.device]
+        device = None if config.device == "auto" else config.device
+        return {
+            "requested": config.device, "device": device, "gpus": None, "slots": None,
+            "reason": f"--device {config.device}: {how}", "cluster": None,
+        }, None  # fmt: skip
+    choice = choose_device(config.device, gpus, cpus)  # cuda without GPUs: refused here too
+    return {**choice.as_dict(), "cluster": where}, (choice.slots, memory)
+
+
 def _finished_report(job: Job) -> dict[str, Any]:
     """The stored report of a merge that is already complete; nothing is recomputed."""
     assert job.out is not None
@@ -328,7 +401,11 @@ def _finished_report(job: Job) -> dict[str, Any]:
 
 
 def _report(
-    job: Job, state: dict[str, Any], passes: dict[str, Any], measured: list[PassStats]
+    job: Job,
+    state: dict[str, Any],
+    passes: dict[str, Any],
+    measured: list[PassStats],
+    device: DeviceChoice,
 ) -> dict[str, Any]:
     config = job.config
     report: dict[str, Any] = {
@@ -340,6 +417,7 @@ def _report(
         "notes": list(config.notes),
         "out_dtype": config.out_dtype,
         "chunk_bytes": job.chunk_bytes,
+        "device": device.as_dict(),
     }
     report.update(job.method.report(state))
     for url, t in zip(config.tasks, report.get("tasks", []), strict=False):

@@ -20,6 +20,7 @@ import torch
 
 from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
+from ram_dist.engine.devices import choose_device
 from ram_dist.engine.job import Job
 from ram_dist.engine.pool import near, unordered_map
 from ram_dist.engine.progress import Progress
@@ -74,6 +75,12 @@ class PassStats:
     output_path_reason: str = ""
     bytes_written_by_workers: int = 0
     bytes_written_by_driver: int = 0
+    tasks: int = 0
+    tasks_on_gpu: int = 0
+    """Tasks that held a GPU Ray gave them (see `engine.devices`)."""
+    gpu_ids: set[str] = field(default_factory=set)
+    workers: set[str] = field(default_factory=set)
+    """The worker processes (`host:pid`) that ran the tasks: one per GPU task."""
 
     def ran(
         self, indices: Sequence[int], node: str, traffic: CacheTraffic, sent_to: str | None
@@ -92,6 +99,11 @@ class PassStats:
     def add(self, result: UnitResult, units: int = 1) -> None:
         bytes_read = result.bytes_read
         self.units += units
+        self.tasks += 1
+        self.tasks_on_gpu += bool(result.gpus)
+        self.gpu_ids.update(result.gpus)
+        if result.worker:
+            self.workers.add(result.worker)
         self.fused_elements += result.fused_elements
         self.bytes_read += sum(bytes_read)
         if not self.max_unit_bytes_read:
@@ -118,6 +130,10 @@ class PassStats:
             "units_per_node": dict(self.units_per_node),
             "units_sent_back": self.units_sent_back,
             "units_ran_there": self.units_ran_there,
+            "tasks": self.tasks,
+            "tasks_on_gpu": self.tasks_on_gpu,
+            "gpu_ids": sorted(self.gpu_ids),
+            "worker_processes": len(self.workers),
         }
         if self.output_path is not None:
             out.update(
@@ -135,13 +151,18 @@ class PassStats:
 
 def _options(job: Job, cluster: Cluster) -> tuple[int, dict[str, Any]]:
     """Units in flight, and the Ray options of each. With `--workers`, exactly that many run
-    at once; by default twice the cluster's CPUs (or GPUs) are submitted, Ray runs as many as
-    it has cores for, and the rest are queued so that a worker never waits on the driver."""
-    slots = cluster.gpus or cluster.cpus
-    in_flight = job.config.workers or 2 * slots
+    at once; by default twice the device's slots (the cluster's GPUs, or its CPUs; see
+    `choose_device`) are submitted, Ray runs as many as it has slots for, and the rest are
+    queued so that a worker never waits on the driver."""
+    choice = choose_device(job.config.device, cluster.gpus, cluster.cpus)
+    in_flight = job.config.workers or 2 * choice.slots
     resources: dict[str, Any] = {"num_cpus": 1, "max_retries": SYSTEM_RETRIES}
-    if cluster.gpus:
+    if choice.uses_gpus:
         resources["num_gpus"] = 1
+        # A fresh worker process per GPU task: Ray points CUDA_VISIBLE_DEVICES at the task's
+        # GPU when the task starts, but a process keeps the CUDA context it made first, so a
+        # reused worker would compute the next task on the GPU Ray gave the one before.
+        resources["max_calls"] = 1
     return in_flight, resources
 
 

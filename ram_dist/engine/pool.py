@@ -17,9 +17,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ram_dist.errors import RamDistError
 
 
-@ray.remote
-def _run(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
+def _call(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
     return ray.get_runtime_context().get_node_id(), fn(item, *shared)
+
+
+_run = ray.remote(_call)
+#: The same in a worker process that exits after one task: Ray takes `max_calls` only where a
+#: function is declared, never from `.options()`, so `resources` asking for `max_calls: 1`
+#: get this one.
+_run_once = ray.remote(max_calls=1)(_call)
 
 
 def unordered_map(
@@ -35,10 +41,16 @@ def unordered_map(
     bounds memory); one slow item never holds back the others' results.
 
     `shared` values are put in the object store once. `options_of(item)` may add Ray options
-    for one item (e.g. a scheduling strategy). A worker's `RamDistError` is raised again
-    here as itself, so the user sees its message rather than a Ray traceback.
+    for one item (e.g. a scheduling strategy). `resources` may hold `max_calls: 1` (a fresh
+    worker process per task). A worker's `RamDistError` is raised again here as itself, so
+    the user sees its message rather than a Ray traceback.
     """
-    remote = _run.options(**resources)
+    resources = dict(resources)
+    max_calls = resources.pop("max_calls", 0)
+    if max_calls not in (0, 1):
+        raise ValueError(f"max_calls must be 0 (no limit) or 1, got {max_calls}")
+    run = _run_once if max_calls == 1 else _run
+    remote = run.options(**resources)
     shared_refs = tuple(ray.put(v) for v in shared)
     pending: dict[ray.ObjectRef, Any] = {}
     queue = iter(items)
@@ -51,7 +63,7 @@ def unordered_map(
                     more = False
                     break
                 extra = options_of(item) if options_of is not None else None
-                task = _run.options(**resources, **extra) if extra else remote
+                task = run.options(**resources, **extra) if extra else remote
                 pending[task.remote(fn, item, *shared_refs)] = item
             if not pending:
                 return

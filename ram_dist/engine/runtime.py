@@ -1,14 +1,32 @@
-"""Connect to a Ray cluster, or start an embedded one when there is none. Driver side."""
+"""Connect to a Ray cluster, or start an embedded one when there is none. Driver side.
+
+Start-up and shutdown are most of a small merge's time, so the embedded Ray is started while
+the driver checks its inputs (`ray_session(..., checks)`), its workers are warmed as soon as
+it is up, and it is stopped by signalling its processes at once rather than one after
+another (`stop_embedded`), after the command has said how it ended (`ray_stopped_last`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Iterator
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
 
+import psutil
 import ray
+
+T = TypeVar("T")
+
+#: How long the raylet gets to stop its workers and agents before it is killed.
+RAYLET_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -24,27 +42,194 @@ class Cluster:
 
 @contextmanager
 def ray_cluster(address: str | None) -> Iterator[Cluster]:
+    """`ray_session` with nothing to check meanwhile."""
+    with ray_session(address, lambda: None) as (cluster, _):
+        yield cluster
+
+
+@contextmanager
+def ray_session(address: str | None, checks: Callable[[], T]) -> Iterator[tuple[Cluster, T]]:
     """Use the Ray already initialised in this process, else `address` / `RAY_ADDRESS`, else
-    start a local Ray for the duration of the job (and stop it afterwards)."""
-    started = False
-    if not ray.is_initialized():
-        # "local" always starts a new instance, never a `ray start` cluster found on disk.
-        address = address or os.environ.get("RAY_ADDRESS") or None
-        ray.init(
-            address=address or "local",
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=True,
-        )
-        started = True
+    start a local Ray for the duration of the job (and stop it afterwards).
+
+    `checks` runs in a thread while Ray starts (Ray must be started from the main thread);
+    its result comes with the cluster, its exception is raised once Ray is stopped again.
+    When Ray is already up, `checks` simply runs first."""
+    if ray.is_initialized():
+        checked = checks()
+        yield _cluster(embedded=False), checked
+        return
+    # "local" always starts a new instance, never a `ray start` cluster found on disk.
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    result: dict[str, Any] = {}
+
+    def run_checks() -> None:
+        try:
+            result["value"] = checks()
+        except BaseException as e:  # re-raised in the main thread
+            result["error"] = e
+
+    thread = threading.Thread(target=run_checks, name="ram-dist-checks", daemon=True)
+    thread.start()
+    embedded = not address
+    before = _ray_processes() if embedded else frozenset()
+    stop = partial(stop_embedded, before) if embedded else ray.shutdown
     try:
-        res = ray.cluster_resources()
-        yield Cluster(
-            cpus=max(1, int(res.get("CPU", 1))),
-            gpus=int(res.get("GPU", 0)),
-            embedded=started and not address,
-            memory=int(res.get("memory", 0)),
-        )
+        try:
+            with _quiet_token_notice(), _own_sigterm_handler():
+                ray.init(
+                    address=address or "local",
+                    include_dashboard=False,
+                    logging_level=logging.WARNING,
+                    log_to_driver=True,
+                )
+        finally:
+            thread.join()
+        if "error" in result:
+            raise result["error"]
+        cluster = _cluster(embedded=not address)
+        warm_workers(cluster.cpus)
+        yield cluster, result["value"]
     finally:
-        if started:
+        if _deferred is not None:
+            _deferred.append(stop)
+        else:
+            stop()
+
+
+def _cluster(embedded: bool) -> Cluster:
+    res = ray.cluster_resources()
+    return Cluster(
+        cpus=max(1, int(res.get("CPU", 1))),
+        gpus=int(res.get("GPU", 0)),
+        embedded=embedded,
+        memory=int(res.get("memory", 0)),
+    )
+
+
+@ray.remote(num_cpus=1)
+def _warm() -> None:
+    from ram_dist.engine.work import warm_up
+
+    warm_up()
+
+
+def warm_workers(slots: int) -> None:
+    """One task per slot that imports what the passes' tasks import and readies the fused
+    kernels' compiler, while the driver still plans: Ray keeps the warmed processes for the
+    job's tasks. Nothing waits on them; a failure here shows again in the real tasks."""
+    for _ in range(slots):
+        _warm.options(scheduling_strategy="SPREAD").remote()
+
+
+@contextmanager
+def _own_sigterm_handler() -> Iterator[None]:
+    """`ray.init` replaces the SIGTERM handler with its own (`sys.exit(15)`); put back one
+    the program chose (the CLI's ends the command like Ctrl-C) once Ray is up."""
+    main = threading.current_thread() is threading.main_thread()
+    chosen = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if callable(chosen):
+            signal.signal(signal.SIGTERM, chosen)
+
+
+class _TokenNotice(logging.Filter):
+    """Drops Ray's notice that token authentication is on: true and right for an embedded
+    Ray, but printed on every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
+@contextmanager
+def _quiet_token_notice() -> Iterator[None]:
+    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    notice = _TokenNotice()
+    log.addFilter(notice)
+    try:
+        yield
+    finally:
+        log.removeFilter(notice)
+
+
+def stop_embedded(earlier: frozenset[tuple[int, float]] = frozenset()) -> None:
+    """Stop the Ray this process started, in a fraction of `ray.shutdown()`'s time, which
+    terminates its processes one after another and waits up to a second for each (the
+    autoscaler monitor ignores SIGTERM and always costs that second). Here: disconnect, let
+    the raylet stop its workers and agents (SIGTERM, then SIGKILL after `RAYLET_GRACE_S`),
+    then kill the rest at once: an embedded Ray's GCS keeps nothing worth a clean stop.
+
+    Last, any of Ray's processes below this one that were not there before it started
+    (`earlier`) is killed: what a start cut short by a signal leaves, which Ray does not
+    know of yet, or an agent whose raylet had to be killed."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    processes = getattr(node, "all_processes", None)
+    try:
+        if not isinstance(processes, dict):  # not started, or not what this was written for
             ray.shutdown()
+            return
+        raylets = [p.process for p in processes.get("raylet", [])]
+        rest = [p.process for kind, ps in processes.items() if kind != "raylet" for p in ps]
+        ray._private.worker._global_node = None  # so that shutdown() only disconnects
+        try:
+            ray.shutdown()
+        finally:
+            _end(raylets, graceful=True)
+            _end(rest, graceful=False)
+    finally:
+        _kill_left(earlier)
+
+
+def _ray_processes() -> frozenset[tuple[int, float]]:
+    """Ray's processes below this one, by pid and start time."""
+    found: set[tuple[int, float]] = set()
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            line = " ".join(p.cmdline())
+            if p.name() in ("raylet", "gcs_server") or "ray::" in line or "/ray/" in line:
+                found.add((p.pid, p.create_time()))
+    return frozenset(found)
+
+
+def _kill_left(earlier: frozenset[tuple[int, float]]) -> None:
+    left = []
+    for pid, _ in _ray_processes() - earlier:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            p.kill()
+            left.append(p)
+    psutil.wait_procs(left, timeout=5)
+
+
+def _end(processes: list[subprocess.Popen[Any]], *, graceful: bool) -> None:
+    for p in processes:
+        with contextlib.suppress(OSError):
+            p.terminate() if graceful else p.kill()
+    for p in processes:
+        try:
+            p.wait(timeout=RAYLET_GRACE_S if graceful else 5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                p.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+
+
+_deferred: list[Callable[[], None]] | None = None
+
+
+@contextmanager
+def ray_stopped_last() -> Iterator[None]:
+    """Within this, a Ray started by `ray_session` is stopped only when the block ends (the
+    CLI's whole command), so that the result is out and the exit status decided before
+    Ray's processes are torn down."""
+    global _deferred
+    outer, _deferred = _deferred, []
+    try:
+        yield
+    finally:
+        stops, _deferred = _deferred, outer
+        for stop in stops:
+            stop()

@@ -8,12 +8,16 @@ and returned as raw little-endian bytes, ready to append to the output shard.
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import ray
 import torch
 
 from ram_dist import kernels
@@ -47,11 +51,49 @@ class UnitResult:
     """This worker's peak memory without Ray's shared object-store pages (`memory`)."""
     receipt: PartReceipt | None = None
     """Map pass: the part written (and its bytes, on the through-driver path)."""
+    gpus: tuple[str, ...] = ()
+    """The Ray GPU ids the task held (none: a CPU task, or run outside Ray)."""
+    worker: str = ""
+    """The process that ran the task: `host:pid`."""
+
+
+def task_gpus() -> tuple[str, ...] | None:
+    """The GPU ids Ray gave the running task (empty when it gave none); None outside a Ray
+    worker process (the driver, or a test calling the work inline)."""
+    if not ray.is_initialized():
+        return None
+    if ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+        return None
+    return tuple(str(g) for g in ray.get_gpu_ids())
 
 
 def device() -> torch.device:
-    """The GPU when this worker was given one, else the CPU: the bytes are the same."""
+    """The GPU when this task was given one, else the CPU: the bytes are the same. A Ray
+    task given no GPU computes on the CPU, with the fused kernels, even where CUDA is
+    visible (Ray leaves CUDA_VISIBLE_DEVICES alone for it: `--device cpu` on a GPU node);
+    outside Ray, the GPU whenever CUDA is available."""
+    if task_gpus() == ():
+        return torch.device("cpu")
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _ran_by() -> dict[str, Any]:
+    """What a task's result says of where it ran (`UnitResult.gpus`, `worker`)."""
+    return {"gpus": task_gpus() or (), "worker": f"{socket.gethostname()}:{os.getpid()}"}
+
+
+def warm_up() -> None:
+    """Ready this worker process for the passes' tasks (`runtime.warm_workers`): this module
+    and its imports are loaded by now; load the fused kernels' modules and numba's lowering
+    registries too, which the first kernel call would otherwise load (about half a second),
+    cached or not."""
+    if not kernels.available():
+        return
+    from numba.core.registry import cpu_target
+
+    from ram_dist.kernels import ram_numba, ties_numba  # noqa: F401
+
+    cpu_target.target_context.refresh()
 
 
 def _inputs_of(entry: TensorEntry) -> int:
@@ -117,7 +159,7 @@ class _Buffers:
             offsets.append(total)
             total += -(-size // self.ALIGN) * self.ALIGN
         if self._slots[slot].numel() < total:
-            pinned = torch.cuda.is_available()
+            pinned = device().type == "cuda"  # never a CUDA context in a CPU task
             self._slots[slot] = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
         whole = memoryview(self._slots[slot].numpy())
         return [whole[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
@@ -281,6 +323,7 @@ def reduce_group(
         max(r.peak_rss_bytes for r in results),
         nonfinite or None,
         peak_private_bytes=max(r.peak_private_bytes for r in results),
+        **_ran_by(),
     )
 
 
@@ -393,6 +436,7 @@ def map_part(
     return UnitResult(
         part.units[0] if part.units else -1, None, None, tuple(bytes_read), memory.peak_rss(),
         fused_elements=fused_elements, peak_private_bytes=memory.note(), receipt=receipt,
+        **_ran_by(),
     )  # fmt: skip
 
 
