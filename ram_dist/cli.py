@@ -271,6 +271,17 @@ def _per_task_flags(args: argparse.Namespace, n_tasks: int) -> list[dict[str, fl
     return out if any(out) else []
 
 
+def _make_folder_of(path: str) -> None:
+    """Create the folder `path` will be written to before any work, or say why not."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise RamDistError(f"cannot create {folder} for {path}: {e.strerror or e}") from None
+    if not os.access(folder, os.W_OK):
+        raise RamDistError(f"cannot write {path}: {folder} is not writable")
+
+
 def write_probe_files(report: dict[str, Any], json_path: str) -> list[str]:
     """The probe's JSON, and beside it the figures and the per-layer table."""
     from ram_dist.figures import write_figure2, write_layer_csv, write_layer_heatmap
@@ -347,6 +358,8 @@ def _dispatch(args: argparse.Namespace, last: contextlib.ExitStack) -> int:
     # Below, the engine (torch and all) is imported, and the inputs checked, in the thread
     # that runs while Ray starts (`ray_session`).
     if args.command == "probe":
+        if args.json_path:
+            _make_folder_of(args.json_path)
         checks = lambda: _driver().probe_checks(config_from_args(args))  # noqa: E731
         with ray_session(args.address, checks) as (cluster, job):
             report = _driver().probe_on(job, cluster)

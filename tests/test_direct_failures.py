@@ -140,7 +140,8 @@ def test_three_nodes_upload_parts_and_survive_a_killed_worker(big, options, fs, 
         thread.start()
         deadline = time.monotonic() + 240
         while not killed:
-            assert time.monotonic() < deadline and thread.is_alive(), errors
+            assert thread.is_alive(), f"merge ended before a ray::_run worker was killed: {errors}"
+            assert time.monotonic() < deadline, errors
             if server.uploaded_parts():  # the map pass is uploading; parts are in flight
                 for p in _map_task_workers(cluster.address)[:1]:
                     killed.append(p.pid)

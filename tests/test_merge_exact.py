@@ -114,15 +114,16 @@ def test_chunk_budget_and_worker_count_do_not_change_bytes(model_sets, tmp_path)
     expected, _ = reference_merge(base, tasks, "ram_plus")
     row_bytes = 64 * 4  # one 64-wide row of the float32 task
     digests = {}
-    for budget in (row_bytes, 1000, 4096, 65_536, 256 * 2**20):
-        for workers in (1, 2):
-            out = tmp_path / f"out-{budget}-{workers}"
-            report = _merge(base_dir, task_dirs, out, chunk_bytes=budget, workers=workers)
-            digests[(budget, workers)] = _digest(out)
-            for pass_name in ("reduce", "map"):
-                assert max(report["passes"][pass_name]["max_unit_bytes_read_per_input"]) <= budget
+    # Every budget, each worker count at small and large budgets, and both counts at one.
+    runs = [(row_bytes, 2), (1000, 1), (4096, 2), (65_536, 1), (256 * 2**20, 1), (256 * 2**20, 2)]
+    for budget, workers in runs:
+        out = tmp_path / f"out-{budget}-{workers}"
+        report = _merge(base_dir, task_dirs, out, chunk_bytes=budget, workers=workers)
+        digests[(budget, workers)] = _digest(out)
+        for pass_name in ("reduce", "map"):
+            assert max(report["passes"][pass_name]["max_unit_bytes_read_per_input"]) <= budget
     assert len({tuple(sorted(d.items())) for d in digests.values()}) == 1
-    _assert_same_bytes(load_checkpoint(tmp_path / f"out-{row_bytes}-1"), expected)
+    _assert_same_bytes(load_checkpoint(tmp_path / f"out-{row_bytes}-2"), expected)
 
 
 def test_tensor_larger_than_budget_is_read_in_pieces(model_sets, tmp_path):

@@ -17,15 +17,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ram_dist.errors import RamDistError
 
 
-def _call(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
+def _run(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
     return ray.get_runtime_context().get_node_id(), fn(item, *shared)
 
 
-_run = ray.remote(_call)
+#: Ray titles a worker running these `ray::_run` (tests find the workers to kill by it).
+_run_anywhere = ray.remote(_run)
 #: The same in a worker process that exits after one task: Ray takes `max_calls` only where a
 #: function is declared, never from `.options()`, so `resources` asking for `max_calls: 1`
 #: get this one.
-_run_once = ray.remote(max_calls=1)(_call)
+_run_once = ray.remote(max_calls=1)(_run)
 
 
 def unordered_map(
@@ -49,7 +50,7 @@ def unordered_map(
     max_calls = resources.pop("max_calls", 0)
     if max_calls not in (0, 1):
         raise ValueError(f"max_calls must be 0 (no limit) or 1, got {max_calls}")
-    run = _run_once if max_calls == 1 else _run
+    run = _run_once if max_calls == 1 else _run_anywhere
     remote = run.options(**resources)
     shared_refs = tuple(ray.put(v) for v in shared)
     pending: dict[ray.ObjectRef, Any] = {}
