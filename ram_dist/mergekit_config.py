@@ -48,6 +48,10 @@ mergekit 0.1.5 (`mergekit.config.evaluate_setting`, `mergekit.parameter_resolver
   `lm_head`, anything outside the layers) has `t = 0` — mergekit plans them with a reader at
   `t = 0`, the post-layer weights included, not at `t = 1`.
 
+The output dtype is mergekit's: `out_dtype`, else `dtype` (what mergekit computed in and so
+writes), else the CLI's default. ram-dist always computes in float32, with a note when `dtype`
+says otherwise.
+
 Anything mergekit accepts but ignores is accepted and ignored here too, with a note in
 `JobSpec.notes` (e.g. `int8_mask`, which only changes the dtype of mergekit's sign mask). What
 ram-dist cannot do (`slices`, `modules`, other tokenizer sources, ...) is a `RamDistError`
@@ -458,12 +462,18 @@ def parse_mergekit_config(raw: Any, where: str) -> JobSpec:
     models = _models(raw.get("models"), base, table, method, p, notes)
 
     dtype = _dtype(raw.get("dtype"), f"{p}: dtype")
+    out_dtype = _dtype(raw.get("out_dtype"), f"{p}: out_dtype")
+    if out_dtype is None and dtype is not None:
+        # mergekit's rule: without out_dtype, tensors are written in the dtype they were
+        # computed in, `dtype` (and config.json says so).
+        out_dtype = dtype
     if dtype is not None and _dtype_key(dtype) not in ("float32", "fp32"):
+        written = f"{out_dtype}, as mergekit writes it" if out_dtype == dtype else out_dtype
         notes.append(
             f"dtype {dtype} accepted, but ram-dist computes in float32 (mergekit would compute "
-            f"in {dtype}); the result is mergekit's with dtype: float32"
+            f"in {dtype}) and writes {written}; the result is mergekit's with dtype: float32 "
+            f"and out_dtype: {out_dtype}"
         )
-    out_dtype = _dtype(raw.get("out_dtype"), f"{p}: out_dtype")
 
     tokenizer_source = raw.get("tokenizer_source")
     if tokenizer_source is not None and tokenizer_source != "base":

@@ -8,6 +8,7 @@ and the chunked, two-pass engine on a real local Ray.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,56 @@ def test_dare_seed_fixes_the_bytes_and_keeps_the_l1_norm(models, tmp_path):
         if tau.abs().sum() > 1e-3:
             assert float(rescaled.abs().sum()) == pytest.approx(float(tau.abs().sum()), rel=1e-5)
     assert kept / changed == pytest.approx(0.5, abs=0.01)
+
+
+#: Configs shaped like mergekit's own `examples/` (ties.yml, linear.yml), with its dtype rule:
+#: without `out_dtype`, mergekit writes the dtype it computed in.
+EXAMPLE_TASKS = [
+    {"density": [1, 0.7, 0.1], "weight": 1.0},
+    {"density": 0.5, "weight": [0, 0.3, 0.7, 1]},
+    {"density": 0.33, "weight": [{"filter": "mlp", "value": 0.5}, {"value": 0}]},
+]
+
+
+def _example(name: str, base: Path, tasks: list[Path]) -> dict:
+    if name == "ties-gradients":
+        config = _config("ties", base, tasks, {"normalize": True}, EXAMPLE_TASKS)
+    elif name == "ties-float16":
+        per_model = [{"density": d, "weight": w} for d, w in zip([0.5, 0.5, 0.3], W, strict=True)]
+        config = _config("ties", base, tasks, {"normalize": False, "int8_mask": True}, per_model)
+        config["dtype"] = "float16"
+    else:  # linear-float16
+        config = _config("linear", None, tasks, None, [{"weight": w} for w in (1.0, 0.3, 0.7)])
+        config["dtype"] = "float16"
+    return config
+
+
+@pytest.mark.parametrize("name", ["ties-gradients", "ties-float16", "linear-float16"])
+def test_mergekit_example_shapes(models, tmp_path, name):
+    base_dir, task_dirs, _, _ = models
+    config = _example(name, base_dir, task_dirs)
+    ours = _ours(config, tmp_path, "ours")
+    theirs = _mergekit(config, tmp_path / "theirs")
+    if config["dtype"] == "float32":
+        _same_bytes(ours, theirs)
+        return
+    # dtype: float16 and no out_dtype: mergekit computes in float16 and writes float16, and
+    # so does ram-dist write float16 (its math stays float32), config.json included.
+    assert ours.keys() == theirs.keys()
+    assert {t.dtype for t in theirs.values()} == {t.dtype for t in ours.values()} == {torch.float16}
+    for side in ("ours", "theirs"):
+        written = json.loads((tmp_path / side / "config.json").read_text())
+        assert written.get("torch_dtype", written.get("dtype")) == "float16", side
+    # The note is true: the result is mergekit's with dtype: float32 and out_dtype: float16.
+    text = (tmp_path / "ours" / "mergekit_config.yml").read_text()
+    note = text.split("merge_method")[0]
+    assert "writes float16, as mergekit writes it" in note and "out_dtype: float16" in note
+    written = yaml.safe_load(text)
+    assert written["dtype"] == "float32" and written["out_dtype"] == "float16"
+    noted = _mergekit(config | {"dtype": "float32", "out_dtype": "float16"}, tmp_path / "noted")
+    for key, want in noted.items():
+        got, want = ours[key].view(torch.int16), want.view(torch.int16)
+        if name == "linear-float16":  # the order of operations differs (see above): 1 ulp
+            assert ((got.int() - want.int()).abs() <= 1).all(), key
+        else:
+            assert torch.equal(got, want), key

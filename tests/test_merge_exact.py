@@ -222,3 +222,9 @@ def test_merged_model_loads_in_transformers(model_sets, tmp_path):
     assert torch.isfinite(logits).all()
     for name in ("config.json", "generation_config.json", "tokenizer.json"):
         assert (tmp_path / "out" / name).read_bytes() == (base_dir / name).read_bytes()
+    # Written in another dtype, the model says so: transformers loads it in that dtype.
+    _merge(base_dir, task_dirs, tmp_path / "out32", out_dtype="float32")
+    config = json.loads((tmp_path / "out32" / "config.json").read_text())
+    assert config.get("torch_dtype", config.get("dtype")) == "float32"
+    model32 = AutoModelForCausalLM.from_pretrained(tmp_path / "out32", dtype="auto")
+    assert {p.dtype for p in model32.parameters()} == {torch.float32}

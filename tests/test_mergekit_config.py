@@ -183,6 +183,22 @@ def test_notes_for_what_mergekit_ignores() -> None:
     )
 
 
+def test_output_dtype_follows_mergekit() -> None:
+    """Without out_dtype, mergekit writes the dtype it computed in (`dtype`); the note says
+    what ram-dist computed in and wrote, and the written config says it too."""
+    half = parse(BASIC + "dtype: float16\n")
+    assert half.out_dtype == "float16"
+    note = next(n for n in half.notes if "dtype" in n)
+    assert "computes in float32" in note and "writes float16, as mergekit writes it" in note
+    assert "dtype: float32 and out_dtype: float16" in note
+    written = mc.effective_config(half)
+    assert written["dtype"] == "float32" and written["out_dtype"] == "float16"
+    assert parse(BASIC + "dtype: float32\n").out_dtype == "float32"
+    both = parse(BASIC + "dtype: float16\nout_dtype: bfloat16\n")
+    assert both.out_dtype == "bfloat16" and "writes bfloat16;" in "\n".join(both.notes)
+    assert parse(BASIC).out_dtype is None  # neither: the CLI's default (the base's dtype)
+
+
 def test_catch_all_before_other_entries_is_noted() -> None:
     spec = parse(BASIC.replace("weight: 0.7", "weight: [{value: 1}, {filter: mlp, value: 2}]"))
     assert any("entries after [0]" in n and "never apply" in n for n in spec.notes)

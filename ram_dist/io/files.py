@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from ram_dist.io.checkpoint import INDEX_NAME, PICKLE_SUFFIXES
 from ram_dist.io.storage import Storage, join
 from ram_dist.io.writer import AtomicFile
@@ -25,13 +27,37 @@ def non_weight_files(base_url: str, storage: Storage) -> list[str]:
     return sorted(names)
 
 
-def copy_files(base_url: str, out_url: str, names: list[str], storage: Storage) -> int:
-    """Copy files by name from the base folder to the output, whatever either's protocol."""
+#: torch's names of the safetensors dtypes an output may be written in.
+TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def copy_files(
+    base_url: str, out_url: str, names: list[str], storage: Storage, out_dtype: str | None = None
+) -> int:
+    """Copy files by name from the base folder to the output, whatever either's protocol.
+    With `out_dtype` (a safetensors dtype every merged tensor is written in), config.json says
+    so, as mergekit's does: `transformers` loads a model in the dtype it names."""
     src_fs, src = storage.fs(base_url)
     total = 0
     for name in names:
         data = src_fs.cat_file(join(src, name))
+        if name == "config.json" and out_dtype in TORCH_NAMES:
+            data = _with_dtype(data, TORCH_NAMES[out_dtype])
         with AtomicFile(join(out_url, name), storage) as f:
             f.write(data)
         total += len(data)
     return total
+
+
+def _with_dtype(data: bytes, name: str) -> bytes:
+    """config.json with its dtype (`torch_dtype`, or `dtype` in newer transformers) set to
+    `name`; unchanged if it is not a JSON object."""
+    try:
+        config = json.loads(data)
+    except ValueError:
+        return data
+    if not isinstance(config, dict):
+        return data
+    keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
+    config.update({k: name for k in keys})
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
