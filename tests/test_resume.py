@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from builders import build_model_set, load_checkpoint, save_checkpoint
@@ -231,21 +232,27 @@ def test_node_removed_during_map_pass(models, tmp_path):
         workers=2,
     )
 
+    reports: list[dict] = []
+
     def run() -> None:
         try:
-            driver.merge(config)
+            reports.append(driver.merge(config))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
+    raylet = psutil.Process(workers[1].all_processes["raylet"][0].process.pid)
     thread = threading.Thread(target=run)
     try:
         thread.start()
         deadline = time.monotonic() + 120
-        while not (out / "ram_dist_manifest.json").exists():  # the map pass has begun
+        # Remove the node the moment it runs a map task (Ray titles the worker ray::_run):
+        # that task is lost with it, and Ray must run it again elsewhere.
+        while True:
             assert time.monotonic() < deadline and thread.is_alive(), errors
-            time.sleep(0.01)
-        time.sleep(0.3)
-        cluster.remove_node(workers[1])
+            if (out / "ram_dist_manifest.json").exists() and _running_a_task(raylet):
+                cluster.remove_node(workers[1])
+                break
+            time.sleep(0.002)
         thread.join(timeout=300)
         assert not thread.is_alive() and not errors, errors
     finally:
@@ -253,6 +260,19 @@ def test_node_removed_during_map_pass(models, tmp_path):
         cluster.shutdown()
     merged = load_checkpoint(out)
     assert all(torch.equal(merged[k], v) for k, v in models["expected"].items())
+    # A unit was lost with the node and run again: the retried attempt reports itself.
+    assert reports[0]["passes"]["map"]["tasks_retried"] >= 1, reports[0]["passes"]["map"]
+
+
+def _running_a_task(raylet: psutil.Process) -> bool:
+    """Whether a worker of this raylet is running one of ram-dist's tasks now."""
+    for child in raylet.children():
+        try:
+            if " ".join(child.cmdline()).startswith("ray::_run"):
+                return True
+        except psutil.Error:
+            continue
+    return False
 
 
 @pytest.fixture(scope="module")

@@ -76,6 +76,8 @@ class PassStats:
     bytes_written_by_workers: int = 0
     bytes_written_by_driver: int = 0
     tasks: int = 0
+    tasks_retried: int = 0
+    """Tasks Ray ran again after an attempt was lost with its worker or node."""
     tasks_on_gpu: int = 0
     """Tasks that held a GPU Ray gave them (see `engine.devices`)."""
     gpu_ids: set[str] = field(default_factory=set)
@@ -100,6 +102,7 @@ class PassStats:
         bytes_read = result.bytes_read
         self.units += units
         self.tasks += 1
+        self.tasks_retried += result.attempt > 0
         self.tasks_on_gpu += bool(result.gpus)
         self.gpu_ids.update(result.gpus)
         if result.worker:
@@ -131,6 +134,7 @@ class PassStats:
             "units_sent_back": self.units_sent_back,
             "units_ran_there": self.units_ran_there,
             "tasks": self.tasks,
+            "tasks_retried": self.tasks_retried,
             "tasks_on_gpu": self.tasks_on_gpu,
             "gpu_ids": sorted(self.gpu_ids),
             "worker_processes": len(self.workers),

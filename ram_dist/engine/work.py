@@ -55,6 +55,9 @@ class UnitResult:
     """The Ray GPU ids the task held (none: a CPU task, or run outside Ray)."""
     worker: str = ""
     """The process that ran the task: `host:pid`."""
+    attempt: int = 0
+    """Ray's attempt number of the task: above 0 when an earlier attempt was lost (its worker
+    or node died) and Ray ran it again."""
 
 
 def task_gpus() -> tuple[str, ...] | None:
@@ -78,8 +81,26 @@ def device() -> torch.device:
 
 
 def _ran_by() -> dict[str, Any]:
-    """What a task's result says of where it ran (`UnitResult.gpus`, `worker`)."""
-    return {"gpus": task_gpus() or (), "worker": f"{socket.gethostname()}:{os.getpid()}"}
+    """What a task's result says of where and how it ran (`UnitResult.gpus`, `worker`,
+    `attempt`)."""
+    return {
+        "gpus": task_gpus() or (),
+        "worker": f"{socket.gethostname()}:{os.getpid()}",
+        "attempt": _attempt(),
+    }
+
+
+def _attempt() -> int:
+    """The running task's attempt number (0 outside a Ray task). Ray has no public call for
+    it; its core worker does, and 0 is the answer when that ever changes."""
+    if task_gpus() is None:
+        return 0
+    core = getattr(ray._private.worker.global_worker, "core_worker", None)
+    get = getattr(core, "get_current_task_attempt_number", None)
+    try:
+        return int(get()) if get is not None else 0
+    except Exception:  # noqa: BLE001  (a private call: never let it fail a task)
+        return 0
 
 
 def warm_up() -> None:
