@@ -20,7 +20,7 @@ import torch
 from ram_dist import kernels
 from ram_dist.errors import RamDistError
 from ram_dist.methods import dare, linear, task_arithmetic, ties, topk
-from ram_dist.methods.registry import Chunk, State, TensorParams, flag, number, register
+from ram_dist.methods.registry import Chunk, State, TensorParams, flag, number
 
 L1 = "#l1"
 L1_ABOVE = "#l1-above"
@@ -379,8 +379,11 @@ class LinearMethod:
         return {}
 
 
-register(TaskArithmeticFamily("task_arithmetic", None, False, False, False))
-register(TaskArithmeticFamily("ties", "magnitude", True, True, False))
-register(TaskArithmeticFamily("dare_linear", "random", False, False, True))
-register(TaskArithmeticFamily("dare_ties", "random", True, False, True))
-register(LinearMethod())
+#: mergekit's baselines, as `ram_dist.methods.METHODS` lists them.
+METHODS = (
+    TaskArithmeticFamily("task_arithmetic", None, False, False, False),
+    TaskArithmeticFamily("ties", "magnitude", True, True, False),
+    TaskArithmeticFamily("dare_linear", "random", False, False, True),
+    TaskArithmeticFamily("dare_ties", "random", True, False, True),
+    LinearMethod(),
+)

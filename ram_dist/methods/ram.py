@@ -19,7 +19,7 @@ import torch
 
 from ram_dist import kernels
 from ram_dist.errors import RamDistError
-from ram_dist.methods.registry import Chunk, State, TensorParams, number, register
+from ram_dist.methods.registry import Chunk, State, TensorParams, number
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -323,9 +323,10 @@ class RamMethod:
         return out
 
 
-register(RamMethod("ram", lambda_ram))
-register(RamMethod("ram_plus", lambda_ram_plus))
-register(RamMethod("ram_plus_soft", lambda_ram_plus_soft))
-register(
+#: The RAM family, as `ram_dist.methods.METHODS` lists it.
+METHODS = (
+    RamMethod("ram", lambda_ram),
+    RamMethod("ram_plus", lambda_ram_plus),
+    RamMethod("ram_plus_soft", lambda_ram_plus_soft),
     RamMethod("ramplus_tl", lambda_ram_plus, alpha_default=0.2, scope_default="tensor"),
 )

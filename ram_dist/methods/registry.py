@@ -1,4 +1,5 @@
-"""The method registry and what the engine needs of a merge rule.
+"""What the engine needs of a merge rule (the `MergeMethod` protocol) and the parameter
+checks methods share. The table of methods by name is `ram_dist.methods.METHODS`.
 
 A method is a configured instance (as in mergekit: `ties` and `dare_ties` are one family
 with other settings). The engine drives it through reduce rounds and a map pass:
@@ -83,33 +84,6 @@ class MergeMethod(Protocol):
     ) -> torch.Tensor: ...
 
     def report(self, state: State) -> dict[str, Any]: ...
-
-
-METHODS: dict[str, MergeMethod] = {}
-ALIASES: dict[str, str] = {}
-
-
-def register(method: MergeMethod, *aliases: str) -> MergeMethod:
-    if method.name in METHODS or any(a in ALIASES for a in aliases):
-        raise ValueError(f"merge method {method.name!r} registered twice")
-    METHODS[method.name] = method
-    ALIASES.update({a: method.name for a in aliases})
-    return method
-
-
-def get_method(name: str) -> MergeMethod:
-    """The method called `name` (or one of mergekit's names for it), or an error that lists
-    the valid names."""
-    _load_builtin()
-    key = ALIASES.get(name, name)
-    if key not in METHODS:
-        valid = ", ".join(sorted([*METHODS, *ALIASES]))
-        raise RamDistError(f"unknown merge method {name!r}; valid methods: {valid}")
-    return METHODS[key]
-
-
-def _load_builtin() -> None:
-    from ram_dist.methods import baselines, ram  # noqa: F401  (register on import)
 
 
 def number(value: Any, name: str, where: str) -> float:
