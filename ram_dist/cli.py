@@ -285,9 +285,10 @@ def _make_folder_of(path: str) -> None:
 def write_probe_files(report: dict[str, Any], json_path: str) -> list[str]:
     """The probe's JSON, and beside it the figures and the per-layer table."""
     from ram_dist.figures import write_figure2, write_layer_csv, write_layer_heatmap
+    from ram_dist.io.writer import json_text
 
     with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
+        f.write(json_text(report))
     stem = json_path[: -len(".json")] if json_path.endswith(".json") else json_path
     written = [json_path, f"{stem}.figure2.png", f"{stem}.layers.csv", f"{stem}.layers.png"]
     write_figure2(report, written[1])

@@ -13,6 +13,7 @@ from reference import reference_merge
 
 from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
+from ram_dist.io.writer import json_text
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -37,6 +38,10 @@ def model_sets(tmp_path_factory) -> dict:
         root = tmp_path_factory.mktemp(name)
         sets[name] = build_model_set(root, base_shard="100KB", task_shard=70_000, **spec)
     return sets
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _merge(base, tasks, out, **kw) -> dict:
@@ -187,6 +192,17 @@ def test_spec_edge_cases(tmp_path, method):
     t1, t2, t3 = report["tasks"]
     assert (t1["changed"], t1["rho"], report["lambda_applied"][0]) == (0, 0.0, 1.0)
     assert (t2["unique"], t2["shared"], t2["rho"]) == (0, 3, "inf")
+    # Every JSON file written is valid JSON: no Infinity (rho) or NaN anywhere.
+    for written in (tmp_path / "out").glob("*.json"):
+        json.loads(written.read_text(), parse_constant=_no_constant)
+    # ... also while the job runs: the manifest saved after the reduce pass holds the state
+    # with rho as a float, written through the same writer.
+    state = {"summary": {"tasks": [{"rho": float("inf")}, {"rho": float("nan")}]}}
+    text = json_text(state)
+    assert json.loads(text, parse_constant=_no_constant)["summary"]["tasks"] == [
+        {"rho": "inf"},
+        {"rho": "nan"},
+    ]
     lam2 = {"ram": 1.0, "ram_plus": 1 + r * alpha, "ram_plus_soft": 1 + r}[method]
     assert report["lambda_applied"][1] == float(torch.tensor(lam2, dtype=torch.float32))
     assert (t3["unique"], t3["shared"]) == (2, 3)

@@ -117,4 +117,20 @@ def write_index(
 def write_json(url: str, obj: object, storage: Storage) -> None:
     """Write JSON atomically (temporary name or uncommitted upload, then publish)."""
     with AtomicFile(url, storage) as f:
-        f.write((json.dumps(obj, indent=2) + "\n").encode())
+        f.write(json_text(obj).encode())
+
+
+def json_text(obj: object) -> str:
+    """Valid JSON, which has no infinity or NaN: such floats (rho of a task whose changes are
+    all shared is infinite) are written as the strings "inf", "-inf" and "nan"."""
+    return json.dumps(_finite(obj), indent=2, allow_nan=False) + "\n"
+
+
+def _finite(obj: object) -> object:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if obj != obj else "inf" if obj > 0 else "-inf"
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
