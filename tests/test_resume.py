@@ -54,10 +54,22 @@ def _manifest(read_text) -> dict | None:
 
 
 def _kill_after_first_shard(
-    args: list[str], env: dict, read_manifest, mid_shard: bool = False
+    args: list[str], env: dict, read_manifest, mid_shard: bool = False, out: Path | None = None
 ) -> dict:
     """Run the CLI, SIGKILL its whole process group once one shard (not all) is finished
-    and, with `mid_shard`, the manifest records finished parts of a shard being written."""
+    and, with `mid_shard`, the manifest records finished parts of a shard being written.
+    The manifest is saved at most every 2 s, so a fast map pass can finish between two
+    looks: then, given the local `out`, the run is tried again from an empty output."""
+    for _ in range(2 if out is None else 4):
+        manifest = _try_to_kill(args, env, read_manifest, mid_shard)
+        if manifest is not None:
+            return manifest
+        if out is not None:
+            shutil.rmtree(out)
+    pytest.fail("the merge ended before it could be killed, every time")
+
+
+def _try_to_kill(args: list[str], env: dict, read_manifest, mid_shard: bool) -> dict | None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "ram_dist.cli", *args],
         env=env,
@@ -79,7 +91,8 @@ def _kill_after_first_shard(
                 proc.wait(timeout=30)
                 return manifest
             if proc.poll() is not None:
-                pytest.fail(f"merge ended before it could be killed: {proc.stderr.read()!r}")
+                assert proc.returncode == 0, proc.stderr.read()
+                return None
             time.sleep(0.01)
         pytest.fail("the map pass never finished a first shard")
     finally:
@@ -97,6 +110,7 @@ def crashed(models) -> tuple[Path, dict, dict[str, int]]:
         _env(),
         lambda: _manifest((out / "ram_dist_manifest.json").read_text),
         mid_shard=True,
+        out=out,
     )
     assert not (out / "model.safetensors.index.json").exists()
     mtimes = {name: (out / name).stat().st_mtime_ns for name in manifest["shards"]}
@@ -121,7 +135,8 @@ def test_rerun_after_sigkill_resumes_with_identical_bytes(models, crashed, tmp_p
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "merge_report.json").read_text())
     assert report["passes"]["reduce"]["skipped"] is True
-    assert report["output"]["shards_reused"] == sorted(manifest["shards"])
+    # The shards finished before the kill, in whatever order they were finished.
+    assert sorted(report["output"]["shards_reused"]) == sorted(manifest["shards"])
     assert set(report["output"]["shards_written"]) == set(manifest["shard_names"]) - set(mtimes)
     for name, mtime in mtimes.items():  # finished shards were not rewritten
         assert (out / name).stat().st_mtime_ns == mtime
@@ -322,7 +337,7 @@ def test_resume_on_s3_output(models, s3):
     assert {n: fs.info(f"resume/out/{n}", refresh=True)["ETag"] for n in finished} == etags
     report = json.loads(fs.cat_file("resume/out/merge_report.json"))
     assert report["passes"]["reduce"]["skipped"] is True
-    assert report["output"]["shards_reused"] == finished
+    assert sorted(report["output"]["shards_reused"]) == sorted(finished)
     local = Path(models["root"]) / "fetched"
     fs.get("resume/out", str(local), recursive=True)
     merged = load_checkpoint(local)
