@@ -164,7 +164,7 @@ def test_auto_uses_the_gpus_cpu_does_not_and_the_bytes_are_the_same(inputs, fake
 
     # called inline (this process is Ray's driver, not a task): CUDA whenever it is there
     assert work.task_gpus() is None
-    assert work.device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert work.device() == ("cuda" if torch.cuda.is_available() else "cpu")
     schema = json.loads((Path(driver.__file__).parents[1] / "report_schema.json").read_text())
     base, tasks = inputs
     states = [load_checkpoint(p) for p in [base, *tasks]]

@@ -1,8 +1,8 @@
 """The fused TIES / task-arithmetic kernels give exactly the eager torch path's bytes.
 
 The method object runs both ways: `chunk_statistics` and `merge_chunk(...).to(out_dtype)`
-with kernels off, and with `fused` on (`chunk_statistics` by `ties_numba.statistics`,
-`merge_into` by `ties_numba.merge`), over RL-like sparse task vectors, pools of edge values
+with kernels off, and fused (`fused_statistics` by `ties_numba.statistics`, `fused_merge`
+by `ties_numba.merge`), over RL-like sparse task vectors, pools of edge values
 (signed zeros, subnormals, values whose sums overflow bf16 and fp16, many equal magnitudes
 so that the cut needs the flat-index rounds), every supported input and output dtype, mixed,
 several chunkings and lengths around the kernels' tile.
@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("numba")
 
+from ram_dist import kernels  # noqa: E402
 from ram_dist.kernels import ram_numba, ties_numba  # noqa: E402
 from ram_dist.methods import get_method  # noqa: E402
 from ram_dist.methods.registry import Chunk  # noqa: E402
@@ -66,12 +67,16 @@ def run(method_name, params, base, tasks, bounds, fused, out_dtype):
     chunks = [(lo, base[lo:hi], [t[lo:hi] for t in tasks]) for lo, hi in pairs]
     totals_by_round = []
     for round_ in range(method.rounds):
-        if not method.active(round_, {**state, "fused": fused}, "w"):
+        if not method.active(round_, state, "w"):
             continue
         totals: dict[str, torch.Tensor] = {}
         for lo, b, ts in chunks:
-            shipped = {**state, "fused": fused}
-            stats = method.chunk_statistics(round_, Chunk("w", lo, numel), b, ts, params, shipped)
+            chunk = Chunk("w", lo, numel)
+            got = method.fused_statistics(round_, chunk, [b, *ts], params, state, False)
+            if fused and got is not None:
+                stats = {k: torch.from_numpy(v) for k, v in got[0].items()}
+            else:
+                stats = method.chunk_statistics(round_, chunk, b, ts, params, state)
             for key, value in stats.items():
                 assert value.dtype == torch.int64
                 totals[key] = totals[key] + value if key in totals else value
@@ -83,7 +88,7 @@ def run(method_name, params, base, tasks, bounds, fused, out_dtype):
         chunk = Chunk("w", lo, numel)
         if fused:
             out = torch.empty(b.numel(), dtype=out_dtype)
-            assert method.merge_into(chunk, b, ts, params, {**state, "fused": True}, out)
+            assert method.fused_merge(chunk, [b, *ts], params, state, out)
             parts.append(out)
         else:
             parts.append(method.merge_chunk(chunk, b, ts, params, state).to(out_dtype))
@@ -159,23 +164,22 @@ def test_density_edges_and_consensus_fused_equal_eager() -> None:
 
 
 def test_fused_declines_what_it_does_not_compute() -> None:
-    """L1 rescaling, DARE and float64 stay on the eager path (merge_into says False)."""
+    """L1 rescaling and DARE stay on the eager path (`fused_merge` says False); float64
+    inputs never reach it (the engine asks the kernels first)."""
     base, tasks = sparse_inputs(100, (F32, F32, F32), seed=1)
     out = torch.empty(100, dtype=F32)
     chunk = Chunk("w", 0, 100)
     dare = get_method("dare_ties")
     dare_params = {"weight": [1.0, 1.0], "density": [0.5, 0.5], "normalize": True,
                    "lambda": 1.0, "rescale": True, "seed": 0}  # fmt: skip
-    assert not dare.merge_into(chunk, base, tasks, dare_params, {"fused": True}, out)
-    ta = get_method("task_arithmetic")
-    ta_params = {"weight": [1.0, 1.0], "density": [1.0, 1.0], "normalize": False, "lambda": 1.0}
-    wide = [t.double() for t in tasks]
-    assert not ta.merge_into(chunk, base.double(), wide, ta_params, {"fused": True}, out)
-    assert not ta.merge_into(chunk, base, tasks, ta_params, {"fused": False}, out)
+    assert not dare.fused_merge(chunk, [base, *tasks], dare_params, {}, out)
+    assert dare.fused_statistics(0, chunk, [base, *tasks], dare_params, {}, True) is None
+    assert not kernels.handle(["F64", "F32"]) and kernels.handle(["F32", "BF16"], "F64")
     params = ties_params(2, rescale=True, density=[0.5, 0.5])
     _, state, _ = run("ties", params, base, tasks, [0, 100], False, F32)
     ties = get_method("ties")
-    assert not ties.merge_into(chunk, base, tasks, params, {**state, "fused": True}, out)
+    assert not ties.fused_merge(chunk, [base, *tasks], params, state, out)
+    assert ties.fused_statistics(0, chunk, [base, *tasks], params, state, False) is None
 
 
 def test_no_fma_in_compiled_ties_kernels() -> None:

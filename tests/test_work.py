@@ -26,11 +26,13 @@ def test_units_and_compute_blocks_reassemble_the_reference(
     job = driver.prepare(config)
     method, state = get_method("ram_plus"), job.initial_state()
     args = (job.layout, job.storage, method, job.params)
-    totals: dict[str, torch.Tensor] = {}
+    totals: dict[str, np.ndarray] = {}
     for unit in job.units:
-        for key, value in work.reduce_unit(unit, *args, state, 0, False).stats.items():
-            totals[key] = totals[key] + value if key in totals else value
-    state = method.finalize(0, totals, job.params, job.numel(), state)
+        with work.worker_context().task() as scope:
+            result = work.reduce_unit(unit, *args, state, 0, False, scope)
+        work.add_up(result, totals, {})
+    sums = {key: torch.from_numpy(value) for key, value in totals.items()}
+    state = method.finalize(0, sums, job.params, job.numel(), state)
     ref = reference_stats(base, tasks)
     histograms = [t["histogram"] for t in state["summary"]["tasks"]]
     assert histograms == [list(map(int, h)) for h in ref["H"]]

@@ -45,10 +45,11 @@ from ram_dist.io.sinks import FileSink, OutputSink, choose_sink
 from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
 from ram_dist.methods import get_method
-from ram_dist.methods.ram import RamMethod
 from ram_dist.model_card import model_card
 
 REPORT_NAME = "merge_report.json"
+#: What `probe` counts with when the configured method counts no overlap statistics.
+PROBE_METHOD = "ram_plus"
 CARD_NAME = "README.md"
 
 __all__ = ["REPORT_NAME", "merge", "merge_checks", "merge_on", "plan", "prepare", "probe"]
@@ -63,12 +64,14 @@ def probe(config: MergeConfig) -> dict[str, Any]:
 
 def probe_checks(config: MergeConfig) -> Job:
     """Everything `probe` does before it needs Ray: the checks and the plan."""
-    if not isinstance(get_method(config.method), RamMethod):
-        ram_keys = {"r", "alpha", "epsilon"}
+    if not get_method(config.method).reports_overlap:
+        counting = get_method(PROBE_METHOD)
         config = replace(
             config,
-            method="ram_plus",
-            parameters={k: v for k, v in config.parameters.items() if k in ram_keys},
+            method=PROBE_METHOD,
+            parameters={
+                k: v for k, v in config.parameters.items() if k in counting.global_parameters
+            },
             task_parameters=(),
         )
     job = prepare(config)
@@ -346,10 +349,7 @@ def plan(config: MergeConfig) -> dict[str, Any]:
             "bytes_per_pass": {
                 "reduce_round": merge_bytes,
                 "reduce_rounds": rounds,
-                "reduce_rounds_note": "TIES needs its 3rd and 4th round only where the cut "
-                "falls inside equal magnitudes"
-                if job.method.name == "ties"
-                else "",
+                "reduce_rounds_note": job.method.rounds_note,
                 "map": sum(job.unit_bytes(u) for u in job.units),
             },
             "memory_per_worker_bytes": blocks + out_bytes + temporaries,
@@ -428,7 +428,7 @@ def _report(
     report["memory"] = {
         "driver_peak_rss_bytes": memory.peak_rss(),
         "worker_peak_rss_bytes": max((p.worker_peak_rss_bytes for p in measured), default=0),
-        "driver_peak_private_bytes": memory.note(),
+        "driver_peak_private_bytes": memory.DRIVER.note(now=True),
         "worker_peak_private_bytes": max(
             (p.worker_peak_private_bytes for p in measured), default=0
         ),

@@ -3,16 +3,18 @@
 `ru_maxrss` counts every resident page, including the object store's shared memory that Ray
 maps into each process that writes or reads an object: a worker that has returned many units
 and a driver that has received them show the store's pages, which grow with the number of
-units, not with what the process itself holds. The private figure (anonymous and file-backed
-resident pages, `RssAnon + RssFile` on Linux) leaves those out; `note()` samples it where a
-unit's memory peaks (every block, and with the merged bytes about to be returned).
+units, not with what the process itself holds. The private figure is psutil's USS (pages
+mapped by this process alone), which leaves those out, and shared libraries too. A
+`PeakMemory` samples it where memory peaks (every block, and with the merged bytes about to
+be returned), at most every `every_s` seconds: a sample reads `/proc/self/smaps_rollup`.
 """
 
 from __future__ import annotations
 
 import resource
+import time
 
-_peak_private = 0
+import psutil
 
 
 def peak_rss() -> int:
@@ -30,18 +32,31 @@ def peak_rss() -> int:
 
 
 def private_bytes() -> int:
-    """Resident memory of this process now, without shared-memory pages; on systems without
-    `/proc/self/status`, the peak resident memory instead."""
+    """Memory of this process now that no other process maps (USS); where the system does
+    not tell it, the resident memory instead."""
+    process = psutil.Process()
     try:
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f if line.startswith("Rss"))
-        return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssFile"))
-    except (OSError, KeyError, ValueError):
-        return peak_rss()
+        return int(process.memory_full_info().uss)
+    except (psutil.Error, AttributeError):
+        return int(process.memory_info().rss)
 
 
-def note() -> int:
-    """Sample `private_bytes` and return the largest sample so far in this process."""
-    global _peak_private
-    _peak_private = max(_peak_private, private_bytes())
-    return _peak_private
+class PeakMemory:
+    """The largest `private_bytes` sampled while something runs (a task, the driver's job)."""
+
+    def __init__(self, every_s: float = 0.05) -> None:
+        self.peak = 0
+        self._every_s = every_s
+        self._last = float("-inf")
+
+    def note(self, now: bool = False) -> int:
+        """Sample (when `now`, or `every_s` has passed since the last sample); the peak."""
+        t = time.monotonic()
+        if now or t - self._last >= self._every_s:
+            self._last = t
+            self.peak = max(self.peak, private_bytes())
+        return self.peak
+
+
+#: The driver's own peak (the process that runs the job and receives the results).
+DRIVER = PeakMemory()

@@ -13,11 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
+from ram_dist import kernels
 from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
 from ram_dist.engine.devices import choose_device
@@ -35,7 +36,7 @@ from ram_dist.engine.work import (
 )
 from ram_dist.errors import RamDistError
 from ram_dist.io.manifest import Manifest
-from ram_dist.io.range_cache import CacheTraffic, InputCache, counted
+from ram_dist.io.range_cache import CacheTraffic, InputCache
 from ram_dist.io.sinks import OpenShard, OutputSink, PartReceipt, shard_digest
 from ram_dist.io.storage import Storage
 from ram_dist.io.writer import shard_header
@@ -238,19 +239,17 @@ def reduce_pass(
         units = [u for group in items for u in group]
         if not units:
             continue
-        totals: dict[str, torch.Tensor] = {}
+        totals: dict[str, np.ndarray] = {}
         nonfinite: dict[str, list[int]] = {}
-        shipped = {**state, "fused": job.config.kernels == "auto"}
-        shared = (job.layout, storage, method, job.params, shipped, round_, checking)
-        fn = partial(counted, reduce_group)
+        shared = (job.layout, storage, method, job.params, _shipped(job, state), round_, checking)
         results = unordered_map(
-            fn, items, shared, workers, resources, lambda g: near(node_of(g[0]))
+            reduce_group, items, shared, workers, resources, lambda g: near(node_of(g[0]))
         )
         progress = progress or Progress()
         total_bytes = sum(job.unit_bytes(u, wanted) for u in units)
         progress.start_pass(f"reduce {round_ + 1}", total_bytes, len(units))
-        for group, node, (result, traffic) in results:
-            stats.ran([u.index for u in group], node, traffic, node_of(group[0]))
+        for group, node, result in results:
+            stats.ran([u.index for u in group], node, result.traffic, node_of(group[0]))
             progress.advance(sum(result.bytes_read))
             add_up(result, totals, nonfinite)
             stats.add(result, units=len(group))
@@ -258,9 +257,23 @@ def reduce_pass(
         if nonfinite:
             raise _nonfinite_error(job, nonfinite)
         if round_ < method.rounds:
-            state = method.finalize(round_, totals, job.params, numel, state)
+            sums = {key: torch.from_numpy(value) for key, value in totals.items()}
+            state = method.finalize(round_, sums, job.params, numel, state)
     stats.wall_s = time.perf_counter() - start
     return state, stats
+
+
+def _shipped(job: Job, state: dict[str, Any]) -> dict[str, Any]:
+    """The method's state as the workers get it, with the engine's settings for the fused
+    kernels: whether they are on (`--kernels`), and the bits torch gives a NaN cast to
+    bfloat16 on this machine (probed here, so that workers need not import torch)."""
+    fused = job.config.kernels == "auto" and kernels.available()
+    shipped = {**state, "fused": fused}
+    if fused:
+        from ram_dist.kernels.ram_numba import torch_bf16_nan
+
+        shipped["bf16_nan"] = torch_bf16_nan()
+    return shipped
 
 
 def _nonfinite_error(job: Job, found: dict[str, list[int]]) -> RamDistError:
@@ -356,8 +369,7 @@ def map_pass(
     storage, node_of = _placement(job.storage, last, first_node or {})
     start = time.perf_counter()
     workers, resources = _options(job, cluster)
-    shipped = {**state, "fused": job.config.kernels == "auto"}
-    shared = (job.layout, storage, job.method, job.params, shipped)
+    shared = (job.layout, storage, job.method, job.params, _shipped(job, state))
     units, headers, plan = _parts_of(job, shards, sink.min_part_bytes)
     for name in shards:  # a shard a killed run was writing keeps the parts it recorded
         recorded = (book.manifest.writing.get(name) or {}).get("plan")
@@ -408,13 +420,13 @@ def map_pass(
             return near(pin_to, only=True)
         return near(node_of(units[task.part.units[0]])) if task.part.units else None
 
-    fn = partial(counted, map_part)
     try:
-        for task, node, (result, traffic) in unordered_map(
-            fn, tasks(), shared, workers, resources, placement
+        for task, node, result in unordered_map(
+            map_part, tasks(), shared, workers, resources, placement
         ):
             if task.part.units:
-                stats.ran(task.part.units, node, traffic, node_of(units[task.part.units[0]]))
+                first = node_of(units[task.part.units[0]])
+                stats.ran(task.part.units, node, result.traffic, first)
             progress.advance(sum(result.bytes_read))
             stats.add(result, units=len(task.part.units))
             stats.parts += 1
@@ -426,7 +438,7 @@ def map_pass(
                 stats.bytes_written_by_workers += receipt.stop - receipt.start
             shard.done[receipt.number] = replace(receipt, data=None)
             book.part_done(shard.done[receipt.number])
-            memory.note()  # the driver, holding this result
+            memory.DRIVER.note()  # the driver, holding this result
             if len(shard.done) == len(plan[shard.name]):
                 complete(shard)
     except BaseException:

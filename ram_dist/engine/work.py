@@ -1,34 +1,42 @@
 """What a worker does with one work unit. Runs on Ray workers (or inline in tests).
 
-A unit's pieces are read as byte ranges of every input it needs, turned into tensors without
-parsing anything else, handed to the merge method, and (map pass) cast to the output dtype
-and returned as raw little-endian bytes, ready to append to the output shard.
+A unit's pieces are read as byte ranges of every input it needs into numpy arrays, without
+parsing anything else, handed to the merge method, and (map pass) written in the output
+dtype as raw little-endian bytes, ready to append to the output shard.
+
+A CPU worker on the fused path (the method's kernels take the chunk) never imports torch:
+the kernels read and write the numpy arrays. torch is loaded where the eager rule or a GPU
+runs, the first time it does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
-import torch
 
 from ram_dist import kernels
-from ram_dist.dtypes import SAFETENSORS_DTYPES, itemsize
-from ram_dist.engine import memory
+from ram_dist.dtypes import itemsize
 from ram_dist.engine.layout import Layout, TensorEntry
+from ram_dist.engine.memory import PeakMemory, peak_rss
+from ram_dist.io.range_cache import CacheTraffic, Traffic
 from ram_dist.io.sinks import PartReceipt, ShardTarget
-from ram_dist.io.storage import Buffer, Storage
+from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.registry import Chunk, State, TensorParams
 from ram_dist.plan import Part, Piece, WorkUnit
+
+if TYPE_CHECKING:
+    import torch
 
 #: Elements computed at once; bounds a worker's float temporaries (about 40 bytes each).
 COMPUTE_BLOCK = 1 << 22
@@ -39,7 +47,8 @@ class UnitResult:
     """What a unit sends back: statistics or output bytes, plus what it cost."""
 
     index: int
-    stats: dict[str, torch.Tensor] | None
+    stats: dict[str, np.ndarray] | None
+    """Reduce pass: the method's int64 statistics by key, summed over the unit's pieces."""
     data: np.ndarray | None
     bytes_read: tuple[int, ...]
     peak_rss_bytes: int
@@ -58,6 +67,8 @@ class UnitResult:
     attempt: int = 0
     """Ray's attempt number of the task: above 0 when an earlier attempt was lost (its worker
     or node died) and Ray ran it again."""
+    traffic: CacheTraffic = field(default_factory=CacheTraffic)
+    """Bytes the task read from this node's input cache and wrote to it."""
 
 
 def task_gpus() -> tuple[str, ...] | None:
@@ -70,14 +81,18 @@ def task_gpus() -> tuple[str, ...] | None:
     return tuple(str(g) for g in ray.get_gpu_ids())
 
 
-def device() -> torch.device:
-    """The GPU when this task was given one, else the CPU: the bytes are the same. A Ray
+def device() -> str:
+    """ "cuda" when this task was given a GPU, else "cpu": the bytes are the same. A Ray
     task given no GPU computes on the CPU, with the fused kernels, even where CUDA is
-    visible (Ray leaves CUDA_VISIBLE_DEVICES alone for it: `--device cpu` on a GPU node);
-    outside Ray, the GPU whenever CUDA is available."""
+    visible (Ray leaves CUDA_VISIBLE_DEVICES alone for it: `--device cpu` on a GPU node),
+    and without importing torch; outside Ray, the GPU whenever torch sees one."""
     if task_gpus() == ():
-        return torch.device("cpu")
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        return "cpu"
+    try:
+        import torch
+    except ImportError:  # a CPU-only install without torch: the fused path needs none
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _ran_by() -> dict[str, Any]:
@@ -121,25 +136,6 @@ def _inputs_of(entry: TensorEntry) -> int:
     return len(entry.sources) if entry.participating else 1
 
 
-def read_unit(
-    unit: WorkUnit, layout: Layout, storage: Storage
-) -> tuple[list[list[torch.Tensor]], list[int]]:
-    """Read every piece of a unit from every input it needs, at once (one batched read)."""
-    requests: list[tuple[str, int, int]] = []
-    owners: list[tuple[int, int, str]] = []
-    for p, piece in enumerate(unit.pieces):
-        entry = layout.tensors[piece.tensor]
-        ranges = _ranges(entry, piece.start, piece.stop)
-        requests += ranges
-        owners += [(p, i, src.dtype) for i, src in enumerate(entry.sources[: len(ranges)])]
-    bytes_read = [0] * _input_count(layout)
-    tensors: list[list[torch.Tensor]] = [[] for _ in unit.pieces]
-    for blob, (p, i, dtype) in zip(storage.read_ranges(requests), owners, strict=True):
-        bytes_read[i] += len(blob)
-        tensors[p].append(_tensor_from_bytes(blob, dtype))
-    return tensors, bytes_read
-
-
 def _ranges(entry: TensorEntry, start: int, stop: int) -> list[tuple[str, int, int]]:
     """The byte ranges of elements [start, stop) of a tensor in every input it needs (base
     first; only the base for a tensor that is copied)."""
@@ -163,30 +159,44 @@ class Block:
     hi: int
 
 
-class _Buffers:
-    """Two reusable read buffers per worker process (the block being computed and the one
-    being read): fresh memory would be faulted in, and zeroed by the kernel, for every block,
-    which costs as much as the copy out of the page cache. On a GPU worker they are pinned,
-    so that copies to the device can run asynchronously."""
+class _ReadBuffers:
+    """Two reusable read buffers (the block being computed and the one being read): fresh
+    memory would be faulted in, and zeroed by the kernel, for every block, which costs as
+    much as the copy out of the page cache. For a GPU task they are pinned (torch), so that
+    copies to the device can run asynchronously."""
 
     ALIGN = 64
 
     def __init__(self) -> None:
-        self._slots: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
+        self._slots: list[np.ndarray] = [np.empty(0, dtype=np.uint8)] * 2
+        self._pinned = [False, False]
 
-    def views(self, slot: int, sizes: list[int]) -> list[memoryview]:
+    def views(self, slot: int, sizes: list[int], pinned: bool) -> list[np.ndarray]:
+        """Byte arrays of `sizes`, each starting `ALIGN`-aligned, valid until the next call
+        for this slot."""
         offsets, total = [], 0
         for size in sizes:
             offsets.append(total)
             total += -(-size // self.ALIGN) * self.ALIGN
-        if self._slots[slot].numel() < total:
-            pinned = device().type == "cuda"  # never a CUDA context in a CPU task
-            self._slots[slot] = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
-        whole = memoryview(self._slots[slot].numpy())
+        if self._slots[slot].size < total or self._pinned[slot] != pinned:
+            self._slots[slot] = np.empty(0, dtype=np.uint8)  # let the old one go first
+            self._slots[slot] = _pinned_bytes(total) if pinned else _aligned_bytes(total)
+            self._pinned[slot] = pinned
+        whole = self._slots[slot]
         return [whole[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
 
 
-_BUFFERS = _Buffers()
+def _aligned_bytes(size: int) -> np.ndarray:
+    """`size` bytes starting on a 64-byte boundary (numpy only promises 16)."""
+    raw = np.empty(size + _ReadBuffers.ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % _ReadBuffers.ALIGN
+    return raw[skip : skip + size]
+
+
+def _pinned_bytes(size: int) -> np.ndarray:
+    import torch
+
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
 
 
 class _OutputBuffer:
@@ -202,34 +212,102 @@ class _OutputBuffer:
     def take(self, size: int) -> np.ndarray:
         if self._data.size < size:
             self._data = np.empty(0, dtype=np.uint8)  # let the old one go first
-            self._data = np.empty(size, dtype=np.uint8)
+            self._data = _aligned_bytes(size)
         return self._data[:size]
 
 
-_OUTPUT = _OutputBuffer()
+@dataclass
+class TaskScope:
+    """What one task uses of its worker's context: the reused buffers, and its own
+    peak-memory sampler and input-cache traffic counters."""
+
+    reads: _ReadBuffers
+    output: _OutputBuffer
+    memory: PeakMemory
+    traffic: Traffic
+
+
+class WorkerContext:
+    """What a worker process keeps from one task to the next: its read and output buffers
+    (reused: fresh memory costs page faults). Each task enters `task()`, which gives it the
+    buffers with a fresh memory sampler and traffic counters; a worker runs one task at a
+    time (Ray's default for tasks), and a second task entering at once is an error rather
+    than two tasks sharing buffers."""
+
+    def __init__(self) -> None:
+        self._reads = _ReadBuffers()
+        self._output = _OutputBuffer()
+        self._busy = threading.Lock()
+
+    @contextlib.contextmanager
+    def task(self) -> Iterator[TaskScope]:
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("a worker context runs one task at a time")
+        try:
+            yield TaskScope(self._reads, self._output, PeakMemory(), Traffic())
+        finally:
+            self._busy.release()
+
+
+_PROCESS_CONTEXT: list[WorkerContext] = []
+_PROCESS_LOCK = threading.Lock()
+
+
+def worker_context() -> WorkerContext:
+    """This process's worker context, made on first use; it lives as long as the process
+    (a Ray worker), so that the next task reuses its buffers."""
+    with _PROCESS_LOCK:
+        if not _PROCESS_CONTEXT:
+            _PROCESS_CONTEXT.append(WorkerContext())
+        return _PROCESS_CONTEXT[0]
+
+
+@dataclass(frozen=True)
+class BlockInputs:
+    """One block's inputs as read (base first; only the base for a tensor that is copied):
+    each input's bytes, as a byte array over the read buffer, and its safetensors dtype. The
+    arrays are valid until the block after the next is read."""
+
+    raw: tuple[np.ndarray, ...]
+    dtypes: tuple[str, ...]
+
+    def arrays(self) -> list[np.ndarray]:
+        """The inputs as the fused kernels read them (`ram_dist.kernels.READS`)."""
+        return [r.view(kernels.READS[d]) for r, d in zip(self.raw, self.dtypes, strict=True)]
+
+    def tensors(self, dev: str) -> list[torch.Tensor]:
+        """The inputs as torch tensors on `dev`, for the eager rule (this imports torch)."""
+        return [
+            _tensor_from_bytes(r, d).to(dev, non_blocking=True)
+            for r, d in zip(self.raw, self.dtypes, strict=True)
+        ]
 
 
 def stream_blocks(
-    pieces: tuple[Piece, ...], layout: Layout, storage: Storage, bytes_read: list[int]
-) -> Iterator[tuple[Block, list[torch.Tensor]]]:
-    """Each compute block of `pieces` with its inputs (base first; only the base for tensors
-    that are copied), in order. A thread reads the next block while the caller computes this
-    one (reads and the fused kernels release the GIL), into one of two reused buffers: the
-    tensors of a block are valid until the caller asks for the block after it.
-    `bytes_read[i]` grows by what is read from input i."""
+    pieces: tuple[Piece, ...],
+    layout: Layout,
+    storage: Storage,
+    bytes_read: list[int],
+    scope: TaskScope,
+    pinned: bool = False,
+) -> Iterator[tuple[Block, BlockInputs]]:
+    """Each compute block of `pieces` with its inputs, in order. A thread reads the next
+    block while the caller computes this one (reads and the fused kernels release the GIL),
+    into one of the scope's two read buffers: a block's inputs are valid until the caller
+    asks for the block after it. `bytes_read[i]` grows by what is read from input i."""
     blocks = [Block(p, lo, hi) for p, piece in enumerate(pieces) for lo, hi in _blocks(piece.numel)]
 
-    def read(k: int) -> list[torch.Tensor]:
+    def read(k: int) -> BlockInputs:
         block = blocks[k]
         piece = pieces[block.piece]
         entry = layout.tensors[piece.tensor]
         sources = entry.sources[: _inputs_of(entry)]
         requests = _ranges(entry, piece.start + block.lo, piece.start + block.hi)
-        views = _BUFFERS.views(k % 2, [end - start for _, start, end in requests])
-        blobs = storage.read_ranges(requests, into=views)
-        for i, blob in enumerate(blobs):
-            bytes_read[i] += len(blob)
-        return [_tensor_from_bytes(b, s.dtype) for b, s in zip(blobs, sources, strict=True)]
+        arrays = scope.reads.views(k % 2, [end - start for _, start, end in requests], pinned)
+        storage.read_ranges(requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic)
+        for i, a in enumerate(arrays):
+            bytes_read[i] += a.size
+        return BlockInputs(tuple(arrays), tuple(s.dtype for s in sources))
 
     if not blocks:
         return
@@ -239,18 +317,36 @@ def stream_blocks(
             inputs = ahead.result()
             if k + 1 < len(blocks):
                 ahead = reader.submit(read, k + 1)
-            memory.note()
+            scope.memory.note()
             yield block, inputs
 
 
-def _tensor_from_bytes(blob: Buffer, dtype: str) -> torch.Tensor:
-    if not len(blob):
-        return torch.empty(0, dtype=SAFETENSORS_DTYPES.get(dtype, torch.uint8))
-    with warnings.catch_warnings():
-        # Fetched bytes are read-only; nothing here writes to them.
-        warnings.simplefilter("ignore", UserWarning)
-        # A dtype this torch build lacks is only ever copied, byte for byte: read it as bytes.
-        return torch.frombuffer(blob, dtype=SAFETENSORS_DTYPES.get(dtype, torch.uint8))
+def _tensor_from_bytes(raw: np.ndarray, dtype: str) -> torch.Tensor:
+    """A tensor over the bytes (no copy); a dtype this torch build lacks is only ever
+    copied, byte for byte, so it is read as bytes."""
+    import torch
+
+    from ram_dist.dtypes import SAFETENSORS_DTYPES
+
+    data = torch.from_numpy(raw)
+    return data.view(SAFETENSORS_DTYPES.get(dtype, torch.uint8))
+
+
+@dataclass(frozen=True)
+class Fused:
+    """Whether a task's chunks may go to the method's fused kernels: kernels on for the job
+    (`state["fused"]`, from `--kernels`), a CPU task, and numba installed. Per chunk, the
+    inputs' dtypes (and the output's) must be ones the kernels handle, and the method may
+    still decline."""
+
+    on: bool
+
+    @classmethod
+    def of(cls, state: State, dev: str) -> Fused:
+        return cls(bool(state.get("fused")) and dev == "cpu" and kernels.available())
+
+    def take(self, dtypes: Sequence[str], out: str | None = None) -> bool:
+        return self.on and kernels.handle(dtypes, out)
 
 
 def reduce_unit(
@@ -262,6 +358,7 @@ def reduce_unit(
     state: State,
     round_: int,
     check_finite: bool,
+    scope: TaskScope,
 ) -> UnitResult:
     """One reduce round: the method's statistics of the unit's active pieces, summed by key;
     with `check_finite`, also the NaN and Inf count of every input of every piece."""
@@ -274,43 +371,53 @@ def reduce_unit(
     pieces = tuple(p for p in unit.pieces if wanted(p.tensor))
     bytes_read = [0] * _input_count(layout)
     dev = device()
-    totals: dict[str, torch.Tensor] = {}
+    fused = Fused.of(state, dev)
+    totals: dict[str, np.ndarray] = {}
     nonfinite: dict[str, list[int]] = {}
-    for block, inputs in stream_blocks(pieces, layout, storage, bytes_read):
+    for block, inputs in stream_blocks(pieces, layout, storage, bytes_read, scope, dev == "cuda"):
         piece = pieces[block.piece]
         numel = layout.tensors[piece.tensor].numel
         active = method_rounds and method.active(round_, state, piece.tensor)
-        base, *tasks = (t.to(dev, non_blocking=True) for t in inputs)
         chunk = Chunk(piece.tensor, piece.start + block.lo, numel)
-        stats, counts = None, None
-        if active and check_finite:  # one sweep for both, when the method has one
-            both = _checked_statistics(method, round_, chunk, base, tasks, params, state)
-            stats, counts = both if both is not None else (None, None)
+        p = params[piece.tensor]
+        stats: dict[str, np.ndarray] | None = None
+        counts: list[int] | None = None
+        if active and fused.take(inputs.dtypes):
+            got = method.fused_statistics(
+                round_, chunk, inputs.arrays(), p, state, check_finite
+            )  # fmt: skip
+            if got is not None:
+                stats, counts = got
         if check_finite and counts is None:
-            counts = [_nonfinite(x, state) for x in (base, *tasks)]
+            counts = _nonfinite(inputs, fused, dev)
         if counts is not None and any(counts):
             old = nonfinite.get(piece.tensor, [0] * len(counts))
             nonfinite[piece.tensor] = [a + b for a, b in zip(old, counts, strict=True)]
         if not active:
             continue
         if stats is None:
-            stats = method.chunk_statistics(round_, chunk, base, tasks, params[piece.tensor], state)
-        for key, value in stats.items():
-            value = value.to(device="cpu", dtype=torch.int64)
-            totals[key] = totals[key] + value if key in totals else value
+            base, *tasks = inputs.tensors(dev)
+            eager = method.chunk_statistics(round_, chunk, base, tasks, p, state)
+            stats = {k: v.cpu().numpy().astype(np.int64, copy=False) for k, v in eager.items()}
+        _add(totals, stats)
     return UnitResult(
-        unit.index, totals, None, tuple(bytes_read), memory.peak_rss(), nonfinite or None,
-        peak_private_bytes=memory.note(),
+        unit.index, totals, None, tuple(bytes_read), peak_rss(), nonfinite or None,
+        peak_private_bytes=scope.memory.note(now=True),
     )  # fmt: skip
 
 
+def _add(totals: dict[str, np.ndarray], stats: Mapping[str, np.ndarray]) -> None:
+    """Add int64 statistics into `totals`, by key (sums of integers: any order)."""
+    for key, value in stats.items():
+        totals[key] = totals[key] + value if key in totals else np.array(value, dtype=np.int64)
+
+
 def add_up(
-    result: UnitResult, totals: dict[str, torch.Tensor], nonfinite: dict[str, list[int]]
+    result: UnitResult, totals: dict[str, np.ndarray], nonfinite: dict[str, list[int]]
 ) -> None:
     """Add a reduce result's statistics to `totals` and its NaN/Inf counts to `nonfinite`
     (sums of integers: the order never matters)."""
-    for key, value in (result.stats or {}).items():
-        totals[key] = totals[key] + value if key in totals else value
+    _add(totals, result.stats or {})
     for name, counts in (result.nonfinite or {}).items():
         old = nonfinite.get(name, [0] * len(counts))
         nonfinite[name] = [a + b for a, b in zip(old, counts, strict=True)]
@@ -329,50 +436,39 @@ def reduce_group(
     """`reduce_unit` over units one task reads together (those of one output part, so the
     map pass, which makes the part in one task, finds all their bytes in this node's input
     cache), the results summed."""
-    results = [
-        reduce_unit(u, layout, storage, method, params, state, round_, check_finite) for u in units
-    ]
-    totals: dict[str, torch.Tensor] = {}
-    nonfinite: dict[str, list[int]] = {}
-    for r in results:
-        add_up(r, totals, nonfinite)
-    return UnitResult(
-        units[0].index,
-        totals,
-        None,
-        tuple(map(sum, zip(*(r.bytes_read for r in results), strict=True))),
-        max(r.peak_rss_bytes for r in results),
-        nonfinite or None,
-        peak_private_bytes=max(r.peak_private_bytes for r in results),
-        **_ran_by(),
-    )
+    with worker_context().task() as scope:
+        results = [
+            reduce_unit(u, layout, storage, method, params, state, round_, check_finite, scope)
+            for u in units
+        ]
+        totals: dict[str, np.ndarray] = {}
+        nonfinite: dict[str, list[int]] = {}
+        for r in results:
+            add_up(r, totals, nonfinite)
+        return UnitResult(
+            units[0].index,
+            totals,
+            None,
+            tuple(map(sum, zip(*(r.bytes_read for r in results), strict=True))),
+            max(r.peak_rss_bytes for r in results),
+            nonfinite or None,
+            peak_private_bytes=scope.memory.note(now=True),
+            traffic=scope.traffic.total(),
+            **_ran_by(),
+        )
 
 
-def _checked_statistics(
-    method: MergeMethod,
-    round_: int,
-    chunk: Chunk,
-    base: torch.Tensor,
-    tasks: list[torch.Tensor],
-    params: Mapping[str, TensorParams],
-    state: State,
-) -> tuple[dict[str, torch.Tensor], list[int]] | None:
-    """The method's statistics and the inputs' NaN/Inf counts from one fused sweep, when the
-    method offers one for this chunk (`chunk_statistics_checked`); else None."""
-    fused = getattr(method, "chunk_statistics_checked", None)
-    if fused is None:
-        return None
-    return fused(round_, chunk, base, tasks, params[chunk.tensor], state)
+def _nonfinite(inputs: BlockInputs, fused: Fused, dev: str) -> list[int]:
+    """NaN and Inf count of each input of a block: a raw-bits sweep where kernels are on."""
+    from ram_dist.kernels import scan_numba
 
+    if fused.on and all(scan_numba.supports(d) for d in inputs.dtypes):
+        return [
+            scan_numba.nonfinite_in(r, d) for r, d in zip(inputs.raw, inputs.dtypes, strict=True)
+        ]
+    import torch
 
-def _nonfinite(x: torch.Tensor, state: State) -> int:
-    """NaN and Inf count of one input block: a raw-bits sweep when kernels are on."""
-    if state.get("fused") and x.device.type == "cpu" and kernels.available():
-        from ram_dist.kernels import scan_numba
-
-        if scan_numba.supports(x.dtype):
-            return scan_numba.nonfinite_count(x)
-    return int((~torch.isfinite(x)).sum())
+    return [int((~torch.isfinite(x)).sum()) for x in inputs.tensors(dev)]
 
 
 def map_unit(
@@ -387,14 +483,18 @@ def map_unit(
     """Map pass: merged bytes of a unit's pieces, in order, in each tensor's output dtype.
     With `reuse_output`, the bytes live in this process's reused output buffer (see
     `_OutputBuffer`) and are valid until the next such call."""
-    bytes_read = [0] * _input_count(layout)
-    size = unit_out_bytes(unit, layout)
-    data = _OUTPUT.take(size) if reuse_output else np.empty(size, dtype=np.uint8)
-    fused_elements = _merge_into(unit, layout, storage, method, params, state, data, bytes_read)
-    return UnitResult(
-        unit.index, None, data, tuple(bytes_read), memory.peak_rss(),
-        fused_elements=fused_elements, peak_private_bytes=memory.note(),
-    )  # fmt: skip
+    with worker_context().task() as scope:
+        bytes_read = [0] * _input_count(layout)
+        size = unit_out_bytes(unit, layout)
+        data = scope.output.take(size) if reuse_output else np.empty(size, dtype=np.uint8)
+        fused_elements = _merge_into(
+            unit, layout, storage, method, params, state, data, bytes_read, scope
+        )
+        return UnitResult(
+            unit.index, None, data, tuple(bytes_read), peak_rss(),
+            fused_elements=fused_elements, peak_private_bytes=scope.memory.note(now=True),
+            traffic=scope.traffic.total(),
+        )  # fmt: skip
 
 
 def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
@@ -424,9 +524,22 @@ def map_part(
     """Map pass: merge a part's units into this process's reused output buffer, hash them
     (in a thread, unit by unit, while the next unit is merged) and hand the part to its
     target, which writes it in place (direct) or sends it back (through the driver)."""
+    with worker_context().task() as scope:
+        return _map_part(task, layout, storage, method, params, state, scope)
+
+
+def _map_part(
+    task: PartTask,
+    layout: Layout,
+    storage: Storage,
+    method: MergeMethod,
+    params: Mapping[str, TensorParams],
+    state: State,
+    scope: TaskScope,
+) -> UnitResult:
     part, target = task.part, task.target
     bytes_read = [0] * _input_count(layout)
-    data = _OUTPUT.take(part.size)
+    data = scope.output.take(part.size)
     at = len(task.header)
     data[:at] = np.frombuffer(task.header, dtype=np.uint8)
     digest = hashlib.sha256()
@@ -446,7 +559,7 @@ def map_part(
             size = unit_out_bytes(unit, layout)
             out = data[at : at + size]
             fused_elements += _merge_into(
-                unit, layout, storage, method, params, state, out, bytes_read,
+                unit, layout, storage, method, params, state, out, bytes_read, scope,
                 on_block=lambda lo, hi, base=at: made(base + lo, base + hi),
             )  # fmt: skip
             at += size
@@ -455,9 +568,9 @@ def map_part(
                            f"expected {part.size}")  # fmt: skip
     receipt = target.write(part, data, digest.digest())
     return UnitResult(
-        part.units[0] if part.units else -1, None, None, tuple(bytes_read), memory.peak_rss(),
-        fused_elements=fused_elements, peak_private_bytes=memory.note(), receipt=receipt,
-        **_ran_by(),
+        part.units[0] if part.units else -1, None, None, tuple(bytes_read), peak_rss(),
+        fused_elements=fused_elements, peak_private_bytes=scope.memory.note(now=True),
+        receipt=receipt, traffic=scope.traffic.total(), **_ran_by(),
     )  # fmt: skip
 
 
@@ -470,48 +583,72 @@ def _merge_into(
     state: State,
     data: np.ndarray,
     bytes_read: list[int],
+    scope: TaskScope,
     on_block: Callable[[int, int], None] | None = None,
 ) -> int:
     """Merge a unit's pieces into `data` (its output bytes); returns the elements a fused
     kernel merged. `bytes_read[i]` grows by what is read from input i; `on_block(lo, hi)` is
     told, in order, of each range of `data` once it is final."""
     dev = device()
+    fused = Fused.of(state, dev)
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     offsets = [sum(sizes[:k]) for k in range(len(sizes))]
-    out = torch.from_numpy(data)
     fused_elements = 0
-    fused = getattr(method, "merge_into", None)
-    for block, inputs in stream_blocks(unit.pieces, layout, storage, bytes_read):
+    blocks = stream_blocks(unit.pieces, layout, storage, bytes_read, scope, dev == "cuda")
+    for block, inputs in blocks:
         piece = unit.pieces[block.piece]
         entry = layout.tensors[piece.tensor]
         width = itemsize(entry.out_dtype)
         at = offsets[block.piece]
-        target = out[at + block.lo * width : at + block.hi * width]
         lo, hi = at + block.lo * width, at + block.hi * width
+        target = data[lo:hi]
         if not entry.participating:
-            target.copy_(inputs[0].view(torch.uint8))  # copied from the base, byte for byte
+            target[:] = inputs.raw[0]  # copied from the base, byte for byte
         else:
-            base, *tasks = (t.to(dev, non_blocking=True) for t in inputs)
             chunk = Chunk(piece.tensor, piece.start + block.lo, entry.numel)
-            view = _typed(target, SAFETENSORS_DTYPES[entry.out_dtype])
             p = params[piece.tensor]
-            if fused and view is not None and fused(chunk, base, tasks, p, state, view):
+            view = _typed(target, entry.out_dtype)
+            if (
+                view is not None
+                and fused.take(inputs.dtypes, entry.out_dtype)
+                and method.fused_merge(chunk, inputs.arrays(), p, state, view)
+            ):
                 fused_elements += block.hi - block.lo
             else:
-                merged = method.merge_chunk(chunk, base, tasks, p, state)
-                out_dtype = SAFETENSORS_DTYPES[entry.out_dtype]
-                target.copy_(merged.to(out_dtype).cpu().view(torch.uint8))
+                _merge_eager(method, chunk, inputs, p, state, dev, entry.out_dtype, target)
         if on_block is not None:
             on_block(lo, hi)
     return fused_elements
 
 
-def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """The output bytes seen as `dtype`, when their alignment allows it."""
-    try:
-        return raw.view(dtype)
-    except RuntimeError:
+def _merge_eager(
+    method: MergeMethod,
+    chunk: Chunk,
+    inputs: BlockInputs,
+    params: TensorParams,
+    state: State,
+    dev: str,
+    out_dtype: str,
+    target: np.ndarray,
+) -> None:
+    """The method's torch rule on one block, cast to the output dtype, into `target`."""
+    import torch
+
+    from ram_dist.dtypes import SAFETENSORS_DTYPES
+
+    base, *tasks = inputs.tensors(dev)
+    merged = method.merge_chunk(chunk, base, tasks, params, state)
+    raw = merged.to(SAFETENSORS_DTYPES[out_dtype]).cpu().reshape(-1).view(torch.uint8)
+    torch.from_numpy(target).copy_(raw)
+
+
+def _typed(raw: np.ndarray, dtype: str) -> np.ndarray | None:
+    """The output bytes as the array the fused kernels write for `dtype`, when they write
+    that dtype and the bytes are aligned for it."""
+    kind = kernels.WRITES.get(dtype)
+    if kind is None or raw.ctypes.data % np.dtype(kind).itemsize:
         return None
+    return raw.view(kind)
 
 
 def _blocks(numel: int) -> list[tuple[int, int]]:

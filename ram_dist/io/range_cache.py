@@ -45,6 +45,24 @@ class CacheTraffic:
     written: int = 0
 
 
+class Traffic:
+    """Counts a task's cache traffic as its reads happen (the read-ahead thread included)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._read = 0
+        self._written = 0
+
+    def add(self, read: int = 0, written: int = 0) -> None:
+        with self._lock:
+            self._read += read
+            self._written += written
+
+    def total(self) -> CacheTraffic:
+        with self._lock:
+            return CacheTraffic(self._read, self._written)
+
+
 @dataclass(frozen=True)
 class InputCache:
     """Where and how a pass keeps input ranges; picklable, shipped to the workers in `Storage`."""
@@ -82,9 +100,12 @@ class InputCache:
         buffers: list[memoryview],
         fetch: Fetch,
         is_local: Callable[[str], bool],
+        traffic: Traffic | None = None,
     ) -> None:
         """Fill `buffers[i]` with range i: from the cache where it holds the range, the rest
-        through `fetch` (which retries), keeping what was fetched unless this is the last pass."""
+        through `fetch` (which retries), keeping what was fetched unless this is the last pass.
+        `traffic` counts the bytes read from the cache and written to it."""
+        traffic = traffic if traffic is not None else Traffic()
         root = self._usable_root()
         kept: dict[int, str] = {}
         if root is not None:
@@ -94,7 +115,7 @@ class InputCache:
         misses = []
         for i in range(len(url_ranges)):
             if i in kept and _load(kept[i], buffers[i]):
-                _count(read=len(buffers[i]))
+                traffic.add(read=len(buffers[i]))
                 if self.last_reader:
                     _unlink(kept[i])
             else:
@@ -106,7 +127,7 @@ class InputCache:
             return
         for i in misses:
             if i in kept and self._store(kept[i], buffers[i]):
-                _count(written=len(buffers[i]))
+                traffic.add(written=len(buffers[i]))
 
     def remove(self) -> int:
         """Delete this job's folders on this node (any boot); returns how many were removed."""
@@ -211,24 +232,3 @@ def _boot_id() -> str:
         except OSError:
             _BOOT_ID.append("0")
     return _BOOT_ID[0]
-
-
-_LOCK = threading.Lock()
-_TRAFFIC = [0, 0]  # bytes read from the cache, written to it, by this process since reset
-
-
-def _count(read: int = 0, written: int = 0) -> None:
-    with _LOCK:
-        _TRAFFIC[0] += read
-        _TRAFFIC[1] += written
-
-
-def counted(fn: Callable[..., Any], *args: Any) -> tuple[Any, CacheTraffic]:
-    """`fn(*args)` and the cache traffic it caused. A Ray worker runs one task at a time, and
-    a unit's read-ahead thread ends before the unit returns, so the process's counts are the
-    unit's."""
-    with _LOCK:
-        _TRAFFIC[:] = [0, 0]
-    result = fn(*args)
-    with _LOCK:
-        return result, CacheTraffic(*_TRAFFIC)

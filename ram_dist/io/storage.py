@@ -21,7 +21,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ram_dist.errors import RamDistError
 
 if TYPE_CHECKING:
-    from ram_dist.io.range_cache import InputCache
+    from ram_dist.io.range_cache import InputCache, Traffic
 
 #: Largest single range request; a unit's range is cut into requests this size.
 REQUEST_BYTES = 16 * 2**20
@@ -92,6 +92,7 @@ class Storage:
         self,
         url_ranges: list[tuple[str, int, int]],
         into: list[memoryview] | None = None,
+        traffic: Traffic | None = None,
     ) -> list[Buffer]:
         """Read byte ranges `[start, end)`; empty ranges read nothing.
 
@@ -99,14 +100,15 @@ class Storage:
         those buffers are returned: a worker reuses its buffers instead of faulting in fresh
         memory for every block. Local files are read with `preadv` (one copy out of the
         page cache, like plain file I/O); other filesystems get batched `cat_ranges`
-        requests of at most `REQUEST_BYTES`. With a `cache`, what it holds is read from it."""
+        requests of at most `REQUEST_BYTES`. With a `cache`, what it holds is read from it, and
+        `traffic` counts what was read from it and written to it."""
         if into is not None and len(into) != len(url_ranges):
             raise ValueError(f"{len(into)} buffers for {len(url_ranges)} ranges")
         if self.cache is None:
             return self._read_direct(url_ranges, into)
         if into is None:
             into = [memoryview(bytearray(end - start)) for _, start, end in url_ranges]
-        self.cache.read(url_ranges, into, self._read_direct, self.is_local)
+        self.cache.read(url_ranges, into, self._read_direct, self.is_local, traffic)
         return list(into)
 
     def _read_direct(

@@ -3,6 +3,10 @@
 Import `ram_dist.kernels.ram_numba` only when `available()`; the eager torch methods give
 the same bytes and remain the fallback (and the only path for float64 tensors).
 
+The kernels read and write numpy arrays of the stored elements (`READS`, `WRITES`: bfloat16
+as its uint16 bits), so a CPU worker on the fused path never imports torch; torch tensors
+are taken too, for tests and benchmarks.
+
 The kernels are compiled once per signature and CPU, into numba's disk cache (see
 `use_writable_cache`); `python -m ram_dist.kernels.warm` fills it ahead of the jobs.
 """
@@ -12,10 +16,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import torch
+import numpy as np
+
+#: The numpy array a kernel reads for each safetensors dtype it handles (float64 inputs are
+#: computed in float64 by the spec: the eager path keeps them).
+READS: dict[str, type] = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+#: The numpy array a kernel writes for each output dtype it handles.
+WRITES: dict[str, type] = {**READS, "F64": np.float64}
 
 
 def available() -> bool:
@@ -23,14 +32,9 @@ def available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def take(state: Mapping[str, Any], inputs: Sequence[torch.Tensor]) -> bool:
-    """Whether a fused kernel takes a chunk: kernels on for this job (`state["fused"]`, set by
-    the engine from `--kernels`), CPU tensors, numba installed, and dtypes it reads."""
-    if not state.get("fused") or inputs[0].device.type != "cpu" or not available():
-        return False
-    from ram_dist.kernels import ram_numba
-
-    return ram_numba.supports([t.dtype for t in inputs])
+def handle(inputs: Sequence[str], out: str | None = None) -> bool:
+    """Whether the kernels read these input dtypes (and write the output dtype)."""
+    return all(d in READS for d in inputs) and (out is None or out in WRITES)
 
 
 def _probe() -> None:

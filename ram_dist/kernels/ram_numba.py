@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from numba import literal_unroll, njit, types
 from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic, overload, register_jitable
@@ -66,12 +66,12 @@ CODE_TASKS = 10
 #: Sub-histograms, so that consecutive increments of one bin do not wait on each other.
 LANES = 4
 
-_TORCH_TO_KERNEL = {
-    torch.float32: np.float32,
-    torch.bfloat16: np.uint16,
-    torch.float16: np.int16,
-}
-_TORCH_OUT_TO_KERNEL = {**_TORCH_TO_KERNEL, torch.float64: np.float64}
+if TYPE_CHECKING:
+    import torch
+
+#: torch's names of the dtypes the kernels read, and the array each is read as.
+_TORCH_TO_KERNEL = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.int16}
+_TORCH_OUT_TO_KERNEL = {**_TORCH_TO_KERNEL, "float64": np.float64}
 
 _U32 = np.uint32
 _ABS32 = _U32(0x7FFFFFFF)
@@ -355,15 +355,26 @@ def _merge_kernel(
 
 # ---- Python API ------------------------------------------------------------------------
 
-ArrayLike = torch.Tensor | np.ndarray
+ArrayLike = "torch.Tensor | np.ndarray"
 
 
-def _kernel_view(x: ArrayLike, table: dict[torch.dtype, type], writable: bool) -> np.ndarray:
+def _is_tensor(x: object) -> bool:
+    """Whether `x` is a torch tensor, without importing torch (a worker on the fused path
+    never does: the engine hands numpy arrays)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _kernel_view(x: ArrayLike, table: dict[str, type], writable: bool) -> np.ndarray:
     """The flat array a kernel reads (or writes), tagged by dtype as the kernels expect."""
-    if isinstance(x, torch.Tensor):
+    if _is_tensor(x):
+        import torch
+
+        assert isinstance(x, torch.Tensor)
         if x.device.type != "cpu":
             raise TypeError(f"fused RAM kernels run on CPU tensors, got {x.device}")
-        if x.dtype not in table:
+        name = str(x.dtype).removeprefix("torch.")
+        if name not in table:
             raise TypeError(f"fused RAM kernels do not handle {x.dtype}")
         if not x.is_contiguous():
             if writable:
@@ -372,7 +383,7 @@ def _kernel_view(x: ArrayLike, table: dict[torch.dtype, type], writable: bool) -
         flat = x.reshape(-1)
         if x.dtype == torch.bfloat16:
             return flat.view(torch.int16).numpy().view(np.uint16)
-        return flat.numpy().view(table[x.dtype])
+        return flat.numpy().view(table[name])
     if not isinstance(x, np.ndarray):
         raise TypeError(f"expected a torch tensor or numpy array, got {type(x).__name__}")
     kinds = {np.dtype(np.float32): np.float32, np.dtype(np.uint16): np.uint16}
@@ -397,15 +408,20 @@ def _inputs(base: ArrayLike, tasks: Sequence[ArrayLike]) -> tuple[np.ndarray, ..
 
 
 def supports(inputs: Sequence[torch.dtype], out: torch.dtype | None = None) -> bool:
-    """Whether the fused kernels take these input dtypes (and output dtype); float64
-    inputs, and anything else, stay on the eager path."""
-    ok = all(d in _TORCH_TO_KERNEL for d in inputs)
-    return ok and (out is None or out in _TORCH_OUT_TO_KERNEL)
+    """Whether the fused kernels take these torch input dtypes (and output dtype); float64
+    inputs, and anything else, stay on the eager path (`ram_dist.kernels.handle` answers
+    the same for safetensors dtype names)."""
+
+    def name(d: torch.dtype) -> str:
+        return str(d).removeprefix("torch.")
+
+    ok = all(name(d) in _TORCH_TO_KERNEL for d in inputs)
+    return ok and (out is None or name(out) in _TORCH_OUT_TO_KERNEL)
 
 
 def overlap_counts(
     base: ArrayLike, tasks: Sequence[ArrayLike], eps: float, *, code_tasks: int = CODE_TASKS
-) -> torch.Tensor:
+) -> np.ndarray:
     """int64 [N+1, N+1], equal to `methods.ram.overlap_statistics(base, tasks, eps)`.
 
     `code_tasks` picks the counting strategy (both exact; tests force each)."""
@@ -413,12 +429,12 @@ def overlap_counts(
     ntasks = len(arrays) - 1
     hist = np.zeros((ntasks + 1, ntasks + 1), np.int64)
     _count_kernel(arrays, np.float32(eps), hist, np.zeros(0, np.int64), code_tasks)
-    return torch.from_numpy(hist)
+    return hist
 
 
 def overlap_counts_nonfinite(
     base: ArrayLike, tasks: Sequence[ArrayLike], eps: float, *, code_tasks: int = CODE_TASKS
-) -> tuple[torch.Tensor, list[int]]:
+) -> tuple[np.ndarray, list[int]]:
     """`overlap_counts`, plus the NaN and Inf count of every input (base first) from the
     same sweep: the reduce pass's finiteness check without reading the inputs again."""
     arrays = _inputs(base, tasks)
@@ -426,7 +442,7 @@ def overlap_counts_nonfinite(
     hist = np.zeros((ntasks + 1, ntasks + 1), np.int64)
     nonfinite = np.zeros(ntasks + 1, np.int64)
     _count_kernel(arrays, np.float32(eps), hist, nonfinite, code_tasks)
-    return torch.from_numpy(hist), [int(v) for v in nonfinite]
+    return hist, [int(v) for v in nonfinite]
 
 
 def merge_ram(
@@ -442,7 +458,8 @@ def merge_ram(
 
     `out` is float32, bfloat16, float16 or float64 (a numpy uint16 array means bfloat16), of
     the inputs' length, and must not overlap them. `lambdas` are rounded to float32 once.
-    `bf16_nan`: the bits of a NaN cast to bfloat16; by default what torch writes here."""
+    `bf16_nan`: the bits of a NaN cast to bfloat16; by default what torch writes here (the
+    engine passes what it probed on the driver, so that workers need no torch)."""
     arrays = _inputs(base, tasks)
     target = _kernel_view(out, _TORCH_OUT_TO_KERNEL, True)
     if target.size != arrays[0].size:
@@ -459,6 +476,8 @@ def torch_bf16_nan() -> int:
     """What torch writes for a NaN cast to bfloat16 in a contiguous tensor in this process:
     0xFFFF on AVX2/AVX512 builds, 0x7FC0 on the scalar path; -1 when it keeps the sign and
     payload (a quiet NaN, as `vcvtneps2bf16` would)."""
+    import torch
+
     nans = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF812345, 0x7FFFFFFF], np.uint32)
     probe = torch.from_numpy(np.tile(nans, 13).view(np.float32))
     got = probe.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)

@@ -8,21 +8,26 @@ every input adds next to nothing to a pass that must read them anyway.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 from numba import njit
 
 from ram_dist.kernels import use_writable_cache
 
+if TYPE_CHECKING:
+    import torch
+
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
-#: Raw-bits view and exponent mask of each floating dtype the engine reads.
+#: Raw-bits view and exponent mask of each floating safetensors dtype the engine reads.
 _EXPONENT = {
-    torch.float64: (np.uint64, np.uint64(0x7FF0000000000000)),
-    torch.float32: (np.uint32, np.uint32(0x7F800000)),
-    torch.bfloat16: (np.uint16, np.uint16(0x7F80)),
-    torch.float16: (np.uint16, np.uint16(0x7C00)),
+    "F64": (np.uint64, np.uint64(0x7FF0000000000000)),
+    "F32": (np.uint32, np.uint32(0x7F800000)),
+    "BF16": (np.uint16, np.uint16(0x7F80)),
+    "F16": (np.uint16, np.uint16(0x7C00)),
 }
+_TORCH_NAMES = {"float64": "F64", "float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 @njit(cache=True, nogil=True, fastmath=False)
@@ -33,18 +38,28 @@ def _count(bits: np.ndarray, mask: np.integer) -> int:
     return found
 
 
-def supports(dtype: torch.dtype) -> bool:
+def supports(dtype: str) -> bool:
+    """Whether a safetensors dtype is one this sweep counts."""
     return dtype in _EXPONENT
+
+
+def nonfinite_in(raw: np.ndarray, dtype: str) -> int:
+    """Number of NaN and Inf elements in the stored bytes (or any array over them) of a
+    tensor of safetensors dtype `dtype` (one of `_EXPONENT`)."""
+    view, mask = _EXPONENT[dtype]
+    if raw.size == 0:
+        return 0
+    return int(_count(np.ravel(raw).view(view), mask))
 
 
 def nonfinite_count(x: torch.Tensor) -> int:
     """Number of NaN and Inf elements of a CPU tensor of a floating dtype in `_EXPONENT`."""
-    if x.device.type != "cpu" or x.dtype not in _EXPONENT:
+    name = _TORCH_NAMES.get(str(x.dtype).removeprefix("torch."))
+    if x.device.type != "cpu" or name is None:
         raise TypeError(f"nonfinite_count takes CPU float tensors, got {x.dtype} on {x.device}")
-    view, mask = _EXPONENT[x.dtype]
-    flat = x.reshape(-1)
+    import torch
+
+    flat = x.reshape(-1).contiguous()
     if flat.numel() == 0:
         return 0
-    signed = {np.uint64: torch.int64, np.uint32: torch.int32, np.uint16: torch.int16}[view]
-    bits = flat.view(signed).numpy().view(view)
-    return int(_count(bits, mask))
+    return nonfinite_in(flat.view(torch.uint8).numpy(), name)

@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 from numba import njit
 
 from ram_dist.kernels.ram_numba import (
@@ -197,7 +196,7 @@ def statistics(
     size: int,
     select: Sequence[tuple[int, int]] | None = None,
     start: int = 0,
-) -> torch.Tensor:
+) -> np.ndarray:
     """int64 [N, size]: TIES round `kind` statistic of every task (rows of skipped tasks,
     `select[t][0] < 0`, are zeros), equal to `topk`'s histograms of `magnitude_keys`."""
     arrays = _inputs(base, tasks)
@@ -207,7 +206,7 @@ def statistics(
         chosen[:] = np.asarray(select, dtype=np.int64).reshape(ntasks, 2)
     hist = np.zeros((ntasks, size), np.int64)
     _stats_kernel(arrays, kind, chosen, start, hist)
-    return torch.from_numpy(hist)
+    return hist
 
 
 def merge(

@@ -11,16 +11,17 @@ kept set is a rule of each element) and the L1 norms of the rescale rule
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ram_dist import kernels
 from ram_dist.errors import RamDistError
 from ram_dist.methods import dare, linear, task_arithmetic, ties, topk
-from ram_dist.methods.registry import Chunk, State, TensorParams, flag, number
+from ram_dist.methods.registry import Chunk, Eager, State, TensorParams, flag, number
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 L1 = "#l1"
 L1_ABOVE = "#l1-above"
@@ -35,15 +36,12 @@ def _ordered(cut: dict[str, Any] | None) -> bool:
 
 
 def _fused_statistics(
-    round_: int,
-    chunk: Chunk,
-    base: torch.Tensor,
-    tasks: list[torch.Tensor],
-    cuts: list[dict[str, Any] | None],
-) -> torch.Tensor:
+    round_: int, chunk: Chunk, inputs: Sequence[np.ndarray], cuts: list[dict[str, Any] | None]
+) -> np.ndarray:
     """The TIES round's histograms (no L1 statistics) by the fused kernel."""
     from ram_dist.kernels import ties_numba
 
+    base, *tasks = inputs
     if round_ == 0:
         return ties_numba.statistics(base, tasks, ties_numba.HIGH, topk.HIGH_BINS)
     if round_ == 1:
@@ -57,6 +55,17 @@ def _fused_statistics(
         select = [(c["threshold"], c["index_bin"]) if _ordered(c) else (-1, -1) for c in cuts]
         size, kind = topk.LOW_BINS, ties_numba.INDEX_LOW
     return ties_numba.statistics(base, tasks, kind, size, select, chunk.start)
+
+
+def _weight_sum(weights: Sequence[float]) -> float:
+    """The float32 sum of the weights in task order (`task_arithmetic.ordered_sum`), or 1
+    where mergekit takes it as zero: what `normalize` divides by."""
+    import numpy as np
+
+    total = np.float32(0.0)
+    for w in weights:
+        total = np.float32(total + np.float32(w))
+    return 1.0 if abs(total) < np.float32(task_arithmetic.WEIGHT_SUM_EPS) else float(total)
 
 
 def _densities(params: TensorParams) -> list[float]:
@@ -90,9 +99,19 @@ class TaskArithmeticFamily:
             params["seed"] = 0
         return params
 
+    reports_overlap = False
+
     @property
     def rounds(self) -> int:
         return {None: 0, "random": 1, "magnitude": 4}[self.sparsify]
+
+    @property
+    def rounds_note(self) -> str:
+        if self.sparsify == "magnitude":
+            return (
+                "TIES needs its 3rd and 4th round only where the cut falls inside equal magnitudes"
+            )
+        return ""
 
     def check(self, params: TensorParams, where: str) -> None:
         for w in params["weight"]:
@@ -154,6 +173,8 @@ class TaskArithmeticFamily:
         params: TensorParams,
         state: State,
     ) -> dict[str, torch.Tensor]:
+        import torch
+
         if self.sparsify == "random":
             stats = dare.chunk_statistics(
                 base, tasks, seed=params["seed"], name=chunk.tensor, start=chunk.start,
@@ -161,8 +182,6 @@ class TaskArithmeticFamily:
             )  # fmt: skip
             return {chunk.tensor: stats}
         info = state["tensors"][chunk.tensor]
-        if not info["rescale"] and kernels.take(state, [base, *tasks]):
-            return {chunk.tensor: _fused_statistics(round_, chunk, base, tasks, info["cuts"])}
         _, deltas = task_arithmetic.task_vectors(base, tasks)
         keys = [topk.magnitude_keys(d) for d in deltas]
         if round_ == 0:
@@ -207,6 +226,8 @@ class TaskArithmeticFamily:
         numel: Mapping[str, int],
         state: State,
     ) -> State:
+        import torch
+
         tensors = state["tensors"]
         if self.sparsify == "random":
             for name, info in tensors.items():
@@ -253,6 +274,8 @@ class TaskArithmeticFamily:
         params: TensorParams,
         state: State,
     ) -> torch.Tensor:
+        import torch
+
         weights = _weights(params)
         lam = float(params["lambda"])
         normalize = bool(params["normalize"])
@@ -281,25 +304,40 @@ class TaskArithmeticFamily:
             b, sparse, weights, consensus=self.consensus, normalize=normalize, lambda_=lam
         )
 
-    def merge_into(
+    def fused_statistics(
         self,
+        round_: int,
         chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
+        inputs: Sequence[np.ndarray],
         params: TensorParams,
         state: State,
-        out: torch.Tensor,
-    ) -> bool:
-        """`merge_chunk` by a fused kernel, written straight into `out` (the output dtype);
-        False where none applies (DARE, L1 rescaling, float64, a GPU, kernels off)."""
-        if self.sparsify == "random" or not kernels.take(state, [base, *tasks]):
-            return False
-        from ram_dist.kernels import ram_numba, ties_numba
+        count_nonfinite: bool,
+    ) -> tuple[dict[str, np.ndarray], None] | None:
+        """TIES's histograms by the fused kernel; None for DARE's and the L1 statistics of
+        rescaling, which it does not compute."""
+        if self.sparsify != "magnitude":
+            return None
+        info = state["tensors"][chunk.tensor]
+        if info["rescale"]:
+            return None
+        return {chunk.tensor: _fused_statistics(round_, chunk, inputs, info["cuts"])}, None
 
-        if not ram_numba.supports([], out.dtype):
+    def fused_merge(
+        self,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        out: np.ndarray,
+    ) -> bool:
+        """`merge_chunk` by a fused kernel, written straight into `out`; False where none
+        applies (DARE, L1 rescaling)."""
+        if self.sparsify == "random":
             return False
+        from ram_dist.kernels import ties_numba
+
         densities = _densities(params)
-        cuts: list[dict[str, Any] | None] = [None] * len(tasks)
+        cuts: list[dict[str, Any] | None] = [None] * (len(inputs) - 1)
         if self.sparsify == "magnitude":
             cuts = state["tensors"][chunk.tensor]["cuts"]
             if any(c is not None and c.get("factor") is not None for c in cuts):
@@ -312,14 +350,13 @@ class TaskArithmeticFamily:
             else:
                 keep.append(ties_numba.KEEP_CUT)
                 bounds.append((c["threshold"], c.get("index_cut", -1)))
-        weights = torch.tensor(_weights(params), dtype=torch.float32)
-        divisor = task_arithmetic.ordered_sum(list(weights))
-        if divisor.abs() < task_arithmetic.WEIGHT_SUM_EPS:
-            divisor = torch.ones_like(divisor)
+        weights = _weights(params)
+        base, *tasks = inputs
         ties_numba.merge(
-            base, tasks, out, weights=weights.tolist(), keep=keep, cuts=bounds,
-            start=chunk.start, consensus=self.consensus, normalize=bool(params["normalize"]),
-            divisor=float(divisor), lambda_=float(params["lambda"]),
+            base, tasks, out, weights=weights, keep=keep, cuts=bounds, start=chunk.start,
+            consensus=self.consensus, normalize=bool(params["normalize"]),
+            divisor=_weight_sum(weights), lambda_=float(params["lambda"]),
+            bf16_nan=state.get("bf16_nan"),
         )  # fmt: skip
         return True
 
@@ -334,11 +371,13 @@ class TaskArithmeticFamily:
 
 
 def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    import torch
+
     return torch.zeros(n, dtype=torch.int64, device=device)
 
 
 @dataclass(frozen=True)
-class LinearMethod:
+class LinearMethod(Eager):
     """mergekit's `linear`: the weighted mean of the task models (the base is not averaged)."""
 
     name: str = "linear"

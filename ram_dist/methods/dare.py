@@ -30,11 +30,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from fractions import Fraction
-
-import torch
+from typing import TYPE_CHECKING
 
 from ram_dist.methods.rng import BITS, random_bits
 from ram_dist.methods.task_arithmetic import combine, task_vectors
+
+if TYPE_CHECKING:
+    import torch
 
 L1_BINS = 256
 _SPECIAL = 255
@@ -45,6 +47,8 @@ RESCALE_EPS = 1e-7
 
 def l1_statistic(values: torch.Tensor) -> torch.Tensor:
     """int64[256]: per float32 biased exponent, the exact sum of the significands of |x|."""
+    import torch
+
     bits = values.to(torch.float32).abs().reshape(-1).view(torch.int32).to(torch.int64)
     exponent = bits >> 23
     frac = bits & 0x7FFFFF
@@ -72,6 +76,8 @@ def l1_exact(stat: torch.Tensor) -> Fraction | float:
 
 def l1_float32(stat: torch.Tensor) -> float:
     """The exact sum rounded once to float32, to nearest-even (returned as a Python float)."""
+    import torch
+
     exact = l1_exact(stat)
     if not isinstance(exact, Fraction):
         return exact
@@ -88,6 +94,8 @@ def l1_float32(stat: torch.Tensor) -> float:
 
 def rescale_factor(total: torch.Tensor, kept: torch.Tensor) -> float | None:
     """float32 `||delta||_1 / ||kept||_1` from two L1 statistics; None when skipped."""
+    import torch
+
     before = torch.tensor(l1_float32(total), dtype=torch.float32)
     after = torch.tensor(l1_float32(kept), dtype=torch.float32)
     if before < RESCALE_EPS or after < RESCALE_EPS:
@@ -120,6 +128,8 @@ def sparsify(delta: torch.Tensor, keep: torch.Tensor | None, factor: float | Non
 
     `keep=None` means the density is >= 1: mergekit returns the delta untouched.
     """
+    import torch
+
     if keep is None:
         return delta
     masked = delta * keep.reshape(delta.shape).to(delta.dtype)
@@ -141,6 +151,8 @@ def chunk_statistics(
 
     Only needed when `rescale` is on; rows of tasks with density >= 1 stay zero.
     """
+    import torch
+
     _, deltas = task_vectors(base, tasks)
     rows = []
     stop = start + base.numel()

@@ -14,16 +14,20 @@ beyond that its order, and so the last bit of the divisor, may differ from ours.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from ram_dist.methods.task_arithmetic import ordered_sum
+
+if TYPE_CHECKING:
+    import torch
 
 
 def merge_chunk(
     inputs: Sequence[torch.Tensor], weights: Sequence[float], *, normalize: bool = True
 ) -> torch.Tensor:
     """Merged float32 values of one chunk of every input model, in the user's order."""
+    import torch
+
     if not inputs:
         raise ValueError("linear merge needs at least one input")
     if len(inputs) != len(weights):

@@ -13,17 +13,22 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ram_dist import kernels
 from ram_dist.errors import RamDistError
 from ram_dist.methods.registry import Chunk, State, TensorParams, number
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import numpy as np
+    import torch
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """float64 if any input of the tensor is float64, else float32 (the spec)."""
+    import torch
+
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
@@ -31,6 +36,8 @@ def _masks(
     base: torch.Tensor, tasks: list[torch.Tensor], eps: float
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """Base in the compute dtype, task vectors, strict change masks and the count c."""
+    import torch
+
     cdt = compute_dtype(base, *tasks)
     b = base.to(cdt)
     taus = [t.to(cdt) - b for t in tasks]
@@ -43,6 +50,8 @@ def _masks(
 
 def overlap_statistics(base: torch.Tensor, tasks: list[torch.Tensor], eps: float) -> torch.Tensor:
     """int64 [N+1, N+1]: row t < N is H[t][k] (k = 0..N, k = 0 always 0); row N counts c = k."""
+    import torch
+
     _, _, masks, count = _masks(base, tasks, eps)
     n = len(tasks)
     rows = [torch.bincount(count[m], minlength=n + 1) for m in masks]
@@ -80,11 +89,15 @@ LAMBDA_RULES: dict[str, Callable[[float, float, float], float]] = {
 
 def to_float32(value: float) -> float:
     """Round a float64 to the nearest float32 once (lambda_t is used only in this form)."""
+    import torch
+
     return float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
 
 
 def lambda_tensor_local(unique: int, shared: int, r: float, alpha: float, eps: float) -> float:
     """mergekit's `ramplus_tl` lambda of one tensor, op for op in float32."""
+    import torch
+
     rho32 = torch.tensor(shared, dtype=torch.int64) / torch.tensor(unique).clamp(min=eps)
     return float(1 + r * rho32.clamp(min=0, max=alpha))
 
@@ -121,6 +134,7 @@ LAYER = re.compile(r"^(.*?layers\.\d+)\.")
 def layer_summary(per_tensor: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
     """Per layer (`model.layers.{i}`; everything else is `other`), per task: changed, unique
     and shared elements and the layer's participating elements, for the per-layer table."""
+
     grouped: dict[str, torch.Tensor] = {}
     for name, total in per_tensor.items():
         match = LAYER.match(name)
@@ -153,6 +167,8 @@ def merge_ram(
     base: torch.Tensor, tasks: list[torch.Tensor], eps: float, lambdas: list[float]
 ) -> torch.Tensor:
     """The per-element rule; returns theta in the compute dtype (the caller casts it)."""
+    import torch
+
     b, taus, masks, count = _masks(base, tasks, eps)
     total = torch.zeros_like(b)
     lam = torch.zeros_like(b)
@@ -175,6 +191,8 @@ class RamMethod:
     scope_default: str = "model"
     task_parameters: Mapping[str, Any] = field(default_factory=dict)
     rounds: int = 1
+    rounds_note: str = ""
+    reports_overlap: bool = True
 
     @property
     def global_parameters(self) -> Mapping[str, Any]:
@@ -214,29 +232,25 @@ class RamMethod:
         params: TensorParams,
         state: State,
     ) -> dict[str, torch.Tensor]:
-        if kernels.take(state, [base, *tasks]):
-            from ram_dist.kernels import ram_numba
-
-            return {chunk.tensor: ram_numba.overlap_counts(base, tasks, params["epsilon"])}
         return {chunk.tensor: overlap_statistics(base, tasks, params["epsilon"])}
 
-    def chunk_statistics_checked(
+    def fused_statistics(
         self,
         round_: int,
         chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
+        inputs: Sequence[np.ndarray],
         params: TensorParams,
         state: State,
-    ) -> tuple[dict[str, torch.Tensor], list[int]] | None:
-        """`chunk_statistics` plus each input's NaN/Inf count, from one fused sweep; None
-        when the fused kernels do not take this chunk (the engine then counts separately)."""
-        if not kernels.take(state, [base, *tasks]):
-            return None
+        count_nonfinite: bool,
+    ) -> tuple[dict[str, np.ndarray], list[int] | None]:
+        """The overlap counts, and each input's NaN/Inf count, from one sweep."""
         from ram_dist.kernels import ram_numba
 
-        hist, counts = ram_numba.overlap_counts_nonfinite(base, tasks, params["epsilon"])
-        return {chunk.tensor: hist}, counts
+        base, *tasks = inputs
+        if count_nonfinite:
+            hist, counts = ram_numba.overlap_counts_nonfinite(base, tasks, params["epsilon"])
+            return {chunk.tensor: hist}, counts
+        return {chunk.tensor: ram_numba.overlap_counts(base, tasks, params["epsilon"])}, None
 
     def finalize(
         self,
@@ -246,6 +260,8 @@ class RamMethod:
         numel: Mapping[str, int],
         state: State,
     ) -> State:
+        import torch
+
         size = state["n_tasks"] + 1
         model_total = sum(totals.values(), torch.zeros((size, size), dtype=torch.int64))
         any_params = next(iter(params.values()), {"r": 0.0, "alpha": 0.0, "scope": "model"})
@@ -284,24 +300,21 @@ class RamMethod:
             lambdas = state["tensor_lambdas"][chunk.tensor]
         return merge_ram(base, tasks, params["epsilon"], lambdas)
 
-    def merge_into(
+    def fused_merge(
         self,
         chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
+        inputs: Sequence[np.ndarray],
         params: TensorParams,
         state: State,
-        out: torch.Tensor,
+        out: np.ndarray,
     ) -> bool:
-        """The fused kernel's merge, written straight into `out` (the output dtype); False
-        when it does not apply (float64, a GPU, kernels off), and the eager path runs."""
-        if not kernels.take(state, [base, *tasks]):
-            return False
+        """The fused kernel's merge, written straight into `out`; it takes every chunk."""
         from ram_dist.kernels import ram_numba
 
-        if not ram_numba.supports([], out.dtype):
-            return False
-        ram_numba.merge_ram(base, tasks, params["epsilon"], self._lambdas(chunk, state), out)
+        base, *tasks = inputs
+        lambdas = self._lambdas(chunk, state)
+        nan = state.get("bf16_nan")
+        ram_numba.merge_ram(base, tasks, params["epsilon"], lambdas, out, bf16_nan=nan)
         return True
 
     def _lambdas(self, chunk: Chunk, state: State) -> list[float]:

@@ -10,6 +10,16 @@ with other settings). The engine drives it through reduce rounds and a map pass:
   the method's state (plain data: JSON-able, stored in the manifest for resume).
 * `merge_chunk` runs on workers in the map pass with the final state.
 
+Both run eagerly on torch tensors (CPU or GPU). A method with fused CPU kernels also offers
+`fused_statistics` and `fused_merge`, which take the raw numpy arrays the engine read (no
+torch: a CPU worker on the fused path never imports it) and may decline a chunk (None,
+False), which then runs eagerly. The engine calls them only where kernels are on, on the
+CPU, for inputs the kernels read (`ram_dist.kernels.READS`): a method decides only what is
+its own (a statistic its kernel does not compute, a parameter it does not handle).
+
+A method module must not import torch at import time (the engine pickles methods to
+workers): import it inside the eager functions that need it.
+
 Parameters are resolved per tensor on the driver (`TensorParams`: per-task lists and global
 values) and checked before any work starts.
 """
@@ -18,11 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ram_dist.errors import RamDistError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import numpy as np
+    import torch
 
 #: Resolved parameters of one tensor: per-task parameters as lists (task order), globals as
 #: values.
@@ -46,6 +60,12 @@ class MergeMethod(Protocol):
     global_parameters: Mapping[str, Any]
     """Global parameter names and defaults."""
     rounds: int
+    """Reduce rounds before the map pass (0: a method without statistics)."""
+    rounds_note: str
+    """Why a round may read nothing (plan's report), or ""."""
+    reports_overlap: bool
+    """Whether the reduce pass counts RAM's overlap statistics (what `probe` reports); for a
+    method that does not, `probe` counts them with `ram_plus`'s rule."""
 
     def check(self, params: TensorParams, where: str) -> None: ...
 
@@ -83,7 +103,74 @@ class MergeMethod(Protocol):
         state: State,
     ) -> torch.Tensor: ...
 
+    def fused_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        count_nonfinite: bool,
+    ) -> tuple[dict[str, np.ndarray], list[int] | None] | None:
+        """`chunk_statistics` by a fused kernel (int64 arrays) on the inputs' raw arrays
+        (base first), with each input's NaN/Inf count from the same sweep when asked and
+        the kernel has it (else None: the engine counts them); None to decline."""
+        ...
+
+    def fused_merge(
+        self,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        out: np.ndarray,
+    ) -> bool:
+        """`merge_chunk(...)` cast to the output dtype, by a fused kernel, written into `out`
+        (the output's raw array: bfloat16 as uint16); False to decline."""
+        ...
+
     def report(self, state: State) -> dict[str, Any]: ...
+
+
+class Eager:
+    """What a method without fused kernels says to the engine's fused path: no."""
+
+    rounds_note: str = ""
+    reports_overlap: bool = False
+
+    def fused_statistics(self, *args: Any) -> None:
+        return None
+
+    def fused_merge(self, *args: Any) -> bool:
+        return False
+
+
+class NoStatistics(Eager):
+    """The rest of the protocol for a method that is a rule of each element alone (no reduce
+    round, no parameter, nothing to report): such a method only names itself and gives
+    `merge_chunk` (see the README's "Adding a method")."""
+
+    task_parameters: Mapping[str, Any] = {}
+    global_parameters: Mapping[str, Any] = {}
+    rounds: int = 0
+
+    def check(self, params: TensorParams, where: str) -> None:
+        return None
+
+    def initial_state(self, *args: Any) -> State:
+        return {}
+
+    def active(self, round_: int, state: State, tensor: str) -> bool:
+        return False
+
+    def chunk_statistics(self, *args: Any) -> dict[str, torch.Tensor]:
+        return {}
+
+    def finalize(self, *args: Any) -> State:
+        return args[-1]
+
+    def report(self, state: State) -> dict[str, Any]:
+        return {}
 
 
 def number(value: Any, name: str, where: str) -> float:

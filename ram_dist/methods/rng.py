@@ -18,8 +18,11 @@ every shift is masked afterwards to make it logical. The top 24 bits give a floa
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -72,6 +75,8 @@ def random_bits(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """int64 in [0, 2**24): the top 24 bits of element i's draw, for i in [start, stop)."""
+    import torch
+
     if not 0 <= start <= stop:
         raise ValueError(f"need 0 <= start <= stop, got start={start}, stop={stop}")
     z = torch.arange(start, stop, dtype=torch.int64, device=device)
@@ -92,5 +97,7 @@ def uniform(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """float32 in [0, 1), one per flat index in [start, stop): `random_bits / 2**24`."""
+    import torch
+
     bits = random_bits(seed, task, tensor_name, start, stop, device)
     return bits.to(torch.float32).mul_(2.0**-BITS)

@@ -19,8 +19,11 @@ and results differ from ours by float32 rounding of the sum only.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 #: mergekit's threshold below which a plain weight sum is treated as zero.
 WEIGHT_SUM_EPS = 1e-8
@@ -30,12 +33,16 @@ def task_vectors(
     base: torch.Tensor, tasks: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The base in float32 and `delta_t = float32(theta_t) - float32(theta_B)`."""
+    import torch
+
     b = base.to(torch.float32)
     return b, [t.to(torch.float32) - b for t in tasks]
 
 
 def ordered_sum(terms: Sequence[torch.Tensor]) -> torch.Tensor:
     """`((0 + x_0) + x_1) + ...`: the order mergekit's task-axis sum uses for N <= 4."""
+    import torch
+
     total = torch.zeros_like(terms[0])
     for term in terms:
         total = total + term
@@ -52,6 +59,8 @@ def combine(
     lambda_: float,
 ) -> torch.Tensor:
     """Merged float32 values `base + mixed` from (sparsified) float32 task vectors."""
+    import torch
+
     if len(deltas) != len(weights):
         raise ValueError(f"{len(deltas)} task vectors but {len(weights)} weights")
     w = torch.tensor(list(weights), dtype=torch.float32, device=base.device)

@@ -20,10 +20,13 @@ by an ulp (see `dare`).
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from ram_dist.methods.dare import l1_statistic
 from ram_dist.methods.topk import Cut
+
+if TYPE_CHECKING:
+    import torch
 
 
 def needs_cut(density: float, numel: int) -> bool:
@@ -33,5 +36,7 @@ def needs_cut(density: float, numel: int) -> bool:
 
 def kept_l1(above: torch.Tensor, cut: Cut) -> torch.Tensor:
     """Driver: the L1 statistic of the kept elements, from that of the keys above the cut."""
+    import torch
+
     value = torch.tensor([cut.threshold], dtype=torch.int32).view(torch.float32)
     return above + l1_statistic(value) * cut.need_at_threshold

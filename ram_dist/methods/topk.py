@@ -34,8 +34,11 @@ magnitudes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 HIGH_BINS = 1 << 15
 LOW_BINS = 1 << 16
@@ -44,6 +47,8 @@ _LOW_MASK = LOW_BINS - 1
 
 def magnitude_keys(delta: torch.Tensor) -> torch.Tensor:
     """int64 keys, flat: the float32 bit pattern of |delta|, ordered like |delta|."""
+    import torch
+
     return delta.to(torch.float32).abs().reshape(-1).view(torch.int32).to(torch.int64)
 
 
@@ -54,11 +59,15 @@ def kept_count(density: float, numel: int) -> int:
 
 def high_histogram(keys: torch.Tensor) -> torch.Tensor:
     """Round 0 statistic: int64[32768], how many keys have each value of `key >> 16`."""
+    import torch
+
     return torch.bincount(keys >> 16, minlength=HIGH_BINS).to(torch.int64)
 
 
 def low_histogram(keys: torch.Tensor, high_bin: int) -> torch.Tensor:
     """Round 1 statistic: int64[65536], counts of `key & 0xFFFF` where `key >> 16 == high_bin`."""
+    import torch
+
     inside = keys[(keys >> 16) == high_bin]
     return torch.bincount(inside & _LOW_MASK, minlength=LOW_BINS).to(torch.int64)
 
@@ -71,6 +80,8 @@ def index_bins(numel: int) -> int:
 def _equal_index(keys: torch.Tensor, threshold: int, start: int) -> torch.Tensor:
     """Flat indices in the tensor of a chunk's keys equal to the threshold (the chunk's first
     element has index `start`)."""
+    import torch
+
     return torch.nonzero(keys == threshold).reshape(-1) + start
 
 
@@ -80,6 +91,8 @@ def index_high_histogram(
     """Round 2 statistic: int64[index_bins(numel)], counts of `index >> 16` among the chunk's
     keys equal to the threshold; `start` is the chunk's first flat index, `numel` the
     tensor's size."""
+    import torch
+
     if start < 0 or start + keys.numel() > numel:
         raise ValueError(f"chunk [{start}, {start + keys.numel()}) outside a tensor of {numel}")
     index = _equal_index(keys, threshold, start)
@@ -91,6 +104,8 @@ def index_low_histogram(
 ) -> torch.Tensor:
     """Round 3 statistic: int64[65536], counts of `index & 0xFFFF` among the chunk's keys
     equal to the threshold whose `index >> 16 == index_bin`."""
+    import torch
+
     index = _equal_index(keys, threshold, start)
     inside = index[(index >> 16) == index_bin]
     return torch.bincount(inside & _LOW_MASK, minlength=LOW_BINS).to(torch.int64)
@@ -131,6 +146,8 @@ class IndexBin:
 
 def _first(hist: torch.Tensor, n: int) -> tuple[int, int]:
     """The first bin where the cumulative count reaches n (n >= 1), and the count before it."""
+    import torch
+
     hist = hist.cpu()
     cum = hist.cumsum(0)
     b = int(torch.searchsorted(cum, n))

@@ -1,0 +1,138 @@
+"""A CPU worker on the fused path imports neither torch nor anything that does: it reads
+the inputs into numpy arrays and the kernels merge them. Run here as a worker runs them (the
+task functions, with the job's pickled arguments) in a process where `import torch` fails,
+and checked against the reference; an eager method in the same process fails on its import,
+which shows that the block is real."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from builders import build_model_set
+from reference import reference_merge
+
+from ram_dist import kernels
+from ram_dist.config import MergeConfig
+from ram_dist.engine import driver
+from ram_dist.engine.passes import _shipped
+from ram_dist.engine.work import PartTask
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
+
+WORKER = """
+import pickle, sys
+sys.modules["torch"] = None  # `import torch` raises ImportError from here on
+args = pickle.load(open(sys.argv[1], "rb"))
+from ram_dist.engine import pool, work  # what a Ray worker imports to run a task
+work.warm_up()
+out = {}
+for round_ in range(args["method"].rounds):
+    r = work.reduce_group(args["units"], args["layout"], args["storage"], args["method"],
+                          args["params"], args["state"], round_, True)
+    out["stats"] = {k: v.tolist() for k, v in r.stats.items()}
+    out["nonfinite"] = r.nonfinite
+for unit in args["units"]:
+    r = work.map_unit(unit, args["layout"], args["storage"], args["method"], args["params"],
+                      args["final"], reuse_output=False)
+    out.setdefault("data", []).append(r.data.tobytes())
+    out.setdefault("fused", []).append(r.fused_elements)
+out["torch"] = "torch" in sys.modules and sys.modules["torch"] is not None
+pickle.dump(out, open(sys.argv[2], "wb"))
+"""
+
+
+def _job(tmp_path, method: str):
+    base_dir, task_dirs, base, tasks = build_model_set(tmp_path, kind="qwen2")
+    config = MergeConfig(
+        base=str(base_dir), tasks=tuple(map(str, task_dirs)), method=method, chunk_bytes=4000
+    )
+    return driver.prepare(config), base, tasks
+
+
+def _run_worker(tmp_path, args: dict) -> dict:
+    (tmp_path / "args.pkl").write_bytes(pickle.dumps(args))
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "args.pkl"), str(tmp_path / "out.pkl")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return pickle.loads((tmp_path / "out.pkl").read_bytes())
+
+
+def test_fused_ram_plus_worker_runs_without_torch(tmp_path) -> None:
+    job, base, tasks = _job(tmp_path, "ram_plus")
+    method, state = job.method, job.initial_state()
+    # the final state as the driver computes it from the statistics (in this process)
+    expected, stats = reference_merge(base, tasks, "ram_plus")
+    final = _final_state(job)
+    args = {
+        "units": tuple(job.units), "layout": job.layout, "storage": job.storage,
+        "method": method, "params": job.params, "state": _shipped(job, state),
+        "final": _shipped(job, final),
+    }  # fmt: skip
+    got = _run_worker(tmp_path, args)
+    assert got["torch"] is False
+    assert got["nonfinite"] is None
+    merged = b"".join(got["data"])
+    want = b"".join(
+        expected[p.tensor].reshape(-1)[p.start : p.stop].view(torch.uint8).numpy().tobytes()
+        for u in job.units
+        for p in u.pieces
+    )
+    assert merged == want
+    participating = sum(
+        p.numel for u in job.units for p in u.pieces if job.layout.tensors[p.tensor].participating
+    )
+    assert sum(got["fused"]) == participating > 0  # every merged element went to the kernel
+
+
+def test_eager_method_in_the_same_worker_needs_torch(tmp_path) -> None:
+    """dare_ties has no fused merge: the same worker fails on `import torch`."""
+    job, _, _ = _job(tmp_path, "dare_ties")
+    state = _shipped(job, job.initial_state())
+    args = {
+        "units": tuple(job.units[:1]), "layout": job.layout, "storage": job.storage,
+        "method": job.method, "params": job.params, "state": state, "final": state,
+    }  # fmt: skip
+    (tmp_path / "args.pkl").write_bytes(pickle.dumps(args))
+    (tmp_path / "worker.py").write_text(WORKER)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "worker.py"), str(tmp_path / "args.pkl"), "-"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0 and "import of torch halted" in done.stderr
+
+
+def _final_state(job) -> dict:
+    """The method's state after its reduce rounds, computed inline with the kernels off."""
+    from ram_dist.engine import work
+
+    state = job.initial_state()
+    for round_ in range(job.method.rounds):
+        totals: dict[str, np.ndarray] = {}
+        for unit in job.units:
+            with work.worker_context().task() as scope:
+                r = work.reduce_unit(
+                    unit, job.layout, job.storage, job.method, job.params, state, round_, False,
+                    scope,
+                )  # fmt: skip
+            work.add_up(r, totals, {})
+        sums = {k: torch.from_numpy(v) for k, v in totals.items()}
+        state = job.method.finalize(round_, sums, job.params, job.numel(), state)
+    return state
+
+
+def test_part_task_pickles_without_torch_types() -> None:
+    """A map task's own argument holds no torch object either."""
+    assert "torch" not in pickle.dumps(PartTask).decode("latin-1")
