@@ -3,13 +3,16 @@
 The engine hands a method one chunk at a time; this measures just that step, without I/O:
 the reduce pass (`overlap_statistics` vs `overlap_counts`) and the map pass
 (`merge_ram(...).to(out_dtype)` vs the fused `merge_ram` writing the output dtype). Inputs
-are a synthetic base and RL-like agents (task-vector densities about 3 %, 46 %, 54 %, ...).
+are a synthetic base and RL-like agents (task-vector densities about 3 %, 46 %, 54 %, ...),
+drawn by `ram_dist.synthetic` as one flat tensor.
 Eager and fused runs alternate, `--repeats` times; medians are printed, and the two
 outputs are checked for byte equality. With `--compile` (default), the first-call cost of
 the kernels is also measured in fresh processes: with an empty numba cache (compilation),
 then with the cache that run left (loading).
 
-    python benchmarks/bench_kernels.py --elements 16M --tasks 3 --dtype bf16 --repeats 5
+    python -m benchmarks.bench_kernels --elements 16M --tasks 3 --dtype bf16 --repeats 5
+
+from the repository root.
 """
 
 from __future__ import annotations
@@ -26,14 +29,13 @@ from pathlib import Path
 
 import torch
 
+from ram_dist.kernels import ram_numba
+from ram_dist.methods import ram
+from ram_dist.synthetic.weights import AGENT_DENSITIES, base_tensor, task_tensor
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from ram_dist.kernels import ram_numba  # noqa: E402
-from ram_dist.methods import ram  # noqa: E402
-
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DENSITIES = (0.03, 0.46, 0.54, 0.2, 0.1, 0.3, 0.05, 0.6)
+DENSITIES = AGENT_DENSITIES + (0.2, 0.1, 0.3, 0.05, 0.6)
 EPS = 1e-5
 
 
@@ -47,14 +49,11 @@ def make_inputs(
     n: int, tasks: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A base and `tasks` agents whose changes survive rounding to `dtype` and exceed eps."""
-    g = torch.Generator().manual_seed(seed)
-    base32 = torch.randn(n, generator=g) * 0.02
-    base = base32.to(dtype)
-    agents = []
-    for t in range(tasks):
-        mask = torch.rand(n, generator=g) < DENSITIES[t % len(DENSITIES)]
-        step = (1e-3 + base32.abs() * 2**-6) * torch.randn(n, generator=g).sign()
-        agents.append((base.float() + torch.where(mask, step, 0.0)).to(dtype))
+    base = base_tensor("chunk", (n,), seed, dtype)
+    agents = [
+        task_tensor(base, "chunk", DENSITIES[t % len(DENSITIES)], seed + 1 + t)
+        for t in range(tasks)
+    ]
     return base, agents
 
 

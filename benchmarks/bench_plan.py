@@ -14,67 +14,42 @@ about equal in bytes (the real checkpoint's exact split differs a little).
 
 Example::
 
-    python benchmarks/bench_plan.py --repeats 3
-    python benchmarks/bench_plan.py --profile /tmp/plan.prof   # then: python -m pstats ...
+    python -m benchmarks.bench_plan --repeats 3
+    python -m benchmarks.bench_plan --profile /tmp/plan.prof   # then: python -m pstats ...
+
+from the repository root. The layout and the sparse files are `ram_dist.synthetic`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
-import shlex
 import shutil
 import statistics
-import struct
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.commands import cli_command
+from benchmarks.running import run_process
+from ram_dist.io.checkpoint import INDEX_NAME
+from ram_dist.synthetic.files import write_sparse_checkpoint
+from ram_dist.synthetic.llama import LLAMA_3_1_405B
 
-from bench_merge import cli_command, run_process  # noqa: E402
-
-LAYERS = 126
-HIDDEN = 16384
-HEADS = 128
-KV_HEADS = 8
-INTERMEDIATE = 53248
-VOCAB = 128256
 SHARDS = 191
 ROLES = ("base", "task1", "task2", "task3")
-INDEX_NAME = "model.safetensors.index.json"
+Tensors = list[tuple[str, tuple[int, ...]]]
 #: What every `ram-dist` command imports before it does anything (torch, Ray, numba).
 IMPORTS = "import ram_dist.cli, ram_dist.engine.driver, ram_dist.report"
 
 
-def llama_405b() -> list[tuple[str, list[int]]]:
-    """`(name, shape)` of every tensor, in the order of the Hugging Face checkpoint."""
-    kv = HIDDEN // HEADS * KV_HEADS  # 1024
-    tensors = [("model.embed_tokens.weight", [VOCAB, HIDDEN])]
-    for n in range(LAYERS):
-        p = f"model.layers.{n}."
-        tensors += [
-            (p + "input_layernorm.weight", [HIDDEN]),
-            (p + "self_attn.q_proj.weight", [HIDDEN, HIDDEN]),
-            (p + "self_attn.k_proj.weight", [kv, HIDDEN]),
-            (p + "self_attn.v_proj.weight", [kv, HIDDEN]),
-            (p + "self_attn.o_proj.weight", [HIDDEN, HIDDEN]),
-            (p + "post_attention_layernorm.weight", [HIDDEN]),
-            (p + "mlp.gate_proj.weight", [INTERMEDIATE, HIDDEN]),
-            (p + "mlp.up_proj.weight", [INTERMEDIATE, HIDDEN]),
-            (p + "mlp.down_proj.weight", [HIDDEN, INTERMEDIATE]),
-        ]
-    tensors += [("model.norm.weight", [HIDDEN]), ("lm_head.weight", [VOCAB, HIDDEN])]
-    return tensors
-
-
-def shard(tensors: list[tuple[str, list[int]]]) -> list[list[tuple[str, list[int]]]]:
+def shard(tensors: Tensors) -> list[Tensors]:
     """`SHARDS` shards of consecutive tensors, about equal in bytes: a tensor goes to the shard
     its first byte falls in. No tensor is larger than a shard's share, so none is empty."""
-    sizes = [2 * _numel(shape) for _, shape in tensors]
+    sizes = [2 * math.prod(shape) for _, shape in tensors]
     total = sum(sizes)
-    shards: list[list[tuple[str, list[int]]]] = [[] for _ in range(SHARDS)]
+    shards: list[Tensors] = [[] for _ in range(SHARDS)]
     offset = 0
     for tensor, size in zip(tensors, sizes, strict=True):
         shards[min(SHARDS - 1, offset * SHARDS // total)].append(tensor)
@@ -84,46 +59,10 @@ def shard(tensors: list[tuple[str, list[int]]]) -> list[list[tuple[str, list[int
     return shards
 
 
-def write_checkpoint(folder: Path, shards: list[list[tuple[str, list[int]]]]) -> None:
-    """Sparse safetensors shards and the index."""
-    folder.mkdir(parents=True)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for k, tensors in enumerate(shards, start=1):
-        name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for tensor, shape in tensors:
-            size = 2 * _numel(shape)
-            header[tensor] = {
-                "dtype": "BF16",
-                "shape": shape,
-                "data_offsets": [offset, offset + size],
-            }
-            offset += size
-            weight_map[tensor] = name
-        body = json.dumps(header, separators=(",", ":")).encode()
-        body += b" " * (-len(body) % 8)  # safetensors pads the header to 8 bytes
-        path = folder / name
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(body)) + body)
-        os.truncate(path, 8 + len(body) + offset)  # the tensor bytes: a hole
-        total += offset
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2))
-
-
 def _measure(cmd: list[str], env: dict[str, str], log: Path) -> list[float]:
     """Wall seconds, CPU seconds (user + system) and peak RSS MiB of one run of `cmd`."""
     wall, usage = run_process(cmd, env, log)
     return [wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024]  # maxrss: KiB
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def main() -> None:
@@ -138,15 +77,15 @@ def main() -> None:
 
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench-plan-"))
     try:
-        shards = shard(llama_405b())
+        shards = shard(LLAMA_3_1_405B.tensors())
         folders = [root / role for role in ROLES]
         if not all((f / INDEX_NAME).exists() for f in folders):  # else: written by an earlier run
             for f in folders:
                 shutil.rmtree(f, ignore_errors=True)
-                write_checkpoint(f, shards)
+                write_sparse_checkpoint(f, shards)
         paths = [p for f in folders for p in f.glob("*.safetensors")]
         files, logical = len(paths), sum(p.stat().st_size for p in paths)
-        cmd, env = (shlex.split(args.cli), dict(os.environ)) if args.cli else cli_command()
+        cmd, env = cli_command(args.cli)
         argv = ["plan", "--base", str(folders[0])]
         for f in folders[1:]:
             argv += ["--task", str(f)]

@@ -2,15 +2,18 @@
 
 Starts moto's S3 server on 127.0.0.1 (in this process, over real HTTP) behind a WSGI wrapper
 that counts the body bytes of every response, uploads a synthetic bf16 base and three agents
-(``bench_merge.py``'s generator, cached in ``--workdir``), then runs ``ram-dist merge`` from
-the bucket into the bucket once per ``--input-cache`` mode and prints, per mode, the bytes
-the server sent for the inputs' safetensors files divided by their size. Target: about 1.0
-with the cache (each byte once: pass 1 keeps what it fetched on the node's disk), about 2.0
-without (the reduce and the map pass each fetch every tensor byte).
+(``benchmarks/inputs.py``, the generator of ``bench_merge``, cached in ``--workdir``), then
+runs ``ram-dist merge`` from the bucket into the bucket once per ``--input-cache`` mode and
+prints, per mode, the bytes the server sent for the inputs' safetensors files divided by
+their size. Target: about 1.0 with the cache (each byte once: pass 1 keeps what it fetched on
+the node's disk), about 2.0 without (the reduce and the map pass each fetch every tensor
+byte).
 
 Example::
 
-    python benchmarks/bench_s3_cache.py --params 0.02e9 --workdir /tmp/bench-s3
+    python -m benchmarks.bench_s3_cache --params 0.02e9 --workdir /tmp/bench-s3
+
+from the repository root.
 """
 
 from __future__ import annotations
@@ -27,9 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_merge import cli_command, ensure_models, model_names, safetensors_files  # noqa: E402
+from benchmarks.commands import cli_command
+from benchmarks.inputs import ensure_models, model_names, safetensors_files
 
 BUCKET = "ram-dist-bench"
 
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
 
-    ensure_models(args.workdir, args.params, args.shard_mb * 10**6, args.seed)
+    models = ensure_models(args.workdir, args.params, args.shard_mb * 10**6, args.seed)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
     os.environ.update(env)
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = server.start()
     options = {"s3": {"endpoint_url": endpoint, "use_listings_cache": False}}
     try:
-        input_bytes = upload(args.workdir / "models", options)
+        input_bytes = upload(models.folder, options)
         rows = []
         for k, mode in enumerate(args.modes.split(",")):  # a mode may repeat
             server.clear()

@@ -1,15 +1,15 @@
-"""A back-of-the-envelope scaling model for 70B and 405B merges, from one bench_merge.py run.
+"""A back-of-the-envelope scaling model for 70B and 405B merges, from one bench_merge run.
 
 Usage::
 
-    python benchmarks/scaling.py results.json [--bandwidth-gbs 1.0] [--cores-per-node 16]
+    python -m benchmarks.scaling results.json [--bandwidth-gbs 1.0] [--cores-per-node 16]
 
-It reads the JSON that ``bench_merge.py --json`` writes (it needs ``ramdist:ram_plus`` in the
-runs) and prints Markdown: bytes moved per pass, work units at the measured chunk budget,
-memory per worker, and estimated pass times for 1 to 128 workers. It is a MODEL, not a
-measurement: it extrapolates per-worker throughput measured on a small synthetic model and
-assumes the passes scale linearly with workers until the storage bandwidth of the nodes
-caps them.
+from the repository root. It reads the JSON that ``bench_merge --json`` writes (it needs
+``ramdist:ram_plus`` in the runs) and prints Markdown: bytes moved per pass, work units at
+the measured chunk budget, memory per worker, and estimated pass times for 1 to 128 workers.
+It is a MODEL, not a measurement: it extrapolates per-worker throughput measured on a small
+synthetic model and assumes the passes scale linearly with workers until the storage
+bandwidth of the nodes caps them.
 """
 
 from __future__ import annotations

@@ -9,21 +9,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from builders import make_agents, save_checkpoint
 from reference import reference_merge
 
-State = dict[str, torch.Tensor]
+from ram_dist.synthetic.files import save_checkpoint
+from ram_dist.synthetic.weights import base_state, make_agents
 
 
 def build_big_set(root: Path) -> dict:
     """root/base, root/task0, root/task1 and the reference RAM+ merge of them."""
-    gen = torch.Generator().manual_seed(7)
-    base: State = {
-        f"layers.{i}.weight": (torch.randn(1024, 3072, generator=gen) * 0.02).to(torch.bfloat16)
-        for i in range(4)
-    }
-    base["norm.weight"] = torch.ones(3072, dtype=torch.bfloat16)
+    shapes = [(f"layers.{i}.weight", (1024, 3072)) for i in range(4)] + [("norm.weight", (3072,))]
+    base = base_state(shapes, seed=7)
     tasks = make_agents(base, (0.1, 0.3), seed=8)
     shard = 12 * 2**20  # two matrices a shard, and a last shard of one small tensor
     save_checkpoint(base, root / "base", max_shard_bytes=shard)

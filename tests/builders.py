@@ -1,44 +1,55 @@
 """Tiny real checkpoints for tests, deterministic by seed, built offline.
 
 The base is a real transformers model (so configs, tokenizer files and shard layout are what
-transformers 5.x writes); task checkpoints are RL-like sparse perturbations of it, written
-with plain safetensors so they can be sharded differently from the base.
+transformers 5.x writes): that needs the test extras, so it is built here. The rest is
+`ram_dist.synthetic`, shared with the demo and the benchmarks: the model's dimensions, the
+RL-like sparse task vectors drawn from the base, and the files they are written to, with
+plain safetensors so that tasks can be sharded differently from the base.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ram_dist.config import MergeConfig
+from ram_dist.io.checkpoint import INDEX_NAME
+from ram_dist.synthetic.files import save_checkpoint
+from ram_dist.synthetic.llama import TINY
+from ram_dist.synthetic.weights import AGENT_DENSITIES, State, make_agents, make_task_state
 
-State = dict[str, torch.Tensor]
-INDEX_NAME = "model.safetensors.index.json"
-FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+# What the tests import from here besides this module's own builders.
+__all__ = [
+    "INDEX_NAME",
+    "build_model_set",
+    "build_tiny_base",
+    "load_checkpoint",
+    "make_agents",
+    "make_task_state",
+    "merge_config",
+    "save_checkpoint",
+]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
 
 def _tiny_config(kind: str):
-    """hidden 64, intermediate 128, 2 layers, 4 heads, 2 kv heads, vocab 256, untied."""
+    """`TINY`'s dimensions (hidden 64, 2 layers, 4 heads, 2 kv heads, vocab 256), untied."""
     from transformers import LlamaConfig, Qwen2Config
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     return classes[kind](
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
+        hidden_size=TINY.hidden,
+        intermediate_size=TINY.intermediate,
+        num_hidden_layers=TINY.layers,
+        num_attention_heads=TINY.heads,
+        num_key_value_heads=TINY.kv_heads,
+        vocab_size=TINY.vocab,
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
@@ -47,12 +58,13 @@ def _tiny_config(kind: str):
 
 
 def _save_tiny_tokenizer(folder: str) -> None:
-    """A WordLevel tokenizer over 256 tokens, so tokenizer files exist without the hub."""
+    """A WordLevel tokenizer over the model's 256 tokens, so tokenizer files exist without
+    the hub."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
-    vocab.update({f"w{i}": 4 + i for i in range(252)})
+    vocab.update({f"w{i}": 4 + i for i in range(TINY.vocab - len(vocab))})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(
@@ -94,106 +106,6 @@ def build_tiny_base(
     return load_checkpoint(folder)
 
 
-def _name_seed(seed: int, name: str) -> int:
-    """A stable (not hash()-randomised) generator seed per (seed, tensor name)."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
-def make_task_state(
-    base: State,
-    density: float,
-    seed: int,
-    dtype: torch.dtype | None = None,
-    scale: float = 0.02,
-    mask: State | None = None,
-) -> State:
-    """An RL-like sparse task: theta_t = base + m * noise * scale * (|base| + 0.01).
-
-    m ~ Bernoulli(density) per element unless `mask[name]` is given. |noise| is in [0.5, 1.5)
-    with a random sign, so a 1% relative change survives bf16/fp16 storage and |tau| > 1e-5:
-    the measured density stays close to `density`.
-    """
-    out: State = {}
-    for name in sorted(base):
-        b = base[name]
-        if b.dtype not in FLOAT_DTYPES:
-            out[name] = b.clone()
-            continue
-        g = torch.Generator().manual_seed(_name_seed(seed, name))
-        m = torch.rand(b.shape, generator=g) < density
-        if mask is not None and name in mask:
-            m = mask[name].to(torch.bool)
-        sign = torch.where(torch.rand(b.shape, generator=g) < 0.5, -1.0, 1.0)
-        noise = sign * (0.5 + torch.rand(b.shape, generator=g))
-        cdt = torch.float64 if b.dtype == torch.float64 else torch.float32
-        bc = b.to(cdt)
-        theta = bc + m.to(cdt) * noise.to(cdt) * scale * (bc.abs() + 0.01)
-        out[name] = torch.where(m, theta, bc).to(dtype or b.dtype).contiguous()
-    return out
-
-
-def make_agents(
-    base: State,
-    densities: tuple[float, ...] = (0.03, 0.46, 0.54),
-    seed: int = 1,
-    dtypes: list[torch.dtype | None] | None = None,
-) -> list[State]:
-    """Tasks with independent masks (seed + i), so some elements are changed by 1, 2, 3 agents."""
-    dtypes = dtypes or [None] * len(densities)
-    return [
-        make_task_state(base, p, seed + i, dtype=dt)
-        for i, (p, dt) in enumerate(zip(densities, dtypes, strict=True))
-    ]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def save_checkpoint(
-    state: State,
-    folder: str | os.PathLike,
-    max_shard_bytes: int | None = None,
-    copy_from: str | os.PathLike | None = None,
-) -> None:
-    """Write an HF-style checkpoint: model.safetensors, or greedy shards + index.
-
-    Shards are filled greedily in sorted-name order; a new shard starts when the next tensor
-    would overflow max_shard_bytes (a bigger tensor gets a shard of its own). copy_from copies
-    the non-weight files (config, generation config, tokenizer, chat template).
-    """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    if copy_from is not None:
-        for src in Path(copy_from).iterdir():
-            if src.is_file() and not src.name.endswith(".safetensors") and src.name != INDEX_NAME:
-                shutil.copy2(src, folder / src.name)
-    names = sorted(state)
-    meta = {"format": "pt"}
-    tensors = {n: state[n].contiguous() for n in names}
-    if max_shard_bytes is None:
-        save_file(tensors, str(folder / "model.safetensors"), metadata=meta)
-        return
-    shards: list[list[str]] = [[]]
-    size = 0
-    for n in names:
-        if shards[-1] and size + _nbytes(tensors[n]) > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(n)
-        size += _nbytes(tensors[n])
-    weight_map = {}
-    for k, shard in enumerate(shards, start=1):
-        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in shard}, str(folder / fname), metadata=meta)
-        weight_map.update({n: fname for n in shard})
-    index = {
-        "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
-        "weight_map": weight_map,
-    }
-    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
 def load_checkpoint(folder: str | os.PathLike) -> State:
     """All tensors of every *.safetensors file in `folder` (test-side only)."""
     out: State = {}
@@ -211,7 +123,7 @@ def build_model_set(
     kind: str = "llama",
     base_dtype: torch.dtype = torch.bfloat16,
     task_dtypes: list[torch.dtype | None] | None = None,
-    densities: tuple[float, ...] = (0.03, 0.46, 0.54),
+    densities: tuple[float, ...] = AGENT_DENSITIES,
     base_shard: str | int | None = None,
     task_shard: int | None = None,
     seed: int = 0,

@@ -1,0 +1,9 @@
+"""Synthetic checkpoints, built offline and deterministic by seed: the one builder that the
+demo (`ram-dist demo`), the tests and the benchmarks share.
+
+* `llama`: the tensor names, shapes and `config.json` of a Llama-shaped model of any size
+  (the tiny one of the demo and the tests, one of a chosen parameter count, Llama-3.1-405B);
+* `weights`: a random base, and RL-like agents whose task vectors are sparse;
+* `files`: Hugging Face style folders (one safetensors file, or greedy shards and their
+  index, written one shard in memory at a time), and sparse files that hold only headers.
+"""

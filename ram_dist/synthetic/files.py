@@ -1,0 +1,134 @@
+"""Hugging Face style checkpoint folders, from tensors in memory or drawn one shard at a time,
+and sparse ones that hold only the headers (for planning at full scale without the bytes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ram_dist.io.checkpoint import INDEX_NAME, SINGLE_NAME
+from ram_dist.io.writer import OutTensor, shard_header
+from ram_dist.synthetic.llama import LlamaDims
+
+METADATA = {"format": "pt"}
+
+
+def shard_name(k: int, count: int) -> str:
+    """The name of shard `k` (from 1) of `count`: `model-0000k-of-0000K.safetensors`."""
+    return f"model-{k:05d}-of-{count:05d}.safetensors"
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Names in shards, filled greedily in the given order: a new shard starts when the next
+    tensor would overflow `max_shard_bytes` (a bigger tensor gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, n in sizes:
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def write_shards(
+    folder: str | os.PathLike,
+    shards: Sequence[Sequence[str]],
+    tensor_of: Callable[[str], torch.Tensor],
+    single_file: bool = False,
+) -> None:
+    """Write the tensors `tensor_of(name)` of `shards`, one shard in memory at a time.
+
+    `single_file`: one shard, as `model.safetensors` with no index; otherwise
+    `model-0000k-of-0000K.safetensors` files and `model.safetensors.index.json`.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if single_file:
+        if len(shards) != 1:
+            raise ValueError(f"single_file needs one shard, got {len(shards)}")
+        tensors = {n: tensor_of(n).contiguous() for n in shards[0]}
+        save_file(tensors, str(folder / SINGLE_NAME), metadata=METADATA)
+        return
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, shard in enumerate(shards, start=1):
+        file = shard_name(k, len(shards))
+        tensors = {n: tensor_of(n).contiguous() for n in shard}
+        save_file(tensors, str(folder / file), metadata=METADATA)
+        weight_map |= dict.fromkeys(shard, file)
+        total += sum(nbytes(t) for t in tensors.values())
+        del tensors
+    _write_index(folder, weight_map, total)
+
+
+def save_checkpoint(
+    state: dict[str, torch.Tensor],
+    folder: str | os.PathLike,
+    max_shard_bytes: int | None = None,
+    copy_from: str | os.PathLike | None = None,
+) -> None:
+    """Write `state` as `model.safetensors`, or (with `max_shard_bytes`) as shards filled in
+    sorted-name order (`plan_shards`) and an index. `copy_from` copies the non-weight files
+    (config, generation config, tokenizer, chat template) of another folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if copy_from is not None:
+        for src in Path(copy_from).iterdir():
+            if src.is_file() and not src.name.endswith(".safetensors") and src.name != INDEX_NAME:
+                shutil.copy2(src, folder / src.name)
+    names = sorted(state)
+    if max_shard_bytes is None:
+        write_shards(folder, [names], state.__getitem__, single_file=True)
+    else:
+        shards = plan_shards(((n, nbytes(state[n])) for n in names), max_shard_bytes)
+        write_shards(folder, shards, state.__getitem__)
+
+
+def write_config(folder: str | os.PathLike, dims: LlamaDims, dtype: str = "bfloat16") -> None:
+    """`config.json` and `generation_config.json` of a Llama of `dims`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dims.config(dtype), indent=2) + "\n")
+    generation = {"bos_token_id": 1, "eos_token_id": 2}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def write_sparse_checkpoint(
+    folder: str | os.PathLike,
+    shards: Sequence[Sequence[tuple[str, tuple[int, ...]]]],
+    dtype: str = "BF16",
+) -> None:
+    """Shards of `(name, shape)` tensors as sparse files: each shard's real safetensors header,
+    then `truncate` to its full size (the tensor bytes are a hole), and the index."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, tensors in enumerate(shards, start=1):
+        file = shard_name(k, len(shards))
+        out = [OutTensor(name, dtype, tuple(shape)) for name, shape in tensors]
+        header = shard_header(out)
+        data = sum(t.nbytes for t in out)
+        with open(folder / file, "wb") as f:
+            f.write(header)
+        os.truncate(folder / file, len(header) + data)
+        weight_map |= dict.fromkeys((name for name, _ in tensors), file)
+        total += data
+    _write_index(folder, weight_map, total)
+
+
+def _write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
