@@ -323,7 +323,7 @@ def _stop_on_sigterm() -> None:
 def _dispatch(args: argparse.Namespace, last: contextlib.ExitStack) -> int:
     if args.command == "verify":
         from ram_dist.io.storage import Storage
-        from ram_dist.verify import verify
+        from ram_dist.io.verify import verify
 
         problems, checked = verify(args.out, Storage(parse_storage_options(args.storage_options)))
         for problem in problems:

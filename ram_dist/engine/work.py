@@ -28,7 +28,7 @@ from ram_dist.io.sinks import PartReceipt, ShardTarget
 from ram_dist.io.storage import Buffer, Storage
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.registry import Chunk, State, TensorParams
-from ram_dist.plan import Part, Piece, WorkUnit
+from ram_dist.units import Part, Piece, WorkUnit
 
 #: Elements computed at once; bounds a worker's float temporaries (about 40 bytes each).
 COMPUTE_BLOCK = 1 << 22
