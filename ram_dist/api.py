@@ -51,7 +51,8 @@ __all__ = [
     "verify",
 ]
 
-Path = str | os.PathLike[str]
+PathLike = str | os.PathLike[str]
+"""A local path or a URL, as a string or a path object."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,10 +229,10 @@ def _lambdas(data: Mapping[str, Any]) -> tuple[float, ...] | None:
 
 def merge(
     *,
-    out: Path,
-    config: Path | Mapping[str, Any] | None = None,
-    base: Path | None = None,
-    tasks: Sequence[Path] | None = None,
+    out: PathLike,
+    config: PathLike | Mapping[str, Any] | None = None,
+    base: PathLike | None = None,
+    tasks: Sequence[PathLike] | None = None,
     method: str | None = None,
     parameters: Mapping[str, Any] | None = None,
     task_parameters: Sequence[Mapping[str, Any]] | None = None,
@@ -244,7 +245,7 @@ def merge(
     output_shared: bool = False,
     kernels: str | None = None,
     input_cache: str | None = None,
-    cache_dir: Path | None = None,
+    cache_dir: PathLike | None = None,
     log_format: str | None = None,
     allow_nonfinite: bool = False,
     storage_options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -257,9 +258,9 @@ def merge(
 
 def probe(
     *,
-    config: Path | Mapping[str, Any] | None = None,
-    base: Path | None = None,
-    tasks: Sequence[Path] | None = None,
+    config: PathLike | Mapping[str, Any] | None = None,
+    base: PathLike | None = None,
+    tasks: Sequence[PathLike] | None = None,
     method: str | None = None,
     parameters: Mapping[str, Any] | None = None,
     task_parameters: Sequence[Mapping[str, Any]] | None = None,
@@ -270,11 +271,11 @@ def probe(
     address: str | None = None,
     kernels: str | None = None,
     input_cache: str | None = None,
-    cache_dir: Path | None = None,
+    cache_dir: PathLike | None = None,
     log_format: str | None = None,
     allow_nonfinite: bool = False,
     storage_options: Mapping[str, Mapping[str, Any]] | None = None,
-    json_path: Path | None = None,
+    json_path: PathLike | None = None,
 ) -> ProbeReport:
     """RAM's first pass only, whatever `method` says (`ram-dist probe`): the statistics of
     the tasks. `json_path`: also write the report there, and beside it STEM.figure2.png,
@@ -286,10 +287,10 @@ def probe(
 
 def plan(
     *,
-    config: Path | Mapping[str, Any] | None = None,
-    base: Path | None = None,
-    tasks: Sequence[Path] | None = None,
-    out: Path | None = None,
+    config: PathLike | Mapping[str, Any] | None = None,
+    base: PathLike | None = None,
+    tasks: Sequence[PathLike] | None = None,
+    out: PathLike | None = None,
     method: str | None = None,
     parameters: Mapping[str, Any] | None = None,
     task_parameters: Sequence[Mapping[str, Any]] | None = None,
@@ -302,7 +303,7 @@ def plan(
     output_shared: bool = False,
     kernels: str | None = None,
     input_cache: str | None = None,
-    cache_dir: Path | None = None,
+    cache_dir: PathLike | None = None,
     log_format: str | None = None,
     allow_nonfinite: bool = False,
     storage_options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -314,7 +315,7 @@ def plan(
 
 
 def verify(
-    out: Path, *, storage_options: Mapping[str, Mapping[str, Any]] | None = None
+    out: PathLike, *, storage_options: Mapping[str, Mapping[str, Any]] | None = None
 ) -> VerifyResult:
     """Re-hash every shard of the merged output `out` against its manifest and check the
     index (`ram-dist verify`). Reads only `out`."""
@@ -328,10 +329,10 @@ def verify(
 
 def job_config(
     *,
-    config: Path | Mapping[str, Any] | None = None,
-    base: Path | None = None,
-    tasks: Sequence[Path] | None = None,
-    out: Path | None = None,
+    config: PathLike | Mapping[str, Any] | None = None,
+    base: PathLike | None = None,
+    tasks: Sequence[PathLike] | None = None,
+    out: PathLike | None = None,
     method: str | None = None,
     parameters: Mapping[str, Any] | None = None,
     task_parameters: Sequence[Mapping[str, Any]] | None = None,
@@ -344,7 +345,7 @@ def job_config(
     output_shared: bool = False,
     kernels: str | None = None,
     input_cache: str | None = None,
-    cache_dir: Path | None = None,
+    cache_dir: PathLike | None = None,
     log_format: str | None = None,
     allow_nonfinite: bool = False,
     storage_options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -419,7 +420,7 @@ def run_merge(config: ConfigSource, *, address: str | None = None) -> MergeRepor
 
 
 def run_probe(
-    config: ConfigSource, *, address: str | None = None, json_path: Path | None = None
+    config: ConfigSource, *, address: str | None = None, json_path: PathLike | None = None
 ) -> ProbeReport:
     """`probe` of a ready `MergeConfig`, or of what `config()` builds (see `run_merge`)."""
     from ram_dist.engine import driver
