@@ -4,8 +4,9 @@
 
 Runs where `ram-dist merge` runs (the Ray job's driver): the package comes from the image or
 from `ray job submit --working-dir .`. RUN_ID is `--run-id`, else $RAM_DIST_RUN_ID, else today's
-UTC date (YYYY-MM-DD). Every other flag goes to `ram-dist merge` unchanged (`--chunk-mb 256`,
-`--storage-options JSON`, ...); the output location is this script's to choose.
+UTC date (YYYY-MM-DD). Every other flag means what it means to `ram-dist merge` (`--chunk-mb
+256`, `--storage-options JSON`, ...), read by its parser; the output location is this script's
+to choose. The merge is ram-dist's Python API (`ram_dist.api.run_merge`), in this process.
 
 - The merge runs on the same prefix every time, so ram-dist's own resume applies: a retried or
   re-triggered run finds the output complete and does nothing (exit 0), finds it partial (a
@@ -26,6 +27,7 @@ import argparse
 import datetime as dt
 import os
 import re
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,10 +35,11 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ram_dist.api import run_merge
 from ram_dist.cli import build_parser, config_from_args
-from ram_dist.cli import main as ram_dist_main
 from ram_dist.errors import RamDistError
 from ram_dist.io.storage import Storage
+from ram_dist.report import format_merge
 
 REPORT_NAME = "merge_report.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -108,16 +111,21 @@ def _run(ours: argparse.Namespace, merge_args: list[str]) -> int:
     out = f"{root}/{run_id}"
     argv = merge_argv(merge_args, out)
     config = config_from_args(build_parser().parse_args(argv))  # checks the job before any work
-    options: Mapping[str, Any] = getattr(config, "storage_options", None) or {}
+    options: Mapping[str, Any] = config.storage_options
     fs, path = _fs(out, options)
 
     if _complete(fs, path):
         print(f"[nightly] {out} is already complete; ram-dist checks it against the inputs")
     print(f"[nightly] ram-dist {' '.join(_shown(argv))}", flush=True)
-    code = ram_dist_main(argv)
-    if code != 0:
-        print(f"[nightly] merge failed (exit {code}); latest not moved", flush=True)
-        return code
+    try:
+        report = run_merge(config)
+    except RamDistError:
+        print("[nightly] merge failed; latest not moved", flush=True)
+        raise
+    except KeyboardInterrupt:
+        print("[nightly] interrupted; nothing more was published, latest not moved", flush=True)
+        return 130
+    print(format_merge(report.as_dict(), out), flush=True)
     fs.invalidate_cache()
     if not _complete(fs, path):
         print(f"[nightly] {out} is not complete after the merge; latest not moved", flush=True)
@@ -179,4 +187,7 @@ def _publish_latest(root: str, out: str, run_id: str, options: Mapping[str, Any]
 
 
 if __name__ == "__main__":
+    # A stopped pod (SIGTERM) ends the merge as Ctrl-C does, through every cleanup: the lease
+    # on the output released, unfinished uploads aborted, an embedded Ray stopped.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     sys.exit(main())

@@ -1,7 +1,37 @@
-"""ram-dist: exact, distributed Reinforced Agent Merging (RAM, RAM+) of safetensors checkpoints."""
+"""ram-dist: exact, distributed Reinforced Agent Merging (RAM, RAM+) of safetensors checkpoints.
+
+From Python: `ram_dist.merge(...)`, `ram_dist.probe(...)`, `ram_dist.plan(...)` and
+`ram_dist.verify(...)` (`ram_dist.api`), loaded on first use so that importing the package
+(and `ram-dist --help`) stays light.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
 
 from ram_dist.errors import RamDistError  # noqa: E402
 
-__all__ = ["RamDistError", "__version__"]
+_API = (
+    "MergeReport",
+    "PlanReport",
+    "ProbeReport",
+    "VerifyResult",
+    "job_config",
+    "merge",
+    "plan",
+    "probe",
+    "run_merge",
+    "verify",
+)
+
+__all__ = ["RamDistError", "__version__", *_API]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        from ram_dist import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

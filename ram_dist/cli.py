@@ -1,4 +1,5 @@
-"""The `ram-dist` command: merge, probe, demo. Errors a user can fix exit with status 2."""
+"""The `ram-dist` command, a layer over `ram_dist.api`: merge, plan, probe, verify; and demo.
+Errors a user can fix exit with status 2."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import signal
 import sys
 import threading
-from types import ModuleType
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ram_dist import __version__
@@ -271,32 +272,6 @@ def _per_task_flags(args: argparse.Namespace, n_tasks: int) -> list[dict[str, fl
     return out if any(out) else []
 
 
-def _make_folder_of(path: str) -> None:
-    """Create the folder `path` will be written to before any work, or say why not."""
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise RamDistError(f"cannot create {folder} for {path}: {e.strerror or e}") from None
-    if not os.access(folder, os.W_OK):
-        raise RamDistError(f"cannot write {path}: {folder} is not writable")
-
-
-def write_probe_files(report: dict[str, Any], json_path: str) -> list[str]:
-    """The probe's JSON, and beside it the figures and the per-layer table."""
-    from ram_dist.figures import write_figure2, write_layer_csv, write_layer_heatmap
-    from ram_dist.io.writer import json_text
-
-    with open(json_path, "w", encoding="utf-8") as f:
-        f.write(json_text(report))
-    stem = json_path[: -len(".json")] if json_path.endswith(".json") else json_path
-    written = [json_path, f"{stem}.figure2.png", f"{stem}.layers.csv", f"{stem}.layers.png"]
-    write_figure2(report, written[1])
-    write_layer_csv(report, written[2])
-    write_layer_heatmap(report, written[3])
-    return written
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with contextlib.ExitStack() as last:  # a Ray this command starts is stopped after it ends
@@ -321,20 +296,20 @@ def _stop_on_sigterm() -> None:
 
 
 def _dispatch(args: argparse.Namespace, last: contextlib.ExitStack) -> int:
-    if args.command == "verify":
-        from ram_dist.io.storage import Storage
-        from ram_dist.verify import verify
+    from ram_dist import api
 
-        problems, checked = verify(args.out, Storage(parse_storage_options(args.storage_options)))
-        for problem in problems:
+    if args.command == "verify":
+        options = parse_storage_options(args.storage_options)
+        result = api.verify(args.out, storage_options=options)
+        for problem in result.problems:
             print(f"ram-dist verify: {problem}", file=sys.stderr)
-        if problems:
-            print(f"{args.out}: {len(problems)} problem(s)", file=sys.stderr)
+        if not result.ok:
+            print(f"{args.out}: {len(result.problems)} problem(s)", file=sys.stderr)
             return 1
-        print(f"{args.out}: {checked} shard(s) match the manifest; index consistent")
+        print(f"{args.out}: {result.shards_checked} shard(s) match the manifest; index consistent")
         return 0
-    from ram_dist.engine.runtime import ray_session, ray_stopped_last
-    from ram_dist.report import format_plan, format_report
+    from ram_dist.engine.runtime import ray_stopped_last
+    from ram_dist.report import format_merge, format_plan, format_report
 
     last.enter_context(ray_stopped_last())
     _stop_on_sigterm()
@@ -346,64 +321,28 @@ def _dispatch(args: argparse.Namespace, last: contextlib.ExitStack) -> int:
 
     if args.command == "probe" and args.out_positional is not None:
         raise RamDistError("probe writes no model: give no output location")
+    # The job is built from the flags (torch and all imported, the inputs checked) in the
+    # thread that runs while Ray starts.
+    build = partial(config_from_args, args)
     if args.command == "plan" or getattr(args, "dry_run", False):
-        from ram_dist.engine import driver
-
-        config = config_from_args(args)
-        planned = driver.plan(config)
-        if config.log_format == "json":
-            print(json.dumps(planned, indent=2, default=str))
+        planned = api.run_plan(build)
+        if planned.config.log_format == "json":
+            print(json.dumps(planned.data, indent=2, default=str))
         else:
-            print(format_plan(planned))
+            print(format_plan(planned.data))
         return 0
-    # Below, the engine (torch and all) is imported, and the inputs checked, in the thread
-    # that runs while Ray starts (`ray_session`).
     if args.command == "probe":
-        if args.json_path:
-            _make_folder_of(args.json_path)
-        checks = lambda: _driver().probe_checks(config_from_args(args))  # noqa: E731
-        with ray_session(args.address, checks) as (cluster, job):
-            report = _driver().probe_on(job, cluster)
+        report = api.run_probe(build, address=args.address, json_path=args.json_path)
         if args.output_format == "markdown":
             from ram_dist.figures import markdown_summary
 
-            print(markdown_summary(report))
+            print(markdown_summary(report.data))
         else:
-            print(format_report(report))
-        if args.json_path:
-            write_probe_files(report, args.json_path)
+            print(format_report(report.data))
         return 0
-
-    def merge_checks(held: contextlib.ExitStack) -> tuple[MergeConfig, Any]:
-        config = config_from_args(args)
-        if config.out is None:
-            raise RamDistError("merge needs an output location: --out PATH")
-        return config, _driver().merge_checks(config, held)
-
-    with contextlib.ExitStack() as held:
-        with ray_session(args.address, lambda: merge_checks(held)) as (cluster, (config, claim)):
-            report = _driver().merge_on(claim, cluster)
-    if report.get("already_complete"):
-        print(f"{config.out}: already holds this merge, complete; nothing to do")
-        return 0
-    print(format_report(report))
-    passes, output = report["passes"], report["output"]
-    if output.get("lease", {}).get("took_over"):
-        print(f"\n{config.out}: {output['lease']['took_over']}")
-    reused = f", {len(output['shards_reused'])} shard(s) reused" if output["shards_reused"] else ""
-    reduce = "skipped" if passes["reduce"].get("skipped") else f"{passes['reduce']['wall_s']:.2f} s"
-    print(
-        f"\nmerged model written to {config.out} (reduce {reduce}, "
-        f"map {passes['map']['wall_s']:.2f} s, {passes['map']['bytes_written']} bytes written"
-        f"{reused}; output path: {passes['map'].get('output_path', 'none')})"
-    )
+    merged = api.run_merge(build, address=args.address)
+    print(format_merge(merged.data, merged.config.out))
     return 0
-
-
-def _driver() -> ModuleType:
-    from ram_dist.engine import driver
-
-    return driver
 
 
 def run() -> None:

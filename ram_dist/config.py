@@ -6,6 +6,7 @@ Everything is checked here, when the job starts, never in the middle of a merge.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,14 +106,18 @@ class MergeConfig:
         Storage(self.storage_options)  # raises on a malformed mapping
 
 
-def load_yaml(path: str) -> dict[str, Any]:
-    """Read a mergekit YAML file into `MergeConfig` keyword arguments.
+def load_yaml(source: str | Mapping[str, Any]) -> dict[str, Any]:
+    """Read a mergekit configuration, a YAML file's path or the same keys as a mapping, into
+    `MergeConfig` keyword arguments.
 
     Parameters the chosen method does not use were noted by the reader and are dropped here.
     """
-    from ram_dist.mergekit_config import load_mergekit_yaml
+    from ram_dist.mergekit_config import load_mergekit_yaml, parse_mergekit_config
 
-    spec = load_mergekit_yaml(path)
+    if isinstance(source, Mapping):
+        spec = parse_mergekit_config(dict(source), "(a mapping)")
+    else:
+        spec = load_mergekit_yaml(source)
     method = get_method(spec.merge_method)
     used = {*method.global_parameters, *method.task_parameters}
     models = list(spec.models)

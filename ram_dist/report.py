@@ -1,4 +1,4 @@
-"""Print the statistics report (probe and merge) as a table a person can read."""
+"""The reports (probe, merge, plan) as text a person can read."""
 
 from __future__ import annotations
 
@@ -37,6 +37,25 @@ def format_report(report: dict[str, Any]) -> str:
     )
     for i, t in enumerate(tasks, 1):
         lines.append(f"task {i}: {t['model']}")
+    return "\n".join(lines)
+
+
+def format_merge(report: dict[str, Any], out: str) -> str:
+    """What `ram-dist merge` prints at the end: the statistics, then where the model was
+    written and how long each pass took; or that `out` already held this merge."""
+    if report.get("already_complete"):
+        return f"{out}: already holds this merge, complete; nothing to do"
+    lines = [format_report(report)]
+    passes, output = report["passes"], report["output"]
+    if output.get("lease", {}).get("took_over"):
+        lines.append(f"\n{out}: {output['lease']['took_over']}")
+    reused = f", {len(output['shards_reused'])} shard(s) reused" if output["shards_reused"] else ""
+    reduce = "skipped" if passes["reduce"].get("skipped") else f"{passes['reduce']['wall_s']:.2f} s"
+    lines.append(
+        f"\nmerged model written to {out} (reduce {reduce}, "
+        f"map {passes['map']['wall_s']:.2f} s, {passes['map']['bytes_written']} bytes written"
+        f"{reused}; output path: {passes['map'].get('output_path', 'none')})"
+    )
     return "\n".join(lines)
 
 

@@ -32,8 +32,10 @@ import yaml
 from builders import build_model_set, load_checkpoint
 from reference import reference_merge
 
+from ram_dist.api import MergeReport
 from ram_dist.cli import build_parser, config_from_args
-from ram_dist.config import load_yaml
+from ram_dist.config import MergeConfig, load_yaml
+from ram_dist.errors import RamDistError
 
 try:
     import tomllib
@@ -676,7 +678,8 @@ def test_docs_build_and_run_the_version_the_manifests_call():
 
 @pytest.fixture
 def nightly_job(tmp_path, monkeypatch):
-    """A config whose merge is a stand-in that writes a complete output and records its argv."""
+    """A config whose merge is a stand-in for `ram_dist.api.run_merge` that writes a complete
+    output and records the job it was given."""
     config = tmp_path / "merge.yaml"
     config.write_text(
         yaml.safe_dump(
@@ -687,17 +690,22 @@ def nightly_job(tmp_path, monkeypatch):
             }
         )
     )
-    calls: list[list[str]] = []
+    calls: list[MergeConfig] = []
 
-    def fake_merge(argv):
-        calls.append(list(argv))
-        out = Path(argv[argv.index("--out") + 1])
+    def fake_merge(config):
+        calls.append(config)
+        out = Path(config.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "model.safetensors").write_bytes(b"weights")
         (out / "merge_report.json").write_text("{}")
-        return 0
+        report = {
+            "method": config.method,
+            "passes": {"reduce": {"wall_s": 0.5}, "map": {"wall_s": 0.25, "bytes_written": 7}},
+            "output": {"url": config.out, "shards_reused": [], "shards_written": ["x"]},
+        }
+        return MergeReport.of(report, config)
 
-    monkeypatch.setattr(nightly, "ram_dist_main", fake_merge)
+    monkeypatch.setattr(nightly, "run_merge", fake_merge)
     monkeypatch.delenv(nightly.RUN_ID_ENV, raising=False)
     root = tmp_path / "merged"
     return config, root, calls
@@ -710,15 +718,20 @@ def _latest(root: Path) -> str:
 def test_nightly_merges_into_the_run_folder_then_moves_latest(nightly_job, capsys):
     config, root, calls = nightly_job
     assert nightly.main([str(config), "--out-root", str(root), "--run-id", "2026-01-30"]) == 0
-    assert calls == [["merge", str(config), "--out", f"{root}/2026-01-30"]]
+    [job] = calls  # the config's job, into the run's folder
+    assert job.tasks == (str(config.parent / "t1"), str(config.parent / "t2"))
+    assert (job.method, job.out, job.overwrite) == ("ram_plus", f"{root}/2026-01-30", False)
+    printed = capsys.readouterr().out
+    assert f"merged model written to {root}/2026-01-30 (reduce 0.50 s, map 0.25 s" in printed
     assert _latest(root) == f"{root}/2026-01-30\n"
     # The default run id is today's UTC date.
     assert nightly.run_id_of(None) == dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
     # Storage options go to the merge as given, but never into the log (they may hold keys).
     secret = '{"s3": {"secret": "do-not-log"}}'
     argv = [str(config), "--out-root", str(root), "--run-id", "2026-01-31"]
-    assert nightly.main([*argv, "--storage-options", secret]) == 0
-    assert calls[-1][-4:-2] == ["--storage-options", secret]
+    assert nightly.main([*argv, "--storage-options", secret, "--chunk-mb", "2"]) == 0
+    assert calls[-1].storage_options == {"s3": {"secret": "do-not-log"}}
+    assert calls[-1].chunk_bytes == 2 * 2**20
     assert "do-not-log" not in capsys.readouterr().out
 
 
@@ -738,20 +751,35 @@ def test_nightly_reruns_on_the_same_prefix_so_ram_dist_resumes(nightly_job, caps
     partial.mkdir()
     (partial / "model-00001-of-00002.safetensors").write_bytes(b"w")
     assert nightly.main([str(config), "--out-root", str(root), "--run-id", "2026-01-31"]) == 0
-    assert [c[-2:] for c in calls] == [["--out", str(done)], ["--out", str(partial)]]
-    assert not any("--overwrite" in c for c in calls)
+    assert [c.out for c in calls] == [str(done), str(partial)]
+    assert not any(c.overwrite for c in calls)
     assert _latest(root) == f"{partial}\n"
 
 
-def test_nightly_leaves_latest_after_a_failure_and_never_moves_it_back(nightly_job, monkeypatch):
+def test_nightly_leaves_latest_after_a_failure_and_never_moves_it_back(
+    nightly_job, monkeypatch, capsys
+):
     config, root, calls = nightly_job
     root.mkdir()
     (root / "latest").write_text(f"{root}/2026-02-01\n")
     assert nightly.main([str(config), "--out-root", str(root), "--run-id", "2026-01-31"]) == 0
     assert len(calls) == 1 and _latest(root) == f"{root}/2026-02-01\n"  # a backfill
 
-    monkeypatch.setattr(nightly, "ram_dist_main", lambda argv: 1)
-    assert nightly.main([str(config), "--out-root", str(root), "--run-id", "2026-02-02"]) == 1
+    def refused(config):
+        raise RamDistError(f"output {config.out} holds a merge of other inputs")
+
+    monkeypatch.setattr(nightly, "run_merge", refused)
+    assert nightly.main([str(config), "--out-root", str(root), "--run-id", "2026-02-02"]) == 2
+    printed = capsys.readouterr()
+    assert f"nightly.py: error: output {root}/2026-02-02 holds a merge of" in printed.err
+    assert "merge failed; latest not moved" in printed.out
+    assert _latest(root) == f"{root}/2026-02-01\n"
+
+    def interrupted(config):
+        raise KeyboardInterrupt  # Ctrl-C, or SIGTERM as nightly.py maps it
+
+    monkeypatch.setattr(nightly, "run_merge", interrupted)
+    assert nightly.main([str(config), "--out-root", str(root), "--run-id", "2026-02-03"]) == 130
     assert _latest(root) == f"{root}/2026-02-01\n"
 
 

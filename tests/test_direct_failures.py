@@ -22,7 +22,7 @@ from builders import load_checkpoint
 from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
 from ram_dist.io.storage import Storage
-from ram_dist.verify import verify
+from ram_dist.io.verify import verify
 
 BUCKET = "failures"
 

@@ -18,7 +18,7 @@ from ram_dist.engine import driver
 from ram_dist.engine.pool import unordered_map
 from ram_dist.io.sinks import shard_digest
 from ram_dist.io.storage import Storage
-from ram_dist.verify import verify
+from ram_dist.io.verify import verify
 
 BUCKET = "direct"
 

@@ -58,7 +58,7 @@ def test_json_log_lines_parse_and_progress_reaches_the_total(inputs, tmp_path):
             a["bytes_done"] <= b["bytes_done"] for a, b in zip(progress, progress[1:], strict=False)
         )
     shards = [e["shard"] for e in events if e["event"] == "shard_written"]
-    assert shards == report["output"]["shards_written"]
+    assert sorted(shards) == sorted(report["output"]["shards_written"])  # finished in any order
     assert events[-1]["output"] == str(out)
     assert "merged model written to" in done.stdout
 

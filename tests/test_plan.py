@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ram_dist.errors import RamDistError
-from ram_dist.plan import TensorSlot, plan_units
+from ram_dist.units import TensorSlot, plan_units
 
 SLOTS = [
     TensorSlot("embed", "a.safetensors", numel=256 * 64, row=64, max_itemsize=2),

@@ -20,7 +20,7 @@ from ram_dist.engine.layout import build_layout
 from ram_dist.engine.work import stream_blocks, worker_context
 from ram_dist.io.checkpoint import open_checkpoint
 from ram_dist.io.storage import Storage
-from ram_dist.plan import Piece
+from ram_dist.units import Piece
 
 BUCKET = "ram-dist-test"
 

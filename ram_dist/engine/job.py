@@ -19,7 +19,7 @@ from ram_dist.io.checkpoint import Checkpoint, open_checkpoints
 from ram_dist.io.locations import resolve_location, resolve_output
 from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod, get_method
-from ram_dist.plan import WorkUnit, plan_units
+from ram_dist.units import WorkUnit, plan_units
 
 
 @dataclass(frozen=True)

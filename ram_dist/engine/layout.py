@@ -15,7 +15,7 @@ from ram_dist.errors import CheckpointError
 from ram_dist.io.checkpoint import Checkpoint
 from ram_dist.io.storage import join
 from ram_dist.io.writer import OutTensor
-from ram_dist.plan import TensorSlot
+from ram_dist.units import TensorSlot
 
 
 @dataclass(frozen=True)

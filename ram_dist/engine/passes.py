@@ -40,7 +40,7 @@ from ram_dist.io.range_cache import CacheTraffic, InputCache
 from ram_dist.io.sinks import OpenShard, OutputSink, PartReceipt, shard_digest
 from ram_dist.io.storage import Storage
 from ram_dist.io.writer import shard_header
-from ram_dist.plan import Part, WorkUnit, parts_as_recorded, plan_parts
+from ram_dist.units import Part, WorkUnit, parts_as_recorded, plan_parts
 
 #: Ray re-runs a unit whose worker or node died this many times; a unit that raised is not
 #: re-run (bad data fails the same way twice).

@@ -33,7 +33,7 @@ from ram_dist.io.sinks import PartReceipt, ShardTarget
 from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.registry import Chunk, State, TensorParams
-from ram_dist.plan import Part, Piece, WorkUnit
+from ram_dist.units import Part, Piece, WorkUnit
 
 if TYPE_CHECKING:
     import torch

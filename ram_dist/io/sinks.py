@@ -25,7 +25,7 @@ import numpy as np
 
 from ram_dist.io.storage import Storage, join
 from ram_dist.io.writer import PARTIAL_SUFFIX, AtomicFile
-from ram_dist.plan import MIN_PART_BYTES, Part
+from ram_dist.units import MIN_PART_BYTES, Part
 
 DIRECT = "direct"
 THROUGH_DRIVER = "through-driver"

@@ -1,0 +1,501 @@
+"""ram-dist from Python: `merge`, `probe`, `plan` and `verify`, with the command line's
+settings as keyword arguments, each returning a report object. Driver side.
+
+    import ram_dist
+    report = ram_dist.merge(base="./qwen-base", tasks=["./coder", "./tool-user"], out="./merged")
+
+The `ram-dist` command and `jobs/nightly.py` are layers over this module. A setting left at
+None takes the mergekit config's value where `config` gives one, else `MergeConfig`'s default,
+which is the command line's too. An error the user can fix raises `RamDistError` with the
+message the command prints. A Ray this process is already connected to (a notebook's
+`ray.init()`) is used and left running; otherwise `address`, else `RAY_ADDRESS`, else an
+embedded Ray that is stopped before the call returns.
+
+Light to import: torch, Ray and the engine are imported by the calls that need them, so
+`import ram_dist` and `ram_dist.verify` load neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from ram_dist.errors import RamDistError
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from ram_dist.config import MergeConfig
+
+    ConfigSource: TypeAlias = MergeConfig | Callable[[], MergeConfig]
+    """A ready job, or a function that builds it (built, and so checked, while Ray starts)."""
+
+__all__ = [
+    "MergeReport",
+    "PlanReport",
+    "ProbeReport",
+    "Report",
+    "VerifyResult",
+    "job_config",
+    "merge",
+    "plan",
+    "probe",
+    "run_merge",
+    "run_plan",
+    "run_probe",
+    "verify",
+]
+
+PathLike = str | os.PathLike[str]
+"""A local path or a URL, as a string or a path object."""
+
+
+# --------------------------------------------------------------------------------------------
+# What the calls return
+
+
+@dataclass(frozen=True)
+class Report:
+    """A report as ram-dist writes it (`data`), its common fields as attributes."""
+
+    data: Mapping[str, Any] = field(repr=False)
+    """The whole report: for a merge, what `merge_report.json` holds."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """A copy of the whole report."""
+        return copy.deepcopy(dict(self.data))
+
+    def to_json(self) -> str:
+        """The report as ram-dist writes it: valid JSON (an infinite rho is "inf")."""
+        from ram_dist.io.writer import json_text
+
+        return json_text(self.data)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+
+@dataclass(frozen=True)
+class MergeReport(Report):
+    """What `merge` did. For an output that already held this merge (`already_complete`),
+    the report its first run wrote, as stored."""
+
+    config: MergeConfig = field(repr=False)
+    """The job as it ran: the mergekit config's settings and the arguments, resolved."""
+    out: str
+    """Where the model is: a URL, or an absolute local path."""
+    method: str
+    already_complete: bool
+    shards_written: tuple[str, ...]
+    shards_reused: tuple[str, ...]
+    """Shards a resumed run found finished and kept."""
+    bytes_written: int
+    """Bytes of merged shards the map pass wrote."""
+    pass_seconds: Mapping[str, float]
+    """Wall time of each pass (`reduce`, `map`); a reduce pass skipped on resume took 0."""
+    lambdas: tuple[float, ...] | None
+    """The RAM family's lambda per task; None for the baselines and per-tensor lambdas."""
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any], config: MergeConfig) -> MergeReport:
+        from ram_dist.io.locations import resolve_output
+
+        assert config.out is not None  # run_merge refused a job without one
+        output = data.get("output") or {}
+        passes = data.get("passes") or {}
+        return cls(
+            data=data,
+            config=config,
+            out=output.get("url") or resolve_output(config.out),
+            method=data.get("method", config.method),
+            already_complete=bool(data.get("already_complete")),
+            shards_written=tuple(output.get("shards_written", ())),
+            shards_reused=tuple(output.get("shards_reused", ())),
+            bytes_written=int(passes.get("map", {}).get("bytes_written", 0)),
+            pass_seconds={name: p["wall_s"] for name, p in passes.items()},
+            lambdas=_lambdas(data),
+        )
+
+
+@dataclass(frozen=True)
+class ProbeReport(Report):
+    """RAM's statistics of the tasks (`probe`): per task, what it changed and how much of it
+    other tasks changed too, and lambda under each RAM variant."""
+
+    config: MergeConfig = field(repr=False)
+    method: str
+    """The RAM variant whose lambdas `lambdas` are (ram_plus when a baseline was asked for)."""
+    tasks: tuple[Mapping[str, Any], ...]
+    """Per task: model, changed, density, unique, shared, rho, lambda (per variant),
+    histogram (`histogram[k - 1]`: elements it changed that k tasks changed)."""
+    densities: tuple[float, ...]
+    lambdas: tuple[float, ...] | None
+    seconds: float
+    """Wall time of the reduce pass."""
+    files: tuple[str, ...]
+    """What `json_path` wrote: the JSON, the figures and the per-layer table; else empty."""
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any], config: MergeConfig, files: Sequence[str]) -> ProbeReport:
+        tasks = tuple(data.get("tasks", ()))
+        return cls(
+            data=data,
+            config=config,
+            method=data["method"],
+            tasks=tasks,
+            densities=tuple(t["density"] for t in tasks),
+            lambdas=_lambdas(data),
+            seconds=data["passes"]["reduce"]["wall_s"],
+            files=tuple(files),
+        )
+
+
+@dataclass(frozen=True)
+class PlanReport(Report):
+    """What a merge would read, run and write (`plan`); nothing was written."""
+
+    config: MergeConfig = field(repr=False)
+    method: str
+    work_units: int
+    chunk_bytes: int
+    """Bytes one work unit may read from each input."""
+    device: str | None
+    """`cpu` or `cuda`; None where the cluster is not known before a merge connects."""
+    output_state: str | None
+    """`new`, `resume` (an unfinished run of this job) or `complete`; None without `out`."""
+    output_path: str | None
+    """`direct` (workers write their parts) or `through-driver`; None without `out`."""
+    bytes_per_pass: Mapping[str, Any]
+    memory_per_worker_bytes: int
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any], config: MergeConfig) -> PlanReport:
+        output = data.get("output") or {}
+        return cls(
+            data=data,
+            config=config,
+            method=data["method"],
+            work_units=data["work_units"],
+            chunk_bytes=data["chunk_bytes"],
+            device=(data.get("device") or {}).get("device"),
+            output_state=output.get("state"),
+            output_path=output.get("path"),
+            bytes_per_pass=data["bytes_per_pass"],
+            memory_per_worker_bytes=data["memory_per_worker_bytes"],
+        )
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What `verify` found: no problems means every shard hashes as the manifest records and
+    the index names exactly the recorded shards."""
+
+    out: str
+    problems: tuple[str, ...]
+    """Each names the shard (and part) or file that is missing, unrecorded or differs."""
+    shards_checked: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "out": self.out,
+            "ok": self.ok,
+            "problems": list(self.problems),
+            "shards_checked": self.shards_checked,
+        }
+
+    def to_json(self) -> str:
+        from ram_dist.io.writer import json_text
+
+        return json_text(self.as_dict())
+
+
+def _lambdas(data: Mapping[str, Any]) -> tuple[float, ...] | None:
+    applied = data.get("lambda_applied")
+    return None if applied is None else tuple(applied)
+
+
+# --------------------------------------------------------------------------------------------
+# The calls
+
+
+def merge(
+    *,
+    out: PathLike,
+    config: PathLike | Mapping[str, Any] | None = None,
+    base: PathLike | None = None,
+    tasks: Sequence[PathLike] | None = None,
+    method: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    task_parameters: Sequence[Mapping[str, Any]] | None = None,
+    out_dtype: str | None = None,
+    chunk_bytes: int | None = None,
+    workers: int | None = None,
+    device: str | None = None,
+    address: str | None = None,
+    overwrite: bool = False,
+    output_shared: bool = False,
+    kernels: str | None = None,
+    input_cache: str | None = None,
+    cache_dir: PathLike | None = None,
+    log_format: str | None = None,
+    allow_nonfinite: bool = False,
+    storage_options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> MergeReport:
+    """Merge `tasks` into `base`, or run (resume) an unfinished merge into `out`, as
+    `ram-dist merge` does; the arguments are `job_config`'s."""
+    settings = dict(locals())  # every argument above, as given
+    return run_merge(partial(job_config, **settings), address=address)
+
+
+def probe(
+    *,
+    config: PathLike | Mapping[str, Any] | None = None,
+    base: PathLike | None = None,
+    tasks: Sequence[PathLike] | None = None,
+    method: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    task_parameters: Sequence[Mapping[str, Any]] | None = None,
+    out_dtype: str | None = None,
+    chunk_bytes: int | None = None,
+    workers: int | None = None,
+    device: str | None = None,
+    address: str | None = None,
+    kernels: str | None = None,
+    input_cache: str | None = None,
+    cache_dir: PathLike | None = None,
+    log_format: str | None = None,
+    allow_nonfinite: bool = False,
+    storage_options: Mapping[str, Mapping[str, Any]] | None = None,
+    json_path: PathLike | None = None,
+) -> ProbeReport:
+    """RAM's first pass only, whatever `method` says (`ram-dist probe`): the statistics of
+    the tasks. `json_path`: also write the report there, and beside it STEM.figure2.png,
+    STEM.layers.csv and STEM.layers.png. The other arguments are `job_config`'s."""
+    settings = dict(locals())
+    del settings["json_path"]
+    return run_probe(partial(job_config, **settings), address=address, json_path=json_path)
+
+
+def plan(
+    *,
+    config: PathLike | Mapping[str, Any] | None = None,
+    base: PathLike | None = None,
+    tasks: Sequence[PathLike] | None = None,
+    out: PathLike | None = None,
+    method: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    task_parameters: Sequence[Mapping[str, Any]] | None = None,
+    out_dtype: str | None = None,
+    chunk_bytes: int | None = None,
+    workers: int | None = None,
+    device: str | None = None,
+    address: str | None = None,
+    overwrite: bool = False,
+    output_shared: bool = False,
+    kernels: str | None = None,
+    input_cache: str | None = None,
+    cache_dir: PathLike | None = None,
+    log_format: str | None = None,
+    allow_nonfinite: bool = False,
+    storage_options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> PlanReport:
+    """Headers only (`ram-dist plan`): every check that needs no tensor data, then what a
+    merge would read, run and write. Writes nothing and starts no Ray. The arguments are
+    `job_config`'s."""
+    return run_plan(partial(job_config, **dict(locals())))
+
+
+def verify(
+    out: PathLike, *, storage_options: Mapping[str, Mapping[str, Any]] | None = None
+) -> VerifyResult:
+    """Re-hash every shard of the merged output `out` against its manifest and check the
+    index (`ram-dist verify`). Reads only `out`."""
+    from ram_dist.io.storage import Storage
+    from ram_dist.io.verify import verify as verify_output
+
+    location = os.fspath(out)
+    problems, checked = verify_output(location, Storage(storage_options or {}))
+    return VerifyResult(out=location, problems=tuple(problems), shards_checked=checked)
+
+
+def job_config(
+    *,
+    config: PathLike | Mapping[str, Any] | None = None,
+    base: PathLike | None = None,
+    tasks: Sequence[PathLike] | None = None,
+    out: PathLike | None = None,
+    method: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    task_parameters: Sequence[Mapping[str, Any]] | None = None,
+    out_dtype: str | None = None,
+    chunk_bytes: int | None = None,
+    workers: int | None = None,
+    device: str | None = None,
+    address: str | None = None,
+    overwrite: bool = False,
+    output_shared: bool = False,
+    kernels: str | None = None,
+    input_cache: str | None = None,
+    cache_dir: PathLike | None = None,
+    log_format: str | None = None,
+    allow_nonfinite: bool = False,
+    storage_options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> MergeConfig:
+    """The checked job: `config` (a mergekit YAML file's path, or its keys as a mapping),
+    then every argument given over it, as the command line's flags go over the file.
+
+    `base`, `tasks` (in order; the order is part of the result), `out`: folders or URLs
+    (`s3://`, `gs://`, `hf://`, a Hugging Face id), as `--base`, `--task`, `--out`.
+    `parameters`: the method's global parameters by mergekit's names (`r`, `alpha`,
+    `epsilon`, `lambda`, `normalize`, `rescale`, `seed`, and `weight`, `density` for every
+    task), each a value, a list across the layers or `{filter, value}` entries as in the YAML
+    file; they go over the file's key by key. `task_parameters`: one mapping per task
+    (`weight`, `density`), over the file's per-model parameters. `chunk_bytes`: `--chunk-mb`
+    in bytes. `storage_options`: fsspec options per protocol. The rest are the flags of the
+    same names; see `MergeConfig` for each one's meaning and default.
+    """
+    from ram_dist.config import MergeConfig, load_yaml
+
+    if config is None:
+        kwargs: dict[str, Any] = {}
+    else:
+        kwargs = load_yaml(config if isinstance(config, Mapping) else os.fspath(config))
+    if base is not None:
+        kwargs["base"] = os.fspath(base)
+    if tasks is not None:
+        if isinstance(tasks, (str, os.PathLike)):
+            raise RamDistError(f"tasks must be a list of checkpoints, got one: {tasks!r}")
+        kwargs["tasks"] = tuple(os.fspath(t) for t in tasks)
+    if "base" not in kwargs:
+        raise RamDistError("give a base checkpoint: --base PATH (or base_model in a config)")
+    kwargs.setdefault("tasks", ())
+    if parameters:
+        kwargs["parameters"] = {**kwargs.get("parameters", {}), **_settings(parameters)}
+    if task_parameters is not None:
+        given = [_settings(p) for p in task_parameters]
+        from_file = kwargs.get("task_parameters") or ()
+        if len(from_file) == len(given):
+            given = [{**f, **g} for f, g in zip(from_file, given, strict=True)]
+        kwargs["task_parameters"] = tuple(given)
+    flags = {
+        "out": out, "method": method, "out_dtype": out_dtype, "chunk_bytes": chunk_bytes,
+        "workers": workers, "device": device, "address": address, "kernels": kernels,
+        "input_cache": input_cache, "cache_dir": cache_dir, "log_format": log_format,
+    }  # fmt: skip
+    kwargs.update({k: _fspath(v) for k, v in flags.items() if v is not None})
+    kwargs.update(overwrite=overwrite, output_shared=output_shared, allow_nonfinite=allow_nonfinite)
+    if storage_options is not None:
+        kwargs["storage_options"] = dict(storage_options)
+    return MergeConfig(**kwargs)
+
+
+def run_merge(config: ConfigSource, *, address: str | None = None) -> MergeReport:
+    """`merge` of a ready `MergeConfig` (as mergekit's `run_merge` takes its configuration),
+    or of what `config()` builds: then it runs, with every check and the claim on the output,
+    while Ray starts, and `address` names the cluster (else a ready config's own)."""
+    from ram_dist.engine import driver
+    from ram_dist.engine.runtime import ray_session
+
+    build, address = _source(config, address)
+
+    def checks(held: contextlib.ExitStack) -> tuple[MergeConfig, driver.Claim]:
+        job = build()
+        if job.out is None:
+            raise RamDistError("merge needs an output location: --out PATH")
+        return job, driver.merge_checks(job, held)
+
+    with contextlib.ExitStack() as held:  # this run's lease on the output, released last
+        with ray_session(address, partial(checks, held)) as (cluster, (job, claim)):
+            report = driver.merge_on(claim, cluster)
+    return MergeReport.of(report, job)
+
+
+def run_probe(
+    config: ConfigSource, *, address: str | None = None, json_path: PathLike | None = None
+) -> ProbeReport:
+    """`probe` of a ready `MergeConfig`, or of what `config()` builds (see `run_merge`)."""
+    from ram_dist.engine import driver
+    from ram_dist.engine.runtime import ray_session
+
+    build, address = _source(config, address)
+    written = None if json_path is None else os.fspath(json_path)
+    if written is not None:
+        _make_folder_of(written)  # before any work, so that a bad path costs nothing
+
+    def checks() -> tuple[MergeConfig, Any]:
+        job = build()
+        return job, driver.probe_checks(job)
+
+    with ray_session(address, checks) as (cluster, (job, planned)):
+        report = driver.probe_on(planned, cluster)
+    files = write_probe_files(report, written) if written is not None else []
+    return ProbeReport.of(report, job, files)
+
+
+def run_plan(config: ConfigSource) -> PlanReport:
+    """`plan` of a ready `MergeConfig`, or of what `config()` builds."""
+    from ram_dist.engine import driver
+
+    job = _source(config, None)[0]()
+    return PlanReport.of(driver.plan(job), job)
+
+
+def write_probe_files(report: Mapping[str, Any], json_path: str) -> list[str]:
+    """The probe's JSON, and beside it the figures and the per-layer table."""
+    from ram_dist.figures import write_figure2, write_layer_csv, write_layer_heatmap
+    from ram_dist.io.writer import json_text
+
+    with open(json_path, "w", encoding="utf-8") as f:
+        f.write(json_text(report))
+    stem = json_path[: -len(".json")] if json_path.endswith(".json") else json_path
+    written = [json_path, f"{stem}.figure2.png", f"{stem}.layers.csv", f"{stem}.layers.png"]
+    write_figure2(report, written[1])
+    write_layer_csv(report, written[2])
+    write_layer_heatmap(report, written[3])
+    return written
+
+
+def _make_folder_of(path: str) -> None:
+    """Create the folder `path` will be written to before any work, or say why not."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise RamDistError(f"cannot create {folder} for {path}: {e.strerror or e}") from None
+    if not os.access(folder, os.W_OK):
+        raise RamDistError(f"cannot write {path}: {folder} is not writable")
+
+
+def _source(
+    config: ConfigSource, address: str | None
+) -> tuple[Callable[[], MergeConfig], str | None]:
+    """(what builds the job, the Ray address to start with)."""
+    if callable(config):
+        return config, address
+    return (lambda: config), address if address is not None else config.address
+
+
+def _settings(given: Mapping[str, Any]) -> dict[str, Any]:
+    """Parameters given in Python: a list (values across the layers, or `{filter, value}`
+    entries) or a mapping is read as the YAML reader reads it; a plain value as a flag's."""
+    from ram_dist.mergekit_config import parse_setting
+
+    return {
+        name: parse_setting(list(v) if isinstance(v, tuple) else v, name)
+        if isinstance(v, (list, tuple, dict))
+        else v
+        for name, v in given.items()
+    }
+
+
+def _fspath(value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
