@@ -68,6 +68,7 @@ from typing import Any
 
 import yaml
 
+from ram_dist.dtypes import OUT_DTYPE_NAMES, dtype_key
 from ram_dist.engine.devices import DEVICES as _DEVICES
 from ram_dist.errors import RamDistError
 
@@ -278,11 +279,6 @@ _UNSUPPORTED_KEYS: Mapping[str, str] = {
 }
 _MODEL_KEYS = ("model", "parameters")
 _ENTRY_KEYS = ("filter", "value")
-#: Dtype names mergekit (`dtype_from_name`) and ram-dist (`ram_dist.dtypes.OUT_DTYPE_NAMES`)
-#: accept, after lower-casing and removing a "torch." prefix.
-_DTYPE_NAMES = frozenset(
-    {"float64", "fp64", "float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16"}
-)
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 
@@ -467,7 +463,7 @@ def parse_mergekit_config(raw: Any, where: str) -> JobSpec:
         # mergekit's rule: without out_dtype, tensors are written in the dtype they were
         # computed in, `dtype` (and config.json says so).
         out_dtype = dtype
-    if dtype is not None and _dtype_key(dtype) not in ("float32", "fp32"):
+    if dtype is not None and OUT_DTYPE_NAMES[dtype_key(dtype)] != "F32":
         written = f"{out_dtype}, as mergekit writes it" if out_dtype == dtype else out_dtype
         notes.append(
             f"dtype {dtype} accepted, but ram-dist computes in float32 (mergekit would compute "
@@ -723,15 +719,11 @@ def _finite(value: float | int) -> float | None:
     return result if math.isfinite(result) else None
 
 
-def _dtype_key(name: str) -> str:
-    return name.strip().lower().removeprefix("torch.")
-
-
 def _dtype(raw: Any, at: str) -> str | None:
     if raw is None:
         return None
-    if not isinstance(raw, str) or _dtype_key(raw) not in _DTYPE_NAMES:
-        valid = ", ".join(sorted(_DTYPE_NAMES))
+    if not isinstance(raw, str) or dtype_key(raw) not in OUT_DTYPE_NAMES:
+        valid = ", ".join(sorted(OUT_DTYPE_NAMES))
         raise RamDistError(f"{at} {raw!r} is not a floating dtype; use one of: {valid}")
     return raw
 

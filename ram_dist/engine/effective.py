@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from ram_dist.dtypes import dtype_name
 from ram_dist.engine.job import Job
 
 CONFIG_NAME = "mergekit_config.yml"
@@ -47,9 +48,7 @@ def effective_config(job: Job) -> dict[str, Any]:
         }
     config["dtype"] = "float32"
     if job.config.out_dtype is not None:
-        config["out_dtype"] = {"F64": "float64", "F32": "float32", "F16": "float16"}.get(
-            job.config.out_dtype, "bfloat16"
-        )
+        config["out_dtype"] = dtype_name(job.config.out_dtype)
     config["tokenizer_source"] = "base"
     return config
 
