@@ -12,7 +12,7 @@ kept set is a rule of each element) and the L1 norms of the rescale rule
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +20,8 @@ import torch
 from ram_dist import kernels
 from ram_dist.errors import RamDistError
 from ram_dist.methods import dare, linear, task_arithmetic, ties, topk
-from ram_dist.methods.registry import Chunk, State, TensorParams, flag, number
+from ram_dist.methods.parameters import PARAMETERS, Parameter
+from ram_dist.methods.registry import Chunk, State, TensorParams
 
 L1 = "#l1"
 L1_ABOVE = "#l1-above"
@@ -75,41 +76,21 @@ class TaskArithmeticFamily:
     name: str
     sparsify: str | None  # None, "magnitude" (TIES) or "random" (DARE)
     consensus: bool
-    normalize_default: bool
-    rescale_default: bool
-    task_parameters: Mapping[str, Any] = field(
-        default_factory=lambda: {"weight": 1.0, "density": 1.0}
-    )
 
     @property
-    def global_parameters(self) -> Mapping[str, Any]:
-        params: dict[str, Any] = {"normalize": self.normalize_default, "lambda": 1.0}
-        if self.sparsify is not None:
-            params["rescale"] = self.rescale_default
-        if self.sparsify == "random":
-            params["seed"] = 0
-        return params
+    def parameters(self) -> tuple[Parameter, ...]:
+        """weight, density, normalize, lambda, rescale (and DARE's seed), with this member's
+        defaults (`methods.parameters`)."""
+        return PARAMETERS[self.name]
 
     @property
     def rounds(self) -> int:
         return {None: 0, "random": 1, "magnitude": 4}[self.sparsify]
 
     def check(self, params: TensorParams, where: str) -> None:
-        for w in params["weight"]:
-            number(w, "weight", where)
-        for d in params["density"]:
-            if not 0 < number(d, "density", where) <= 1:
-                raise RamDistError(f"{where}: parameter density must be in (0, 1], got {d}")
+        """What the parameters' own checks cannot see: task arithmetic sparsifies nothing."""
         if self.sparsify is None and any(d != 1 for d in params["density"]):
             raise RamDistError(f"{where}: {self.name} has no density (use ties or dare_*)")
-        number(params["lambda"], "lambda", where)
-        flag(params["normalize"], "normalize", where)
-        if "rescale" in params:
-            flag(params["rescale"], "rescale", where)
-        if "seed" in params and (
-            isinstance(params["seed"], bool) or not isinstance(params["seed"], int)
-        ):
-            raise RamDistError(f"{where}: parameter seed must be an integer")
 
     # -- reduce rounds ------------------------------------------------------------------
 
@@ -342,13 +323,16 @@ class LinearMethod:
     """mergekit's `linear`: the weighted mean of the task models (the base is not averaged)."""
 
     name: str = "linear"
-    task_parameters: Mapping[str, Any] = field(default_factory=lambda: {"weight": 1.0})
-    global_parameters: Mapping[str, Any] = field(default_factory=lambda: {"normalize": True})
     rounds: int = 0
 
+    @property
+    def parameters(self) -> tuple[Parameter, ...]:
+        """weight, normalize (`methods.parameters`)."""
+        return PARAMETERS[self.name]
+
     def check(self, params: TensorParams, where: str) -> None:
-        weights = [number(w, "weight", where) for w in params["weight"]]
-        if flag(params["normalize"], "normalize", where) and sum(weights) == 0:
+        """What the parameters' own checks cannot see: a weight sum to normalize by."""
+        if params["normalize"] and sum(params["weight"]) == 0:
             raise RamDistError(f"{where}: the weights sum to 0; linear cannot normalize by it")
 
     def initial_state(
@@ -381,9 +365,9 @@ class LinearMethod:
 
 #: mergekit's baselines, as `ram_dist.methods.METHODS` lists them.
 METHODS = (
-    TaskArithmeticFamily("task_arithmetic", None, False, False, False),
-    TaskArithmeticFamily("ties", "magnitude", True, True, False),
-    TaskArithmeticFamily("dare_linear", "random", False, False, True),
-    TaskArithmeticFamily("dare_ties", "random", True, False, True),
+    TaskArithmeticFamily("task_arithmetic", None, False),
+    TaskArithmeticFamily("ties", "magnitude", True),
+    TaskArithmeticFamily("dare_linear", "random", False),
+    TaskArithmeticFamily("dare_ties", "random", True),
     LinearMethod(),
 )

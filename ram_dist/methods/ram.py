@@ -12,14 +12,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ram_dist import kernels
 from ram_dist.errors import RamDistError
-from ram_dist.methods.registry import Chunk, State, TensorParams, number
+from ram_dist.methods.parameters import PARAMETERS, Parameter
+from ram_dist.methods.registry import Chunk, State, TensorParams
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -171,29 +172,15 @@ class RamMethod:
 
     name: str
     rule: Callable[[float, float, float], float]
-    alpha_default: float = 2.0
-    scope_default: str = "model"
-    task_parameters: Mapping[str, Any] = field(default_factory=dict)
     rounds: int = 1
 
     @property
-    def global_parameters(self) -> Mapping[str, Any]:
-        return {"r": 0.1, "alpha": self.alpha_default, "epsilon": 1e-5, "scope": self.scope_default}
+    def parameters(self) -> tuple[Parameter, ...]:
+        """r, alpha, epsilon, scope, with this member's defaults (`methods.parameters`)."""
+        return PARAMETERS[self.name]
 
     def check(self, params: TensorParams, where: str) -> None:
-        r = number(params["r"], "r", where)
-        alpha = number(params["alpha"], "alpha", where)
-        eps = number(params["epsilon"], "epsilon", where)
-        if eps <= 0:
-            raise RamDistError(f"{where}: parameter epsilon (eps) must be > 0, got {eps}")
-        if r < 0:
-            raise RamDistError(f"{where}: parameter r must be >= 0, got {r}")
-        if alpha < 0:
-            raise RamDistError(f"{where}: parameter alpha must be >= 0, got {alpha}")
-        if params["scope"] not in ("model", "tensor"):
-            raise RamDistError(
-                f"{where}: parameter scope must be 'model' or 'tensor', got {params['scope']!r}"
-            )
+        """What the parameters' own checks cannot see: scope tensor needs RAM+'s rule."""
         if params["scope"] == "tensor" and self.rule is not lambda_ram_plus:
             raise RamDistError(f"{where}: scope: tensor is defined for ram_plus (ramplus_tl) only")
 
@@ -328,5 +315,5 @@ METHODS = (
     RamMethod("ram", lambda_ram),
     RamMethod("ram_plus", lambda_ram_plus),
     RamMethod("ram_plus_soft", lambda_ram_plus_soft),
-    RamMethod("ramplus_tl", lambda_ram_plus, alpha_default=0.2, scope_default="tensor"),
+    RamMethod("ramplus_tl", lambda_ram_plus),
 )

@@ -1,5 +1,6 @@
-"""What the engine needs of a merge rule (the `MergeMethod` protocol) and the parameter
-checks methods share. The table of methods by name is `ram_dist.methods.METHODS`.
+"""What the engine needs of a merge rule (the `MergeMethod` protocol). The table of methods
+by name is `ram_dist.methods.METHODS`; their parameters are declared in
+`ram_dist.methods.parameters`.
 
 A method is a configured instance (as in mergekit: `ties` and `dare_ties` are one family
 with other settings). The engine drives it through reduce rounds and a map pass:
@@ -11,7 +12,8 @@ with other settings). The engine drives it through reduce rounds and a map pass:
 * `merge_chunk` runs on workers in the map pass with the final state.
 
 Parameters are resolved per tensor on the driver (`TensorParams`: per-task lists and global
-values) and checked before any work starts.
+values) and checked before any work starts: each value by its declaration, then by the
+method's `check` for what involves several.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ram_dist.errors import RamDistError
+from ram_dist.methods.parameters import Parameter
 
 #: Resolved parameters of one tensor: per-task parameters as lists (task order), globals as
 #: values.
@@ -41,10 +43,9 @@ class Chunk:
 
 class MergeMethod(Protocol):
     name: str
-    task_parameters: Mapping[str, Any]
-    """Per-task parameter names and defaults (mergekit's per-model `parameters`)."""
-    global_parameters: Mapping[str, Any]
-    """Global parameter names and defaults."""
+    parameters: tuple[Parameter, ...]
+    """What it takes (`methods.parameters.PARAMETERS[name]`); `check` sees what involves
+    several of them, each value having been checked by its declaration."""
     rounds: int
 
     def check(self, params: TensorParams, where: str) -> None: ...
@@ -84,18 +85,3 @@ class MergeMethod(Protocol):
     ) -> torch.Tensor: ...
 
     def report(self, state: State) -> dict[str, Any]: ...
-
-
-def number(value: Any, name: str, where: str) -> float:
-    """A real number parameter, or an error naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RamDistError(f"{where}: parameter {name} must be a number, got {value!r}")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise RamDistError(f"{where}: parameter {name} must be finite, got {value!r}")
-    return float(value)
-
-
-def flag(value: Any, name: str, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise RamDistError(f"{where}: parameter {name} must be true or false, got {value!r}")
-    return value

@@ -1,0 +1,101 @@
+"""One table of method parameters (`ram_dist.methods.parameters`) and what reads it: the
+methods, the YAML reader and the engine's resolution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ram_dist.config import MergeConfig, load_yaml
+from ram_dist.engine.params import resolve_all
+from ram_dist.errors import RamDistError
+from ram_dist.mergekit_config import (
+    REQUIRED,
+    num_layers,
+    parse_mergekit_config,
+    resolve_parameter,
+)
+from ram_dist.methods import METHODS, get_method
+from ram_dist.methods.parameters import BY_NAME, PARAMETERS, handed
+
+
+def test_every_method_takes_the_parameters_the_table_declares() -> None:
+    assert list(METHODS) == list(PARAMETERS)
+    for name, method in METHODS.items():
+        assert method.parameters is PARAMETERS[name]
+    defaults = {m: {p.name: p.default for p in PARAMETERS[m]} for m in PARAMETERS}
+    assert defaults["ram_plus"] == {"r": 0.1, "alpha": 2.0, "epsilon": 1e-5, "scope": "model"}
+    assert defaults["ramplus_tl"]["alpha"] == 0.2 and defaults["ramplus_tl"]["scope"] == "tensor"
+    assert defaults["ties"]["normalize"] is True and defaults["ties"]["rescale"] is False
+    assert defaults["dare_linear"]["rescale"] is True and defaults["dare_ties"]["seed"] == 0
+    assert defaults["linear"] == {"weight": 1.0, "normalize": True}
+    # the engine hands globals first, then per-task ones: the report's and the config's order
+    assert [p.name for p in handed(PARAMETERS["dare_ties"])] == [
+        "normalize", "lambda", "rescale", "seed", "weight", "density",
+    ]  # fmt: skip
+    assert [p.name for p in handed(PARAMETERS["task_arithmetic"])] == [
+        "normalize", "lambda", "weight", "density",
+    ]  # fmt: skip
+
+
+def test_yaml_reads_what_the_table_declares_and_notes_the_rest() -> None:
+    for method, params in PARAMETERS.items():
+        given = {name: p.default for name, p in BY_NAME.items()}
+        raw = {"merge_method": method, "base_model": "b", "models": [{"model": "t"}]}
+        spec = parse_mergekit_config(raw | {"parameters": given}, "x.yaml")
+        assert set(spec.parameters) == {p.name for p in params if p.effect}, method
+        ignored = set(BY_NAME) - set(spec.parameters)
+        notes = "\n".join(spec.notes)
+        assert all(f"parameters.{name} " in notes for name in ignored), (method, notes)
+    with pytest.raises(RamDistError, match="parameters.seed must be an integer"):
+        parse_mergekit_config(raw | {"parameters": {"seed": 1.5}}, "x.yaml")
+
+
+ENGINE_YAML = """
+merge_method: ties
+base_model: {base}
+models:
+  - model: {a}
+    parameters:
+      weight: [{{filter: mlp, value: [0.1, 0.9]}}]
+      density: [0.2, 0.8]
+  - model: {b}
+parameters:
+  weight: [{{filter: self_attn, value: 2}}, {{value: [1, 3]}}]
+  lambda: [{{filter: lm_head, value: 0.5}}]
+"""
+
+NAMES = [
+    "model.embed_tokens.weight",
+    *[f"model.layers.{i}.{s}" for i in range(3) for s in ("mlp.up.weight", "self_attn.q.weight")],
+    "model.norm.weight",
+    "lm_head.weight",
+]
+
+
+def test_engine_resolves_with_the_readers_precedence(tmp_path: Path) -> None:
+    """`engine.params.resolve_all` (what the merge runs with) and `resolve_parameter` give
+    every parameter of every tensor the same value."""
+    text = ENGINE_YAML.format(base="/b", a="/a", b="/c")
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    config = MergeConfig(**load_yaml(str(path)))
+    spec = parse_mergekit_config(yaml.safe_load(text), str(path))
+    resolved = resolve_all(config, get_method("ties"), NAMES)
+    layers = num_layers(NAMES)
+    assert layers == 3
+    checked = 0
+    for name in NAMES:
+        for p in handed(PARAMETERS["ties"]):
+            for i in range(2) if p.per_task else [None]:
+                want = resolve_parameter(spec, p.name, i, name, layers, p.default)
+                got = resolved[name][p.name][i] if p.per_task else resolved[name][p.name]
+                assert got == want, (name, p.name, i)
+                checked += 1
+    assert checked == len(NAMES) * 7
+    assert resolved["model.layers.1.mlp.up.weight"]["weight"] == [0.5, 2.0]
+    assert resolved["lm_head.weight"]["lambda"] == 0.5
+    with pytest.raises(RamDistError, match="no lambda for tensor model.layers.0.mlp.up"):
+        resolve_parameter(spec, "lambda", None, NAMES[1], layers, REQUIRED)
