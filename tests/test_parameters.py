@@ -1,11 +1,13 @@
 """One table of method parameters (`ram_dist.methods.parameters`) and what reads it: the
-methods, the YAML reader and the engine's resolution."""
+methods, the YAML reader and the engine's resolution; and one rule of what a layer is, shared
+by parameter gradients and the per-layer report."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from ram_dist.config import MergeConfig, load_yaml
@@ -13,12 +15,16 @@ from ram_dist.engine.params import resolve_all
 from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config import (
     REQUIRED,
+    Gradient,
     num_layers,
     parse_mergekit_config,
+    resolve,
     resolve_parameter,
 )
 from ram_dist.methods import METHODS, get_method
+from ram_dist.methods.layers import layer_index, layer_name
 from ram_dist.methods.parameters import BY_NAME, PARAMETERS, handed
+from ram_dist.methods.ram import layer_summary
 
 
 def test_every_method_takes_the_parameters_the_table_declares() -> None:
@@ -99,3 +105,36 @@ def test_engine_resolves_with_the_readers_precedence(tmp_path: Path) -> None:
     assert resolved["lm_head.weight"]["lambda"] == 0.5
     with pytest.raises(RamDistError, match="no lambda for tensor model.layers.0.mlp.up"):
         resolve_parameter(spec, "lambda", None, NAMES[1], layers, REQUIRED)
+
+
+GPT2 = [
+    "transformer.wte.weight",
+    *[
+        f"transformer.h.{i}.{s}"
+        for i in range(3)
+        for s in ("attn.c_attn.weight", "mlp.c_fc.weight")
+    ],
+    "transformer.ln_f.weight",
+    "encoder.layers.0.fc.weight",  # not a decoder layer: neither for parameters nor the report
+]
+
+
+@pytest.mark.parametrize("names", [GPT2, NAMES], ids=["gpt2", "llama"])
+def test_report_layers_are_the_layers_parameters_vary_across(names: list[str]) -> None:
+    """mergekit treats GPT-2's `transformer.h.N` as layer N; so do the parameter gradients
+    and the per-layer report, with one rule (`methods.layers`)."""
+    totals = {n: torch.full((3, 3), k + 1, dtype=torch.int64) for k, n in enumerate(names)}
+    report = layer_summary(totals)
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(layer_name(n) or "other", []).append(n)
+    stem = names[1].rsplit(".", 3)[0].rsplit(".", 1)[0]  # transformer.h / model.layers
+    assert [entry["layer"] for entry in report] == [f"{stem}.{i}" for i in range(3)] + ["other"]
+    gradient, layers = Gradient((0.0, 1.0)), num_layers(names)
+    for entry in report:
+        members = groups[entry["layer"]]
+        participating = sum(3 * (names.index(n) + 1) for n in members)
+        assert entry["tasks"][0]["participating"] == participating
+        values = {resolve(gradient, n, layers) for n in members}
+        index = layer_index(members[0])
+        assert values == ({index / 2} if entry["layer"] != "other" else {0.0})

@@ -10,7 +10,6 @@ and computes rho and lambda in float32 as mergekit does.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 
 from ram_dist import kernels
 from ram_dist.errors import RamDistError
+from ram_dist.methods.layers import layer_index, layer_name
 from ram_dist.methods.parameters import PARAMETERS, Parameter
 from ram_dist.methods.registry import Chunk, State, TensorParams
 
@@ -116,21 +116,17 @@ def summarize(total: torch.Tensor, r: float, alpha: float) -> dict[str, Any]:
     return {"participating": d, "unchanged": by_count[0], "by_count": by_count, "tasks": tasks}
 
 
-LAYER = re.compile(r"^(.*?layers\.\d+)\.")
-
-
 def layer_summary(per_tensor: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
-    """Per layer (`model.layers.{i}`; everything else is `other`), per task: changed, unique
-    and shared elements and the layer's participating elements, for the per-layer table."""
+    """Per layer (`model.layers.{i}`, as `layers.layer_name` says: the layers parameters vary
+    across; everything else is `other`), per task: changed, unique and shared elements and the
+    layer's participating elements, for the per-layer table."""
     grouped: dict[str, torch.Tensor] = {}
     for name, total in per_tensor.items():
-        match = LAYER.match(name)
-        key = match.group(1) if match else "other"
+        key = layer_name(name) or "other"
         grouped[key] = grouped[key] + total if key in grouped else total.clone()
 
     def order(key: str) -> tuple[int, int]:
-        digits = re.findall(r"\d+", key)
-        return (1, 0) if key == "other" else (0, int(digits[-1]))
+        return (1, 0) if key == "other" else (0, layer_index(key + ".") or 0)
 
     layers = []
     for key in sorted(grouped, key=order):
