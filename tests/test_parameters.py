@@ -1,6 +1,6 @@
 """One table of method parameters (`ram_dist.methods.parameters`) and what reads it: the
-methods, the YAML reader and the engine's resolution; and one rule of what a layer is, shared
-by parameter gradients and the per-layer report."""
+methods, the CLI flags, the YAML reader and the engine's resolution; and one rule of what a
+layer is, shared by parameter gradients and the per-layer report."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from ram_dist.cli import build_parser, config_from_args
 from ram_dist.config import MergeConfig, load_yaml
 from ram_dist.engine.params import resolve_all
 from ram_dist.errors import RamDistError
@@ -23,7 +24,7 @@ from ram_dist.mergekit_config import (
 )
 from ram_dist.methods import METHODS, get_method
 from ram_dist.methods.layers import layer_index, layer_name
-from ram_dist.methods.parameters import BY_NAME, PARAMETERS, handed
+from ram_dist.methods.parameters import BY_NAME, PARAMETERS, cli_parameters, handed
 from ram_dist.methods.ram import layer_summary
 
 
@@ -44,6 +45,33 @@ def test_every_method_takes_the_parameters_the_table_declares() -> None:
     assert [p.name for p in handed(PARAMETERS["task_arithmetic"])] == [
         "normalize", "lambda", "weight", "density",
     ]  # fmt: skip
+
+
+def _merge_args(*flags: str) -> list[str]:
+    return ["merge", "--base", "b", "--task", "t1", "--task", "t2", "--out", "o", *flags]
+
+
+def test_cli_flags_and_their_help_come_from_the_table() -> None:
+    merge = build_parser()._subparsers._group_actions[0].choices["merge"]  # type: ignore[union-attr]
+    helps = {s: a.help for a in merge._actions for s in a.option_strings}
+    flagged = {p.cli_flag for p in BY_NAME.values() if p.cli_flag}
+    assert flagged == {"--r", "--alpha", "--eps", "--weight", "--density", "--lambda",
+                       "--normalize", "--rescale", "--seed"}  # fmt: skip
+    for p, text in cli_parameters():
+        assert helps[p.cli_flag] == text and text.startswith(p.help)
+    assert "ramplus_tl: default 0.2" in helps["--alpha"]
+    assert "ties, linear: default true" in helps["--normalize"]
+    assert "task_arithmetic" not in helps["--density"]  # no effect there
+    args = build_parser().parse_args(
+        _merge_args("--method", "dare_ties", "--eps", "1e-4", "--lambda", "0.5", "--no-normalize",
+                    "--seed", "3", "--weight", "1", "--weight", "2", "--density", "0.4")
+    )  # fmt: skip
+    config = config_from_args(args)
+    assert config.parameters == {"epsilon": 1e-4, "lambda": 0.5, "normalize": False, "seed": 3}
+    assert config.task_parameters == (
+        {"weight": 1.0, "density": 0.4},
+        {"weight": 2.0, "density": 0.4},
+    )
 
 
 def test_yaml_reads_what_the_table_declares_and_notes_the_rest() -> None:
