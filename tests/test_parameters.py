@@ -1,6 +1,6 @@
-"""One table of method parameters (`ram_dist.methods.parameters`) and what reads it: the
-methods, the CLI flags, the YAML reader and the engine's resolution; and one rule of what a
-layer is, shared by parameter gradients and the per-layer report."""
+"""One table of method parameters (`ram_dist.methods.parameters`) and everything that reads it:
+the methods, the CLI flags, the YAML reader, the engine's resolution, the model card, and the
+one rule of what a layer is, shared by parameter gradients and the per-layer report."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from ram_dist.methods import METHODS, get_method
 from ram_dist.methods.layers import layer_index, layer_name
 from ram_dist.methods.parameters import BY_NAME, PARAMETERS, cli_parameters, handed
 from ram_dist.methods.ram import layer_summary
+from ram_dist.model_card import model_card
 
 
 def test_every_method_takes_the_parameters_the_table_declares() -> None:
@@ -166,3 +167,22 @@ def test_report_layers_are_the_layers_parameters_vary_across(names: list[str]) -
         values = {resolve(gradient, n, layers) for n in members}
         index = layer_index(members[0])
         assert values == ({index / 2} if entry["layer"] != "other" else {0.0})
+
+
+def test_card_lists_the_parameters_with_an_effect_and_their_meaning() -> None:
+    report = {
+        "method": "task_arithmetic",
+        "parameters": {"normalize": False, "lambda": 0.5, "weight": [1.0, 2.0],
+                       "density": [1.0, 1.0], "hf_token": "secret"},
+        "out_dtype": "BF16",
+        "tasks_given": ["a", "b"],
+    }  # fmt: skip
+    card = model_card(report, base="b", inputs=[], version="0")
+    section = card.split("## Parameters")[1].split("## Inputs")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    assert rows == [
+        "| normalize | false | divide by the sum of the weights |",
+        "| lambda | 0.5 | scale of the merged task vector |",
+        "| weight | [1.0, 2.0] | weight of each task |",
+        "| out_dtype | bfloat16 | dtype of the merged tensors |",
+    ]
