@@ -20,6 +20,8 @@ from ram_dist.engine.sizing import MAX_CHUNK_BYTES
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import MODES as CACHE_MODES
 from ram_dist.io.storage import parse_storage_options
+from ram_dist.methods import parameters as method_parameters
+from ram_dist.methods.parameters import cli_parameters
 
 if TYPE_CHECKING:  # imported where used: `--help` and `verify` load neither torch nor Ray
     from ram_dist.config import MergeConfig
@@ -96,36 +98,9 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--method",
         default=None,
-        help="ram | ram_plus | ram_plus_soft | ramplus_tl | task_arithmetic | ties | "
-        "dare_linear | dare_ties | linear (default ram_plus)",
+        help=" | ".join(method_parameters.PARAMETERS) + " (default ram_plus)",
     )
-    p.add_argument("--r", type=float, default=None, help="RAM+ rescaling strength (default 0.1)")
-    p.add_argument("--alpha", type=float, default=None, help="RAM+ cap on rho (default 2.0)")
-    p.add_argument(
-        "--eps", type=float, default=None, help="changed means |tau| > eps (default 1e-5)"
-    )
-    p.add_argument(
-        "--weight",
-        type=float,
-        action="append",
-        default=None,
-        help="baselines: weight of each task (once for all, or once per --task, in order)",
-    )
-    p.add_argument(
-        "--density",
-        type=float,
-        action="append",
-        default=None,
-        help="ties, dare_*: share of each task vector kept (once for all, or once per --task)",
-    )
-    p.add_argument("--lambda", dest="lambda_", type=float, default=None, help="baselines: scale")
-    p.add_argument(
-        "--normalize", action=argparse.BooleanOptionalAction, default=None, help="baselines"
-    )
-    p.add_argument(
-        "--rescale", action=argparse.BooleanOptionalAction, default=None, help="ties, dare_*"
-    )
-    p.add_argument("--seed", type=int, default=None, help="dare_*: seed of the masks (0)")
+    _add_parameter_flags(p)
     p.add_argument(
         "--out-dtype", default=None, help="dtype of merged tensors (default: the base's)"
     )
@@ -190,6 +165,21 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_parameter_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per method parameter that has one (`methods.parameters`), with its help."""
+    for param, text in cli_parameters():
+        kwargs: dict[str, Any] = {"dest": param.cli_dest, "default": None, "help": text}
+        if param.kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = param.kind
+            if param.choices:
+                kwargs["choices"] = param.choices
+            if param.per_task:
+                kwargs["action"] = "append"
+        p.add_argument(param.cli_flag, **kwargs)
+
+
 def config_from_args(args: argparse.Namespace) -> MergeConfig:
     """Flags override the YAML file; the YAML file overrides the defaults."""
     from ram_dist.config import MergeConfig, load_yaml
@@ -205,16 +195,10 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
     if args.method is not None:
         kwargs["method"] = args.method
     params = dict(kwargs.get("parameters", {}))
-    flags = {
-        "r": args.r,
-        "alpha": args.alpha,
-        "epsilon": args.eps,
-        "lambda": args.lambda_,
-        "normalize": args.normalize,
-        "rescale": args.rescale,
-        "seed": args.seed,
-    }
-    params.update({k: v for k, v in flags.items() if v is not None})
+    for param, _ in cli_parameters():
+        value = getattr(args, param.cli_dest)
+        if not param.per_task and value is not None:
+            params[param.name] = value
     kwargs["parameters"] = params
     per_task = _per_task_flags(args, len(kwargs["tasks"]))
     if per_task:
@@ -253,22 +237,22 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
     return MergeConfig(**kwargs)
 
 
-def _per_task_flags(args: argparse.Namespace, n_tasks: int) -> list[dict[str, float]]:
-    """`--weight` / `--density` given once (for every task) or once per task."""
-    out: list[dict[str, float]] = [{} for _ in range(n_tasks)]
-    for name in ("weight", "density"):
-        values = getattr(args, name)
-        if not values:
+def _per_task_flags(args: argparse.Namespace, n_tasks: int) -> list[dict[str, Any]]:
+    """Per-task flags (`--weight`, `--density`) given once (for every task) or once per task."""
+    out: list[dict[str, Any]] = [{} for _ in range(n_tasks)]
+    for param, _ in cli_parameters():
+        values = getattr(args, param.cli_dest)
+        if not param.per_task or not values:
             continue
         if len(values) == 1:
             values = values * n_tasks
         if len(values) != n_tasks:
             raise RamDistError(
-                f"--{name} given {len(values)} times for {n_tasks} tasks: give it once, "
-                "or once per --task"
+                f"{param.cli_flag} given {len(values)} times for {n_tasks} tasks: give it "
+                "once, or once per --task"
             )
         for params, value in zip(out, values, strict=True):
-            params[name] = value
+            params[param.name] = value
     return out if any(out) else []
 
 

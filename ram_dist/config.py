@@ -29,10 +29,11 @@ class MergeConfig:
     out: str | None = None
     """Output folder; None for `probe`, which writes no model."""
     method: str = "ram_plus"
-    """A registered merge method: ram, ram_plus, ram_plus_soft."""
+    """A merge method of `ram_dist.methods.METHODS` (ram, ram_plus, ties, ...)."""
     parameters: dict[str, Any] = field(default_factory=dict)
-    """Global method parameters by mergekit's names (r, alpha, epsilon, weight, density,
-    normalize, lambda, rescale, seed); missing ones take the method's defaults."""
+    """The method's parameters by mergekit's names (`methods.parameters.PARAMETERS`): its
+    global ones, and defaults for every task of its per-task ones; missing ones take the
+    method's defaults."""
     task_parameters: tuple[dict[str, Any], ...] = ()
     """Per-task parameters (weight, density), in task order; empty: none given."""
     out_dtype: str | None = None
@@ -110,7 +111,7 @@ def load_yaml(source: str | Mapping[str, Any]) -> dict[str, Any]:
     """Read a mergekit configuration, a YAML file's path or the same keys as a mapping, into
     `MergeConfig` keyword arguments.
 
-    Parameters the chosen method does not use were noted by the reader and are dropped here.
+    The reader keeps only the parameters the method takes (it noted and dropped the others).
     """
     from ram_dist.mergekit_config import load_mergekit_yaml, parse_mergekit_config
 
@@ -118,18 +119,14 @@ def load_yaml(source: str | Mapping[str, Any]) -> dict[str, Any]:
         spec = parse_mergekit_config(dict(source), "(a mapping)")
     else:
         spec = load_mergekit_yaml(source)
-    method = get_method(spec.merge_method)
-    used = {*method.global_parameters, *method.task_parameters}
     models = list(spec.models)
     base = spec.base_model if spec.base_model is not None else models[0].model
     kwargs: dict[str, Any] = {
         "base": base,
         "tasks": tuple(m.model for m in models),
         "method": spec.merge_method,
-        "parameters": {k: v for k, v in spec.parameters.items() if k in used},
-        "task_parameters": tuple(
-            {k: v for k, v in m.parameters.items() if k in method.task_parameters} for m in models
-        ),
+        "parameters": dict(spec.parameters),
+        "task_parameters": tuple(dict(m.parameters) for m in models),
         "notes": spec.notes,
     }
     if spec.out_dtype is not None:

@@ -50,7 +50,8 @@ def __getattr__(name: str) -> Any:
 #: The dtypes that take part in a merge (the spec: F64, F32, F16, BF16); others are copied.
 FLOATING = frozenset({"F64", "F32", "F16", "BF16"})
 
-#: Names a user may give for an output dtype (CLI `--out-dtype`, YAML `out_dtype`).
+#: Names a user may give for a dtype (CLI `--out-dtype`, YAML `dtype` and `out_dtype`), as
+#: mergekit's `dtype_from_name` reads them (after `dtype_key`).
 OUT_DTYPE_NAMES: dict[str, str] = {
     "float64": "F64",
     "fp64": "F64",
@@ -69,11 +70,21 @@ def itemsize(dtype: str) -> int:
     return ITEMSIZE[dtype]
 
 
+def dtype_key(name: str) -> str:
+    """A user's dtype name as `OUT_DTYPE_NAMES` lists it: lower case, no "torch." prefix."""
+    return name.strip().lower().removeprefix("torch.")
+
+
+def dtype_name(dtype: str) -> str:
+    """mergekit's (and torch's) name of a floating safetensors dtype: F16 -> float16."""
+    return _TORCH_NAMES[dtype]
+
+
 def parse_out_dtype(name: str | None) -> str | None:
     """Turn a user's dtype name into a safetensors dtype string (None keeps the base's)."""
     if name is None:
         return None
-    key = name.strip().lower().removeprefix("torch.")
+    key = dtype_key(name)
     if key in OUT_DTYPE_NAMES:
         return OUT_DTYPE_NAMES[key]
     if name.upper() in FLOATING:

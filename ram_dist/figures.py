@@ -229,7 +229,8 @@ def markdown_summary(report: Mapping[str, Any]) -> str:
     method = str(report.get("method", ""))
     kind = "merge" if "output" in report else "probe"
     lines = [f"### ram-dist {kind}: {METHOD_LABELS.get(method, method)} (`{method}`)", ""]
-    params = ", ".join(f"{k}={v}" for k, v in format_parameters(report.get("parameters") or {}))
+    shown = format_parameters(report.get("parameters") or {}, method)
+    params = ", ".join(f"{k}={v}" for k, v in shown)
     lines.append(f"- ram-dist {report.get('ram_dist_version', '?')}; parameters: {md_cell(params)}")
     lines.append(f"- base: {md_code(redact_location(str(report.get('base', ''))))}")
     out = report.get("output")

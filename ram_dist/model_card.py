@@ -14,6 +14,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ram_dist.dtypes import dtype_name
+from ram_dist.mergekit_config.writing import CONFIG_NAME
+from ram_dist.methods import parameters as method_parameters
+from ram_dist.methods.parameters import handed
+
 __all__ = [
     "METHOD_LABELS",
     "RAM_METHODS",
@@ -72,18 +77,30 @@ def hub_repo_id(location: str) -> str:
     return loc
 
 
-def format_parameters(parameters: Mapping[str, Any]) -> list[tuple[str, str]]:
+def format_parameters(
+    parameters: Mapping[str, Any], method: str | None = None
+) -> list[tuple[str, str]]:
     """(name, value) pairs for people. The report gives the parameters once when every tensor
     has the same ones, else per tensor; then each parameter shows its one value, or the
-    number of distinct values it takes across tensors."""
-    items = {k: v for k, v in parameters.items() if not _SECRET_KEY.search(str(k))}
-    if items and all(isinstance(v, Mapping) for v in items.values()):
+    number of distinct values it takes across tensors. With a known `method`, exactly the
+    parameters that have an effect in it are shown (`methods.parameters`); else any name
+    that could be a secret is left out."""
+    declared = None
+    if method in method_parameters.PARAMETERS:
+        declared = {p.name for p in handed(method_parameters.PARAMETERS[method]) if p.effect}
+
+    def shown(name: Any) -> bool:
+        if declared is not None:
+            return name in declared
+        return not _SECRET_KEY.search(str(name))
+
+    if parameters and all(isinstance(v, Mapping) for v in parameters.values()):
         names: list[str] = []
-        for per_tensor in items.values():
-            names += [k for k in per_tensor if k not in names and not _SECRET_KEY.search(k)]
+        for per_tensor in parameters.values():
+            names += [k for k in per_tensor if k not in names and shown(k)]
         out = []
         for name in names:
-            values = {_value(p.get(name)) for p in items.values()}
+            values = {_value(p.get(name)) for p in parameters.values()}
             if len(values) == 1:
                 out.append((name, values.pop()))
             else:
@@ -91,11 +108,11 @@ def format_parameters(parameters: Mapping[str, Any]) -> list[tuple[str, str]]:
                     (
                         name,
                         f"varies by tensor ({len(values)} values over "
-                        f"{len(items)} tensors; see mergekit_config.yml)",
+                        f"{len(parameters)} tensors; see {CONFIG_NAME})",
                     )
                 )
         return out
-    return [(k, _value(v)) for k, v in items.items()]
+    return [(k, _value(v)) for k, v in parameters.items() if shown(k)]
 
 
 def model_card(
@@ -128,16 +145,17 @@ def model_card(
         "",
         "## Parameters",
         "",
-        "| parameter | value |",
-        "|---|---|",
+        "| parameter | value | meaning |",
+        "|---|---|---|",
     ]
+    meaning = {p.name: p.help for p in method_parameters.PARAMETERS.get(method, ())}
     lines += [
-        f"| {md_cell(k)} | {md_cell(v)} |"
-        for k, v in format_parameters(report.get("parameters") or {})
+        f"| {md_cell(k)} | {md_cell(v)} | {md_cell(meaning.get(k, ''))} |"
+        for k, v in format_parameters(report.get("parameters") or {}, method)
     ]
     out_dtype = report.get("out_dtype")
-    dtype_text = md_cell(out_dtype or "each base tensor's dtype")
-    lines.append(f"| out_dtype | {dtype_text} |")
+    dtype_text = md_cell(dtype_name(out_dtype) if out_dtype else "each base tensor's dtype")
+    lines.append(f"| out_dtype | {dtype_text} | dtype of the merged tensors |")
     notes = [str(n) for n in report.get("notes") or []]
     if notes:
         lines += ["", "Notes:", ""] + [f"- {md_cell(n)}" for n in notes]
@@ -171,7 +189,7 @@ def model_card(
     lines += _load_snippet(report)
     lines += ["```", ""]
     lines += [
-        "The exact configuration is in `mergekit_config.yml` (running it again with ram-dist "
+        f"The exact configuration is in `{CONFIG_NAME}` (running it again with ram-dist "
         "gives the same bytes); the statistics are in `merge_report.json`, and the identity of "
         "every input file in `ram_dist_manifest.json`.",
         "",

@@ -1,4 +1,5 @@
-"""mergekit's YAML schema and parameter rules (`ram_dist.mergekit_config`).
+"""mergekit's YAML schema and parameter rules (`ram_dist.mergekit_config`: reading,
+resolving, writing).
 
 Hand-checked tests of every rule, then the same configurations planned by mergekit itself
 (LGPL, a test-time oracle only): its `MergePlanner` resolves every parameter of every tensor of
@@ -19,6 +20,7 @@ import pytest
 import yaml
 
 import ram_dist.mergekit_config as mc
+from ram_dist.dtypes import parse_out_dtype
 from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config import (
     REQUIRED,
@@ -30,12 +32,16 @@ from ram_dist.mergekit_config import (
     effective_config,
     layer_index,
     load_mergekit_yaml,
+    num_layers,
     parse_mergekit_config,
     parse_setting,
     position,
+    render,
     resolve,
     resolve_parameter,
+    resolve_tensor,
 )
+from ram_dist.methods.parameters import PARAMETERS, handed
 
 WHERE = "jobs/merge.yaml"
 
@@ -191,7 +197,7 @@ def test_output_dtype_follows_mergekit() -> None:
     note = next(n for n in half.notes if "dtype" in n)
     assert "computes in float32" in note and "writes float16, as mergekit writes it" in note
     assert "dtype: float32 and out_dtype: float16" in note
-    written = mc.effective_config(half)
+    written = effective_config("ties", "base", ["a", "b"], {}, parse_out_dtype(half.out_dtype))
     assert written["dtype"] == "float32" and written["out_dtype"] == "float16"
     assert parse(BASIC + "dtype: float32\n").out_dtype == "float32"
     both = parse(BASIC + "dtype: float16\nout_dtype: bfloat16\n")
@@ -300,9 +306,6 @@ def test_dtype_names() -> None:
     assert spec.dtype == "torch.float32" and spec.out_dtype == "bf16" and not spec.notes[1:]
     fails(BASIC + "out_dtype: int8\n", "out_dtype 'int8'", "bfloat16")
     fails(BASIC + "dtype: fp8\n", "dtype 'fp8'")
-    from ram_dist.dtypes import OUT_DTYPE_NAMES  # the names ram-dist's writer accepts
-
-    assert mc._DTYPE_NAMES == set(OUT_DTYPE_NAMES)
 
 
 def test_storage_options_shape() -> None:
@@ -492,44 +495,69 @@ def test_resolve_parameter_precedence_by_hand() -> None:
 # Writing
 
 
-def test_effective_config_round_trip_without_secrets() -> None:
-    text = BASIC.replace("weight: 0.7", "weight: [{filter: mlp, value: [0.1, 0.2]}, {value: 1}]")
-    text += "dtype: bfloat16\nout_dtype: bfloat16\ntokenizer_source: base\n"
-    text += "storage_options: {s3: {key: AKIA-SECRET, endpoint_url: http://x}}\n"
-    spec = parse(text)
-    dumped = yaml.safe_dump(effective_config(spec), sort_keys=False)
-    assert "AKIA-SECRET" not in dumped and "http://x" not in dumped
-    data = yaml.safe_load(dumped)
-    assert data["storage_protocols"] == ["s3"] and "storage_options" not in data
-    assert data["dtype"] == "float32"
-    assert any("computes in float32" in n for n in data["notes"])
-    assert data["models"][0] == {
-        "model": "a",
-        "parameters": {
-            "density": 0.5,
-            "weight": [{"filter": "mlp", "value": [0.1, 0.2]}, {"value": 1.0}],
-        },
-    }
-    again = parse_mergekit_config(data, WHERE)
-    assert (again.merge_method, again.base_model, again.models, again.parameters) == (
-        spec.merge_method,
-        spec.base_model,
-        spec.models,
-        spec.parameters,
-    )
+def _resolved(spec: JobSpec, names: list[str]) -> dict[str, dict]:
+    """Every tensor's parameters as the engine resolves them (`engine.params.resolve_all`)."""
+    handed_ = handed(PARAMETERS[spec.merge_method])
+    per_task = [m.parameters for m in spec.models]
+    layers = num_layers(names)
+    return {n: resolve_tensor(handed_, spec.parameters, per_task, n, layers) for n in names}
+
+
+ROUND_TRIP = """
+merge_method: {method}
+base_model: base
+models:
+  - model: a
+    parameters: {{weight: [{{filter: mlp, value: [0.1, 0.2]}}, {{value: 1}}], density: [0.2, 0.9]}}
+  - model: b
+parameters:
+  r: [0.1, 0.3]
+  alpha: {{filter: q_proj, value: 0.5}}
+  lambda: [{{filter: lm_head, value: 0.5}}, {{value: [1, 2]}}]
+  seed: 4
+dtype: bfloat16
+storage_options: {{s3: {{key: AKIA-SECRET}}}}
+"""
+
+
+@pytest.mark.parametrize("method", ["ties", "dare_ties", "ramplus_tl", "linear"])
+def test_written_config_resolves_every_tensor_as_the_run_did(method: str) -> None:
+    """The one writer states what ran: read back, each tensor gets the same values; the
+    reader's notes are comments, storage options are not written."""
+    spec = parse(ROUND_TRIP.format(method=method))
+    names = tensor_names(3)
+    ran = _resolved(spec, names)
+    assert len({json.dumps(p) for p in ran.values()}) > 1  # values vary by tensor
+    tasks = [m.model for m in spec.models]
+    out_dtype = parse_out_dtype(spec.out_dtype)
+    written = render(effective_config(method, "base", tasks, ran, out_dtype), spec.notes)
+    assert "AKIA" not in written and "s3" not in written
+    notes = written.split("merge_method:")[0]
+    assert spec.notes and all(f"# note: {n}" in notes for n in spec.notes)
+    again = parse_mergekit_config(yaml.safe_load(written), WHERE)
     assert again.out_dtype == "bfloat16" and again.tokenizer_source == "base"
+    assert [m.model for m in again.models] == tasks
+    assert _resolved(again, names) == ran
 
 
-def test_module_is_plain_python_without_asserts() -> None:
-    tree = ast.parse(Path(mc.__file__).read_text())
-    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Assert)]
+def test_package_is_plain_python_without_asserts() -> None:
+    """No assert on user input, no torch: the reader, the resolution and the writer, and the
+    tables they read."""
+    from ram_dist.methods import layers, parameters
+
+    files = [*Path(mc.__file__).parent.glob("*.py"), Path(layers.__file__)]
+    trees = [ast.parse(f.read_text()) for f in [*files, Path(parameters.__file__)]]
+    assert len(files) == 6
+    assert not [n for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Assert)]
     imported = {
         (n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+        for tree in trees
         for n in ast.walk(tree)
         if isinstance(n, (ast.Import, ast.ImportFrom))
         for a in n.names
     }
     assert imported <= {
+        "keyword",
         "__future__",
         "math",
         "re",
@@ -679,7 +707,7 @@ def test_every_tensor_resolves_as_mergekit_resolves(
 
     mk_spec = registry.get(method).spec
     defaults = {p.name: REQUIRED if p.required else p.default for p in mk_spec.parameters}
-    no_effect = mc.METHOD_PARAMETERS[method].no_effect  # dropped with a note: nothing to match
+    no_effect = [p.name for p in PARAMETERS[method] if not p.effect]  # dropped with a note
     assert sorted(t.tensor_name for t in planned) == sorted(names)
     checked = 0
     for save in planned:

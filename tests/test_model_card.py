@@ -126,6 +126,12 @@ def test_parameters_that_vary_by_tensor_are_summarised() -> None:
         ("weight", "varies by tensor (2 values over 2 tensors; see mergekit_config.yml)"),
         ("normalize", "true"),
     ]
+    # every tensor counts, `embed_tokens` too (a tensor name is no secret)
+    params["model.embed_tokens.weight"] = {"weight": [1.0, 1.0], "normalize": False}
+    assert format_parameters(params, "linear") == [
+        ("weight", "varies by tensor (2 values over 3 tensors; see mergekit_config.yml)"),
+        ("normalize", "varies by tensor (2 values over 3 tensors; see mergekit_config.yml)"),
+    ]
 
 
 def test_card_holds_no_secret() -> None:

@@ -65,13 +65,11 @@ def probe(config: MergeConfig) -> dict[str, Any]:
 def probe_checks(config: MergeConfig) -> Job:
     """Everything `probe` does before it needs Ray: the checks and the plan."""
     if not get_method(config.method).reports_overlap:
-        counting = get_method(PROBE_METHOD)
+        counting = {p.name for p in get_method(PROBE_METHOD).parameters if not p.per_task}
         config = replace(
             config,
             method=PROBE_METHOD,
-            parameters={
-                k: v for k, v in config.parameters.items() if k in counting.global_parameters
-            },
+            parameters={k: v for k, v in config.parameters.items() if k in counting},
             task_parameters=(),
         )
     job = prepare(config)

@@ -5,13 +5,16 @@ the same chunk of every task, and gets back statistics (reduce pass) or the merg
 (map pass). The same functions run in unit tests, on CPU workers and on GPU workers.
 
 `METHODS` is the one table of methods, complete once this package is imported: a new method
-is a module with a `METHODS` tuple, plus its line below.
+is a module with a `METHODS` tuple (each method declaring its own parameters), plus its line
+below. No module of this package imports torch when it is imported (each imports it where
+it computes), so `ram-dist --help` and the YAML reader use the table without torch.
 """
 
 from __future__ import annotations
 
 from ram_dist.errors import RamDistError
 from ram_dist.methods import baselines, ram
+from ram_dist.methods.parameters import check_table
 from ram_dist.methods.registry import MergeMethod
 
 
@@ -21,6 +24,7 @@ def _table(*families: tuple[MergeMethod, ...]) -> dict[str, MergeMethod]:
         if method.name in table:
             raise ValueError(f"merge method {method.name!r} listed twice")
         table[method.name] = method
+    check_table({name: m.parameters for name, m in table.items()})
     return table
 
 

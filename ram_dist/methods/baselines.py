@@ -12,12 +12,23 @@ kept set is a rule of each element) and the L1 norms of the rescale rule
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
 from ram_dist.methods import dare, linear, task_arithmetic, ties, topk
-from ram_dist.methods.registry import Chunk, Eager, State, TensorParams, flag, number
+from ram_dist.methods.parameters import (
+    DENSITY,
+    INT8_MASK,
+    LAMBDA,
+    NORMALIZE,
+    RESCALE,
+    SEED,
+    WEIGHT,
+    Parameter,
+    variant,
+)
+from ram_dist.methods.registry import Chunk, Eager, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
@@ -84,20 +95,24 @@ class TaskArithmeticFamily:
     name: str
     sparsify: str | None  # None, "magnitude" (TIES) or "random" (DARE)
     consensus: bool
-    normalize_default: bool
-    rescale_default: bool
-    task_parameters: Mapping[str, Any] = field(
-        default_factory=lambda: {"weight": 1.0, "density": 1.0}
-    )
 
     @property
-    def global_parameters(self) -> Mapping[str, Any]:
-        params: dict[str, Any] = {"normalize": self.normalize_default, "lambda": 1.0}
-        if self.sparsify is not None:
-            params["rescale"] = self.rescale_default
-        if self.sparsify == "random":
-            params["seed"] = 0
-        return params
+    def parameters(self) -> tuple[Parameter, ...]:
+        """mergekit's `GeneralizedTaskArithmeticMerge` parameters with this member's defaults
+        (normalize for TIES, rescale for DARE), and DARE's seed (ram-dist's own)."""
+        normalize = variant(NORMALIZE, self.sparsify == "magnitude")
+        if self.sparsify is None:  # no sparsification: density and rescale do nothing
+            return (
+                WEIGHT,
+                variant(DENSITY, effect=False),  # the method reads it; it must stay 1
+                normalize,
+                LAMBDA,
+                variant(RESCALE, False, effect=False, passed=False),
+                INT8_MASK,
+            )
+        rescale = variant(RESCALE, self.sparsify == "random")
+        seed = (SEED,) if self.sparsify == "random" else ()
+        return (WEIGHT, DENSITY, normalize, LAMBDA, rescale, *seed, INT8_MASK)
 
     reports_overlap = False
 
@@ -114,21 +129,9 @@ class TaskArithmeticFamily:
         return ""
 
     def check(self, params: TensorParams, where: str) -> None:
-        for w in params["weight"]:
-            number(w, "weight", where)
-        for d in params["density"]:
-            if not 0 < number(d, "density", where) <= 1:
-                raise RamDistError(f"{where}: parameter density must be in (0, 1], got {d}")
+        """What the parameters' own checks cannot see: task arithmetic sparsifies nothing."""
         if self.sparsify is None and any(d != 1 for d in params["density"]):
             raise RamDistError(f"{where}: {self.name} has no density (use ties or dare_*)")
-        number(params["lambda"], "lambda", where)
-        flag(params["normalize"], "normalize", where)
-        if "rescale" in params:
-            flag(params["rescale"], "rescale", where)
-        if "seed" in params and (
-            isinstance(params["seed"], bool) or not isinstance(params["seed"], int)
-        ):
-            raise RamDistError(f"{where}: parameter seed must be an integer")
 
     # -- reduce rounds ------------------------------------------------------------------
 
@@ -381,13 +384,15 @@ class LinearMethod(Eager):
     """mergekit's `linear`: the weighted mean of the task models (the base is not averaged)."""
 
     name: str = "linear"
-    task_parameters: Mapping[str, Any] = field(default_factory=lambda: {"weight": 1.0})
-    global_parameters: Mapping[str, Any] = field(default_factory=lambda: {"normalize": True})
     rounds: int = 0
 
+    @property
+    def parameters(self) -> tuple[Parameter, ...]:
+        return (WEIGHT, variant(NORMALIZE, True))
+
     def check(self, params: TensorParams, where: str) -> None:
-        weights = [number(w, "weight", where) for w in params["weight"]]
-        if flag(params["normalize"], "normalize", where) and sum(weights) == 0:
+        """What the parameters' own checks cannot see: a weight sum to normalize by."""
+        if params["normalize"] and sum(params["weight"]) == 0:
             raise RamDistError(f"{where}: the weights sum to 0; linear cannot normalize by it")
 
     def initial_state(
@@ -420,9 +425,9 @@ class LinearMethod(Eager):
 
 #: mergekit's baselines, as `ram_dist.methods.METHODS` lists them.
 METHODS = (
-    TaskArithmeticFamily("task_arithmetic", None, False, False, False),
-    TaskArithmeticFamily("ties", "magnitude", True, True, False),
-    TaskArithmeticFamily("dare_linear", "random", False, False, True),
-    TaskArithmeticFamily("dare_ties", "random", True, False, True),
+    TaskArithmeticFamily("task_arithmetic", None, False),
+    TaskArithmeticFamily("ties", "magnitude", True),
+    TaskArithmeticFamily("dare_linear", "random", False),
+    TaskArithmeticFamily("dare_ties", "random", True),
     LinearMethod(),
 )

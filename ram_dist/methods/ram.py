@@ -10,13 +10,14 @@ and computes rho and lambda in float32 as mergekit does.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
-from ram_dist.methods.registry import Chunk, State, TensorParams, number
+from ram_dist.methods.layers import layer_index, layer_name
+from ram_dist.methods.parameters import ALPHA, EPSILON, SCOPE, Parameter, R, variant
+from ram_dist.methods.registry import Chunk, State, TensorParams
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -128,22 +129,17 @@ def summarize(total: torch.Tensor, r: float, alpha: float) -> dict[str, Any]:
     return {"participating": d, "unchanged": by_count[0], "by_count": by_count, "tasks": tasks}
 
 
-LAYER = re.compile(r"^(.*?layers\.\d+)\.")
-
-
 def layer_summary(per_tensor: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
-    """Per layer (`model.layers.{i}`; everything else is `other`), per task: changed, unique
-    and shared elements and the layer's participating elements, for the per-layer table."""
-
+    """Per layer (`model.layers.{i}`, as `layers.layer_name` says: the layers parameters vary
+    across; everything else is `other`), per task: changed, unique and shared elements and the
+    layer's participating elements, for the per-layer table."""
     grouped: dict[str, torch.Tensor] = {}
     for name, total in per_tensor.items():
-        match = LAYER.match(name)
-        key = match.group(1) if match else "other"
+        key = layer_name(name) or "other"
         grouped[key] = grouped[key] + total if key in grouped else total.clone()
 
     def order(key: str) -> tuple[int, int]:
-        digits = re.findall(r"\d+", key)
-        return (1, 0) if key == "other" else (0, int(digits[-1]))
+        return (1, 0) if key == "other" else (0, layer_index(key + ".") or 0)
 
     layers = []
     for key in sorted(grouped, key=order):
@@ -187,31 +183,20 @@ class RamMethod:
 
     name: str
     rule: Callable[[float, float, float], float]
-    alpha_default: float = 2.0
-    scope_default: str = "model"
-    task_parameters: Mapping[str, Any] = field(default_factory=dict)
+    alpha: float = 2.0
+    scope: str = "model"
     rounds: int = 1
     rounds_note: str = ""
     reports_overlap: bool = True
 
     @property
-    def global_parameters(self) -> Mapping[str, Any]:
-        return {"r": 0.1, "alpha": self.alpha_default, "epsilon": 1e-5, "scope": self.scope_default}
+    def parameters(self) -> tuple[Parameter, ...]:
+        """r, alpha, epsilon (mergekit's `ramplus_tl` names) and `scope` (ram-dist's own),
+        with this member's defaults."""
+        return (R, variant(ALPHA, self.alpha), EPSILON, variant(SCOPE, self.scope))
 
     def check(self, params: TensorParams, where: str) -> None:
-        r = number(params["r"], "r", where)
-        alpha = number(params["alpha"], "alpha", where)
-        eps = number(params["epsilon"], "epsilon", where)
-        if eps <= 0:
-            raise RamDistError(f"{where}: parameter epsilon (eps) must be > 0, got {eps}")
-        if r < 0:
-            raise RamDistError(f"{where}: parameter r must be >= 0, got {r}")
-        if alpha < 0:
-            raise RamDistError(f"{where}: parameter alpha must be >= 0, got {alpha}")
-        if params["scope"] not in ("model", "tensor"):
-            raise RamDistError(
-                f"{where}: parameter scope must be 'model' or 'tensor', got {params['scope']!r}"
-            )
+        """What the parameters' own checks cannot see: scope tensor needs RAM+'s rule."""
         if params["scope"] == "tensor" and self.rule is not lambda_ram_plus:
             raise RamDistError(f"{where}: scope: tensor is defined for ram_plus (ramplus_tl) only")
 
@@ -341,5 +326,5 @@ METHODS = (
     RamMethod("ram", lambda_ram),
     RamMethod("ram_plus", lambda_ram_plus),
     RamMethod("ram_plus_soft", lambda_ram_plus_soft),
-    RamMethod("ramplus_tl", lambda_ram_plus, alpha_default=0.2, scope_default="tensor"),
+    RamMethod("ramplus_tl", lambda_ram_plus, alpha=0.2, scope="tensor"),
 )

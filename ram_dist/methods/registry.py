@@ -1,5 +1,6 @@
-"""What the engine needs of a merge rule (the `MergeMethod` protocol) and the parameter
-checks methods share. The table of methods by name is `ram_dist.methods.METHODS`.
+"""What the engine needs of a merge rule (the `MergeMethod` protocol). The table of methods
+by name is `ram_dist.methods.METHODS`; their parameters are declared in
+`ram_dist.methods.parameters`.
 
 A method is a configured instance (as in mergekit: `ties` and `dare_ties` are one family
 with other settings). The engine drives it through reduce rounds and a map pass:
@@ -21,7 +22,8 @@ A method module must not import torch at import time (the engine pickles methods
 workers): import it inside the eager functions that need it.
 
 Parameters are resolved per tensor on the driver (`TensorParams`: per-task lists and global
-values) and checked before any work starts.
+values) and checked before any work starts: each value by its declaration, then by the
+method's `check` for what involves several.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ram_dist.errors import RamDistError
+from ram_dist.methods.parameters import Parameter
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -55,10 +57,9 @@ class Chunk:
 
 class MergeMethod(Protocol):
     name: str
-    task_parameters: Mapping[str, Any]
-    """Per-task parameter names and defaults (mergekit's per-model `parameters`)."""
-    global_parameters: Mapping[str, Any]
-    """Global parameter names and defaults."""
+    parameters: tuple[Parameter, ...]
+    """What it takes (`methods.parameters.PARAMETERS[name]`); `check` sees what involves
+    several of them, each value having been checked by its declaration."""
     rounds: int
     """Reduce rounds before the map pass (0: a method without statistics)."""
     rounds_note: str
@@ -150,8 +151,7 @@ class NoStatistics(Eager):
     round, no parameter, nothing to report): such a method only names itself and gives
     `merge_chunk` (see the README's "Adding a method")."""
 
-    task_parameters: Mapping[str, Any] = {}
-    global_parameters: Mapping[str, Any] = {}
+    parameters: tuple[Parameter, ...] = ()
     rounds: int = 0
 
     def check(self, params: TensorParams, where: str) -> None:
@@ -171,18 +171,3 @@ class NoStatistics(Eager):
 
     def report(self, state: State) -> dict[str, Any]:
         return {}
-
-
-def number(value: Any, name: str, where: str) -> float:
-    """A real number parameter, or an error naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RamDistError(f"{where}: parameter {name} must be a number, got {value!r}")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise RamDistError(f"{where}: parameter {name} must be finite, got {value!r}")
-    return float(value)
-
-
-def flag(value: Any, name: str, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise RamDistError(f"{where}: parameter {name} must be true or false, got {value!r}")
-    return value
