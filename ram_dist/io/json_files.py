@@ -80,6 +80,6 @@ def checked_size(url: str, storage: Storage, cap: int, what: str, role: str) -> 
 
 def _over(url: str, size: int, cap: int, what: str, role: str) -> RamDistError:
     return RamDistError(
-        f"{role} {url}: {what} of {size} bytes, over the {cap}-byte cap; the file is corrupt "
-        f"or not a {what}"
+        f"{role} {url}: {size} bytes, over the {cap}-byte cap for this {what}; the file is "
+        "corrupt or not what its name says"
     )

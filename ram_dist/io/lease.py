@@ -537,6 +537,8 @@ class _LocalStore(_Store):
                 continue
             try:
                 _write_all(fd, note)
+            except OSError:
+                pass  # a full disk: the guard is held all the same (its note only informs)
             finally:
                 os.close(fd)
             break
