@@ -308,21 +308,6 @@ def test_an_input_deleted_while_the_job_runs(models, options, fs, server, tmp_pa
     _nothing_published(fs, f"{BUCKET}/deleted-local-out")
 
 
-def _on_first_data_read(action: Callable[[], None]) -> Callable[[dict[str, Any]], None]:
-    """A hook that runs `action` once, at the first read of tensor data (a range past the
-    header reads of the checks)."""
-    done: list[bool] = []
-
-    def hook(environ: dict[str, Any]) -> None:
-        ranged = environ.get("HTTP_RANGE") or ""
-        if environ["REQUEST_METHOD"] == "GET" and ranged and not ranged.startswith("bytes=0-"):
-            if not done:
-                done.append(True)
-                action()
-
-    return hook
-
-
 def test_a_failing_output_disk_on_a_worker(models, options, fs, server, tmp_path):
     """Workers write their parts in place; a shard's partial file that turns into /dev/full
     (every write: ENOSPC) once its parts are being made fails the job with status 1 and

@@ -43,8 +43,6 @@ ERRNO_DENIED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 ERRNO_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 ERRNO_UNREACHABLE = frozenset({errno.ETIMEDOUT, errno.ECONNREFUSED, errno.ECONNRESET,
                                errno.EHOSTUNREACH, errno.ENETUNREACH})  # fmt: skip
-#: HTTP statuses worth another try.
-TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
 @dataclass(frozen=True)
@@ -107,9 +105,14 @@ def storage_error(
     `role` ("input", "output") of the job; `url` None when nobody knew the file."""
     if isinstance(error, StorageError):
         return error
-    failure = classify(error)
     where = " ".join(p for p in (role, url) if p) or "storage"
-    message = f"{where}: cannot {action}: {_explain(failure, url, action)}"
+    return explained(f"{where}: cannot {action}", error, url, action)
+
+
+def explained(prefix: str, error: BaseException, url: str | None, action: str) -> StorageError:
+    """`prefix: what happened; what to do` as a `StorageError` with the failure's status."""
+    failure = classify(error)
+    message = f"{prefix}: {_explain(failure, url, action)}"
     return StorageError(" ".join(message.split()), failure.exit_status)
 
 
@@ -213,7 +216,7 @@ def _by_status(status: int, e: BaseException, detail: str | None = None) -> Fail
     detail = detail or f"HTTP {status}"
     if status == 404:
         return Failure("missing", detail, status)
-    if status in (401,):
+    if status == 401:
         return Failure("credentials", detail, status)
     if status == 403:
         return Failure("denied", detail, status)
