@@ -1,5 +1,6 @@
 """The `ram-dist` command, a layer over `ram_dist.api`: merge, plan, probe, verify; and demo.
-Errors a user can fix exit with status 2."""
+Errors a user can act on are one line on stderr: exit status 2 for what the user must fix, 1
+for a failure that may pass (`main`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ram_dist import __version__
 from ram_dist.engine.devices import DEVICES
 from ram_dist.engine.sizing import MAX_CHUNK_BYTES
 from ram_dist.errors import RamDistError
+from ram_dist.io.failures import is_storage_failure, storage_error
 from ram_dist.io.range_cache import MODES as CACHE_MODES
 from ram_dist.io.storage import parse_storage_options
 from ram_dist.methods import parameters as method_parameters
@@ -25,6 +27,8 @@ from ram_dist.methods.parameters import cli_parameters
 
 if TYPE_CHECKING:  # imported where used: `--help` and `verify` load neither torch nor Ray
     from ram_dist.config import MergeConfig
+
+log = logging.getLogger("ram_dist.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,13 +261,25 @@ def _per_task_flags(args: argparse.Namespace, n_tasks: int) -> list[dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. An error the user can act on (bad input, a file the store refused or
+    could not give, a full disk) ends it with one line on stderr and the error's exit status:
+    2 for what the user must fix, 1 for a failure that may pass; its traceback is logged at
+    debug level (logger `ram_dist`), never printed."""
     args = build_parser().parse_args(argv)
     with contextlib.ExitStack() as last:  # a Ray this command starts is stopped after it ends
         try:
             return _dispatch(args, last)
         except RamDistError as e:
+            log.debug("the command failed", exc_info=True)
             print(f"ram-dist: error: {e}", file=sys.stderr)
-            return 2
+            return e.exit_status
+        except Exception as e:
+            if not is_storage_failure(e):
+                raise
+            log.debug("the command failed", exc_info=True)
+            error = storage_error(e, getattr(e, "filename", None), "read or write")
+            print(f"ram-dist: error: {error}", file=sys.stderr)
+            return error.exit_status
         except KeyboardInterrupt:
             print("ram-dist: interrupted; nothing more was published", file=sys.stderr)
             return 130

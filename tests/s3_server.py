@@ -11,9 +11,10 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import s3fs
@@ -65,6 +66,11 @@ class CountingMotoServer(ThreadedMotoServer):
         self.get_delay_s = 0.0
         """Seconds each GET of an object (not a listing) waits before the server handles it:
         a slow store, so a test can tell requests sent together from one after another."""
+        self.intercept: Callable[[dict[str, Any]], tuple[int, str] | None] | None = None
+        """Called with each request's WSGI environ before moto handles it, in the server's
+        thread: a test's hook at a known step of a job (delete an input once the job has
+        taken its lease), or a fault: a returned `(HTTP status, S3 error code)` is answered
+        instead, with the XML error body S3 sends (e.g. `(503, "SlowDown")`)."""
 
     @property
     def endpoint(self) -> str:
@@ -80,7 +86,15 @@ class CountingMotoServer(ThreadedMotoServer):
                 time.sleep(self.part_delay_s)
             if self.get_delay_s and _is_object_get(environ):
                 time.sleep(self.get_delay_s)
-            body = list(app(environ, start_response))
+            fault = self.intercept(environ) if self.intercept is not None else None
+            if fault is not None:
+                body = [_error_body(*fault)]
+                start_response(
+                    f"{fault[0]} {HTTPStatus(fault[0]).phrase}",
+                    [("Content-Type", "application/xml"), ("Content-Length", str(len(body[0])))],
+                )
+            else:
+                body = list(app(environ, start_response))
             with self._lock:
                 self.log.append(
                     Served(
@@ -133,6 +147,14 @@ class CountingMotoServer(ThreadedMotoServer):
     def clear(self) -> None:
         with self._lock:
             self.log.clear()
+
+
+def _error_body(status: int, code: str) -> bytes:
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Error><Code>{code}</Code><Message>{HTTPStatus(status).phrase} (injected by the "
+        "test server)</Message><RequestId>test</RequestId></Error>"
+    ).encode()
 
 
 def _is_upload_part(environ: dict[str, Any]) -> bool:

@@ -18,9 +18,9 @@ from builders import load_checkpoint, save_checkpoint
 from huggingface_hub import HfFileSystem
 from reference import reference_merge
 
-from ram_dist.errors import RamDistError
+from ram_dist.errors import RamDistError, StorageError
 from ram_dist.io.locations import resolve_location
-from ram_dist.io.storage import Storage, join
+from ram_dist.io.storage import ATTEMPTS, Storage, join
 
 
 def test_url_forms_resolve_to_the_right_filesystem_and_path(tmp_path, monkeypatch):
@@ -148,6 +148,13 @@ def test_transient_errors_are_retried_and_missing_files_are_not(flaky_server):
     assert _FlakyHandler.requests == ["bytes=100-1099"] * 3  # two 503s, then the bytes
 
     _FlakyHandler.requests = []
-    with pytest.raises(OSError, match="nope.bin"):
+    with pytest.raises(StorageError, match="nope.bin: cannot read: no such file") as missing:
         storage.read_ranges([(f"{flaky_server}/nope.bin", 0, 10)])
+    assert missing.value.exit_status == 2
     assert len(_FlakyHandler.requests) == 1  # a 404 is not retried
+
+    _FlakyHandler.failures, _FlakyHandler.requests = 10, []
+    with pytest.raises(StorageError, match="blob.bin: cannot read: the store failed") as failed:
+        storage.read_ranges([(f"{flaky_server}/blob.bin", 100, 1100)])
+    assert failed.value.exit_status == 1
+    assert len(_FlakyHandler.requests) == ATTEMPTS  # then it gives up, naming the file

@@ -38,6 +38,7 @@ from ram_dist.engine.sizing import machine
 from ram_dist.engine.work import COMPUTE_BLOCK
 from ram_dist.errors import RamDistError
 from ram_dist.io.files import copy_files, non_weight_files
+from ram_dist.io.json_files import MAX_REPORT_BYTES, read_json
 from ram_dist.io.lease import OutputLease
 from ram_dist.io.manifest import save_manifest
 from ram_dist.io.range_cache import InputCache, job_key
@@ -391,9 +392,14 @@ def _planned_device(config: MergeConfig) -> tuple[dict[str, Any], tuple[int, int
 def _finished_report(job: Job) -> dict[str, Any]:
     """The stored report of a merge that is already complete; nothing is recomputed."""
     assert job.out is not None
-    fs, path = job.storage.fs(job.out)
-    report_path = join(path, REPORT_NAME)
-    report = json.loads(fs.cat_file(report_path)) if fs.exists(report_path) else {}
+    try:
+        report = read_json(
+            join(job.out, REPORT_NAME), job.storage, MAX_REPORT_BYTES, "report", "output"
+        )
+    except FileNotFoundError:
+        report = {}
+    if not isinstance(report, dict):
+        raise RamDistError(f"output {join(job.out, REPORT_NAME)}: not a ram-dist report")
     report["already_complete"] = True
     return report
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ram_dist.engine.job import Job
 from ram_dist.errors import RamDistError
 from ram_dist.io.checkpoint import INDEX_NAME
+from ram_dist.io.failures import explained, is_storage_failure
 from ram_dist.io.lease import LEASE_NAME
 from ram_dist.io.manifest import MANIFEST_NAME, Manifest, differences, load_manifest
 from ram_dist.io.storage import join
@@ -56,6 +57,8 @@ def check_writable(job: Job) -> None:
         fs.pipe_file(path, b"")
         fs.rm(path)
     except Exception as e:  # noqa: BLE001  (any failure means: cannot write there)
+        if is_storage_failure(e):
+            raise explained(f"output {job.out} cannot be written", e, job.out, "write") from e
         raise RamDistError(f"output {job.out} cannot be written ({type(e).__name__}: {e})") from e
 
 

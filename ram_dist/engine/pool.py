@@ -8,6 +8,7 @@ the item back there).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -15,6 +16,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ram_dist.errors import RamDistError
+from ram_dist.io.failures import is_storage_failure, storage_error
+
+log = logging.getLogger(__name__)
 
 
 def _run(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
@@ -43,8 +47,10 @@ def unordered_map(
 
     `shared` values are put in the object store once. `options_of(item)` may add Ray options
     for one item (e.g. a scheduling strategy). `resources` may hold `max_calls: 1` (a fresh
-    worker process per task). A worker's `RamDistError` is raised again here as itself, so
-    the user sees its message rather than a Ray traceback.
+    worker process per task). A worker's `RamDistError` (a `StorageError` naming the file
+    it could not read or write, among others) is raised again here as itself, and a store's
+    failure no layer named as a `StorageError`, so the user sees one line rather than a
+    Ray traceback; the task's traceback is logged at debug level.
     """
     resources = dict(resources)
     max_calls = resources.pop("max_calls", 0)
@@ -74,11 +80,28 @@ def unordered_map(
                 node, result = _get(ref)
                 yield item, node, result
     finally:
-        for ref in pending:
-            ray.cancel(ref)
+        _drop(list(pending))
 
 
 _END = object()
+#: Seconds to wait for tasks cancelled when a map stops early.
+DRAIN_S = 5.0
+
+
+def _drop(refs: list[ray.ObjectRef]) -> None:
+    """Cancel tasks still in flight when a map stops early (a task failed), and collect what
+    they end with: a result dropped unread that holds an error (another task failing the same
+    way) is logged by Ray, traceback and all, as an unhandled error. Logged here at debug."""
+    if not refs:
+        return
+    for ref in refs:
+        ray.cancel(ref)
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DRAIN_S)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception as e:  # noqa: BLE001  (the job is failing already, for its own reason)
+            log.debug("a task ended after the map stopped: %s", e)
 
 
 def _get(ref: ray.ObjectRef) -> Any:
@@ -86,7 +109,11 @@ def _get(ref: ray.ObjectRef) -> Any:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, RamDistError):
+            log.debug("a task failed: %s", e)
             raise e.cause from None
+        if e.cause is not None and is_storage_failure(e.cause):
+            log.debug("a task failed: %s", e)
+            raise storage_error(e.cause, None, "read or write") from None
         raise
 
 

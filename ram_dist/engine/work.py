@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -544,15 +544,19 @@ def _map_part(
     data[:at] = np.frombuffer(task.header, dtype=np.uint8)
     digest = hashlib.sha256()
     fused_elements = 0
+    queued: list[Future[None]] = []
     with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-sha256") as behind:
 
         def made(lo: int, hi: int) -> None:
             """Bytes [lo, hi) of the part are final: hash them (and write them, when the
-            target streams) in the thread, in order, while the next block is merged."""
+            target streams) in the thread, in order, while the next block is merged. A write
+            that failed (a full disk) fails the part here, at the next block."""
+            while queued and queued[0].done():
+                queued.pop(0).result()
             view = data[lo:hi]
-            behind.submit(digest.update, view)
+            queued.append(behind.submit(digest.update, view))
             if target.streams:
-                behind.submit(target.write_at, part.start + lo, view)
+                queued.append(behind.submit(target.write_at, part.start + lo, view))
 
         made(0, at)
         for unit in task.units:
@@ -563,6 +567,8 @@ def _map_part(
                 on_block=lambda lo, hi, base=at: made(base + lo, base + hi),
             )  # fmt: skip
             at += size
+    for step in queued:
+        step.result()
     if at != part.size:
         raise RuntimeError(f"{task.target.url}: part {part.number} made {at} bytes, "
                            f"expected {part.size}")  # fmt: skip

@@ -11,7 +11,6 @@ read only for the rare header longer than the first read.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,7 +18,9 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from ram_dist.errors import CheckpointError
+from ram_dist.errors import CheckpointError, RamDistError, StorageError
+from ram_dist.io.failures import classify, is_storage_failure, storage_error
+from ram_dist.io.json_files import MAX_INDEX_BYTES, read_json
 from ram_dist.io.safetensors_header import (
     FileHeader,
     TensorInfo,
@@ -153,7 +154,14 @@ def _list_folder(url: str, label: str, storage: Storage) -> _Folder:
     try:
         entries = fs.ls(path, detail=True)
     except (FileNotFoundError, NotADirectoryError) as e:
+        if "NoSuchBucket" in classify(e).detail:
+            raise StorageError(f"{label}: {storage_error(e, url, 'list', 'input')}") from e
         raise CheckpointError(f"{label}: no checkpoint folder at {url}") from e
+    except Exception as e:
+        if is_storage_failure(e):
+            err = storage_error(e, url, "list", "input")
+            raise StorageError(f"{label}: {err}", err.exit_status) from e
+        raise
     listed = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries}
     weight_map: dict[str, str] | None = None
     if INDEX_NAME in listed:
@@ -364,11 +372,12 @@ def _cat_ranges(
 
 
 def _read_error(url: str, error: BaseException) -> BaseException:
-    """The error a failed header read reports: what it has always said."""
+    """The error a failed header read reports: a missing file as it has always said, any
+    other failure of the store as `failures` words it."""
     if isinstance(error, FileNotFoundError):
         wrapped: BaseException = CheckpointError(f"{url}: file not found")
-    elif isinstance(error, OSError):
-        wrapped = CheckpointError(f"{url}: cannot read header ({error})")
+    elif is_storage_failure(error):
+        wrapped = storage_error(error, url, "read", "input")
     else:
         return error
     wrapped.__cause__ = error
@@ -379,17 +388,18 @@ def _read_weight_map(
     index_url: str, label: str, storage: Storage, entry: Mapping[str, Any]
 ) -> dict[str, str]:
     """The index's `weight_map`, in one GET: a read of the listed size is a ranged request,
-    where s3fs would first ask the size of a whole-file read (a HEAD request)."""
-    fs, path = storage.fs(index_url)
+    where s3fs would first ask the size of a whole-file read (a HEAD request). An index
+    larger than `MAX_INDEX_BYTES` is refused before it is read."""
     size = entry.get("size")
+    listed = size if isinstance(size, int) and not entry.get("islink") else None
     try:
-        if isinstance(size, int) and size > 0 and not entry.get("islink"):
-            data = fs.cat_file(path, start=0, end=size)
-        else:
-            data = fs.cat_file(path)
-        index = json.loads(data)
-    except (OSError, ValueError) as e:
+        index = read_json(index_url, storage, MAX_INDEX_BYTES, "index", "input", listed)
+    except FileNotFoundError as e:
         raise CheckpointError(f"{label}: cannot read index {index_url} ({e})") from e
+    except StorageError as e:
+        raise StorageError(f"{label}: {e}", e.exit_status) from e
+    except RamDistError as e:
+        raise CheckpointError(f"{label}: {e}") from e
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()

@@ -1,10 +1,15 @@
-"""Copy the base's non-weight files (config, tokenizer, chat template) into the output."""
+"""Copy the base's non-weight files (config, tokenizer, chat template) into the output.
+
+`config.json` is parsed (to name the output dtype) only within `MAX_CONFIG_BYTES`; the other
+files are copied as bytes."""
 
 from __future__ import annotations
 
 import json
 
 from ram_dist.io.checkpoint import INDEX_NAME, PICKLE_SUFFIXES
+from ram_dist.io.failures import reported
+from ram_dist.io.json_files import MAX_CONFIG_BYTES, checked_size
 from ram_dist.io.storage import Storage, join
 from ram_dist.io.writer import AtomicFile
 
@@ -17,7 +22,9 @@ def non_weight_files(base_url: str, storage: Storage) -> list[str]:
     """Top-level files of the base folder that are not weights (names only)."""
     fs, path = storage.fs(base_url)
     names = []
-    for entry in fs.ls(path, detail=True):
+    with reported(base_url, "list", "input"):
+        entries = fs.ls(path, detail=True)
+    for entry in entries:
         name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
         if entry.get("type") != "file" or name in SKIPPED or name.startswith("."):
             continue
@@ -40,8 +47,13 @@ def copy_files(
     src_fs, src = storage.fs(base_url)
     total = 0
     for name in names:
-        data = src_fs.cat_file(join(src, name))
-        if name == "config.json" and out_dtype in TORCH_NAMES:
+        url = join(base_url, name)
+        rewrite = name == "config.json" and out_dtype in TORCH_NAMES
+        if rewrite:  # parsed as JSON: refused over its cap before it is read
+            checked_size(url, storage, MAX_CONFIG_BYTES, "config", "input")
+        with reported(url, "read", "input"):
+            data = src_fs.cat_file(join(src, name))
+        if rewrite:
             data = _with_dtype(data, TORCH_NAMES[out_dtype])
         with AtomicFile(join(out_url, name), storage) as f:
             f.write(data)

@@ -52,6 +52,7 @@ from fsspec.asyn import sync
 from fsspec.implementations.local import LocalFileSystem
 
 from ram_dist.errors import RamDistError
+from ram_dist.io.failures import explained, is_storage_failure
 from ram_dist.io.storage import Storage, join, protocol_of
 
 LEASE_NAME = ".ram-dist-lease.json"
@@ -200,10 +201,13 @@ class OutputLease:
         self.note = None
         try:
             return self._acquire()
-        except OSError as e:
-            raise RamDistError(
-                f"{self.url}: cannot claim the output location: {_one_line(e)}"
-            ) from e
+        except RamDistError:
+            raise
+        except Exception as e:
+            if not is_storage_failure(e):
+                raise
+            where = f"{self.url}: cannot claim the output location"
+            raise explained(where, e, self.url, "write") from e
 
     def _acquire(self) -> str | None:
         self._store.prepare(self._storage, self.out_url)
@@ -530,13 +534,15 @@ class _LocalStore(_Store):
                         os.unlink(self.guard_path)
                     continue
                 if time.monotonic() > deadline:
-                    raise TimeoutError(
+                    raise LeaseHeld(
                         f"{self.guard_path}: held by another process for {age:.0f} s"
                     ) from None
                 time.sleep(0.005)
                 continue
             try:
                 _write_all(fd, note)
+            except OSError:
+                pass  # a full disk: the guard is held all the same (its note only informs)
             finally:
                 os.close(fd)
             break

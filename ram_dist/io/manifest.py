@@ -7,11 +7,11 @@ parameters is refused, naming what changed; `ram-dist verify` re-hashes the shar
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from ram_dist.errors import RamDistError
+from ram_dist.io.json_files import MAX_MANIFEST_BYTES, read_json
 from ram_dist.io.storage import Storage, join
 from ram_dist.io.writer import write_json
 
@@ -67,15 +67,15 @@ class Manifest:
 
 
 def load_manifest(out_url: str, storage: Storage) -> Manifest | None:
-    """The manifest at `out_url`, or None when there is none."""
+    """The manifest at `out_url`, or None when there is none; one larger than
+    `MAX_MANIFEST_BYTES` is refused before it is read."""
     url = join(out_url, MANIFEST_NAME)
-    fs, path = storage.fs(url)
-    if not fs.exists(path):
-        return None
     try:
-        raw = json.loads(fs.cat_file(path))
-    except ValueError as e:
-        raise RamDistError(f"{url}: manifest is not valid JSON ({e})") from e
+        raw = read_json(url, storage, MAX_MANIFEST_BYTES, "manifest", "output")
+    except FileNotFoundError:
+        return None
+    if not isinstance(raw, dict):
+        raise RamDistError(f"{url}: not a ram-dist manifest (not a JSON object)")
     return Manifest.from_json(raw, url)
 
 

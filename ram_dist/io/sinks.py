@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ram_dist.io.failures import reported
 from ram_dist.io.storage import Storage, join
 from ram_dist.io.writer import PARTIAL_SUFFIX, AtomicFile
 from ram_dist.units import MIN_PART_BYTES, Part
@@ -88,16 +89,17 @@ class S3Target(ShardTarget):
 
     def write(self, part: Part, data: np.ndarray, sha256: bytes) -> PartReceipt:
         fs, _ = self.storage.fs(self.url)
-        answer = fs.call_s3(
-            "upload_part",
-            Bucket=self.bucket,
-            Key=self.key,
-            UploadId=self.upload_id,
-            PartNumber=part.number,
-            Body=data.tobytes(),
-            ChecksumAlgorithm="SHA256",
-            ChecksumSHA256=base64.b64encode(sha256).decode(),
-        )
+        with reported(self.url, "write", "output"):
+            answer = fs.call_s3(
+                "upload_part",
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
+                PartNumber=part.number,
+                Body=data.tobytes(),
+                ChecksumAlgorithm="SHA256",
+                ChecksumSHA256=base64.b64encode(sha256).decode(),
+            )
         return PartReceipt(
             part.shard, part.number, part.start, part.stop, sha256.hex(), answer["ETag"]
         )
@@ -113,13 +115,14 @@ class FileTarget(ShardTarget):
     streams = True
 
     def write_at(self, offset: int, data: np.ndarray) -> None:
-        fd = os.open(self.partial, os.O_WRONLY)
-        try:
-            view, done = memoryview(data).cast("B"), 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done : done + _WRITE_BYTES], offset + done)
-        finally:
-            os.close(fd)
+        with reported(self.url, "write", "output"):
+            fd = os.open(self.partial, os.O_WRONLY)
+            try:
+                view, done = memoryview(data).cast("B"), 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done : done + _WRITE_BYTES], offset + done)
+            finally:
+                os.close(fd)
 
     def write(self, part: Part, data: np.ndarray, sha256: bytes) -> PartReceipt:
         return PartReceipt(part.shard, part.number, part.start, part.stop, sha256.hex())
@@ -225,9 +228,10 @@ class S3Sink(OutputSink):
         if listed is None:
             if upload_id is not None:
                 self._abort(bucket, key, upload_id)
-            answer = self._call(
-                "create_multipart_upload", Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256"
-            )
+            with reported(url, "write", "output"):
+                answer = self._call(
+                    "create_multipart_upload", Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256"
+                )
             upload_id, listed = answer["UploadId"], {}
         done = {}
         for part in plan:
@@ -287,10 +291,11 @@ class S3Sink(OutputSink):
             }
             for n, r in sorted(shard.done.items())
         ]
-        self._call(
-            "complete_multipart_upload", Bucket=target.bucket, Key=target.key,
-            UploadId=target.upload_id, MultipartUpload={"Parts": parts},
-        )  # fmt: skip
+        with reported(target.url, "write", "output"):
+            self._call(
+                "complete_multipart_upload", Bucket=target.bucket, Key=target.key,
+                UploadId=target.upload_id, MultipartUpload={"Parts": parts},
+            )  # fmt: skip
         fs, _ = self.storage.fs(self.out_url)
         fs.invalidate_cache()
 
@@ -319,9 +324,10 @@ class FileSink(OutputSink):
         kept = _kept_parts(plan, old)
         if not (kept and os.path.exists(partial) and os.path.getsize(partial) == size):
             kept = {}
-            os.makedirs(os.path.dirname(partial), exist_ok=True)
-            with open(partial, "wb") as f:
-                f.truncate(size)
+            with reported(url, "write", "output"):
+                os.makedirs(os.path.dirname(partial), exist_ok=True)
+                with open(partial, "wb") as f:
+                    f.truncate(size)
         done = {n: _receipt(shard, n, rec) for n, rec in kept.items()}
         return OpenShard(shard, size, FileTarget(url, partial), done, {})
 
@@ -331,7 +337,8 @@ class FileSink(OutputSink):
         target = shard.target
         assert isinstance(target, FileTarget)
         _, path = self.storage.fs(target.url)
-        os.replace(target.partial, path)
+        with reported(target.url, "write", "output"):
+            os.replace(target.partial, path)
 
     def abort(self, shard: OpenShard) -> None:
         target = shard.target

@@ -2,7 +2,11 @@
 
 Every read and write of ram-dist goes through a `Storage`, which the driver builds once and
 ships to the workers. Reads are byte ranges, cut into requests of at most `REQUEST_BYTES`
-that the filesystem may run concurrently, retried with backoff on transient errors.
+that the filesystem may run concurrently. Retrying a transient failure is the store client's
+job: botocore's own retry mode for S3 (`S3_RETRIES`), gcsfs's and huggingface_hub's own
+retries for gs:// and hf://; only stores whose client has none (`RETRIED_HERE`) are retried
+here, and only for what is transient. A failed read is raised as a one-line `StorageError`
+naming the input file (`failures`).
 """
 
 from __future__ import annotations
@@ -19,22 +23,24 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from ram_dist.errors import RamDistError
+from ram_dist.io.failures import ChangedError, storage_error, transient
 
 if TYPE_CHECKING:
     from ram_dist.io.range_cache import InputCache, Traffic
 
 #: Largest single range request; a unit's range is cut into requests this size.
 REQUEST_BYTES = 16 * 2**20
-#: Attempts per range request before a transient error fails the job.
+#: botocore's retry configuration for S3, unless the storage options give their own
+#: (`{"s3": {"config_kwargs": {"retries": {...}}}}`): its standard mode retries throttling
+#: (SlowDown, 429), 5xx answers, timeouts and broken connections, with exponential backoff
+#: and jitter, and nothing else (a denied or missing object fails at once). s3fs itself tries
+#: a request that failed with SlowDown or a broken response body up to 5 times more.
+S3_RETRIES = {"mode": "standard", "total_max_attempts": 8}
+#: Protocols whose client retries nothing itself (fsspec's HTTP filesystem): their transient
+#: failures (`failures.transient`) are retried here, `ATTEMPTS` times in all.
+RETRIED_HERE = ("http", "https")
 ATTEMPTS = 5
 BACKOFF_S = 0.25
-PERMANENT = (
-    FileNotFoundError,
-    PermissionError,
-    IsADirectoryError,
-    NotADirectoryError,
-    RamDistError,
-)
 #: What a range read returns: fetched bytes, or a view of the buffer it was read into.
 Buffer = bytes | memoryview
 #: Protocols that name one another.
@@ -76,6 +82,10 @@ class Storage:
         """The filesystem and the path inside it (fsspec caches the instances)."""
         protocol = protocol_of(url)
         kwargs = dict(self.options.get(protocol, {}))
+        if protocol == "s3":
+            config = dict(kwargs.get("config_kwargs") or {})
+            config.setdefault("retries", dict(S3_RETRIES))
+            kwargs["config_kwargs"] = config
         try:
             return fsspec.core.url_to_fs(url, **kwargs)
         except ImportError as e:
@@ -94,7 +104,8 @@ class Storage:
         into: list[memoryview] | None = None,
         traffic: Traffic | None = None,
     ) -> list[Buffer]:
-        """Read byte ranges `[start, end)`; empty ranges read nothing.
+        """Read byte ranges `[start, end)` of the job's input files; empty ranges read
+        nothing. A failure is a `StorageError` naming the file.
 
         With `into` (one writable buffer of each range's length), the bytes land there and
         those buffers are returned: a worker reuses its buffers instead of faulting in fresh
@@ -146,7 +157,9 @@ class Storage:
         return [b"".join(p) if len(p) != 1 else p[0] for p in parts]
 
     def _fetch(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
-        """One batched `cat_ranges` per filesystem; failed requests are retried alone."""
+        """One batched `cat_ranges` per filesystem. A request that failed is raised as a
+        `StorageError`, unless the failure is transient and its store's client retries
+        nothing itself (`RETRIED_HERE`): then it is tried again alone, with backoff."""
         out: list[bytes | None] = [None] * len(requests)
         todo = list(range(len(requests)))
         for attempt in range(ATTEMPTS):
@@ -162,12 +175,12 @@ class Storage:
                 ends = [requests[i][2] for i in index]
                 try:
                     blobs: list[Any] = fs.cat_ranges(paths, starts, ends, on_error="return")
-                except Exception as e:  # noqa: BLE001  (a whole batch failed: retry it)
+                except Exception as e:  # noqa: BLE001  (the whole batch failed: each request reports it)
                     blobs = [e] * len(index)
                 for i, blob in zip(index, blobs, strict=True):
                     url, start, end = requests[i]
                     if not isinstance(blob, BaseException) and len(blob) != end - start:
-                        blob = OSError(f"{url}: short read of [{start}, {end}): {len(blob)} bytes")
+                        blob = ChangedError(f"short read of [{start}, {end}): {len(blob)} bytes")
                     if isinstance(blob, BaseException):
                         errors[i] = blob
                     else:
@@ -175,9 +188,10 @@ class Storage:
             if not errors:
                 return out  # type: ignore[return-value]
             for i, e in errors.items():
-                if _is_permanent(e) or attempt == ATTEMPTS - 1:
-                    url, start, end = requests[i]
-                    raise OSError(f"{url}: cannot read bytes [{start}, {end}): {e}") from e
+                url = requests[i][0]
+                again = protocol_of(url) in RETRIED_HERE and transient(e)
+                if not again or attempt == ATTEMPTS - 1:
+                    raise storage_error(e, url, "read", "input") from e
             todo = sorted(errors)
             time.sleep(BACKOFF_S * 2**attempt)
         raise AssertionError("unreachable")
@@ -190,14 +204,18 @@ def _pread(url: str, path: str, start: int, end: int, buf: memoryview) -> memory
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
-        raise OSError(f"{url}: cannot read bytes [{start}, {end}): {e}") from e
+        raise storage_error(e, url, "read", "input") from e
     try:
         done = 0
         while done < len(buf):
             step = min(len(buf) - done, _PREAD_BYTES)
-            n = os.preadv(fd, [buf[done : done + step]], start + done)
+            try:
+                n = os.preadv(fd, [buf[done : done + step]], start + done)
+            except OSError as e:
+                raise storage_error(e, url, "read", "input") from e
             if n == 0:
-                raise OSError(f"{url}: short read of [{start}, {end}): {done} bytes")
+                short = ChangedError(f"short read of [{start}, {end}): {done} bytes")
+                raise storage_error(short, url, "read", "input")
             done += n
     finally:
         os.close(fd)
@@ -206,14 +224,6 @@ def _pread(url: str, path: str, start: int, end: int, buf: memoryview) -> memory
 
 #: Largest single `preadv` (Linux caps one call at about 2 GiB).
 _PREAD_BYTES = 1 << 30
-
-
-def _is_permanent(error: BaseException) -> bool:
-    """Missing files and client errors are not worth retrying; throttling and 5xx are."""
-    if isinstance(error, PERMANENT):
-        return True
-    status = getattr(error, "status", None) or getattr(error, "code", None)
-    return isinstance(status, int) and 400 <= status < 500 and status not in (408, 429)
 
 
 def join(url: str, name: str) -> str:

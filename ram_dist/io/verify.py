@@ -10,9 +10,10 @@ so that a scheduler can refuse to publish a damaged model.
 from __future__ import annotations
 
 import hashlib
-import json
 
+from ram_dist.errors import RamDistError, StorageError
 from ram_dist.io.checkpoint import INDEX_NAME
+from ram_dist.io.json_files import MAX_INDEX_BYTES, read_json
 from ram_dist.io.locations import resolve_output
 from ram_dist.io.manifest import MANIFEST_NAME, load_manifest
 from ram_dist.io.sinks import shard_digest
@@ -44,7 +45,7 @@ def verify(out: str, storage: Storage) -> tuple[list[str], int]:
         checked += 1
         problems += _check_shard(fs, shard_path, name, recorded)
     if manifest.sharded:
-        problems += _check_index(fs, join(path, INDEX_NAME), set(manifest.shard_names))
+        problems += _check_index(join(out, INDEX_NAME), storage, set(manifest.shard_names))
     return problems, checked
 
 
@@ -91,14 +92,17 @@ def _sha256(fs, path: str, start: int, stop: int) -> str:
     return h.hexdigest()
 
 
-def _check_index(fs, index_path: str, shards: set[str]) -> list[str]:
-    if not fs.exists(index_path):
-        return [f"{INDEX_NAME}: missing"]
+def _check_index(index_url: str, storage: Storage, shards: set[str]) -> list[str]:
     try:
-        weight_map = json.loads(fs.cat_file(index_path))["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
+        index = read_json(index_url, storage, MAX_INDEX_BYTES, "index", "output")
+        weight_map = index["weight_map"]
+        named = set(weight_map.values())
+    except FileNotFoundError:
+        return [f"{INDEX_NAME}: missing"]
+    except StorageError:
+        raise
+    except (RamDistError, KeyError, TypeError, AttributeError) as e:
         return [f"{INDEX_NAME}: unreadable ({e})"]
-    named = set(weight_map.values())
     problems = [
         f"{INDEX_NAME}: names shard {s}, which the manifest does not" for s in named - shards
     ]

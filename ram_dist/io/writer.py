@@ -9,6 +9,7 @@ upload (a multipart upload on S3) completed only on commit and aborted on failur
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -17,50 +18,65 @@ from types import TracebackType
 
 from ram_dist.dtypes import itemsize
 from ram_dist.io.checkpoint import INDEX_NAME
+from ram_dist.io.failures import reported
 from ram_dist.io.storage import Storage, join
 
 PARTIAL_SUFFIX = ".ram-dist-partial"
 
 
 class AtomicFile:
-    """Bytes written here appear at `url` only on `commit()`; `discard()` leaves nothing."""
+    """Bytes written here appear at `url` only on `commit()`; `discard()` leaves nothing.
+    A failed write is a `StorageError` naming the output file."""
 
     def __init__(self, url: str, storage: Storage) -> None:
         self.url = url
         self.fs, self._path = storage.fs(url)
         self._local = storage.is_local(url)
-        if self._local:
-            self._partial = self._path + PARTIAL_SUFFIX
-            self.fs.makedirs(os.path.dirname(self._path), exist_ok=True)
-            self._f = self.fs.open(self._partial, "wb")
-        else:
-            self._f = self.fs.open(self._path, "wb", autocommit=False)
+        with reported(url, "write", "output"):
+            if self._local:
+                self._partial = self._path + PARTIAL_SUFFIX
+                self.fs.makedirs(os.path.dirname(self._path), exist_ok=True)
+                self._f = self.fs.open(self._partial, "wb")
+            else:
+                self._f = self.fs.open(self._path, "wb", autocommit=False)
         self.written = 0
         self._done = False
 
     def write(self, data: bytes | memoryview) -> None:
-        self._f.write(data)
+        with reported(self.url, "write", "output"):
+            self._f.write(data)
         self.written += len(data)
 
     def commit(self) -> None:
-        self._f.close()
-        if self._local:
-            self.fs.mv(self._partial, self._path)
-        else:
-            self._f.commit()
+        try:
+            with reported(self.url, "write", "output"):
+                self._f.close()
+                if self._local:
+                    self.fs.mv(self._partial, self._path)
+                else:
+                    self._f.commit()
+        except BaseException:
+            self.discard()
+            raise
         self._done = True
 
     def discard(self) -> None:
+        """Leave nothing, as far as the store lets us: this runs while another error is on
+        its way out (a partial name left behind is never taken for a finished file)."""
         if self._done:
             return
         self._done = True
-        if self._local:
-            self._f.close()
-            if self.fs.exists(self._partial):
-                self.fs.rm(self._partial)
-        else:
-            self._f.discard()  # aborts a multipart upload; the final key never appears
-            self._f.closed = True  # nothing left to flush
+        with contextlib.suppress(Exception):
+            if self._local:
+                with contextlib.suppress(Exception):
+                    self._f.close()  # a failed flush still closes the file
+                if self.fs.exists(self._partial):
+                    self.fs.rm(self._partial)
+            else:
+                try:
+                    self._f.discard()  # aborts a multipart upload; the final key never appears
+                finally:
+                    self._f.closed = True  # nothing left to flush
 
     def __enter__(self) -> AtomicFile:
         return self

@@ -1,0 +1,300 @@
+"""What a failed read or write means to the person running the job, decided in one place.
+
+A store or disk fails with an `OSError` (its errno says why), with s3fs's translation of a
+botocore `ClientError` (a builtin `OSError` whose `__cause__` is the `ClientError`, holding
+the S3 error code and HTTP status), with a `ClientError` or another botocore error itself,
+with aiohttp's or gcsfs's HTTP errors, or with a timeout. `storage_error` turns any of them,
+plus the URL being read or written, into a `StorageError`: one line naming the input or
+output and the file, saying what happened and what to do, with an exit status of 2 when the
+user must fix something (a missing file or bucket, a denied permission, refused or expired
+credentials, an input changed while the job ran) and 1 when the job failed for a reason that
+may pass (a full disk, a store still throttling or failing after its retries, a store out of
+reach). Retrying is the store client's business (botocore's retry mode for S3, see
+`storage`); `transient` says which failures are worth another try where a client has none.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from urllib.parse import urlparse
+
+from ram_dist.errors import RamDistError, StorageError
+
+#: S3 error codes, by what they mean here.
+S3_MISSING = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NoSuchVersion", "404",
+                        "NotFound"})  # fmt: skip
+S3_DENIED = frozenset({"AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidPayer",
+                       "InvalidObjectState", "403", "Forbidden"})  # fmt: skip
+S3_CREDENTIALS = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                            "InvalidToken", "TokenRefreshRequired", "RequestTimeTooSkewed",
+                            "AuthorizationHeaderMalformed", "InvalidSecurity", "401"})  # fmt: skip
+S3_THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                          "TooManyRequests", "TooManyRequestsException", "429"})  # fmt: skip
+S3_SERVER = frozenset({"InternalError", "ServiceUnavailable", "RequestTimeout", "500", "502",
+                       "503", "504"})  # fmt: skip
+
+#: errnos, by what they mean here.
+ERRNO_MISSING = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
+ERRNO_DENIED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+ERRNO_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+ERRNO_UNREACHABLE = frozenset({errno.ETIMEDOUT, errno.ECONNREFUSED, errno.ECONNRESET,
+                               errno.EHOSTUNREACH, errno.ENETUNREACH})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong, in words, and the exit status it earns."""
+
+    kind: str
+    """missing, denied, credentials, full, throttled, server, unreachable, changed, other."""
+    detail: str
+    """The store's or the system's own words (an S3 error code, an errno name)."""
+    status: int | None = None
+    """The HTTP status, where the store answered."""
+
+    @property
+    def exit_status(self) -> int:
+        return 2 if self.kind in ("missing", "denied", "credentials", "changed") else 1
+
+    @property
+    def transient(self) -> bool:
+        return self.kind in ("throttled", "server", "unreachable")
+
+
+class ChangedError(OSError):
+    """An input file is not what its header said when the job started (shorter, replaced)."""
+
+
+def is_storage_failure(error: BaseException) -> bool:
+    """Whether `error` is a store's or disk's failure (not a bug, not our own check)."""
+    return isinstance(error, (OSError, *_client_errors())) and not isinstance(error, RamDistError)
+
+
+def classify(error: BaseException) -> Failure:
+    """What `error` (or what caused it) means: the most specific answer along its chain,
+    the store's error code first, then the HTTP status, then the exception's type and errno."""
+    chain = _chain(error)
+    for e in chain:
+        code, status = _s3_code(e)
+        if code is not None:
+            return _by_code(code, status, e)
+    for e in chain:
+        status = _http_status(e)
+        if status is not None:
+            return _by_status(status, e)
+    for e in chain:
+        found = _by_type(e)
+        if found is not None:
+            return found
+    return Failure("other", _words(error))
+
+
+def transient(error: BaseException) -> bool:
+    """Worth another try: throttling, a server error, a timeout or a broken connection."""
+    return classify(error).transient
+
+
+def storage_error(
+    error: BaseException, url: str | None, action: str, role: str | None = None
+) -> StorageError:
+    """The one-line error for a failed `action` ("read", "write", "list", ...) of `url`, an
+    `role` ("input", "output") of the job; `url` None when nobody knew the file."""
+    if isinstance(error, StorageError):
+        return error
+    where = " ".join(p for p in (role, url) if p) or "storage"
+    return explained(f"{where}: cannot {action}", error, url, action)
+
+
+def explained(prefix: str, error: BaseException, url: str | None, action: str) -> StorageError:
+    """`prefix: what happened; what to do` as a `StorageError` with the failure's status."""
+    failure = classify(error)
+    message = f"{prefix}: {_explain(failure, url, action)}"
+    return StorageError(" ".join(message.split()), failure.exit_status)
+
+
+@contextmanager
+def reported(url: str | None, action: str, role: str | None = None) -> Iterator[None]:
+    """Within this, a store's or disk's failure is raised as `storage_error`; anything else
+    (our own checks, bugs) passes unchanged."""
+    try:
+        yield
+    except BaseException as e:
+        if is_storage_failure(e):
+            raise storage_error(e, url, action, role) from e
+        raise
+
+
+def _explain(failure: Failure, url: str | None, action: str) -> str:
+    detail = f" ({failure.detail})" if failure.detail else ""
+    kind = failure.kind
+    if kind == "missing":
+        bucket = _bucket(url)
+        if "NoSuchBucket" in failure.detail and bucket:
+            return f"bucket {bucket} does not exist{detail}; fix the URL or create the bucket"
+        if action == "read":
+            return (f"no such file{detail}; was it deleted or moved while the job ran? "
+                    "Restore it and run again")  # fmt: skip
+        return f"no such file or folder{detail}; fix the path or URL"
+    if kind == "denied":
+        return (f"permission denied{detail}; check the bucket policy or the file permissions, "
+                "and what the credentials may do")  # fmt: skip
+    if kind == "credentials":
+        if any(w in failure.detail for w in ("Expired", "TokenRefresh")):
+            return f"the credentials have expired{detail}; renew them and run again"
+        return (f"the store refused the credentials{detail}; check the access key, secret "
+                "and session token the job runs with")  # fmt: skip
+    if kind == "full":
+        return (f"no space left on the device{detail}; free space (or choose another "
+                "location) and run again: a re-run resumes")  # fmt: skip
+    if kind == "throttled":
+        return (f"the store is still throttling requests after its retries{detail}; run "
+                "again later or with fewer --workers: a re-run resumes")  # fmt: skip
+    if kind == "server":
+        return f"the store failed after its retries{detail}; run again: a re-run resumes"
+    if kind == "unreachable":
+        return (f"the store could not be reached{detail}; check the endpoint and the network, "
+                "then run again: a re-run resumes")  # fmt: skip
+    if kind == "changed":
+        return (f"{failure.detail}; the file changed while the job ran: restore it, or run "
+                "again to merge what it holds now")  # fmt: skip
+    return failure.detail or "failed"
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and e not in out and len(out) < 16:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def _s3_code(e: BaseException) -> tuple[str | None, int | None]:
+    """A botocore `ClientError`'s error code and HTTP status."""
+    response = getattr(e, "response", None)
+    if not isinstance(response, dict):
+        return None, None
+    code = (response.get("Error") or {}).get("Code")
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return (str(code) if code else None), (status if isinstance(status, int) else None)
+
+
+def _by_code(code: str, status: int | None, e: BaseException) -> Failure:
+    message = (getattr(e, "response", {}).get("Error") or {}).get("Message") or ""
+    detail = f"HTTP {code}" if code.isdigit() else code
+    if message and message not in (code, "Forbidden", "Not Found"):
+        detail = f"{detail}: {message}"
+    for kind, codes in (("missing", S3_MISSING), ("denied", S3_DENIED),
+                        ("credentials", S3_CREDENTIALS), ("throttled", S3_THROTTLED),
+                        ("server", S3_SERVER)):  # fmt: skip
+        if code in codes:
+            return Failure(kind, detail, status)
+    if status is not None:
+        return _by_status(status, e, detail)
+    return Failure("other", detail)
+
+
+def _http_status(e: BaseException) -> int | None:
+    """The HTTP status of an aiohttp (`status`), gcsfs (`code`) or requests/httpx
+    (`response.status_code`) error, asked in that order (aiohttp deprecates `code`)."""
+    for get in (
+        lambda: getattr(e, "status", None),
+        lambda: getattr(e, "code", None),
+        lambda: getattr(getattr(e, "response", None), "status_code", None),
+    ):
+        value = get()
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
+            return value
+    return None
+
+
+def _by_status(status: int, e: BaseException, detail: str | None = None) -> Failure:
+    detail = detail or f"HTTP {status}"
+    if status == 404:
+        return Failure("missing", detail, status)
+    if status == 401:
+        return Failure("credentials", detail, status)
+    if status == 403:
+        return Failure("denied", detail, status)
+    if status == 429:
+        return Failure("throttled", detail, status)
+    if status in (408, 500, 502, 503, 504):
+        return Failure("server", detail, status)
+    return Failure("other", f"{detail}: {_words(e)}", status)
+
+
+def _by_type(e: BaseException) -> Failure | None:
+    if isinstance(e, ChangedError):
+        return Failure("changed", _words(e))
+    number = getattr(e, "errno", None)
+    name = errno.errorcode.get(number, "") if isinstance(number, int) else ""
+    detail = f"{name}: {e.strerror}" if name and getattr(e, "strerror", None) else _words(e)
+    if isinstance(e, FileNotFoundError) or number in ERRNO_MISSING:
+        return Failure("missing", detail)
+    if isinstance(e, PermissionError) or number in ERRNO_DENIED:
+        return Failure("denied", detail)
+    if number in ERRNO_FULL:
+        return Failure("full", detail)
+    if isinstance(e, (ConnectionError, TimeoutError)) or number in ERRNO_UNREACHABLE:
+        return Failure("unreachable", detail)
+    kind = _botocore_kind(e)
+    if kind is not None:
+        return Failure(kind, _words(e))
+    if isinstance(e, OSError) and number is not None:
+        return Failure("other", detail)
+    return None
+
+
+def _botocore_kind(e: BaseException) -> str | None:
+    """Errors botocore raises without a response: no credentials, no connection."""
+    try:
+        from botocore import exceptions as b
+    except ImportError:
+        return None
+    if isinstance(e, (b.NoCredentialsError, b.PartialCredentialsError,
+                      b.CredentialRetrievalError, b.TokenRetrievalError)):  # fmt: skip
+        return "credentials"
+    if isinstance(e, (b.EndpointConnectionError, b.ConnectTimeoutError, b.ReadTimeoutError,
+                      b.ConnectionClosedError, b.HTTPClientError)):  # fmt: skip
+        return "unreachable"
+    return None
+
+
+@lru_cache(maxsize=1)
+def _client_errors() -> tuple[type[BaseException], ...]:
+    """Store client errors that are no `OSError`, from the clients installed."""
+    found: list[type[BaseException]] = []
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        found += [BotoCoreError, ClientError]
+    except ImportError:
+        pass
+    try:
+        from aiohttp import ClientError as AiohttpError
+
+        found.append(AiohttpError)
+    except ImportError:
+        pass
+    try:
+        from gcsfs.retry import HttpError
+
+        found.append(HttpError)
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+def _bucket(url: str | None) -> str | None:
+    if not url or "://" not in url:
+        return None
+    return urlparse(url).netloc or None
+
+
+def _words(e: BaseException) -> str:
+    text = str(e).strip()
+    return " ".join((text or type(e).__name__).split())
