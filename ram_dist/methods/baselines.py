@@ -28,7 +28,7 @@ from ram_dist.methods.parameters import (
     Parameter,
     variant,
 )
-from ram_dist.methods.registry import Chunk, Eager, State, TensorParams
+from ram_dist.methods.registry import Chunk, NoStatistics, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
@@ -380,11 +380,10 @@ def _zeros(n: int, device: torch.device) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class LinearMethod(Eager):
+class LinearMethod(NoStatistics):
     """mergekit's `linear`: the weighted mean of the task models (the base is not averaged)."""
 
     name: str = "linear"
-    rounds: int = 0
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -395,20 +394,6 @@ class LinearMethod(Eager):
         if params["normalize"] and sum(params["weight"]) == 0:
             raise RamDistError(f"{where}: the weights sum to 0; linear cannot normalize by it")
 
-    def initial_state(
-        self, params: Mapping[str, TensorParams], numel: Mapping[str, int], n_tasks: int
-    ) -> State:
-        return {}
-
-    def active(self, round_: int, state: State, tensor: str) -> bool:
-        return False
-
-    def chunk_statistics(self, *args: Any) -> dict[str, torch.Tensor]:
-        return {}
-
-    def finalize(self, *args: Any) -> State:
-        return args[-1]
-
     def merge_chunk(
         self,
         chunk: Chunk,
@@ -418,9 +403,6 @@ class LinearMethod(Eager):
         state: State,
     ) -> torch.Tensor:
         return linear.merge_chunk(tasks, _weights(params), normalize=bool(params["normalize"]))
-
-    def report(self, state: State) -> dict[str, Any]:
-        return {}
 
 
 #: mergekit's baselines, as `ram_dist.methods.METHODS` lists them.
