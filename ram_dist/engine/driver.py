@@ -84,8 +84,8 @@ def probe_on(job: Job, cluster: Cluster) -> dict[str, Any]:
     """`probe` once Ray is up and `probe_checks` has passed."""
     device = choose_device(job.config.device, cluster.gpus, cluster.cpus)
     job = job.replanned(device.slots, cluster.memory)
-    state, stats = reduce_pass(job, cluster, Progress(job.config.log_format))
-    return _report(job, state, {"reduce": stats.as_dict()}, [stats], device)
+    method_state, stats = reduce_pass(job, cluster, Progress(job.config.log_format))
+    return _report(job, method_state, {"reduce": stats.as_dict()}, [stats], device)
 
 
 Claim = dict[str, Any] | tuple[Job, OutputState, OutputLease]
@@ -117,9 +117,9 @@ def merge_checks(config: MergeConfig, held: contextlib.ExitStack) -> Claim:
         raise RamDistError("merge needs an output location (--out)")
     job = prepare(config)
     assert job.out is not None
-    state = open_output(job)
+    found = open_output(job)
     check_writable(job)
-    if state.finished:
+    if found.finished:
         return _finished_report(job)
     # One writer per output: claim it before writing anything, then look again under the
     # claim (a run that held it a moment ago may have written meanwhile).
@@ -128,10 +128,10 @@ def merge_checks(config: MergeConfig, held: contextlib.ExitStack) -> Claim:
         # The lease makes the folder: leave none behind when nothing was written.
         held.callback(_remove_if_empty, job.out)
     held.enter_context(lease)
-    state = open_output(job)
-    if state.finished:
+    found = open_output(job)
+    if found.finished:
         return _finished_report(job)
-    return job, state, lease
+    return job, found, lease
 
 
 def _remove_if_empty(folder: str) -> None:
@@ -140,7 +140,7 @@ def _remove_if_empty(folder: str) -> None:
 
 
 def _merge_held(
-    job: Job, state: OutputState, lease: OutputLease, cluster: Cluster
+    job: Job, found: OutputState, lease: OutputLease, cluster: Cluster
 ) -> dict[str, Any]:
     """The merge, once this run holds the output's lease."""
     config = job.config
@@ -151,7 +151,7 @@ def _merge_held(
         if lease.lost:
             raise RamDistError(f"output {job.out}: {lease.lost}; stopped before publishing more")
 
-    manifest = state.manifest
+    manifest = found.manifest
     fs, path = job.storage.fs(job.out)
     if config.overwrite:
         clear_published(job)
@@ -160,7 +160,7 @@ def _merge_held(
         progress.event("lease_taken_over", output=job.out, note=lease.note)
     progress.event(
         "job_start", command="merge", method=job.method.name, output=job.out,
-        units=len(job.units), resumed=state.resumed,
+        units=len(job.units), resumed=found.resumed,
     )  # fmt: skip
     cache, cache_note = input_cache(job)
     first_node: dict[int, str] = {}
@@ -168,16 +168,16 @@ def _merge_held(
     sink, pin_to = output_sink(job)
     passes: dict[str, Any] = {}
     measured: list[PassStats] = []
-    if manifest.statistics is not None:
-        state = manifest.statistics
+    if manifest.method_state is not None:
+        method_state = manifest.method_state
         passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
     else:
-        state, reduce_stats = reduce_pass(job, cluster, progress, cache, sink.min_part_bytes)
+        method_state, reduce_stats = reduce_pass(job, cluster, progress, cache, sink.min_part_bytes)
         first_node = reduce_stats.first_node
         passes["reduce"] = reduce_stats.as_dict()
         measured.append(reduce_stats)
         fs.makedirs(path, exist_ok=True)
-        manifest.statistics = state
+        manifest.method_state = method_state
         save_manifest(job.out, manifest, job.storage)
     names = non_weight_files(job.base.url, job.storage)
     copy_files(job.base.url, job.out, names, job.storage, config.out_dtype)
@@ -187,12 +187,14 @@ def _merge_held(
         manifest.writing.pop(shard, None)
     todo = [s for s in manifest.shard_names if s not in done]
     book = ShardBook(manifest, lambda: save_manifest(job.out, manifest, job.storage), still_ours)
-    map_stats = map_pass(job, cluster, state, todo, sink, book, progress, cache, first_node, pin_to)
+    map_stats = map_pass(
+        job, cluster, method_state, todo, sink, book, progress, cache, first_node, pin_to
+    )
     passes["map"] = map_stats.as_dict()
     measured.append(map_stats)
     cleaned = len(on_every_node(cache.remove)) if cache is not None else 0
 
-    report = _report(job, state, passes, measured, device)
+    report = _report(job, method_state, passes, measured, device)
     report["input_cache"] = _cache_report(job, cache, cache_note)
     report["input_cache"]["nodes_cleaned"] = cleaned
     report["output"] = {
@@ -307,14 +309,14 @@ def plan(config: MergeConfig) -> dict[str, Any]:
         job = job.replanned(*cluster)
     out: dict[str, Any] = {"output": None, "device": device}
     if job.out is not None:
-        state = open_output(job)
+        found = open_output(job)
         if job.storage.is_local(job.out):
             check_writable(job)
         out["output"] = {
             "url": job.out,
-            "state": "complete" if state.finished else "resume" if state.resumed else "new",
+            "state": "complete" if found.finished else "resume" if found.resumed else "new",
             "shards": list(job.layout.shards),
-            "shards_finished": sorted(state.manifest.shards) if state.resumed else [],
+            "shards_finished": sorted(found.manifest.shards) if found.resumed else [],
         }
         embedded = not (config.address or os.environ.get("RAY_ADDRESS"))
         sink, _ = output_sink(job, nodes=1 if embedded else None)
@@ -406,7 +408,7 @@ def _finished_report(job: Job) -> dict[str, Any]:
 
 def _report(
     job: Job,
-    state: dict[str, Any],
+    method_state: dict[str, Any],
     passes: dict[str, Any],
     measured: list[PassStats],
     device: DeviceChoice,
@@ -423,7 +425,7 @@ def _report(
         "chunk_bytes": job.chunk_bytes,
         "device": device.as_dict(),
     }
-    report.update(job.method.report(state))
+    report.update(job.method.report(method_state))
     for url, t in zip(config.tasks, report.get("tasks", []), strict=False):
         t["model"] = url
         if t["rho"] == float("inf"):

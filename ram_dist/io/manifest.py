@@ -27,8 +27,9 @@ class Manifest:
     shard_names: list[str]
     """Every shard the output will have, in order."""
     sharded: bool
-    statistics: dict[str, Any] | None = None
-    """The reduce pass's summed int64 statistics (the method's state), once known."""
+    method_state: dict[str, Any] | None = None
+    """The method's state after its reduce rounds (what it made of the summed statistics),
+    once known; stored under the key "statistics"."""
     shards: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Finished shards: name -> {"size", "digest", "parts": [{"start", "stop", "sha256",
     "etag"?}]}; `digest` is the sha256 of the parts' sha256 digests (`sinks.shard_digest`).
@@ -44,7 +45,7 @@ class Manifest:
             "identity": self.identity,
             "shard_names": self.shard_names,
             "sharded": self.sharded,
-            "statistics": self.statistics,
+            "statistics": self.method_state,
             "shards": self.shards,
             "writing": self.writing,
             "complete": self.complete,
@@ -57,7 +58,7 @@ class Manifest:
                 identity=raw["identity"],
                 shard_names=list(raw["shard_names"]),
                 sharded=bool(raw["sharded"]),
-                statistics=raw.get("statistics"),
+                method_state=raw.get("statistics"),
                 shards=dict(raw.get("shards") or {}),
                 writing=dict(raw.get("writing") or {}),
                 complete=bool(raw.get("complete")),
