@@ -119,12 +119,13 @@ def test_after_a_refusal(models, tmp_path) -> None:
 
 def test_after_a_failure_in_the_passes(models, tmp_path) -> None:
     """The shard cannot be created (a folder is in the way of its partial file): the map
-    pass fails after the reduce pass ran on Ray; exit 1, no shard, no index."""
+    pass fails after the reduce pass ran on Ray; exit 2 (the user must move the folder), one
+    line saying so, no shard, no index."""
     out = tmp_path / "out"
     (out / "model.safetensors.ram-dist-partial").mkdir(parents=True)
     code, text, seen = _run([*_args(models["base"], models["tasks"], out), "--overwrite"])
-    assert code == 1, text
-    assert "ram-dist-partial" in text
+    assert code == 2 and "a folder is in the way" in text, text
+    assert "model.safetensors" in text
     assert not (out / "model.safetensors").exists()
     _ray_started(seen)
     assert _left(seen) == []

@@ -138,6 +138,10 @@ def _explain(failure: Failure, url: str | None, action: str) -> str:
         if action == "read":
             return (f"no such file{detail}; was it deleted or moved while the job ran? "
                     "Restore it and run again")  # fmt: skip
+        if "EISDIR" in failure.detail:
+            return f"a folder is in the way{detail}; move it or fix the path"
+        if "ENOTDIR" in failure.detail:
+            return f"a file is in the way of a folder{detail}; move it or fix the path"
         return f"no such file or folder{detail}; fix the path or URL"
     if kind == "denied":
         return (f"permission denied{detail}; check the bucket policy or the file permissions, "
