@@ -6,7 +6,8 @@ and a driver that has received them show the store's pages, which grow with the 
 units, not with what the process itself holds. The private figure is psutil's USS (pages
 mapped by this process alone), which leaves those out, and shared libraries too. A
 `PeakMemory` samples it where memory peaks (every block, and with the merged bytes about to
-be returned), at most every `every_s` seconds: a sample reads `/proc/self/smaps_rollup`.
+be returned), rate-limited so that sampling costs little: a sample reads
+`/proc/self/smaps_rollup`.
 """
 
 from __future__ import annotations
@@ -42,19 +43,28 @@ def private_bytes() -> int:
 
 
 class PeakMemory:
-    """The largest `private_bytes` sampled while something runs (a task, the driver's job)."""
+    """The largest `private_bytes` sampled while something runs (a worker process, the
+    driver's job).
 
-    def __init__(self, every_s: float = 0.05) -> None:
+    A sample is not free: reading `smaps_rollup` of a Ray process takes about 10 ms here, as
+    long as a small unit's whole work. So samples are at least `every_s` apart and at least
+    `1 / max_share` times their own cost apart: sampling takes at most that share of the time.
+    """
+
+    def __init__(self, every_s: float = 0.05, max_share: float = 0.02) -> None:
         self.peak = 0
         self._every_s = every_s
+        self._max_share = max_share
+        self._gap = every_s
         self._last = float("-inf")
 
     def note(self, now: bool = False) -> int:
-        """Sample (when `now`, or `every_s` has passed since the last sample); the peak."""
+        """Sample (when `now`, or the gap has passed since the last sample); the peak."""
         t = time.monotonic()
-        if now or t - self._last >= self._every_s:
-            self._last = t
+        if now or t - self._last >= self._gap:
             self.peak = max(self.peak, private_bytes())
+            self._last = time.monotonic()
+            self._gap = max(self._every_s, (self._last - t) / self._max_share)
         return self.peak
 
 

@@ -218,8 +218,8 @@ class _OutputBuffer:
 
 @dataclass
 class TaskScope:
-    """What one task uses of its worker's context: the reused buffers, and its own
-    peak-memory sampler and input-cache traffic counters."""
+    """What one task uses of its worker's context: the reused buffers, the process's
+    peak-memory sampler, and the task's own input-cache traffic counters."""
 
     reads: _ReadBuffers
     output: _OutputBuffer
@@ -229,14 +229,16 @@ class TaskScope:
 
 class WorkerContext:
     """What a worker process keeps from one task to the next: its read and output buffers
-    (reused: fresh memory costs page faults). Each task enters `task()`, which gives it the
-    buffers with a fresh memory sampler and traffic counters; a worker runs one task at a
-    time (Ray's default for tasks), and a second task entering at once is an error rather
-    than two tasks sharing buffers."""
+    (reused: fresh memory costs page faults) and its peak memory (a unit reports the
+    process's peak so far: samples are rate-limited, and a small unit may take none). Each
+    task enters `task()`, which gives it these with fresh traffic counters; a worker runs one
+    task at a time (Ray's default for tasks), and a second task entering at once is an error
+    rather than two tasks sharing buffers."""
 
     def __init__(self) -> None:
         self._reads = _ReadBuffers()
         self._output = _OutputBuffer()
+        self._memory = PeakMemory()
         self._busy = threading.Lock()
 
     @contextlib.contextmanager
@@ -244,7 +246,7 @@ class WorkerContext:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("a worker context runs one task at a time")
         try:
-            yield TaskScope(self._reads, self._output, PeakMemory(), Traffic())
+            yield TaskScope(self._reads, self._output, self._memory, Traffic())
         finally:
             self._busy.release()
 
@@ -402,7 +404,7 @@ def reduce_unit(
         _add(totals, stats)
     return UnitResult(
         unit.index, totals, None, tuple(bytes_read), peak_rss(), nonfinite or None,
-        peak_private_bytes=scope.memory.note(now=True),
+        peak_private_bytes=scope.memory.note(),
     )  # fmt: skip
 
 
@@ -452,7 +454,7 @@ def reduce_group(
             tuple(map(sum, zip(*(r.bytes_read for r in results), strict=True))),
             max(r.peak_rss_bytes for r in results),
             nonfinite or None,
-            peak_private_bytes=scope.memory.note(now=True),
+            peak_private_bytes=scope.memory.note(),
             traffic=scope.traffic.total(),
             **_ran_by(),
         )
@@ -492,7 +494,7 @@ def map_unit(
         )
         return UnitResult(
             unit.index, None, data, tuple(bytes_read), peak_rss(),
-            fused_elements=fused_elements, peak_private_bytes=scope.memory.note(now=True),
+            fused_elements=fused_elements, peak_private_bytes=scope.memory.note(),
             traffic=scope.traffic.total(),
         )  # fmt: skip
 
@@ -575,7 +577,7 @@ def _map_part(
     receipt = target.write(part, data, digest.digest())
     return UnitResult(
         part.units[0] if part.units else -1, None, None, tuple(bytes_read), peak_rss(),
-        fused_elements=fused_elements, peak_private_bytes=scope.memory.note(now=True),
+        fused_elements=fused_elements, peak_private_bytes=scope.memory.note(),
         receipt=receipt, traffic=scope.traffic.total(), **_ran_by(),
     )  # fmt: skip
 
@@ -658,6 +660,6 @@ def _typed(raw: np.ndarray, dtype: str) -> np.ndarray | None:
 
 
 def _blocks(numel: int) -> list[tuple[int, int]]:
-    """Split a piece into compute blocks, so float temporaries stay small whatever the chunk
+    """Split a piece into compute blocks, so float temporaries stay small whatever the unit
     budget (the rule is element-wise: the split changes no byte)."""
     return [(lo, min(lo + COMPUTE_BLOCK, numel)) for lo in range(0, numel, COMPUTE_BLOCK)]
