@@ -74,10 +74,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--runs", default=DEFAULT_RUNS, help="configurations to measure, or none")
     p.add_argument(
-        "--chunk-mb", type=int, default=None, help="ram-dist --chunk-mb (default: its own)"
+        "--unit-mb", type=int, default=None, help="ram-dist --unit-mb (default: its own)"
     )
     p.add_argument(
-        "--memory-chunk-mb", type=int, default=64, help="--chunk-mb of the memory-scaling runs"
+        "--memory-unit-mb", type=int, default=64, help="--unit-mb of the memory-scaling runs"
     )
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--r", type=float, default=0.1, help="RAM+ r (ram-dist and mergekit)")
@@ -177,7 +177,7 @@ def memory_scaling(
     """ram-dist ``ram_plus`` once per model size, each in ``WORKDIR/mem-SIZE``."""
     rows: list[dict[str, Any]] = []
     run = Run("ramdist", "ram_plus")
-    args = argparse.Namespace(**(vars(args) | {"chunk_mb": args.memory_chunk_mb}))
+    args = argparse.Namespace(**(vars(args) | {"unit_mb": args.memory_unit_mb}))
     cli, env = cli_command(args.cli)
     for size in sizes:
         sub = args.workdir / f"mem-{size / 1e9:g}B"
@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         compare(args, runs, result)
     if args.memory_sizes and not args.generate_only:
         rows = memory_scaling(args, args.memory_sizes, method_params(args))
-        print_memory_scaling(rows, args.memory_chunk_mb)
+        print_memory_scaling(rows, args.memory_unit_mb)
         result["memory_scaling"] = rows
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -5,7 +5,7 @@ layers, hidden 16384, 128 heads, 8 KV heads, intermediate 53248, vocab 128256, u
 ``lm_head``, bf16; Hugging Face ``LlamaForCausalLM`` names) in 191 shards each with a
 ``model.safetensors.index.json``, as sparse files: each shard's real safetensors header,
 then ``truncate`` to its full size (about 4.2 GB of holes, no data). Then it runs
-``ram-dist plan --base B --task T1 --task T2 --task T3 --chunk-mb 256`` as a subprocess and
+``ram-dist plan --base B --task T1 --task T2 --task T3 --unit-mb 256`` as a subprocess and
 prints its wall time, CPU time and peak RSS (``os.wait4``) as a Markdown table, beside the
 same for a bare import of ram-dist's modules (what every command pays first). Target: at most
 5 s and 1 GiB. Every tensor-free step of a merge is in it: listing, index and header reads,
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--workdir", help="where to write the checkpoints (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     parser.add_argument("--repeats", type=int, default=3, help="runs of `ram-dist plan` (3)")
-    parser.add_argument("--chunk-mb", default="256", help="`--chunk-mb` of the plan (256)")
+    parser.add_argument("--unit-mb", default="256", help="`--unit-mb` of the plan (256)")
     parser.add_argument("--cli", help='run this instead of ram-dist (e.g. "env PYTHONPATH=...")')
     parser.add_argument("--profile", help="run once more under cProfile, writing this file")
     args = parser.parse_args()
@@ -89,7 +89,7 @@ def main() -> None:
         argv = ["plan", "--base", str(folders[0])]
         for f in folders[1:]:
             argv += ["--task", str(f)]
-        argv += ["--chunk-mb", args.chunk_mb]
+        argv += ["--unit-mb", args.unit_mb]
         imports = None if args.cli else [sys.executable, "-c", IMPORTS]
         rows: list[list[float]] = []
         for k in range(args.repeats):
@@ -104,7 +104,7 @@ def main() -> None:
             run_process([*profiled, "-m", "ram_dist.cli", *argv], env, root / "plan-profile.log")
         print(
             f"Llama-3.1-405B layout, base + 3 tasks: {files} files, "
-            f"{logical / 1e12:.2f} TB logical (sparse), `--chunk-mb {args.chunk_mb}`\n"
+            f"{logical / 1e12:.2f} TB logical (sparse), `--unit-mb {args.unit_mb}`\n"
         )
         print(
             "| run | `plan` wall s | CPU s | peak RSS MiB "

@@ -126,8 +126,8 @@ def merge(run: str, mode: str, args: argparse.Namespace, options: dict, env: dic
     for name in names[1:]:
         cmd += ["--task", f"s3://{BUCKET}/in/{name}"]
     cmd += ["--input-cache", mode, "--storage-options", json.dumps(options)]
-    if args.chunk_mb is not None:
-        cmd += ["--chunk-mb", str(args.chunk_mb)]
+    if args.unit_mb is not None:
+        cmd += ["--unit-mb", str(args.unit_mb)]
     cmd += ["--address", "local", *args.merge_arg]
     if args.workers:
         cmd += ["--workers", str(args.workers)]
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/ram-dist-bench-s3"))
     p.add_argument("--shard-mb", type=int, default=2000, help="largest input shard (MB)")
     p.add_argument(
-        "--chunk-mb", type=float, default=None, help="ram-dist's --chunk-mb (default: its own)"
+        "--unit-mb", type=float, default=None, help="ram-dist's --unit-mb (default: its own)"
     )
     p.add_argument("--workers", type=int, default=None, help="ram-dist's --workers")
     p.add_argument(

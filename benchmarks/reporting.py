@@ -131,10 +131,10 @@ def print_task_stats(report: dict[str, Any]) -> None:
         )
 
 
-def print_memory_scaling(rows: list[dict[str, Any]], chunk_mb: int) -> None:
+def print_memory_scaling(rows: list[dict[str, Any]], unit_mb: int) -> None:
     """Per size: worker and driver peaks, as RSS (with the pages of Ray's object store that
     the process touched) and private (without them), and the spread of the worker peaks."""
-    print(f"\nmemory scaling: ram-dist ram_plus, --chunk-mb {chunk_mb}, one run per size")
+    print(f"\nmemory scaling: ram-dist ram_plus, --unit-mb {unit_mb}, one run per size")
     print(
         f"{'params':>14}  {'inputs':>10}  {'units':>6}  {'worker RSS':>11}  "
         f"{'worker private':>14}  {'driver RSS':>11}  {'driver private':>14}"

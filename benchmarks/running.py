@@ -230,8 +230,8 @@ class Bench:
             for name in model_names()[1:]:
                 argv += ["--task", str(self.models_dir / name)]
             argv += ["--out", str(out), "--method", run.method]
-            if self.args.chunk_mb is not None:
-                argv += ["--chunk-mb", str(self.args.chunk_mb)]
+            if self.args.unit_mb is not None:
+                argv += ["--unit-mb", str(self.args.unit_mb)]
             if self.args.workers is not None:
                 argv += ["--workers", str(self.args.workers)]
             argv += ramdist_method_args(run.method, self.params) + list(self.args.merge_arg)

@@ -6,7 +6,7 @@ Usage::
 
 from the repository root. It reads the JSON that ``bench_merge --json`` writes (it needs
 ``ramdist:ram_plus`` in the runs) and prints Markdown: bytes moved per pass, work units at
-the measured chunk budget, memory per worker, and estimated pass times for 1 to 128 workers.
+the measured unit budget, memory per worker, and estimated pass times for 1 to 128 workers.
 It is a MODEL, not a measurement: it extrapolates per-worker throughput measured on a small
 synthetic model and assumes the passes scale linearly with workers until the storage
 bandwidth of the nodes caps them.
@@ -53,21 +53,21 @@ def gib(nbytes: float | None) -> str:
     return "n/a" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
 
 
-def size_table(params: float, chunk_bytes: int) -> list[str]:
+def size_table(params: float, unit_budget_bytes: int) -> list[str]:
     """Bytes and work units for one model size."""
     per_input = DTYPE_BYTES * params
-    units = math.ceil(per_input / chunk_bytes)
+    units = math.ceil(per_input / unit_budget_bytes)
     return [
         f"| input bytes per pass (4 x 2 B x params) | {CHECKPOINTS * per_input / GB:,.0f} GB |",
         f"| bytes read, both passes | {2 * CHECKPOINTS * per_input / GB:,.0f} GB |",
         f"| bytes written (merged bf16 model) | {per_input / GB:,.0f} GB |",
-        f"| work units per pass (~ 2 B x params / chunk) | {units:,} |",
+        f"| work units per pass (~ 2 B x params / unit budget) | {units:,} |",
     ]
 
 
 def time_table(
     params: float,
-    chunk_bytes: int,
+    unit_budget_bytes: int,
     rate: float,
     workers: Sequence[int],
     cores_per_node: int,
@@ -77,7 +77,7 @@ def time_table(
     per_input = DTYPE_BYTES * params
     input_gb = CHECKPOINTS * per_input / GB
     moved_gb = (2 * CHECKPOINTS * per_input + per_input) / GB
-    units = math.ceil(per_input / chunk_bytes)
+    units = math.ceil(per_input / unit_budget_bytes)
     lines = [
         "| workers | nodes | linear scaling | storage cap | estimate | bound by |",
         "|---:|---:|---:|---:|---:|---|",
@@ -109,39 +109,39 @@ def mergekit_lines(result: dict[str, Any], sizes: Sequence[float]) -> list[str]:
     return lines
 
 
-def chunk_bytes_of(result: dict[str, Any]) -> int:
-    """The chunk budget the ram_plus runs used: the one given, else the one ram-dist chose
+def unit_budget_of(result: dict[str, Any]) -> int:
+    """The unit budget the ram_plus runs used: the one given, else the one ram-dist chose
     (recorded in its report)."""
-    if result["config"].get("chunk_mb") is not None:
-        return int(result["config"]["chunk_mb"] * 2**20)
-    return int(result["last_reports"]["ramdist:ram_plus"]["chunk_bytes"])
+    if result["config"].get("unit_mb") is not None:
+        return int(result["config"]["unit_mb"] * 2**20)
+    return int(result["last_reports"]["ramdist:ram_plus"]["unit_budget_bytes"])
 
 
 def memory_lines(result: dict[str, Any]) -> list[str]:
     med = result["median"]["ramdist:ram_plus"]
     lines = [
         f"* largest worker peak RSS, measured: {gib(med.get('worker_peak_rss_bytes'))} at "
-        f"--chunk-mb {chunk_bytes_of(result) // 2**20}; a worker holds two read blocks of at "
-        "most 4M elements per input and one unit's merged bytes (at most chunk-mb), so it is "
-        "bounded by the chunk budget, not by the model size: the same figure is assumed for "
+        f"--unit-mb {unit_budget_of(result) // 2**20}; a worker holds two read blocks of at "
+        "most 4M elements per input and one unit's merged bytes (at most unit-mb), so it is "
+        "bounded by the unit budget, not by the model size: the same figure is assumed for "
         "70B and 405B.",
         f"* driver peak RSS, measured: {gib(med.get('driver_peak_rss_bytes'))}; on the direct "
         "output paths (S3 parts, a local or shared filesystem) no merged byte reaches the "
         "driver, which keeps the plan, the statistics and the manifest; the memory scaling "
         "rows, if any, show whether it grows with the model.",
     ]
-    chunk_bytes = chunk_bytes_of(result)
-    if result["model"]["base_bytes"] < chunk_bytes:
+    unit_budget_bytes = unit_budget_of(result)
+    if result["model"]["base_bytes"] < unit_budget_bytes:
         lines.append(
-            "* CAUTION: the measured model is smaller than one chunk per input "
-            f"({gib(result['model']['base_bytes'])} < {gib(chunk_bytes)}), so its work units "
+            "* CAUTION: the measured model is smaller than one unit budget per input "
+            f"({gib(result['model']['base_bytes'])} < {gib(unit_budget_bytes)}), so its work units "
             "were smaller than a 70B model's: the worker figure understates a full unit. "
-            "Measure with --params of at least chunk-mb x 2**20 / 2, or use the memory scaling "
+            "Measure with --params of at least unit-mb x 2**20 / 2, or use the memory scaling "
             "rows."
         )
     rows = result.get("memory_scaling") or []
     if rows:
-        lines.append("* memory scaling run (ram_plus, one run per size, same --chunk-mb):")
+        lines.append("* memory scaling run (ram_plus, one run per size, same --unit-mb):")
         for row in rows:
             lines.append(
                 f"  * {row['params'] / 1e9:.3f} B params: largest worker "
@@ -153,7 +153,7 @@ def memory_lines(result: dict[str, Any]) -> list[str]:
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     rate, used = rate_per_worker(result)
-    chunk_bytes = chunk_bytes_of(result)
+    unit_budget_bytes = unit_budget_of(result)
     model = result["model"]
     out = [
         "# ram-dist scaling model (an extrapolation, not a measurement)",
@@ -171,10 +171,10 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     ]
     for params in args.sizes:
         out += ["", f"## {params / 1e9:g}B parameters", "", "| quantity | value |", "|---|---:|"]
-        out += size_table(params, chunk_bytes)
+        out += size_table(params, unit_budget_bytes)
         out += ["", "Estimated time of the two passes:", ""]
         out += time_table(
-            params, chunk_bytes, rate, args.workers, args.cores_per_node, args.bandwidth_gbs
+            params, unit_budget_bytes, rate, args.workers, args.cores_per_node, args.bandwidth_gbs
         )
     out += ["", "## Memory per worker", ""] + memory_lines(result)
     mk = mergekit_lines(result, args.sizes)

@@ -4,7 +4,7 @@
 
 Runs where `ram-dist merge` runs (the Ray job's driver): the package comes from the image or
 from `ray job submit --working-dir .`. RUN_ID is `--run-id`, else $RAM_DIST_RUN_ID, else today's
-UTC date (YYYY-MM-DD). Every other flag means what it means to `ram-dist merge` (`--chunk-mb
+UTC date (YYYY-MM-DD). Every other flag means what it means to `ram-dist merge` (`--unit-mb
 256`, `--storage-options JSON`, ...), read by its parser; the output location is this script's
 to choose. The merge is ram-dist's Python API (`ram_dist.api.run_merge`), in this process.
 
@@ -55,7 +55,7 @@ def build_nightly_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nightly.py",
         description="Merge into OUT_ROOT/RUN_ID, then point OUT_ROOT/latest at it.",
-        epilog="Other arguments (CONFIG, --chunk-mb, --storage-options, ...) go to "
+        epilog="Other arguments (CONFIG, --unit-mb, --storage-options, ...) go to "
         "`ram-dist merge`.",
         allow_abbrev=False,  # `--out` must not pass for `--out-root`
     )

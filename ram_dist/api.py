@@ -162,7 +162,7 @@ class PlanReport(Report):
     config: MergeConfig = field(repr=False)
     method: str
     work_units: int
-    chunk_bytes: int
+    unit_budget_bytes: int
     """Bytes one work unit may read from each input."""
     device: str | None
     """`cpu` or `cuda`; None where the cluster is not known before a merge connects."""
@@ -181,7 +181,7 @@ class PlanReport(Report):
             config=config,
             method=data["method"],
             work_units=data["work_units"],
-            chunk_bytes=data["chunk_bytes"],
+            unit_budget_bytes=data["unit_budget_bytes"],
             device=(data.get("device") or {}).get("device"),
             output_state=output.get("state"),
             output_path=output.get("path"),
@@ -237,7 +237,7 @@ def merge(
     parameters: Mapping[str, Any] | None = None,
     task_parameters: Sequence[Mapping[str, Any]] | None = None,
     out_dtype: str | None = None,
-    chunk_bytes: int | None = None,
+    unit_budget_bytes: int | None = None,
     workers: int | None = None,
     device: str | None = None,
     address: str | None = None,
@@ -265,7 +265,7 @@ def probe(
     parameters: Mapping[str, Any] | None = None,
     task_parameters: Sequence[Mapping[str, Any]] | None = None,
     out_dtype: str | None = None,
-    chunk_bytes: int | None = None,
+    unit_budget_bytes: int | None = None,
     workers: int | None = None,
     device: str | None = None,
     address: str | None = None,
@@ -295,7 +295,7 @@ def plan(
     parameters: Mapping[str, Any] | None = None,
     task_parameters: Sequence[Mapping[str, Any]] | None = None,
     out_dtype: str | None = None,
-    chunk_bytes: int | None = None,
+    unit_budget_bytes: int | None = None,
     workers: int | None = None,
     device: str | None = None,
     address: str | None = None,
@@ -337,7 +337,7 @@ def job_config(
     parameters: Mapping[str, Any] | None = None,
     task_parameters: Sequence[Mapping[str, Any]] | None = None,
     out_dtype: str | None = None,
-    chunk_bytes: int | None = None,
+    unit_budget_bytes: int | None = None,
     workers: int | None = None,
     device: str | None = None,
     address: str | None = None,
@@ -359,7 +359,7 @@ def job_config(
     `epsilon`, `lambda`, `normalize`, `rescale`, `seed`, and `weight`, `density` for every
     task), each a value, a list across the layers or `{filter, value}` entries as in the YAML
     file; they go over the file's key by key. `task_parameters`: one mapping per task
-    (`weight`, `density`), over the file's per-model parameters. `chunk_bytes`: `--chunk-mb`
+    (`weight`, `density`), over the file's per-model parameters. `unit_budget_bytes`: `--unit-mb`
     in bytes. `storage_options`: fsspec options per protocol. The rest are the flags of the
     same names; see `MergeConfig` for each one's meaning and default.
     """
@@ -387,8 +387,9 @@ def job_config(
             given = [{**f, **g} for f, g in zip(from_file, given, strict=True)]
         kwargs["task_parameters"] = tuple(given)
     flags = {
-        "out": out, "method": method, "out_dtype": out_dtype, "chunk_bytes": chunk_bytes,
-        "workers": workers, "device": device, "address": address, "kernels": kernels,
+        "out": out, "method": method, "out_dtype": out_dtype,
+        "unit_budget_bytes": unit_budget_bytes, "workers": workers, "device": device,
+        "address": address, "kernels": kernels,
         "input_cache": input_cache, "cache_dir": cache_dir, "log_format": log_format,
     }  # fmt: skip
     kwargs.update({k: _fspath(v) for k, v in flags.items() if v is not None})

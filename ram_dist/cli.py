@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ram_dist import __version__
 from ram_dist.engine.devices import DEVICES
-from ram_dist.engine.sizing import MAX_CHUNK_BYTES
+from ram_dist.engine.sizing import MAX_UNIT_BUDGET
 from ram_dist.errors import RamDistError
 from ram_dist.io.failures import is_storage_failure, storage_error
 from ram_dist.io.range_cache import MODES as CACHE_MODES
@@ -92,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Renamed(argparse.Action):
+    """A flag's old name: takes the value as the new name would, and says the new name."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[no-untyped-def]
+        new = "--" + self.dest.replace("_", "-")
+        print(f"ram-dist: {option_string} is now called {new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="mergekit-style YAML config (instead of flags)")
     p.add_argument("out_positional", nargs="?", metavar="OUT", help=argparse.SUPPRESS)
@@ -109,11 +118,14 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
         "--out-dtype", default=None, help="dtype of merged tensors (default: the base's)"
     )
     p.add_argument(
-        "--chunk-mb",
+        "--unit-mb",
         type=float,
         default=None,
         help="input MiB one work unit may read, per input (default: from the cluster's cores "
-        f"and memory, at most {MAX_CHUNK_BYTES // 2**20})",
+        f"and memory, at most {MAX_UNIT_BUDGET // 2**20})",
+    )
+    p.add_argument(  # the flag's name before 0.2: scripts and manifests still pass it
+        "--chunk-mb", dest="unit_mb", type=float, action=_Renamed, help=argparse.SUPPRESS
     )
     p.add_argument(
         "--workers",
@@ -212,10 +224,10 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
         )
     if args.out_dtype is not None:
         kwargs["out_dtype"] = args.out_dtype
-    if args.chunk_mb is not None:
-        if not args.chunk_mb > 0:
-            raise RamDistError(f"--chunk-mb must be positive, got {args.chunk_mb}")
-        kwargs["chunk_bytes"] = max(1, int(args.chunk_mb * 2**20))
+    if args.unit_mb is not None:
+        if not args.unit_mb > 0:
+            raise RamDistError(f"--unit-mb must be positive, got {args.unit_mb}")
+        kwargs["unit_budget_bytes"] = max(1, int(args.unit_mb * 2**20))
     kwargs["workers"] = args.workers
     if args.device is not None:
         kwargs["device"] = args.device

@@ -38,7 +38,7 @@ class MergeConfig:
     """Per-task parameters (weight, density), in task order; empty: none given."""
     out_dtype: str | None = None
     """Safetensors dtype of merged floating tensors; None keeps each base tensor's dtype."""
-    chunk_bytes: int | None = None
+    unit_budget_bytes: int | None = None
     """Bytes one work unit may read from each input; None: chosen from the cluster's cores
     and memory (`engine.sizing`, at most 256 MiB)."""
     workers: int | None = None
@@ -100,8 +100,8 @@ class MergeConfig:
             # absolute here: the workers' current folder is not the driver's
             absolute = os.path.abspath(os.path.expanduser(self.cache_dir))
             object.__setattr__(self, "cache_dir", absolute)
-        if self.chunk_bytes is not None and self.chunk_bytes <= 0:
-            raise RamDistError(f"chunk budget must be positive, got {self.chunk_bytes} bytes")
+        if self.unit_budget_bytes is not None and self.unit_budget_bytes <= 0:
+            raise RamDistError(f"unit budget must be positive, got {self.unit_budget_bytes} bytes")
         if self.workers is not None and self.workers < 1:
             raise RamDistError(f"workers must be >= 1, got {self.workers}")
         Storage(self.storage_options)  # raises on a malformed mapping

@@ -210,9 +210,7 @@ def _method_text(method: str) -> str:
         if method == "ramplus_tl":
             return text + " `lambda_t` is computed per tensor from that tensor's counts."
         return text + " `lambda_t` grows with the task's ratio `rho_t` of shared to unique changes."
-    return (
-        f"`{method}`, computed as mergekit computes it (float32), streamed chunk by chunk on Ray."
-    )
+    return f"`{method}`, computed as mergekit computes it (float32), streamed unit by unit on Ray."
 
 
 def ram_task_table(report: Mapping[str, Any]) -> list[str]:

@@ -92,7 +92,8 @@ def format_plan(plan: dict[str, Any]) -> str:
                      f"{_size(size)})")  # fmt: skip
     lines += [
         f"tensors: {t['merged']} merged ({t['elements_merged']} elements), {t['copied']} copied",
-        f"work units: {plan['work_units']} (chunk budget {_size(plan['chunk_bytes'])} per input)",
+        f"work units: {plan['work_units']}"
+        f" (unit budget {_size(plan['unit_budget_bytes'])} per input)",
         f"reduce: {b['reduce_rounds']} round(s), up to {_size(b['reduce_round'])} read each"
         + (f" ({b['reduce_rounds_note']})" if b["reduce_rounds_note"] else ""),
         f"map: {_size(b['map'])} read",

@@ -53,7 +53,7 @@ def plan_units(slots: list[TensorSlot], budget_bytes: int) -> list[WorkUnit]:
     widest = max((s.max_itemsize for s in slots), default=1)
     if budget_bytes < widest:
         raise RamDistError(
-            f"chunk budget of {budget_bytes} bytes cannot hold one element ({widest} bytes)"
+            f"unit budget of {budget_bytes} bytes cannot hold one element ({widest} bytes)"
         )
     units: list[WorkUnit] = []
     pieces: list[Piece] = []
@@ -169,7 +169,7 @@ def parts_as_recorded(
     next_index: int,
 ) -> tuple[list[Part], list[WorkUnit]] | None:
     """Cut a shard's `units` (in order) again so that its parts are the byte `ranges` a
-    resumed run recorded, whatever chunk budget planned the units now: a unit that straddles
+    resumed run recorded, whatever unit budget planned the units now: a unit that straddles
     a range's end is split there (the new pieces get indices from `next_index` on). Returns
     the parts and the units, or None when the ranges do not tile the shard or one ends inside
     an element. `itemsize` is each tensor's output itemsize."""

@@ -52,8 +52,8 @@ def mean_method(tmp_path, monkeypatch):
         ray.cloudpickle.unregister_pickle_by_value(module)
 
 
-@pytest.mark.parametrize("chunk_bytes", [700, 1 << 20])
-def test_readme_example_method_merges_exactly(tmp_path, mean_method, chunk_bytes) -> None:
+@pytest.mark.parametrize("unit_budget_bytes", [700, 1 << 20])
+def test_readme_example_method_merges_exactly(tmp_path, mean_method, unit_budget_bytes) -> None:
     base_dir, task_dirs, base, tasks = build_model_set(tmp_path / "in", seed=3)
     out = tmp_path / "out"
     report = driver.merge(
@@ -62,7 +62,7 @@ def test_readme_example_method_merges_exactly(tmp_path, mean_method, chunk_bytes
             tasks=tuple(map(str, task_dirs)),
             method="mean",
             out=str(out),
-            chunk_bytes=chunk_bytes,
+            unit_budget_bytes=unit_budget_bytes,
         )
     )
     assert report["method"] == "mean"

@@ -118,7 +118,7 @@ def test_merge_in_a_process_with_ray_uses_it_and_reports(models, example_run, ra
     out = tmp_path / "merged"
     report = ram_dist.merge(
         base=root / "qwen-base", tasks=[root / t for t in TASKS], out=out,
-        parameters={"r": 0.1, "alpha": 2.0}, chunk_bytes=8192,
+        parameters={"r": 0.1, "alpha": 2.0}, unit_budget_bytes=8192,
     )  # fmt: skip
     assert ray.is_initialized() and ray.get_runtime_context().get_job_id() == job
 
@@ -131,13 +131,13 @@ def test_merge_in_a_process_with_ray_uses_it_and_reports(models, example_run, ra
     assert report.lambdas == tuple(ref["lambda32"])
     assert set(report.pass_seconds) == {"reduce", "map"}
     assert all(s > 0 for s in report.pass_seconds.values())
-    assert report.config.chunk_bytes == 8192 and report["chunk_bytes"] == 8192
+    assert report.config.unit_budget_bytes == 8192 and report["unit_budget_bytes"] == 8192
     stored = json.loads((out / "merge_report.json").read_text())
     assert report.as_dict() == stored and json.loads(report.to_json()) == stored
     assert [t["model"] for t in report["tasks"]] == [str(root / t) for t in TASKS]
     with pytest.raises(dataclasses.FrozenInstanceError):
         report.out = "elsewhere"  # type: ignore[misc]
-    # Another chunk budget than the README's example: the same bytes.
+    # Another unit budget than the README's example: the same bytes.
     assert _shard_bytes(out) == _shard_bytes(root / "merged")
 
     written = {s: (out / s).stat().st_mtime_ns for s in shards}
@@ -245,12 +245,12 @@ def test_settings_and_defaults_are_the_commands(tmp_path):
     }
     config_file = tmp_path / "ties.yaml"
     config_file.write_text(json.dumps(mergekit))  # JSON is YAML
-    overrides = ["--lambda", "0.5", "--weight", "2", "--weight", "1", "--chunk-mb", "1"]
+    overrides = ["--lambda", "0.5", "--weight", "2", "--weight", "1", "--unit-mb", "1"]
     from_cli = config_from_args(parse(["merge", str(config_file), "o", *overrides]))
     for given in (config_file, str(config_file), mergekit):
         from_api = job_config(
             config=given, out=Path("o"), parameters={"lambda": 0.5},
-            task_parameters=[{"weight": 2.0}, {"weight": 1.0}], chunk_bytes=2**20,
+            task_parameters=[{"weight": 2.0}, {"weight": 1.0}], unit_budget_bytes=2**20,
         )  # fmt: skip
         assert from_api == from_cli
     assert from_cli.task_parameters == (

@@ -259,7 +259,7 @@ def test_output_holding_another_finished_merge(inputs, tmp_path, capsys):
         (["--method", "slerp"], "unknown merge method 'slerp'; valid methods: dare_linear"),
         (["--weight", "1", "--weight", "2", "--weight", "3"], "--weight given 3 times for 2"),
         (["--method", "ram", "--density", "0.5"], "method ram has no per-model parameter"),
-        (["--chunk-mb", "0"], "--chunk-mb must be positive"),
+        (["--unit-mb", "0"], "--unit-mb must be positive"),
     ],
 )
 def test_parameters_out_of_range(inputs, tmp_path, capsys, flags, fragment):

@@ -61,7 +61,7 @@ def _mergekit(config: dict, out: Path) -> dict[str, torch.Tensor]:
 def _ours(config: dict, tmp_path: Path, name: str, **overrides) -> dict[str, torch.Tensor]:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    kwargs = load_yaml(str(path)) | {"out": str(tmp_path / name), "chunk_bytes": 3000}
+    kwargs = load_yaml(str(path)) | {"out": str(tmp_path / name), "unit_budget_bytes": 3000}
     driver.merge(MergeConfig(**(kwargs | overrides)))
     return load_checkpoint(tmp_path / name)
 
@@ -143,7 +143,7 @@ def test_close_to_mergekit_where_the_order_of_operations_differs(models, tmp_pat
 
 
 def test_ties_with_many_equal_magnitudes_matches_a_whole_tensor_reference(tmp_path):
-    """A tensor larger than the chunk budget whose magnitudes tie at the cut."""
+    """A tensor larger than the unit budget whose magnitudes tie at the cut."""
     g = torch.Generator().manual_seed(0)
     values = torch.tensor([0.25, -0.25, 0.5, -0.5, 1.0, -1.0])
     base = {"w": torch.zeros(96, 64), "v": torch.randn(50, generator=g)}
@@ -172,7 +172,7 @@ def test_ties_with_many_equal_magnitudes_matches_a_whole_tensor_reference(tmp_pa
                 task_parameters=tuple(
                     {"weight": w, "density": d} for w, d in zip(weights, densities, strict=True)
                 ),
-                chunk_bytes=budget,
+                unit_budget_bytes=budget,
                 workers=workers,
             )
         )
@@ -226,7 +226,7 @@ def test_dare_seed_fixes_the_bytes_and_keeps_the_l1_norm(models, tmp_path):
                 method="dare_linear",
                 parameters={"density": 0.5, "seed": seed},
                 task_parameters=({"weight": 0.0}, {"weight": 0.0}, {"weight": 1.0}),  # task 3: 54%
-                chunk_bytes=budget,
+                unit_budget_bytes=budget,
                 workers=workers,
             )
         )

@@ -493,7 +493,7 @@ def test_manifest_entrypoint_and_configmap_make_a_valid_job(label, spec, tmp_pat
     job = config_from_args(args)
     assert job.out.startswith("s3://") and job.base.startswith("s3://")
     assert len(job.tasks) == 3 and all(t.startswith("s3://") for t in job.tasks)
-    assert job.chunk_bytes == 256 * 2**20
+    assert job.unit_budget_bytes == 256 * 2**20
 
 
 @needs_storage
@@ -729,9 +729,9 @@ def test_nightly_merges_into_the_run_folder_then_moves_latest(nightly_job, capsy
     # Storage options go to the merge as given, but never into the log (they may hold keys).
     secret = '{"s3": {"secret": "do-not-log"}}'
     argv = [str(config), "--out-root", str(root), "--run-id", "2026-01-31"]
-    assert nightly.main([*argv, "--storage-options", secret, "--chunk-mb", "2"]) == 0
+    assert nightly.main([*argv, "--storage-options", secret, "--unit-mb", "2"]) == 0
     assert calls[-1].storage_options == {"s3": {"secret": "do-not-log"}}
-    assert calls[-1].chunk_bytes == 2 * 2**20
+    assert calls[-1].unit_budget_bytes == 2 * 2**20
     assert "do-not-log" not in capsys.readouterr().out
 
 
@@ -1041,7 +1041,7 @@ def test_submitted_nightly_merges_publishes_latest_and_skips_a_rerun(
         config_file.write_text(yaml.safe_dump(config))
         run = shlex.join(
             ["python", "jobs/nightly.py", str(config_file), "--out-root", root]
-            + ["--run-id", "2026-01-31", "--chunk-mb", "0.05"]
+            + ["--run-id", "2026-01-31", "--unit-mb", "0.05"]
         )
         job_id = ray_head.client().submit_job(
             entrypoint=f"{run} && {run}", runtime_env=_job_runtime_env(env_vars)
@@ -1062,7 +1062,7 @@ def test_submitted_nightly_merges_publishes_latest_and_skips_a_rerun(
     assert latest == f"{out}\n"
     expected, _ = _expected_for(config, models)
     _assert_bytes_equal(local, expected)
-    # Another chunk budget, the same bytes as the documented command's output.
+    # Another unit budget, the same bytes as the documented command's output.
     assert _weights(local) == _weights(cli_job_output)
 
 

@@ -38,7 +38,7 @@ def _fetch_and_compare(fs, prefix: str, expected: dict, tmp_path) -> None:
 def test_driver_killed_mid_shard_resumes_inside_it(big, options, fs, server, tmp_path):
     out = f"s3://{BUCKET}/killed"
     args = [sys.executable, "-m", "ram_dist.cli", "merge", "--base", big["s3"][0],
-            "--out", out, "--chunk-mb", "1", "--workers", "1",
+            "--out", out, "--unit-mb", "1", "--workers", "1",
             "--storage-options", json.dumps(options)]  # fmt: skip
     for t in big["s3"][1]:
         args += ["--task", t]
@@ -120,7 +120,7 @@ def test_three_nodes_upload_parts_and_survive_a_killed_worker(big, options, fs, 
     ray.init(address=cluster.address, log_to_driver=False)
     out = f"s3://{BUCKET}/cluster"
     config = MergeConfig(
-        base=big["s3"][0], tasks=tuple(big["s3"][1]), out=out, chunk_bytes=2**20,
+        base=big["s3"][0], tasks=tuple(big["s3"][1]), out=out, unit_budget_bytes=2**20,
         storage_options=options, input_cache="off",
     )  # fmt: skip
     errors: list[BaseException] = []
@@ -157,7 +157,7 @@ def test_three_nodes_upload_parts_and_survive_a_killed_worker(big, options, fs, 
             out_dir = tmp_path / f"local-{shared}"
             local[shared] = driver.merge(
                 MergeConfig(base=str(big["base"]), tasks=tuple(map(str, big["tasks"])),
-                            out=str(out_dir), chunk_bytes=2**20, output_shared=shared)
+                            out=str(out_dir), unit_budget_bytes=2**20, output_shared=shared)
             )["passes"]["map"]  # fmt: skip
             merged = load_checkpoint(out_dir)
             assert all(torch.equal(merged[k], v) for k, v in big["expected"].items())

@@ -42,10 +42,10 @@ def _written_by_this_process() -> int:
 
 
 @pytest.mark.usefixtures("ray_s3")
-@pytest.mark.parametrize("chunk_bytes", [4096, 100_000, None])
-def test_local_output_is_written_by_the_workers(tiny, tmp_path, chunk_bytes):
+@pytest.mark.parametrize("unit_budget_bytes", [4096, 100_000, None])
+def test_local_output_is_written_by_the_workers(tiny, tmp_path, unit_budget_bytes):
     out = tmp_path / "out"
-    report = _merge(tiny["base"], tiny["tasks"], out, chunk_bytes=chunk_bytes)
+    report = _merge(tiny["base"], tiny["tasks"], out, unit_budget_bytes=unit_budget_bytes)
     m = report["passes"]["map"]
     shards = sorted(out.glob("*.safetensors"))
     total = sum(p.stat().st_size for p in shards)
@@ -62,7 +62,7 @@ def test_local_output_is_written_by_the_workers(tiny, tmp_path, chunk_bytes):
 @pytest.mark.usefixtures("ray_s3")
 def test_driver_writes_no_data_on_the_direct_path(big, tmp_path):
     before = _written_by_this_process()
-    report = _merge(big["base"], big["tasks"], tmp_path / "out", chunk_bytes=2**20)
+    report = _merge(big["base"], big["tasks"], tmp_path / "out", unit_budget_bytes=2**20)
     written = _written_by_this_process() - before
     total = report["passes"]["map"]["bytes_written"]
     assert total > 20 * 2**20
@@ -73,11 +73,11 @@ def test_driver_writes_no_data_on_the_direct_path(big, tmp_path):
 
 @pytest.mark.usefixtures("ray_s3")
 def test_s3_output_is_uploaded_in_parts_by_the_workers(big, options, fs, server, tmp_path):
-    _merge(big["base"], big["tasks"], tmp_path / "local", chunk_bytes=2**20)
+    _merge(big["base"], big["tasks"], tmp_path / "local", unit_budget_bytes=2**20)
     server.clear()
     # (This process also runs the S3 server, so its I/O counters count what the server sends:
     # the local test above reads them; here the report and the server's log speak.)
-    report = _merge(*big["s3"], f"s3://{BUCKET}/out", options, chunk_bytes=2**20)
+    report = _merge(*big["s3"], f"s3://{BUCKET}/out", options, unit_budget_bytes=2**20)
     m = report["passes"]["map"]
     assert m["output_path"] == "direct" and m["bytes_written_by_driver"] == 0
     assert m["bytes_written_by_workers"] == m["bytes_written"]
@@ -126,7 +126,7 @@ def mixed(tmp_path_factory) -> dict:
         ("ties", "tiny", {}),
         ("dare_ties", "tiny", {}),
         ("linear", "tiny", {}),
-        ("ram_plus", "mixed", {"out_dtype": "float32", "workers": 1, "chunk_bytes": 1000}),
+        ("ram_plus", "mixed", {"out_dtype": "float32", "workers": 1, "unit_budget_bytes": 1000}),
     ],
 )
 def test_every_output_path_gives_the_same_bytes(
@@ -139,7 +139,7 @@ def test_every_output_path_gives_the_same_bytes(
 
     tiny = request.getfixturevalue(models)
     parameters = {"ties": {"density": 0.5}, "dare_ties": {"density": 0.5, "seed": 3}}
-    kw = {"chunk_bytes": 4096, "method": method, "parameters": parameters.get(method, {})}
+    kw = {"unit_budget_bytes": 4096, "method": method, "parameters": parameters.get(method, {})}
     kw.update(extra)
     _merge(tiny["base"], tiny["tasks"], tmp_path / "local", **kw)
     through = _merge(tiny["base"], tiny["tasks"], f"memory://through/{method}", **kw)

@@ -52,7 +52,7 @@ def hand_report() -> dict:
         "tasks_given": [t["model"] for t in tasks],
         "notes": [],
         "out_dtype": None,
-        "chunk_bytes": 268435456,
+        "unit_budget_bytes": 268435456,
         "elements": {"participating": 1000, "unchanged": 445, "by_count": [445, 360, 185, 10]},
         "tasks": tasks,
         "layers": [

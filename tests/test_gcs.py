@@ -66,7 +66,7 @@ def models(tmp_path_factory, fs) -> dict:
 
 
 def _merge(base, tasks, out, options=None, **kw) -> dict:
-    kw.setdefault("chunk_bytes", 8192)
+    kw.setdefault("unit_budget_bytes", 8192)
     return driver.merge(merge_config(base, tasks, out, options, **kw))
 
 

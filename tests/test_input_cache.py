@@ -146,7 +146,7 @@ def models(tmp_path_factory, fs) -> dict:
 
 
 def _config(base, tasks, out, options=None, **kw) -> MergeConfig:
-    kw.setdefault("chunk_bytes", 8192)
+    kw.setdefault("unit_budget_bytes", 8192)
     return merge_config(base, tasks, out, options, **kw)
 
 
@@ -186,7 +186,7 @@ def test_bucket_merge_fetches_each_input_byte_once(models, options, fs, server, 
     _same_as_local(fs, "once", tmp_path / "local")
 
     server.clear()
-    argv = ["merge", "--base", base, "--out", f"s3://{BUCKET}/twice", "--chunk-mb", "0.0078125"]
+    argv = ["merge", "--base", base, "--out", f"s3://{BUCKET}/twice", "--unit-mb", "0.0078125"]
     argv += ["--input-cache", "off", "--storage-options", json.dumps(options)]
     assert main(argv + sum([["--task", t] for t in tasks], [])) == 0
     report = json.loads(fs.cat_file(f"{BUCKET}/twice/merge_report.json"))
@@ -275,7 +275,7 @@ def test_node_removed_during_map_pass(models, options, fs, nodes, monkeypatch):
     import ray
 
     base, tasks = models["s3"]
-    config = _config(base, tasks, f"s3://{BUCKET}/removal", options, chunk_bytes=1024)
+    config = _config(base, tasks, f"s3://{BUCKET}/removal", options, unit_budget_bytes=1024)
     lost = nodes["workers"][1]
     real_map_pass = driver.map_pass
     read_there: list[int] = []

@@ -78,7 +78,12 @@ def test_bytes_equal_reference(model_sets, tmp_path, method, dtypes, kernels):
     """Both paths: the fused CPU kernels (`auto`) and plain torch (`eager`)."""
     base_dir, task_dirs, base, tasks = model_sets[dtypes]
     report = _merge(
-        base_dir, task_dirs, tmp_path / "out", method=method, chunk_bytes=4096, kernels=kernels
+        base_dir,
+        task_dirs,
+        tmp_path / "out",
+        method=method,
+        unit_budget_bytes=4096,
+        kernels=kernels,
     )
     merged_elements = sum(t.numel() for t in base.values() if t.is_floating_point())
     fused = report["passes"]["map"]["fused_elements"]
@@ -123,7 +128,7 @@ def test_chunk_budget_and_worker_count_do_not_change_bytes(model_sets, tmp_path)
     runs = [(row_bytes, 2), (1000, 1), (4096, 2), (65_536, 1), (256 * 2**20, 1), (256 * 2**20, 2)]
     for budget, workers in runs:
         out = tmp_path / f"out-{budget}-{workers}"
-        report = _merge(base_dir, task_dirs, out, chunk_bytes=budget, workers=workers)
+        report = _merge(base_dir, task_dirs, out, unit_budget_bytes=budget, workers=workers)
         digests[(budget, workers)] = _digest(out)
         for pass_name in ("reduce", "map"):
             assert max(report["passes"][pass_name]["max_unit_bytes_read_per_input"]) <= budget
@@ -134,7 +139,7 @@ def test_chunk_budget_and_worker_count_do_not_change_bytes(model_sets, tmp_path)
 def test_tensor_larger_than_budget_is_read_in_pieces(model_sets, tmp_path):
     base_dir, task_dirs, base, _ = model_sets["bf16"]
     budget = 4096
-    report = _merge(base_dir, task_dirs, tmp_path / "out", chunk_bytes=budget)
+    report = _merge(base_dir, task_dirs, tmp_path / "out", unit_budget_bytes=budget)
     embed = base["model.embed_tokens.weight"]
     assert embed.numel() * 2 > 4 * budget  # the embedding needs several units
     for pass_name in ("reduce", "map"):

@@ -40,7 +40,7 @@ def test_json_log_lines_parse_and_progress_reaches_the_total(inputs, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run(
         [sys.executable, "-m", "ram_dist.cli", "merge", *_args(base, tasks, "--out", out),
-         "--log-format", "json", "--chunk-mb", "0.002"],
+         "--log-format", "json", "--unit-mb", "0.002"],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -36,7 +36,7 @@ def server() -> Iterator[CountingMotoServer]:
 
 def _args(models: dict, out: str, r: str, *extra: str) -> list[str]:
     args = [sys.executable, "-m", "ram_dist.cli", "merge", "--base", str(models["base"]),
-            "--out", out, "--r", r, "--chunk-mb", str(1024 / 2**20), *extra]  # fmt: skip
+            "--out", out, "--r", r, "--unit-mb", str(1024 / 2**20), *extra]  # fmt: skip
     for t in models["tasks"]:
         args += ["--task", str(t)]
     return args

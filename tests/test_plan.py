@@ -60,15 +60,15 @@ def test_budget_below_one_element_is_refused():
 def test_default_budget_from_cores_and_memory():
     """8 units per core over the largest input, 1/8 of a core's memory, 16 to 256 MiB,
     whole MiB."""
-    from ram_dist.engine.sizing import MIB, auto_chunk_bytes
+    from ram_dist.engine.sizing import MIB, auto_unit_budget
 
     # 0.5B bf16 params (940 MiB per input) on 2 cores and 24 GiB: ceil(940 MiB / 16)
-    assert auto_chunk_bytes(940 * MIB, 2, 24 * 1024 * MIB) == 58 * MIB
+    assert auto_unit_budget(940 * MIB, 2, 24 * 1024 * MIB) == 58 * MIB
     # 70B bf16 (140 GB per input) on 128 cores with 8 GiB each: 1024 units
-    assert auto_chunk_bytes(140 * 10**9, 128, 128 * 8 * 1024 * MIB) == 130 * MIB
+    assert auto_unit_budget(140 * 10**9, 128, 128 * 8 * 1024 * MIB) == 130 * MIB
     # few cores and much memory: the 256 MiB cap
-    assert auto_chunk_bytes(10**12, 4, 64 * 1024 * MIB) == 256 * MIB
+    assert auto_unit_budget(10**12, 4, 64 * 1024 * MIB) == 256 * MIB
     # memory-bound: 1 GiB per core allows 128 MiB
-    assert auto_chunk_bytes(10**12, 8, 8 * 1024 * MIB) == 128 * MIB
+    assert auto_unit_budget(10**12, 8, 8 * 1024 * MIB) == 128 * MIB
     # a tiny model still gets the 16 MiB floor
-    assert auto_chunk_bytes(10**6, 2, 24 * 1024 * MIB) == 16 * MIB
+    assert auto_unit_budget(10**6, 2, 24 * 1024 * MIB) == 16 * MIB

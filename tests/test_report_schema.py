@@ -108,7 +108,7 @@ def rename(report: dict, path: tuple, new: str) -> dict:
     [
         (("tasks_given",), "tasks_list"),
         (("method",), "merge_method"),
-        (("chunk_bytes",), "chunk_size"),
+        (("unit_budget_bytes",), "unit_size"),
         (("elements",), "element_counts"),
         (("elements", "by_count"), "bycount"),
         (("tasks",), "task_stats"),

@@ -106,7 +106,7 @@ def crashed(models) -> tuple[Path, dict, dict[str, int]]:
     """An output whose driver was SIGKILLed in the map pass: (folder, manifest, shard mtimes)."""
     out = models["root"] / "crashed"
     manifest = _kill_after_first_shard(
-        _args(models, str(out), "--chunk-mb", ONE_ROW_MB, "--workers", "1"),
+        _args(models, str(out), "--unit-mb", ONE_ROW_MB, "--workers", "1"),
         _env(),
         lambda: _manifest((out / "ram_dist_manifest.json").read_text),
         mid_shard=True,
@@ -189,7 +189,7 @@ def test_changed_parameter_or_input_is_refused(models, crashed, tmp_path, capsys
     shutil.copytree(models["tasks"][1], moved)
     other = _args(models, str(tmp_path / "fresh"))
     other[other.index(str(models["tasks"][1]))] = str(moved)
-    assert main(other + ["--chunk-mb", "1"]) == 0
+    assert main(other + ["--unit-mb", "1"]) == 0
     capsys.readouterr()
     time.sleep(0.01)
     save_checkpoint(state, moved, max_shard_bytes=70_000)
@@ -200,7 +200,7 @@ def test_changed_parameter_or_input_is_refused(models, crashed, tmp_path, capsys
 
 def test_verify_names_corrupted_and_missing_shards(models, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(_args(models, str(out), "--chunk-mb", "1")) == 0
+    assert main(_args(models, str(out), "--unit-mb", "1")) == 0
     capsys.readouterr()
     assert main(["verify", str(out)]) == 0
     assert "3 shard(s) match the manifest" in capsys.readouterr().out
@@ -243,7 +243,7 @@ def test_node_removed_during_map_pass(models, tmp_path):
         base=str(models["base"]),
         tasks=tuple(map(str, models["tasks"])),
         out=str(out),
-        chunk_bytes=256,
+        unit_budget_bytes=256,
         workers=2,
     )
 
@@ -319,7 +319,7 @@ def test_resume_on_s3_output(models, s3):
         except (FileNotFoundError, ValueError):
             return None
 
-    args = _args(models, url, "--chunk-mb", ONE_ROW_MB, "--workers", "1", *extra)
+    args = _args(models, url, "--unit-mb", ONE_ROW_MB, "--workers", "1", *extra)
     manifest = _kill_after_first_shard(args, conf["env"], read_manifest)
     finished = sorted(manifest["shards"])
     etags = {n: fs.info(f"resume/out/{n}", refresh=True)["ETag"] for n in finished}

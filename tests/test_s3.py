@@ -44,7 +44,7 @@ def models(tmp_path_factory, fs) -> dict:
 
 
 def _merge(base, tasks, out, options=None, **kw) -> dict:
-    kw.setdefault("chunk_bytes", 8192)
+    kw.setdefault("unit_budget_bytes", 8192)
     return driver.merge(merge_config(base, tasks, out, options, **kw))
 
 
@@ -126,7 +126,7 @@ def test_failure_while_uploading_a_shard_leaves_nothing(options, fs, tmp_path):
             [tmp_path / "t0", tmp_path / "t1"],
             f"s3fail://{BUCKET}/failed",
             failing,
-            chunk_bytes=2**20,
+            unit_budget_bytes=2**20,
         )
     assert e.value.exit_status == 1  # a broken connection may pass: run again
     assert FailingS3File.parts_uploaded >= 1

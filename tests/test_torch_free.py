@@ -49,7 +49,7 @@ pickle.dump(out, open(sys.argv[2], "wb"))
 def _job(tmp_path, method: str):
     base_dir, task_dirs, base, tasks = build_model_set(tmp_path, kind="qwen2")
     config = MergeConfig(
-        base=str(base_dir), tasks=tuple(map(str, task_dirs)), method=method, chunk_bytes=4000
+        base=str(base_dir), tasks=tuple(map(str, task_dirs)), method=method, unit_budget_bytes=4000
     )
     return driver.prepare(config), base, tasks
 

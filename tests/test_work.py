@@ -22,7 +22,9 @@ def test_units_and_compute_blocks_reassemble_the_reference(
     base_dir, task_dirs, base, tasks = build_model_set(
         tmp_path, kind="llama", task_dtypes=[torch.float32, None, torch.float16]
     )
-    config = MergeConfig(base=str(base_dir), tasks=tuple(map(str, task_dirs)), chunk_bytes=3000)
+    config = MergeConfig(
+        base=str(base_dir), tasks=tuple(map(str, task_dirs)), unit_budget_bytes=3000
+    )
     job = driver.prepare(config)
     method, state = get_method("ram_plus"), job.initial_state()
     args = (job.layout, job.storage, method, job.params)

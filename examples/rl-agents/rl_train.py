@@ -144,7 +144,7 @@ def evaluate(model: torch.nn.Module, task: Task, pairs: list[tuple[str, str]], b
     """Greedy decoding; the mean verifier score over the held-out pairs."""
     total = 0.0
     for i in range(0, len(pairs), batch):
-        chunk = pairs[i : i + batch]
-        comp = generate(model, prompt_ids([p for p, _ in chunk]), task.max_answer + 1)
-        total += sum(task.score(t, a) for t, (_, a) in zip(decode(comp), chunk, strict=True))
+        some = pairs[i : i + batch]
+        comp = generate(model, prompt_ids([p for p, _ in some]), task.max_answer + 1)
+        total += sum(task.score(t, a) for t, (_, a) in zip(decode(comp), some, strict=True))
     return total / len(pairs)

@@ -346,7 +346,7 @@ def plan(config: MergeConfig) -> dict[str, Any]:
                 "elements_merged": sum(job.layout.tensors[n].numel for n in participating),
             },
             "work_units": len(job.units),
-            "chunk_bytes": job.chunk_bytes,
+            "unit_budget_bytes": job.unit_budget_bytes,
             "bytes_per_pass": {
                 "reduce_round": merge_bytes,
                 "reduce_rounds": rounds,
@@ -422,7 +422,7 @@ def _report(
         "tasks_given": list(config.tasks),
         "notes": list(config.notes),
         "out_dtype": config.out_dtype,
-        "chunk_bytes": job.chunk_bytes,
+        "unit_budget_bytes": job.unit_budget_bytes,
         "device": device.as_dict(),
     }
     report.update(job.method.report(method_state))

@@ -13,7 +13,7 @@ from ram_dist.config import MergeConfig
 from ram_dist.dtypes import itemsize
 from ram_dist.engine.layout import Layout, build_layout
 from ram_dist.engine.params import resolve_all
-from ram_dist.engine.sizing import auto_chunk_bytes, machine
+from ram_dist.engine.sizing import auto_unit_budget, machine
 from ram_dist.errors import RamDistError
 from ram_dist.io.checkpoint import Checkpoint, open_checkpoints
 from ram_dist.io.locations import resolve_location, resolve_output
@@ -35,19 +35,19 @@ class Job:
     out: str | None
     params: dict[str, dict[str, Any]]
     """Per participating tensor, every parameter of the method, resolved and checked."""
-    chunk_bytes: int
+    unit_budget_bytes: int
     """The budget the units were planned with: the configured one, or `sizing`'s default."""
 
     def replanned(self, slots: int, memory_bytes: int) -> Job:
         """The job with units re-planned for a cluster of `slots` cores and `memory_bytes`
         of memory, when the budget is not configured (the bytes do not change)."""
-        if self.config.chunk_bytes is not None:
+        if self.config.unit_budget_bytes is not None:
             return self
-        budget = auto_chunk_bytes(self.largest_input_bytes(), slots, memory_bytes)
-        if budget == self.chunk_bytes:
+        budget = auto_unit_budget(self.largest_input_bytes(), slots, memory_bytes)
+        if budget == self.unit_budget_bytes:
             return self
         units = plan_units(self.layout.slots(), budget)
-        return dataclasses.replace(self, units=units, chunk_bytes=budget)
+        return dataclasses.replace(self, units=units, unit_budget_bytes=budget)
 
     def largest_input_bytes(self) -> int:
         """Tensor bytes of the largest input checkpoint (what one pass reads from it)."""
@@ -89,7 +89,7 @@ class Job:
     def identity(self) -> dict[str, Any]:
         """What determines the output bytes: method, parameters, dtype and every input file.
 
-        Chunk size, worker count and cluster do not: they never change a byte.
+        The unit budget, worker count and cluster do not: they never change a byte.
         """
         inputs = [self.base, *self.tasks]
         return {
@@ -113,10 +113,12 @@ def prepare(config: MergeConfig) -> Job:
     params = resolve_all(config, get_method(config.method), merging)
     out = resolve_output(config.out) if config.out is not None else None
     job = Job(config, storage, base, tasks, layout, [], out, params, 0)
-    budget = config.chunk_bytes
+    budget = config.unit_budget_bytes
     if budget is None:  # this machine's default; `replanned` adapts it to the cluster
-        budget = auto_chunk_bytes(job.largest_input_bytes(), *machine())
-    return dataclasses.replace(job, units=plan_units(layout.slots(), budget), chunk_bytes=budget)
+        budget = auto_unit_budget(job.largest_input_bytes(), *machine())
+    return dataclasses.replace(
+        job, units=plan_units(layout.slots(), budget), unit_budget_bytes=budget
+    )
 
 
 def _check_distinct(base: str, tasks: list[str], method: str) -> None:

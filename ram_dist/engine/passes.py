@@ -1,6 +1,6 @@
 """The two passes over the work units, run from the driver on Ray.
 
-Both take results as they finish. The reduce pass sums int64 statistics (order and chunking
+Both take results as they finish. The reduce pass sums int64 statistics (order and unit boundaries
 cannot change a sum of integers); the map pass has each task write its part of a shard
 through the output sink (no data byte reaches the driver, except on the through-driver
 fallback) and completes each shard when all its parts are in, recording it. With an input

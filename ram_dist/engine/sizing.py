@@ -13,10 +13,10 @@ import math
 import os
 
 MIB = 2**20
-#: The largest default budget; a larger `--chunk-mb` only makes fewer, bigger units.
-MAX_CHUNK_BYTES = 256 * MIB
+#: The largest default budget; a larger `--unit-mb` only makes fewer, bigger units.
+MAX_UNIT_BUDGET = 256 * MIB
 #: The smallest default budget: below it, per-unit overhead (a Ray task, a result) shows.
-MIN_CHUNK_BYTES = 16 * MIB
+MIN_UNIT_BUDGET = 16 * MIB
 #: Units per core and pass, so that every core stays busy until near the end of a pass.
 UNITS_PER_SLOT = 8
 #: Share of a core's memory the merged bytes of its units may take (a unit's output is in
@@ -31,12 +31,12 @@ def machine() -> tuple[int, int]:
     return max(1, cores or 1), int(memory)
 
 
-def auto_chunk_bytes(largest_input_bytes: int, slots: int, memory_bytes: int) -> int:
+def auto_unit_budget(largest_input_bytes: int, slots: int, memory_bytes: int) -> int:
     """The budget per input of one unit: at least `UNITS_PER_SLOT` units per core over the
     largest input, at most `MEMORY_SHARE` of a core's memory, within [16, 256] MiB, in
     whole MiB."""
     slots = max(1, slots)
     by_units = math.ceil(largest_input_bytes / (UNITS_PER_SLOT * slots))
     by_memory = int(memory_bytes / slots * MEMORY_SHARE)
-    budget = min(MAX_CHUNK_BYTES, by_units, by_memory)
-    return max(MIN_CHUNK_BYTES, budget // MIB * MIB)
+    budget = min(MAX_UNIT_BUDGET, by_units, by_memory)
+    return max(MIN_UNIT_BUDGET, budget // MIB * MIB)

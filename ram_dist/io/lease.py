@@ -570,17 +570,17 @@ def _read_local(path: str) -> _Seen | None:
         return None
     try:
         st = os.fstat(fd)
-        chunks: list[bytes] = []
+        parts: list[bytes] = []
         size = 0
         while size <= MAX_LEASE_BYTES:
-            chunk = os.read(fd, MAX_LEASE_BYTES + 1 - size)
-            if not chunk:
+            part = os.read(fd, MAX_LEASE_BYTES + 1 - size)
+            if not part:
                 break
-            chunks.append(chunk)
-            size += len(chunk)
+            parts.append(part)
+            size += len(part)
     finally:
         os.close(fd)
-    return _Seen(_parse(b"".join(chunks)), st.st_mtime, _stat_version(st))
+    return _Seen(_parse(b"".join(parts)), st.st_mtime, _stat_version(st))
 
 
 def _parse(data: bytes) -> Holder | None:

@@ -48,7 +48,11 @@ State = dict[str, Any]
 
 @dataclass(frozen=True)
 class Chunk:
-    """Where a chunk lies: its tensor, its first flat index, and the tensor's size."""
+    """Where a chunk lies: its tensor, its first flat index, and the tensor's size.
+
+    A chunk is what a method computes on at once: one compute block of one tensor, cut by the
+    engine from a work unit (the unit's size is the unit budget, `--unit-mb`, a word of the
+    engine's only)."""
 
     tensor: str
     start: int
