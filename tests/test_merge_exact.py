@@ -119,7 +119,7 @@ def _digest(folder: Path) -> dict[str, str]:
     }
 
 
-def test_chunk_budget_and_worker_count_do_not_change_bytes(model_sets, tmp_path):
+def test_unit_budget_and_worker_count_do_not_change_bytes(model_sets, tmp_path):
     base_dir, task_dirs, base, tasks = model_sets["mixed"]
     expected, _ = reference_merge(base, tasks, "ram_plus")
     row_bytes = 64 * 4  # one 64-wide row of the float32 task
