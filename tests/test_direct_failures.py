@@ -152,17 +152,21 @@ def test_three_nodes_upload_parts_and_survive_a_killed_worker(big, options, fs, 
         server.part_delay_s = 0.0
         # A local folder on these three nodes: through the driver, unless declared shared
         # (it is: the nodes share this machine's disk), when the workers write it in place.
+        # Inputs from a slow store: a unit that finishes in a few milliseconds leaves its
+        # worker free for the next, and Ray would run every unit on the driver's node.
+        server.get_delay_s = 0.05
         local = {}
         for shared in (False, True):
             out_dir = tmp_path / f"local-{shared}"
             local[shared] = driver.merge(
-                MergeConfig(base=str(big["base"]), tasks=tuple(map(str, big["tasks"])),
-                            out=str(out_dir), unit_budget_bytes=2**20, output_shared=shared)
+                MergeConfig(base=big["s3"][0], tasks=tuple(big["s3"][1]), out=str(out_dir),
+                            unit_budget_bytes=2**20, output_shared=shared,
+                            storage_options=options, input_cache="off")
             )["passes"]["map"]  # fmt: skip
             merged = load_checkpoint(out_dir)
             assert all(torch.equal(merged[k], v) for k, v in big["expected"].items())
     finally:
-        server.part_delay_s = 0.0
+        server.part_delay_s = server.get_delay_s = 0.0
         ray.shutdown()
         cluster.shutdown()
     assert local[False]["output_path"] == "through-driver"
