@@ -14,6 +14,10 @@ from builders import load_checkpoint, save_checkpoint
 
 from ram_dist.cli import main
 
+# One Ray for the module: each refusal would otherwise start and stop an embedded Ray (about
+# 3 s); that an embedded Ray is stopped after a refusal is test_shutdown's.
+pytestmark = pytest.mark.usefixtures("ray_local")
+
 SECRET_KEY, SECRET = "AKIA-FAKE-KEY-0001", "fake-secret-do-not-print"
 
 
@@ -199,7 +203,6 @@ def test_pickle_checkpoints_are_never_opened(inputs, tmp_path, capsys):
 
 
 # 10. NaN and Inf are counted in the reduce pass
-@pytest.mark.usefixtures("ray_local")  # one Ray for the six merges below
 def test_nonfinite_values_stop_the_job_unless_allowed(inputs, tmp_path, capsys):
     base, tasks = inputs
     state = load_checkpoint(tasks[1])
