@@ -60,10 +60,10 @@ SWEEP_MERGES: tuple[tuple[str, tuple[str, ...]], ...] = (
 SFT_MIXTURE = ("add", "kv", "add", "tool")
 
 FULL = Plan(
-    size=Size(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=192),
-    sft_steps=3000,
+    size=Size(hidden=256, layers=3, heads=8, kv_heads=2, intermediate=704),
+    sft_steps=1500,
     sft_batch=64,
-    sft_lr=3e-3,
+    sft_lr=1e-3,
     sft_mixture=SFT_MIXTURE,
     rl_steps=120,
     rl_prompts=16,
