@@ -95,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
 class _Renamed(argparse.Action):
     """A flag's old name: takes the value as the new name would, and says the new name."""
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[no-untyped-def]
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         new = "--" + self.dest.replace("_", "-")
         print(f"ram-dist: {option_string} is now called {new}", file=sys.stderr)
         setattr(namespace, self.dest, values)

@@ -198,11 +198,7 @@ def _models(
         at = f"models[{i}]"
         if not isinstance(entry, dict):
             raise RamDistError(f"{p}: {at} must be a mapping like {{model: PATH, parameters: ...}}")
-        unknown = sorted(set(entry) - set(_MODEL_KEYS), key=str)
-        if unknown:
-            raise RamDistError(
-                f"{p}: {at}: unknown key {unknown[0]!r}; valid keys: {', '.join(_MODEL_KEYS)}"
-            )
+        _refuse_unknown_keys(entry, _MODEL_KEYS, f"{p}: {at}")
         if "model" not in entry:
             raise RamDistError(f"{p}: {at} needs a model: PATH")
         name = _model_name(entry["model"], f"{p}: {at}.model")
@@ -299,12 +295,19 @@ def _setting(raw: Any, name: str, p: str, at: str, notes: list[str]) -> ParamVal
     return _leaf(raw, name, p, at)
 
 
-def _entry(raw: dict[Any, Any], name: str, p: str, at: str) -> FilterEntry:
-    unknown = sorted(set(raw) - set(_ENTRY_KEYS), key=str)
+def _refuse_unknown_keys(
+    raw: dict[Any, Any], allowed: tuple[str, ...], where: str, kind: str = ""
+) -> None:
+    """A mapping's first unknown key (in sorted order), named with the keys it may have."""
+    unknown = sorted(set(raw) - set(allowed), key=str)
     if unknown:
         raise RamDistError(
-            f"{p}: {at}: unknown key {unknown[0]!r} in a filter entry; valid keys: filter, value"
+            f"{where}: unknown key {unknown[0]!r}{kind}; valid keys: {', '.join(allowed)}"
         )
+
+
+def _entry(raw: dict[Any, Any], name: str, p: str, at: str) -> FilterEntry:
+    _refuse_unknown_keys(raw, _ENTRY_KEYS, f"{p}: {at}", " in a filter entry")
     if "value" not in raw:
         raise RamDistError(f"{p}: {at}: a filter entry needs a value")
     filter_ = raw.get("filter")
