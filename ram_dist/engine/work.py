@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import socket
 import threading
@@ -285,6 +286,45 @@ class BlockInputs:
         ]
 
 
+#: A tensor that reads at most this many bytes from each input is small (`_groupable`).
+SMALL_BYTES = 64 * 2**10
+#: Blocks of small tensors read together: at most this many, of at most `GROUP_BYTES` in all.
+GROUP_BLOCKS = 4096
+GROUP_BYTES = 4 * 2**20
+
+
+def _groupable(entry: TensorEntry) -> bool:
+    """Whether a tensor's blocks may be read together with their neighbours' (one
+    `read_ranges` call for the group): a small tensor, at most `SMALL_BYTES` from each input.
+    A block of a tensor that is not is read on its own."""
+    return all(entry.numel * itemsize(s.dtype) <= SMALL_BYTES for s in entry.sources)
+
+
+def _groups(blocks: list[Block], pieces: tuple[Piece, ...], layout: Layout) -> list[range]:
+    """`blocks` cut into runs read at once: consecutive blocks of small tensors (at most
+    `GROUP_BLOCKS`, `GROUP_BYTES`), every other block alone."""
+    groups: list[range] = []
+    first, size, small = 0, 0, False
+    for k, block in enumerate(blocks):
+        entry = layout.tensors[pieces[block.piece].tensor]
+        if not _groupable(entry):
+            groups += [range(first, k)] if small else []
+            groups.append(range(k, k + 1))
+            first, size, small = k + 1, 0, False
+            continue
+        nbytes = (block.hi - block.lo) * sum(
+            itemsize(src.dtype) for src in entry.sources[: _inputs_of(entry)]
+        )
+        if small and (k - first >= GROUP_BLOCKS or size + nbytes > GROUP_BYTES):
+            groups.append(range(first, k))
+            first, size = k, 0
+        size += nbytes
+        small = True
+    if small:
+        groups.append(range(first, len(blocks)))
+    return groups
+
+
 def stream_blocks(
     pieces: tuple[Piece, ...],
     layout: Layout,
@@ -294,33 +334,43 @@ def stream_blocks(
     pinned: bool = False,
 ) -> Iterator[tuple[Block, BlockInputs]]:
     """Each compute block of `pieces` with its inputs, in order. A thread reads the next
-    block while the caller computes this one (reads and the fused kernels release the GIL),
-    into one of the scope's two read buffers: a block's inputs are valid until the caller
-    asks for the block after it. `bytes_read[i]` grows by what is read from input i."""
+    group of blocks (`_groups`: small tensors together, in one `read_ranges` call) while the
+    caller computes this one's (reads and the fused kernels release the GIL), into one of
+    the scope's two read buffers: a block's inputs are valid until the caller asks for the
+    block after it. `bytes_read[i]` grows by what is read from input i."""
     blocks = [Block(p, lo, hi) for p, piece in enumerate(pieces) for lo, hi in _blocks(piece.numel)]
+    groups = _groups(blocks, pieces, layout)
 
-    def read(k: int) -> BlockInputs:
-        block = blocks[k]
-        piece = pieces[block.piece]
-        entry = layout.tensors[piece.tensor]
-        sources = entry.sources[: _inputs_of(entry)]
-        requests = _ranges(entry, piece.start + block.lo, piece.start + block.hi)
-        arrays = scope.reads.views(k % 2, [end - start for _, start, end in requests], pinned)
+    def read(g: int) -> list[BlockInputs]:
+        requests: list[tuple[str, int, int]] = []
+        dtypes: list[tuple[str, ...]] = []
+        for block in (blocks[k] for k in groups[g]):
+            piece = pieces[block.piece]
+            entry = layout.tensors[piece.tensor]
+            requests += _ranges(entry, piece.start + block.lo, piece.start + block.hi)
+            dtypes.append(tuple(s.dtype for s in entry.sources[: _inputs_of(entry)]))
+        arrays = scope.reads.views(g % 2, [end - start for _, start, end in requests], pinned)
         storage.read_ranges(requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic)
-        for i, a in enumerate(arrays):
-            bytes_read[i] += a.size
-        return BlockInputs(tuple(arrays), tuple(s.dtype for s in sources))
+        out, at = [], 0
+        for types in dtypes:
+            raw = tuple(arrays[at : at + len(types)])
+            for i, a in enumerate(raw):
+                bytes_read[i] += a.size
+            out.append(BlockInputs(raw, types))
+            at += len(types)
+        return out
 
     if not blocks:
         return
     with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-read") as reader:
         ahead = reader.submit(read, 0)
-        for k, block in enumerate(blocks):
+        for g, group in enumerate(groups):
             inputs = ahead.result()
-            if k + 1 < len(blocks):
-                ahead = reader.submit(read, k + 1)
+            if g + 1 < len(groups):
+                ahead = reader.submit(read, g + 1)
             scope.memory.note()
-            yield block, inputs
+            for k, block_inputs in zip(group, inputs, strict=True):
+                yield blocks[k], block_inputs
 
 
 def _tensor_from_bytes(raw: np.ndarray, dtype: str) -> torch.Tensor:
@@ -600,7 +650,7 @@ def _merge_into(
     dev = device()
     fused = Fused.of(state, dev)
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
-    offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+    offsets = list(itertools.accumulate(sizes, initial=0))
     fused_elements = 0
     blocks = stream_blocks(unit.pieces, layout, storage, bytes_read, scope, dev == "cuda")
     for block, inputs in blocks:
