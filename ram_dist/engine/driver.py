@@ -30,7 +30,7 @@ from ram_dist.engine.devices import DeviceChoice, choose_device
 from ram_dist.engine.effective import CONFIG_NAME, render
 from ram_dist.engine.job import Job, prepare
 from ram_dist.engine.output import OutputState, check_writable, clear_published, open_output
-from ram_dist.engine.passes import PassStats, ShardBook, map_pass, reduce_pass
+from ram_dist.engine.passes import PassStats, ShardBook, Shipped, map_pass, reduce_pass
 from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster, ray_session
@@ -168,11 +168,14 @@ def _merge_held(
     sink, pin_to = output_sink(job)
     passes: dict[str, Any] = {}
     measured: list[PassStats] = []
+    shipped = Shipped.of(job)  # once for both passes
     if manifest.method_state is not None:
         method_state = manifest.method_state
         passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
     else:
-        method_state, reduce_stats = reduce_pass(job, cluster, progress, cache, sink.min_part_bytes)
+        method_state, reduce_stats = reduce_pass(
+            job, cluster, progress, cache, sink.min_part_bytes, shipped
+        )
         first_node = reduce_stats.first_node
         passes["reduce"] = reduce_stats.as_dict()
         measured.append(reduce_stats)
@@ -188,7 +191,7 @@ def _merge_held(
     todo = [s for s in manifest.shard_names if s not in done]
     book = ShardBook(manifest, lambda: save_manifest(job.out, manifest, job.storage), still_ours)
     map_stats = map_pass(
-        job, cluster, method_state, todo, sink, book, progress, cache, first_node, pin_to
+        job, cluster, method_state, todo, sink, book, progress, cache, first_node, pin_to, shipped
     )
     passes["map"] = map_stats.as_dict()
     measured.append(map_stats)
