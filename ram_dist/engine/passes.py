@@ -198,15 +198,35 @@ def _placement(
 def _parts_of(
     job: Job, shards: Sequence[str], min_part_bytes: int
 ) -> tuple[dict[int, WorkUnit], dict[str, bytes], dict[str, list[Part]]]:
-    """The units of `shards` by index, each shard's header, and its parts (`plan_parts`)."""
+    """The units of `shards` by index, each shard's header, and its parts (`plan_parts`):
+    fresh containers (the caller may change them) over what `_planned` keeps."""
+    every_unit, every_header, every_plan = _planned(job, min_part_bytes)
     wanted = set(shards)
-    units = {u.index: u for u in job.units if u.shard in wanted}
-    headers = {s: shard_header(job.layout.out_tensors(s)) for s in shards}
+    units = {i: u for i, u in every_unit.items() if u.shard in wanted}
+    return units, {s: every_header[s] for s in shards}, {s: list(every_plan[s]) for s in shards}
+
+
+#: The latest job's `_planned`, kept for the next pass (the job itself too, so that its id
+#: is not reused while kept).
+_PLANNED: list[tuple[Job, int, Any]] = []
+
+
+def _planned(
+    job: Job, min_part_bytes: int
+) -> tuple[dict[int, WorkUnit], dict[str, bytes], dict[str, list[Part]]]:
+    """Every shard's header and parts, made once per job and part size (each header holds
+    every tensor of its shard: seconds for 100k tensors)."""
+    for kept, size, planned in _PLANNED:
+        if kept is job and size == min_part_bytes:
+            return planned
+    units = {u.index: u for u in job.units}
+    headers = {s: shard_header(job.layout.out_tensors(s)) for s in job.layout.shards}
     sizes = {i: unit_out_bytes(u, job.layout) for i, u in units.items()}
-    plan: dict[str, list[Part]] = {s: [] for s in shards}
+    plan: dict[str, list[Part]] = {s: [] for s in job.layout.shards}
     lengths = {s: len(h) for s, h in headers.items()}
     for part in plan_parts(list(units.values()), sizes, lengths, min_part_bytes):
         plan[part.shard].append(part)
+    _PLANNED[:] = [(job, min_part_bytes, (units, headers, plan))]
     return units, headers, plan
 
 
