@@ -105,3 +105,21 @@ def test_small_tensors_are_read_together(tmp_path, monkeypatch, small, group):
     assert data == b"".join(
         expected[n].reshape(-1).view(torch.uint8).numpy().tobytes() for n in names
     )
+
+
+def test_reduce_statistics_pickle_as_a_few_stacked_arrays():
+    """A reduce task's statistics keep their keys, order, shapes and values across a pickle,
+    which holds one array per shape and dtype (not one per key)."""
+    import pickle
+
+    stats = work.Statistics(
+        {f"t{i}": np.full((3, 3), i, np.int64) for i in range(1000)}
+        | {"scalar": np.array(5, np.int64), "row": np.arange(4), "last": np.ones((3, 3), int)}
+    )
+    _, (keys, which, stacks) = stats.__reduce__()
+    assert keys == list(stats) and len(which) == len(stats) and len(stacks) == 3
+    back = pickle.loads(pickle.dumps(stats))
+    assert isinstance(back, work.Statistics) and list(back) == list(stats)
+    for key, value in stats.items():
+        assert isinstance(back[key], np.ndarray) and back[key].dtype == value.dtype
+        assert back[key].shape == value.shape and np.array_equal(back[key], value)
