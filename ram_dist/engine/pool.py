@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -36,7 +37,9 @@ class Shared:
     _lock = threading.Lock()
 
     def __init__(self, value: Any) -> None:
-        self.ref = ray.put(value)
+        # The standard pickler: Ray's (cloudpickle) calls back into Python for every object,
+        # a third slower on a layout's 400k objects. `value` needs nothing more.
+        self.ref = ray.put(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
 
     def get(self) -> Any:
         key = self.ref.hex()
@@ -47,7 +50,7 @@ class Shared:
         collecting = gc.isenabled()
         gc.disable()  # full collections while it is built would scan it again and again
         try:
-            value = ray.get(self.ref)
+            value = pickle.loads(ray.get(self.ref))
         finally:
             if collecting:
                 gc.enable()
