@@ -67,14 +67,11 @@ class Job:
     def unit_bytes(self, unit: WorkUnit, tensors: set[str] | None = None) -> int:
         """Input bytes a unit reads (only pieces of `tensors`, when given, as a reduce round
         does: those pieces are participating tensors)."""
-        total = 0
-        for piece in unit.pieces:
-            entry = self.layout.tensors[piece.tensor]
-            if tensors is not None and piece.tensor not in tensors:
-                continue
-            sources = entry.sources if entry.participating else entry.sources[:1]
-            total += sum(piece.numel * itemsize(s.dtype) for s in sources)
-        return total
+        return sum(
+            self.layout.read_bytes(p.tensor, p.numel)
+            for p in unit.pieces
+            if tensors is None or p.tensor in tensors
+        )
 
     def effective_parameters(self) -> dict[str, Any]:
         """Every tensor's parameters, given once when all tensors got the same ones."""
