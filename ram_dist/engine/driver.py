@@ -340,6 +340,11 @@ def plan(config: MergeConfig) -> dict[str, Any]:
             "method": job.method.name,
             "parameters": job.effective_parameters(),
             "inputs": job.identity()["inputs"],
+            "formats": job.formats(),
+            "integers_from_base": {
+                "allowed": config.integers_from_base,
+                "copied_though_changed": list(job.integers_changed),
+            },
             "tensors": {
                 "merged": len(participating),
                 "copied": len(job.layout.tensors) - len(participating),
@@ -424,6 +429,11 @@ def _report(
         "out_dtype": config.out_dtype,
         "unit_budget_bytes": job.unit_budget_bytes,
         "device": device.as_dict(),
+        "formats": job.formats(),
+        "integers_from_base": {
+            "allowed": config.integers_from_base,
+            "copied_though_changed": list(job.integers_changed),
+        },
     }
     report.update(job.method.report(method_state))
     for url, t in zip(config.tasks, report.get("tasks", []), strict=False):

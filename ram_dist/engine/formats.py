@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ram_dist.dtypes import FLOATING
+from ram_dist.dtypes import FLOATING, dtype_name
 from ram_dist.errors import CheckpointError
 from ram_dist.io.checkpoint import Checkpoint
 from ram_dist.io.safetensors_header import TensorInfo
@@ -69,16 +69,14 @@ class Format:
 
     def describe(self, ckpt: Checkpoint) -> str:
         """In words, for `plan`, the report and the model card."""
-        floating = sorted({i.dtype for i in ckpt.tensors.values() if i.dtype in FLOATING})
-        plain = "/".join(_DTYPE_WORDS[d] for d in floating) or "no floating-point tensors"
+        floating = sorted({i.dtype for i in ckpt.tensors.values() if i.dtype in FLOATING}
+                          - {ckpt.tensors[n].dtype for n in self.companions})  # fmt: skip
+        plain = "/".join(dtype_name(d) for d in floating) or "no floating-point tensors"
         if self.fp8 is None:
             return plain
         bm, bn = self.fp8.block
         n = len(self.fp8.scales)
         return f"fine-grained FP8 (e4m3, {bm}x{bn} blocks, {n} FP8 weights; the rest {plain})"
-
-
-_DTYPE_WORDS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def recognize(ckpt: Checkpoint) -> Format:

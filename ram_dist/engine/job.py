@@ -14,8 +14,9 @@ from ram_dist.dtypes import itemsize
 from ram_dist.engine.layout import Layout, build_layout
 from ram_dist.engine.params import resolve_all
 from ram_dist.engine.sizing import auto_unit_budget, machine
-from ram_dist.errors import RamDistError
+from ram_dist.errors import CheckpointError, RamDistError
 from ram_dist.io.checkpoint import Checkpoint, open_checkpoints
+from ram_dist.io.compare import differing
 from ram_dist.io.locations import resolve_location, resolve_output
 from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod, get_method
@@ -37,6 +38,9 @@ class Job:
     """Per participating tensor, every parameter of the method, resolved and checked."""
     unit_budget_bytes: int
     """The budget the units were planned with: the configured one, or `sizing`'s default."""
+    integers_changed: tuple[str, ...] = ()
+    """Integer or bool tensors some task changed, copied from the base as the user asked
+    (`integers_from_base`); a job without that permission stops before it gets here."""
 
     def replanned(self, slots: int, memory_bytes: int) -> Job:
         """The job with units re-planned for a cluster of `slots` cores and `memory_bytes`
@@ -89,11 +93,25 @@ class Job:
         The unit budget, worker count and cluster do not: they never change a byte.
         """
         inputs = [self.base, *self.tasks]
-        return {
+        identity = {
             "method": self.method.name,
             "parameters": self.effective_parameters(),
             "out_dtype": self.config.out_dtype,
             "inputs": [{"role": c.label, "location": c.url, "files": c.identity} for c in inputs],
+        }
+        if self.layout.fp8_inputs:  # an output of these inputs made before FP8 was read as
+            identity["formats"] = list(self.layout.formats)  # values is not resumed
+        return identity
+
+    def formats(self) -> dict[str, Any]:
+        """Each input's storage format and the output's, in words (plan, report, card)."""
+        inputs = [self.base, *self.tasks]
+        return {
+            "inputs": [
+                {"role": c.label, "format": f}
+                for c, f in zip(inputs, self.layout.formats, strict=True)
+            ],
+            "output": self.layout.output_format(),
         }
 
 
@@ -106,16 +124,42 @@ def prepare(config: MergeConfig) -> Job:
     labelled = [(url, f"task {i + 1}") for i, url in enumerate(task_urls)]
     base, *tasks = open_checkpoints([(base_url, "base model"), *labelled], storage)
     layout = build_layout(base, tasks, config.out_dtype)
+    integers_changed = _changed_integers(layout, storage, base, tasks, config)
     merging = [name for name, e in layout.tensors.items() if e.participating]
     params = resolve_all(config, get_method(config.method), merging)
     out = resolve_output(config.out) if config.out is not None else None
-    job = Job(config, storage, base, tasks, layout, [], out, params, 0)
+    job = Job(config, storage, base, tasks, layout, [], out, params, 0, integers_changed)
     budget = config.unit_budget_bytes
     if budget is None:  # this machine's default; `replanned` adapts it to the cluster
         budget = auto_unit_budget(job.largest_input_bytes(), *machine())
     return dataclasses.replace(
         job, units=plan_units(layout.slots(), budget), unit_budget_bytes=budget
     )
+
+
+def _changed_integers(
+    layout: Layout, storage: Storage, base: Checkpoint, tasks: list[Checkpoint], config: MergeConfig
+) -> tuple[str, ...]:
+    """The copied (integer or bool) tensors whose bytes some task changed: refused, naming
+    the first, unless the config says to copy the base's anyway."""
+    copied = {
+        name: [(s.file, s.start, s.start + e.numel * itemsize(s.dtype)) for s in e.sources]
+        for name, e in layout.tensors.items()
+        if not e.participating and e.scale_of is None and len(e.sources) > 1
+    }
+    changed = differing(copied, storage) if copied else {}
+    if changed and not config.integers_from_base:
+        name, first = next(iter(changed.items()))
+        dtype = layout.tensors[name].sources[0].dtype
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        raise CheckpointError(
+            f"tensor {name!r} ({dtype}) in {tasks[first - 1].describe(name)} differs from the "
+            f"{base.describe(name)}{more}: integer and bool tensors cannot be merged, and "
+            "copying the base's would drop the task's change; fix the task, or pass "
+            "--integers-from-base to copy the base's anyway (the report and the model card "
+            "say so)"
+        )
+    return tuple(changed)
 
 
 def _check_distinct(base: str, tasks: list[str], method: str) -> None:

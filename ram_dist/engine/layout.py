@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ram_dist.dtypes import FLOATING, itemsize
+from ram_dist.dtypes import FLOATING, dtype_name, itemsize
 from ram_dist.engine.formats import FP8_DTYPE, Format, recognize
 from ram_dist.errors import CheckpointError
 from ram_dist.io.checkpoint import Checkpoint
@@ -105,6 +105,24 @@ class Layout:
     tensors: dict[str, TensorEntry]
     shards: dict[str, tuple[str, ...]]
     sharded: bool
+    formats: tuple[str, ...] = ()
+    """Each input's storage format in words (`formats.Format.describe`), base first."""
+    fp8_inputs: bool = False
+    """Whether any input holds FP8 weights (part of the job's identity then)."""
+
+    def output_format(self) -> str:
+        """The output's storage format in words, as `formats` says the inputs'."""
+        merged = [e for e in self.tensors.values() if e.participating]
+        fp8 = [e for e in merged if e.fp8_out is not None]
+        plain = sorted({e.out_dtype for e in merged if e.fp8_out is None})
+        words = "/".join(dtype_name(d) for d in plain) or "no floating-point tensors"
+        if not fp8:
+            return words
+        bm, bn = fp8[0].fp8_out.block  # type: ignore[union-attr]
+        return (
+            f"fine-grained FP8 (e4m3, {bm}x{bn} blocks, {len(fp8)} FP8 weights with new "
+            f"scales; the rest {words})"
+        )
 
     def out_tensors(self, shard: str) -> list[OutTensor]:
         return [
@@ -212,8 +230,13 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
         in_file = sorted(by_file.get(join(base.url, file), []), key=lambda i: i.start)
         names = [i.name for i in in_file if i.name in tensors]
         shards[file] = tuple(_scales_after_weights(names, tensors))
-    return Layout(tensors=tensors, shards={f: n for f, n in shards.items() if n},
-                  sharded=base.sharded)  # fmt: skip
+    return Layout(
+        tensors=tensors,
+        shards={f: n for f, n in shards.items() if n},
+        sharded=base.sharded,
+        formats=tuple(f.describe(c) for f, c in zip(formats, (base, *tasks), strict=True)),
+        fp8_inputs=any(f.fp8 is not None for f in formats),
+    )
 
 
 def _out_dtype(
