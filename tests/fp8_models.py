@@ -35,6 +35,12 @@ class Fp8Set:
     tasks: list[State]
 
 
+#: Large enough for shards of several S3 parts (at least 5 MiB each) and many units: the
+#: published 128 x 128 blocks, ragged at both edges.
+LARGE_BLOCK = (128, 128)
+LARGE_WEIGHTS = {f"model.layers.{i}.mlp.down_proj.weight": (1000, 3000) for i in range(6)}
+
+
 def build_fp8_set(
     root: Path,
     base_format: str = "fp8",
@@ -42,19 +48,22 @@ def build_fp8_set(
     densities: tuple[float, ...] = (0.05, 0.4, 0.5),
     seed: int = 0,
     scale_dtype: torch.dtype = torch.float32,
+    weights: dict[str, tuple[int, int]] | None = None,
+    block: tuple[int, int] = BLOCK,
+    shards: int = 2,
 ) -> Fp8Set:
     """root/base and root/task{i}, each "fp8" or "bf16" (an FP8 weight's values cast)."""
     g = torch.Generator().manual_seed(seed)
     values: State = {}
-    for name, shape in WEIGHTS.items():
+    for name, shape in (weights or WEIGHTS).items():
         values[name] = torch.randn(shape, generator=g) * 0.02
         values[name][0, 0] = 0.0  # a zero in a block that others change
     fp8_base: State = {}
     for name, x in values.items():
-        q, s = quantize(x, BLOCK, scale_dtype)
+        q, s = quantize(x, block, scale_dtype)
         fp8_base[name], fp8_base[name + SCALE] = q, s
     plain = {n: (torch.randn(s, generator=g) * 0.1).to(torch.bfloat16) for n, s in PLAIN.items()}
-    base_values = {n: dequantize(fp8_base[n], fp8_base[n + SCALE], BLOCK) for n in WEIGHTS}
+    base_values = {n: dequantize(fp8_base[n], fp8_base[n + SCALE], block) for n in values}
     base = _stored(base_format, fp8_base, base_values, plain)
     tasks = []
     for t, (fmt, density) in enumerate(zip(task_formats, densities, strict=True)):
@@ -62,32 +71,31 @@ def build_fp8_set(
         agent_values, agent_fp8 = {}, {}
         for name, x in base_values.items():
             mask = torch.rand(x.shape, generator=tg) < density
+            bm, bn = block
             for band, col in UNTOUCHED.get(name, []):
-                mask[
-                    band * BLOCK[0] : (band + 1) * BLOCK[0], col * BLOCK[1] : (col + 1) * BLOCK[1]
-                ] = False
+                mask[band * bm : (band + 1) * bm, col * bn : (col + 1) * bn] = False
             delta = torch.randn(x.shape, generator=tg) * 0.01
             y = torch.where(mask, x + delta, x)
-            q, s = quantize(y, BLOCK, scale_dtype)
+            q, s = quantize(y, block, scale_dtype)
             # Blocks this agent did not touch keep the base's bytes and scale, as a trainer
             # that never updated them would save.
-            touched = block_view(mask.to(torch.int8), BLOCK).amax(dim=(2, 3)).bool()
-            keep = ~expand(touched, tuple(x.shape), BLOCK)
+            touched = block_view(mask.to(torch.int8), block).amax(dim=(2, 3)).bool()
+            keep = ~expand(touched, tuple(x.shape), block)
             q = torch.where(keep, fp8_base[name].view(torch.uint8), q.view(torch.uint8)).view(FP8)
             s = torch.where(touched, s, fp8_base[name + SCALE])
             agent_fp8[name], agent_fp8[name + SCALE] = q, s
-            agent_values[name] = dequantize(q, s, BLOCK)
+            agent_values[name] = dequantize(q, s, block)
         agent_plain = {}
         for name, p in plain.items():
             mask = torch.rand(p.shape, generator=tg) < density
             agent_plain[name] = torch.where(mask, p + 0.05, p).to(torch.bfloat16)
         tasks.append(_stored(fmt, agent_fp8, agent_values, agent_plain))
     base_dir = root / "base"
-    write(base, base_dir, BLOCK if base_format == "fp8" else None, shards=2)
+    write(base, base_dir, block if base_format == "fp8" else None, shards=shards)
     task_dirs = []
     for t, (fmt, state) in enumerate(zip(task_formats, tasks, strict=True)):
         task_dirs.append(root / f"task{t}")
-        write(state, task_dirs[-1], BLOCK if fmt == "fp8" else None, shards=1 + t % 2)
+        write(state, task_dirs[-1], block if fmt == "fp8" else None, shards=1 + (t + shards) % 2)
     return Fp8Set(base_dir, task_dirs, base, tasks)
 
 
