@@ -158,7 +158,16 @@ class Layout:
 
     def atomic_rows(self, shard: str) -> dict[str, int]:
         """Per tensor of `shard` that units cut only between rows, its row in elements."""
-        return {s.name: s.row for s in self.slots() if s.shard == shard and s.atomic}
+        rows = {}
+        for name in self.shards[shard]:
+            e = self.tensors[name]
+            if e.scale_of is not None:
+                w = self.tensors[e.scale_of]
+                assert w.fp8_out is not None
+                rows[name] = -(-w.shape[1] // w.fp8_out.block[1])
+            elif e.band is not None:
+                rows[name] = e.band
+        return rows
 
     def read_bytes(self, tensor: str, numel: int) -> int:
         """Bytes `numel` elements of `tensor` read from all inputs together: a copied tensor

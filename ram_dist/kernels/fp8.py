@@ -13,6 +13,8 @@ work unit that covers whole bands computes every block it writes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 #: The largest finite e4m3fn value.
@@ -56,13 +58,39 @@ def scale_bytes(values: np.ndarray, dtype: str) -> np.ndarray:
     return rounded.view(np.uint8)
 
 
+def _numba() -> Any:
+    """The numba kernels (`fp8_numba`), or None where numba is not installed: the numpy
+    rule below gives the same bytes."""
+    if not _KERNELS:
+        from ram_dist import kernels
+
+        _KERNELS.append(None)
+        if kernels.available():
+            from ram_dist.kernels import fp8_numba
+
+            _KERNELS[0] = fp8_numba
+    return _KERNELS[0]
+
+
+_KERNELS: list[Any] = []
+
+
 def dequantize(
-    q: np.ndarray, scales: np.ndarray, cols: int, block: tuple[int, int], out: np.ndarray
+    q: np.ndarray,
+    scales: np.ndarray,
+    cols: int,
+    block: tuple[int, int],
+    out: np.ndarray,
+    fast: bool = True,
 ) -> np.ndarray:
     """`out[i, j] = float32(q[i, j]) * scales[i // bm, j // bn]` for whole rows: `q` holds
     rows of `cols` e4m3fn bytes that start on a band (row 0 of `q` is a band's first row),
-    `scales` the float32 scale rows of those bands. Returns `out` (flat float32)."""
+    `scales` the float32 scale rows of those bands. Returns `out` (flat float32). `fast`:
+    the numba kernel where numba is installed (the same bytes)."""
     bm, bn = block
+    kernels = _numba() if fast else None
+    if kernels is not None:
+        return kernels.dequantize(q, np.ascontiguousarray(scales), cols, bm, bn, E4M3_VALUES, out)
     rows = q.size // cols
     per_element = np.repeat(scales.reshape(-1, -(-cols // bn)), bn, axis=1)[:, :cols]
     x = out.reshape(rows, cols)
@@ -100,6 +128,7 @@ def requantize(
     block: tuple[int, int],
     scale_dtype: str,
     q_out: np.ndarray | None,
+    fast: bool = True,
 ) -> np.ndarray:
     """The FP8 output of whole bands: `y` the merged float32 values (flat, rows of `cols`),
     `base_x`, `base_q` and `base_scales` the base's values, e4m3fn bytes and raw scale bytes
@@ -108,29 +137,49 @@ def requantize(
 
     A block whose `y` equals `base_x` bit for bit keeps the base's bytes and scale; any
     other gets `s = amax / 448` (1 where amax is 0), stored in `scale_dtype`, and
-    `e4m3fn(y / float32(stored s))`."""
+    `e4m3fn(y / float32(stored s))`. `fast`: the numba kernels where numba is installed."""
     bm, bn = block
     rows = y.size // cols
     bands, blocks = -(-rows // bm), -(-cols // bn)
-    pad_r, pad_c = bands * bm - rows, blocks * bn - cols
-    yy = y.reshape(rows, cols)
-    same = (yy.view(np.uint32) == base_x.reshape(rows, cols).view(np.uint32)).astype(np.uint8)
-    same = np.pad(same, ((0, pad_r), (0, pad_c)), constant_values=1)
-    unchanged = same.reshape(bands, bm, blocks, bn).min(axis=(1, 3)).astype(bool)
-    mags = np.pad(np.abs(yy), ((0, pad_r), (0, pad_c)))
-    amax = mags.reshape(bands, bm, blocks, bn).max(axis=(1, 3))
+    kernels = _numba() if fast else None
+    if kernels is not None:
+        amax = np.empty(bands * blocks, dtype=np.float32)
+        same = np.empty(bands * blocks, dtype=np.uint8)
+        kernels.block_stats(y, base_x, cols, bm, bn, amax, same)
+    else:
+        amax, same = _block_stats(y, base_x, rows, cols, block)
+    unchanged = same.astype(bool)
     fresh = np.where(amax == 0, np.float32(1.0), amax / E4M3_MAX).astype(np.float32)
-    stored = scale_bytes(fresh, scale_dtype)
     itemsize = 4 if scale_dtype == "F32" else 2
-    kept = base_scales.reshape(bands, blocks * itemsize)
-    stored = stored.reshape(bands, blocks, itemsize)
-    stored[unchanged] = kept.reshape(bands, blocks, itemsize)[unchanged]
+    stored = scale_bytes(fresh, scale_dtype).reshape(-1, itemsize).copy()
+    stored[unchanged] = base_scales.reshape(-1, itemsize)[unchanged]
     stored = stored.reshape(-1)
-    if q_out is not None:
-        s = scale_values(stored, scale_dtype).reshape(bands, blocks)
-        divisor = np.repeat(np.repeat(s, bm, axis=0)[:rows], bn, axis=1)[:, :cols]
-        codes = to_e4m3(yy / divisor)
-        keep = np.repeat(np.repeat(unchanged, bm, axis=0)[:rows], bn, axis=1)[:, :cols]
-        out = q_out.reshape(rows, cols)
-        out[:] = np.where(keep, base_q.reshape(rows, cols), codes)
+    if q_out is None:
+        return stored
+    divisor = np.ascontiguousarray(scale_values(stored, scale_dtype))
+    if kernels is not None:
+        kernels.encode(y, divisor, same, base_q, cols, bm, bn, q_out)
+        return stored
+    s = divisor.reshape(bands, blocks)
+    per_element = np.repeat(np.repeat(s, bm, axis=0)[:rows], bn, axis=1)[:, :cols]
+    codes = to_e4m3(y.reshape(rows, cols) / per_element)
+    flags = unchanged.reshape(bands, blocks)
+    keep = np.repeat(np.repeat(flags, bm, axis=0)[:rows], bn, axis=1)[:, :cols]
+    q_out.reshape(rows, cols)[:] = np.where(keep, base_q.reshape(rows, cols), codes)
     return stored
+
+
+def _block_stats(
+    y: np.ndarray, base_x: np.ndarray, rows: int, cols: int, block: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per block, flat: max |y| (NaN where any y is) and 1 where y is base_x bit for bit."""
+    bm, bn = block
+    bands, blocks = -(-rows // bm), -(-cols // bn)
+    pad = ((0, bands * bm - rows), (0, blocks * bn - cols))
+    yy = y.reshape(rows, cols)
+    equal = (yy.view(np.uint32) == base_x.reshape(rows, cols).view(np.uint32)).astype(np.uint8)
+    equal = np.pad(equal, pad, constant_values=1)
+    same = equal.reshape(bands, bm, blocks, bn).min(axis=(1, 3)).reshape(-1)
+    mags = np.pad(np.abs(yy), pad)
+    amax = mags.reshape(bands, bm, blocks, bn).max(axis=(1, 3)).reshape(-1)
+    return amax, same
