@@ -189,6 +189,16 @@ class _ReadBuffers:
     def __init__(self) -> None:
         self._slots: list[np.ndarray] = [np.empty(0, dtype=np.uint8)] * 2
         self._pinned = [False, False]
+        self._floats: dict[tuple[int, int], np.ndarray] = {}
+
+    def floats(self, key: tuple[int, int], size: int) -> np.ndarray:
+        """A reusable float32 array of `size` under `key` (read slot, input): the values of
+        an FP8 input once dequantized, valid as long as that slot's bytes are."""
+        held = self._floats.get(key)
+        if held is None or held.size < size:
+            self._floats.pop(key, None)  # let the old one go first
+            held = self._floats[key] = np.empty(size, dtype=np.float32)
+        return held[:size]
 
     def views(self, slot: int, sizes: list[int], pinned: bool) -> list[np.ndarray]:
         """Byte arrays of `sizes`, each starting `ALIGN`-aligned, valid until the next call
@@ -341,7 +351,7 @@ def stream_blocks(
             bytes_read[i if i < len(sources) else scaled[i - len(sources)]] += a.size
         if not scaled:
             return BlockInputs(tuple(arrays), tuple(s.dtype for s in sources))
-        return _dequantized(entry, sources, arrays, scaled, start)
+        return _dequantized(sources, arrays, scaled, lambda i, n: scope.reads.floats((k % 2, i), n))
 
     if not blocks:
         return
@@ -356,11 +366,10 @@ def stream_blocks(
 
 
 def _dequantized(
-    entry: TensorEntry,
     sources: Sequence[Source],
     arrays: list[np.ndarray],
     scaled: list[int],
-    start: int,
+    floats: Callable[[int, int], np.ndarray],
 ) -> BlockInputs:
     """A block's inputs with each FP8 one's values dequantized to float32 (the spec's one
     multiplication per element), its bytes and scales kept beside them."""
@@ -373,7 +382,7 @@ def _dequantized(
         q, s_raw = arrays[i], arrays[len(sources) + j]
         values = fp8.dequantize(
             q, fp8.scale_values(s_raw, scales.dtype), scales.cols, scales.block,
-            np.empty(q.size, dtype=np.float32),
+            floats(i, q.size),
         )  # fmt: skip
         raw[i], dtypes[i], kept[i] = values.view(np.uint8), "F32", (q, s_raw)
     return BlockInputs(tuple(raw), tuple(dtypes), tuple(kept))
@@ -690,7 +699,7 @@ def _merge_into(
             chunk = Chunk(piece.tensor, piece.start + block.lo, entry.numel)
             p = params[piece.tensor]
             out_dtype = "F32" if entry.fp8_out is not None else entry.out_dtype
-            merged = np.empty(block.hi - block.lo, np.float32) if entry.fp8_out else target
+            merged = scope.reads.floats((-1, 0), block.hi - block.lo) if entry.fp8_out else target
             assert merged is not None
             view = _typed(merged.view(np.uint8), out_dtype)
             if (
