@@ -179,6 +179,23 @@ def test_plan_shows_each_input_format(sets, tmp_path):
     assert formats["output"] == "bfloat16"
 
 
+def test_probe_says_the_formats_in_text_json_and_markdown(sets, capsys):
+    from ram_dist.cli import main
+    from ram_dist.figures import markdown_summary
+
+    s = sets["fp8-base-bf16-agent"]
+    argv = ["probe", "--base", str(s.base_dir)] + [
+        a for t in s.task_dirs for a in ("--task", str(t))
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "formats:\n  base model: fine-grained FP8 (e4m3, 16x8 blocks" in printed
+    assert "  task 3: bfloat16\n  output: fine-grained FP8" in printed
+    report = api.probe(base=s.base_dir, tasks=s.task_dirs).data
+    assert report["formats"]["inputs"][3] == {"role": "task 3", "format": "bfloat16"}
+    assert "- formats: base model: fine-grained FP8" in markdown_summary(report)
+
+
 def test_through_the_driver(sets, tmp_path):
     """An output no worker can write (memory://): the parts come back through the driver."""
     import fsspec

@@ -331,8 +331,9 @@ def plan(config: MergeConfig) -> dict[str, Any]:
     # A worker holds two read blocks (at most COMPUTE_BLOCK elements of every input), its
     # unit's merged bytes, and float temporaries of one block on the eager path.
     largest = max((job.unit_bytes(u) for u in job.units), default=0)
-    widest = max((itemsize(s.dtype) for e in job.layout.tensors.values() for s in e.sources),
-                 default=1)  # fmt: skip
+    # An FP8 input's block is also held dequantized (4 bytes an element).
+    widest = max((itemsize(s.dtype) + (4 if s.scales else 0)
+                  for e in job.layout.tensors.values() for s in e.sources), default=1)  # fmt: skip
     blocks = min(2 * COMPUTE_BLOCK * widest * (len(job.tasks) + 1), 2 * largest)
     temporaries = min(COMPUTE_BLOCK, largest) * 8 * (len(job.tasks) + 4)
     out.update(
