@@ -285,6 +285,12 @@ def _load_snippet(report: Mapping[str, Any]) -> list[str]:
         lines.append(f"# copy {where} to a local folder first, then load that folder")
         where = "./merged-model"
     tokenizer = any(f in TOKENIZER_FILES for f in output.get("files_copied") or [])
+    if str((report.get("formats") or {}).get("output", "")).startswith("fine-grained FP8"):
+        lines += [
+            "# FP8 blocks, as the base: transformers loads them with its fine-grained FP8",
+            "# support (a GPU that has FP8); `ram-dist merge --out-dtype bfloat16` writes a",
+            "# checkpoint any machine loads",
+        ]
     lines += [
         "from transformers import AutoModelForCausalLM" + (", AutoTokenizer" if tokenizer else ""),
         "",
