@@ -6,7 +6,9 @@ bounds the bytes a unit reads from each input: a large tensor is cut into whole 
 when one row is larger than the budget, into element ranges), small tensors are packed
 together. Every split gives the same merged bytes: the rule is element-wise. A tensor whose
 rows are `atomic` (the bands of an FP8 weight, each the height of its blocks) is cut only
-between them, and a unit takes at least one even when it is over the budget.
+between them, and a unit takes at least one even when it is over the budget; one that fits
+a unit whole starts a unit rather than be cut (its new scales, next, then need no band
+merged again).
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ def plan_units(slots: list[TensorSlot], budget_bytes: int) -> list[WorkUnit]:
         if slot.numel == 0:
             pieces.append(Piece(slot.name, 0, 0))
             continue
+        whole_cost = slot.numel * slot.max_itemsize
+        if slot.atomic and slot.follows is None and used + whole_cost > budget_bytes >= whole_cost:
+            flush()  # a whole FP8 weight in one unit, its scales after it: no band merged twice
         pos = 0
         while pos < slot.numel:
             rest = slot.numel - pos

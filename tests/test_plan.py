@@ -89,3 +89,15 @@ def test_atomic_rows_are_never_cut_and_one_goes_over_a_small_budget():
     assert [[(p.tensor, p.start, p.stop) for p in u.pieces] for u in whole] == [
         [("w", 0, 90), ("w_scale_inv", 0, 3)]
     ]
+
+
+def test_an_fp8_weight_that_fits_a_unit_starts_one_rather_than_be_cut():
+    small = TensorSlot("norm", "s", numel=60, row=1, max_itemsize=1)
+    weight = TensorSlot("w", "s", numel=80, row=40, max_itemsize=1, atomic=True)
+    scales = TensorSlot("w_scale_inv", "s", numel=2, row=1, max_itemsize=40, atomic=True,
+                        follows="w")  # fmt: skip
+    units = plan_units([small, weight, scales], budget_bytes=100)
+    assert [[(p.tensor, p.start, p.stop) for p in u.pieces] for u in units] == [
+        [("norm", 0, 60)],
+        [("w", 0, 80), ("w_scale_inv", 0, 2)],
+    ]
