@@ -84,15 +84,17 @@ def encode(y, divisor, same, base_q, cols, bm, bn, out):  # noqa: ANN001, ANN201
                 for j in range(lo, hi):
                     out[at + j] = base_q[at + j]
                 continue
-            for j in range(lo, hi):
+            for j in range(lo, hi):  # branch-free uint32 arithmetic: vectorizes
                 v = bits[j]
                 mag = v & np.uint32(0x7FFFFFFF)
-                normal = np.int32((mag + np.uint32(0x7FFFF) + ((mag >> 20) & np.uint32(1))) >> 20)
+                normal = ((mag + np.uint32(0x7FFFF) + ((mag >> 20) & np.uint32(1))) >> 20) - (
+                    np.uint32(960)
+                )
                 # below 2**-6: multiples of 2**-9, |q| * 512 exact and below 8 (ties to even)
                 a = abs(quotient[j])
                 a = a if a < np.float32(1.0) else np.float32(1.0)  # NaN too: never chosen
-                small = np.int32(np.rint(a * np.float32(512.0)))
-                code = normal - 960 if mag >= _MIN_NORMAL_BITS else small
-                code = 0x7E if mag >= _MAX_BITS else code
-                code = 0x7F if mag > _INF_BITS else code
-                out[at + j] = np.uint8(code) | np.uint8((v >> 24) & np.uint32(0x80))
+                small = np.uint32(np.rint(a * np.float32(512.0)))
+                code = normal if mag >= _MIN_NORMAL_BITS else small
+                code = np.uint32(0x7E) if mag >= _MAX_BITS else code
+                code = np.uint32(0x7F) if mag > _INF_BITS else code
+                out[at + j] = np.uint8(code | ((v >> 24) & np.uint32(0x80)))
