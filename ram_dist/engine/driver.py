@@ -322,7 +322,8 @@ def plan(config: MergeConfig) -> dict[str, Any]:
         sink, _ = output_sink(job, nodes=1 if embedded else None)
         out["output"].update({"path": sink.path, "path_reason": sink.reason})
     participating = [n for n, e in job.layout.tensors.items() if e.participating]
-    merge_bytes = sum(job.unit_bytes(u, set(participating)) for u in job.units)
+    merging = set(participating)
+    merge_bytes = sum(job.unit_bytes(u, merging) for u in job.units)
     rounds = job.method.rounds + (1 if job.method.rounds == 0 and not config.allow_nonfinite else 0)
     out_bytes = max(
         (sum(p.numel * itemsize(job.layout.tensors[p.tensor].out_dtype) for p in u.pieces)

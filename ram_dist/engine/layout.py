@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ram_dist.dtypes import FLOATING, itemsize
 from ram_dist.errors import CheckpointError
 from ram_dist.io.checkpoint import Checkpoint
+from ram_dist.io.safetensors_header import TensorInfo
 from ram_dist.io.storage import join
 from ram_dist.io.writer import OutTensor
 from ram_dist.units import TensorSlot
@@ -95,10 +96,15 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
             out_dtype=(out_dtype or b.dtype) if participating else b.dtype,
             sources=tuple(Source(i.file, i.start, i.dtype) for i in infos),
         )
+    # One pass over the tensors, grouped by file (in the base's order), then each file's by
+    # byte offset: not one pass over all tensors per file.
+    in_file: dict[str, list[TensorInfo]] = {}
+    for info in base.tensors.values():
+        in_file.setdefault(info.file, []).append(info)
     shards: dict[str, tuple[str, ...]] = {}
     for file in base.files:
-        in_file = [i for i in base.tensors.values() if i.file == join(base.url, file)]
-        shards[file] = tuple(i.name for i in sorted(in_file, key=lambda i: i.start))
+        in_this = in_file.get(join(base.url, file), [])
+        shards[file] = tuple(i.name for i in sorted(in_this, key=lambda i: i.start))
     return Layout(tensors=tensors, shards=shards, sharded=base.sharded)
 
 
