@@ -127,3 +127,16 @@ def test_quick_check_of_an_entry_agrees_with_the_full_one(entry):
     else:
         assert quick is None or quick == full
         assert entry is not GOOD or quick == full
+
+
+def test_index_naming_a_tensor_no_file_holds_is_refused(tmp_path):
+    from ram_dist.io.checkpoint import INDEX_NAME, open_checkpoint
+    from ram_dist.synthetic.files import write_sparse_checkpoint
+
+    write_sparse_checkpoint(tmp_path, [[("a", (4,)), ("b", (2,))], [("c", (3,))]])
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    open_checkpoint(str(tmp_path), "base", Storage())  # as written: fine
+    index["weight_map"] |= {"zz": "model-00002-of-00002.safetensors", "d": index["weight_map"]["a"]}
+    (tmp_path / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="index maps 'd' to model-00001-of-00002.safe"):
+        open_checkpoint(str(tmp_path), "base", Storage())

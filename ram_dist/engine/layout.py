@@ -109,14 +109,14 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
 
 
 def _check_names(base: Checkpoint, task: Checkpoint) -> None:
-    missing = sorted(set(base.tensors) - set(task.tensors))
+    missing = sorted(base.tensors.keys() - task.tensors.keys())
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(
             f"{task.label} ({task.url}) has no tensor {missing[0]!r}{more}, which the "
             f"{base.describe(missing[0])} holds; every task must hold exactly the base's tensors"
         )
-    extra = sorted(set(task.tensors) - set(base.tensors))
+    extra = sorted(task.tensors.keys() - base.tensors.keys())
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointError(
