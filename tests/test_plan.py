@@ -72,3 +72,24 @@ def test_default_budget_from_cores_and_memory():
     assert auto_unit_budget(10**12, 8, 8 * 1024 * MIB) == 128 * MIB
     # a tiny model still gets the 16 MiB floor
     assert auto_unit_budget(10**6, 2, 24 * 1024 * MIB) == 16 * MIB
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it():
+    import gc
+
+    from ram_dist.engine.job import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RamDistError), gc_paused():
+        raise RamDistError("a check failed")
+    assert gc.isenabled()
+    gc.disable()  # a caller that keeps it off keeps it off
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
