@@ -28,7 +28,7 @@ from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
 from ram_dist.engine.devices import DeviceChoice, choose_device
 from ram_dist.engine.effective import CONFIG_NAME, render
-from ram_dist.engine.job import Job, prepare
+from ram_dist.engine.job import Job, gc_paused, prepare
 from ram_dist.engine.output import OutputState, check_writable, clear_published, open_output
 from ram_dist.engine.passes import PassStats, ShardBook, map_pass, reduce_pass
 from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
@@ -302,7 +302,14 @@ def plan(config: MergeConfig) -> dict[str, Any]:
     """Headers only: every up-front check, then what the job would read, run and write.
 
     Writes nothing anywhere (a remote output's writability is not probed by a dry run).
+    The garbage collector stays paused until the job is freed: the collection that turning it
+    back on starts then finds the few objects of the report, not every tensor's.
     """
+    with gc_paused():
+        return _plan(config)
+
+
+def _plan(config: MergeConfig) -> dict[str, Any]:
     job = prepare(config)
     device, cluster = _planned_device(config)
     if cluster is not None:
