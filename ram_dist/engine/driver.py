@@ -28,7 +28,7 @@ from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
 from ram_dist.engine.devices import DeviceChoice, choose_device
 from ram_dist.engine.effective import CONFIG_NAME, render
-from ram_dist.engine.job import Job, prepare
+from ram_dist.engine.job import Job, gc_paused, prepare
 from ram_dist.engine.output import OutputState, check_writable, clear_published, open_output
 from ram_dist.engine.passes import PassStats, ShardBook, map_pass, reduce_pass
 from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
@@ -302,7 +302,14 @@ def plan(config: MergeConfig) -> dict[str, Any]:
     """Headers only: every up-front check, then what the job would read, run and write.
 
     Writes nothing anywhere (a remote output's writability is not probed by a dry run).
+    The garbage collector stays paused until the job is freed: the collection that turning it
+    back on starts then finds the few objects of the report, not every tensor's.
     """
+    with gc_paused():
+        return _plan(config)
+
+
+def _plan(config: MergeConfig) -> dict[str, Any]:
     job = prepare(config)
     device, cluster = _planned_device(config)
     if cluster is not None:
@@ -322,7 +329,8 @@ def plan(config: MergeConfig) -> dict[str, Any]:
         sink, _ = output_sink(job, nodes=1 if embedded else None)
         out["output"].update({"path": sink.path, "path_reason": sink.reason})
     participating = [n for n, e in job.layout.tensors.items() if e.participating]
-    merge_bytes = sum(job.unit_bytes(u, set(participating)) for u in job.units)
+    merging = set(participating)
+    merge_bytes = sum(job.unit_bytes(u, merging) for u in job.units)
     rounds = job.method.rounds + (1 if job.method.rounds == 0 and not config.allow_nonfinite else 0)
     out_bytes = max(
         (sum(p.numel * itemsize(job.layout.tensors[p.tensor].out_dtype) for p in u.pieces)
