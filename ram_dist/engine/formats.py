@@ -12,7 +12,7 @@ word.
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +60,7 @@ class Format:
 
     fp8: Fp8Blocks | None
 
-    @property
+    @functools.cached_property
     def companions(self) -> frozenset[str]:
         """Names of the scale tensors, which are part of their weights, not tensors."""
         if self.fp8 is None:
@@ -88,17 +88,18 @@ def recognize(ckpt: Checkpoint) -> Format:
     for name, info in sorted(ckpt.tensors.items()):
         if not info.dtype.startswith("F8_"):
             continue
-        where = f"tensor {name!r} in {ckpt.describe(name)}"
         if info.dtype != FP8_DTYPE:
+            where = f"tensor {name!r} in {ckpt.describe(name)}"
             raise CheckpointError(
                 f"{where} is {info.dtype}: ram-dist merges FP8 only as fine-grained "
                 f"{FP8_DTYPE} blocks with a {SCALE_SUFFIX} companion; {DEQUANTIZE}"
             )
         if block is None:
             raise CheckpointError(
-                f"{where} is {FP8_DTYPE}, but the checkpoint's config.json declares no "
-                "quantization_config {quant_method: fp8, fmt: e4m3, weight_block_size: "
-                "[bm, bn]}, so its scales cannot be read; add it, or " + DEQUANTIZE
+                f"tensor {name!r} in {ckpt.describe(name)} is {FP8_DTYPE}, but the "
+                "checkpoint's config.json declares no quantization_config {quant_method: "
+                "fp8, fmt: e4m3, weight_block_size: [bm, bn]}, so its scales cannot be read; "
+                "add it, or " + DEQUANTIZE
             )
         scales[name] = _companion(ckpt, info, block)
     if block is not None and not scales:
@@ -112,11 +113,11 @@ def recognize(ckpt: Checkpoint) -> Format:
 def _refuse_packed(ckpt: Checkpoint, quant: Mapping[str, Any] | None) -> None:
     """Any quantization but fine-grained FP8, declared or recognised by its tensor names."""
     method = quant.get("quant_method") if quant is not None else None
-    packed = next(
-        ((n, fmt) for n in sorted(ckpt.tensors) for end, fmt in PACKED_SUFFIXES.items()
-         if n.endswith(end)),
-        None,
-    )  # fmt: skip
+    ends = tuple(PACKED_SUFFIXES)
+    first = min((n for n in ckpt.tensors if n.endswith(ends)), default=None)
+    packed = None
+    if first is not None:
+        packed = (first, next(f for e, f in PACKED_SUFFIXES.items() if first.endswith(e)))
     if method == "fp8" and packed is None:
         return
     if quant is not None and method != "fp8":
@@ -174,19 +175,23 @@ def _fp8_block(ckpt: Checkpoint, quant: Mapping[str, Any]) -> tuple[int, int]:
 def _companion(ckpt: Checkpoint, info: TensorInfo, block: tuple[int, int]) -> TensorInfo:
     """The scale tensor of FP8 weight `info`, checked against its shape."""
     name = info.name
+    scale = ckpt.tensors.get(name + SCALE_SUFFIX)
+    shape = info.shape
+    want = tuple(-(-n // b) for n, b in zip(shape, block, strict=False))
+    if scale is not None and len(shape) == 2 and scale.shape == want:
+        if scale.dtype in SCALE_DTYPES:
+            return scale  # the usual case, checked without composing any message
     where = f"tensor {name!r} in {ckpt.describe(name)}"
     if len(info.shape) != 2:
         raise CheckpointError(
             f"{where} is {FP8_DTYPE} with shape {list(info.shape)}: fine-grained FP8 "
             f"weights are matrices; {DEQUANTIZE}"
         )
-    scale = ckpt.tensors.get(name + SCALE_SUFFIX)
     if scale is None:
         raise CheckpointError(
             f"{where} is {FP8_DTYPE} but has no companion {name + SCALE_SUFFIX!r}, so its "
             f"values are unknown; {DEQUANTIZE}"
         )
-    want = tuple(math.ceil(n / b) for n, b in zip(info.shape, block, strict=True))
     if scale.shape != want or scale.dtype not in SCALE_DTYPES:
         raise CheckpointError(
             f"tensor {scale.name!r} in {ckpt.describe(scale.name)} is {scale.dtype} "
