@@ -59,9 +59,17 @@ class TensorSlot:
     read when the unit already holds all of that tensor."""
 
 
-def plan_units(slots: list[TensorSlot], budget_bytes: int) -> list[WorkUnit]:
+#: Most pieces in one unit: a unit costs per piece too (a range read from each input, a
+#: kernel call), so a unit of many small tensors is cut as one of many bytes is, and its
+#: work spreads over the workers (100k one-element tensors: 13 units, not one).
+MAX_PIECES = 8192
+
+
+def plan_units(
+    slots: list[TensorSlot], budget_bytes: int, max_pieces: int = MAX_PIECES
+) -> list[WorkUnit]:
     """Cut tensors (in output order) into units reading at most `budget_bytes` per input
-    (one atomic row may be more)."""
+    (one atomic row may be more), of at most `max_pieces` pieces."""
     widest = max((s.max_itemsize for s in slots if not s.atomic), default=1)
     if budget_bytes < widest:
         raise RamDistError(
@@ -84,6 +92,8 @@ def plan_units(slots: list[TensorSlot], budget_bytes: int) -> list[WorkUnit]:
         if slot.shard != shard:
             flush()
             shard = slot.shard
+        if len(pieces) >= max_pieces and slot.follows not in whole:
+            flush()
         if slot.numel == 0:
             pieces.append(Piece(slot.name, 0, 0))
             continue

@@ -158,3 +158,43 @@ def test_transient_errors_are_retried_and_missing_files_are_not(flaky_server):
         storage.read_ranges([(f"{flaky_server}/blob.bin", 100, 1100)])
     assert failed.value.exit_status == 1
     assert len(_FlakyHandler.requests) == ATTEMPTS  # then it gives up, naming the file
+
+
+def test_ranges_that_follow_each_other_are_read_together(tmp_path, flaky_server, monkeypatch):
+    """Ranges adjacent in a file, in any order: one `preadv` into their buffers (a local file,
+    opened once) or one request (remote); each range still gets exactly its own bytes."""
+    spans = [(300, 400), (100, 200), (200, 300), (500, 500), (600, 700), (650, 660), (0, 9000)]
+    (tmp_path / "blob.bin").write_bytes(_FlakyHandler.data)
+    calls: list[tuple[int, list[int]]] = []
+    opened: list[str] = []
+    preadv, open_ = os.preadv, os.open
+
+    def counting_preadv(fd, bufs, at):
+        calls.append((at, [len(b) for b in bufs]))
+        return preadv(fd, bufs, at)
+
+    def counting_open(path, *args, **kwargs):
+        opened.append(str(path))
+        return open_(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    monkeypatch.setattr(os, "open", counting_open)
+    storage = Storage()
+    want = [_FlakyHandler.data[a:b] for a, b in spans]
+    local = str(tmp_path / "blob.bin")
+    into = [memoryview(bytearray(b - a)) for a, b in spans]
+    got = storage.read_ranges([(local, a, b) for a, b in spans], into=into)
+    assert [bytes(g) for g in got] == [bytes(b) for b in into] == want
+    assert opened == [local]
+    assert calls == [(0, [9000]), (100, [100, 100, 100]), (600, [100]), (650, [10])]
+
+    _FlakyHandler.failures, _FlakyHandler.requests = 0, []
+    blobs = storage.read_ranges([(f"{flaky_server}/blob.bin", a, b) for a, b in spans])
+    assert [bytes(b) for b in blobs] == want
+    assert sorted(_FlakyHandler.requests) == sorted(
+        ["bytes=0-8999", "bytes=100-399", "bytes=600-699", "bytes=650-659"]
+    )
+
+    (tmp_path / "short.bin").write_bytes(bytes(150))
+    with pytest.raises(StorageError, match="short.bin: .*short read of \\[100, 300\\): 50 bytes"):
+        storage.read_ranges([(str(tmp_path / "short.bin"), a, b) for a, b in spans[1:3]])

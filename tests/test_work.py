@@ -55,3 +55,75 @@ def test_units_and_compute_blocks_reassemble_the_reference(
     expected, _ = reference_merge(base, tasks, "ram_plus")
     for name, want in expected.items():
         assert b"".join(blobs[name]) == want.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize(
+    ("small", "group"), [(0, 4096), (1 << 16, 4096), (1 << 16, 5), (20_000, 3)]
+)
+def test_small_tensors_are_read_together(tmp_path, monkeypatch, small, group):
+    """The blocks of small tensors are read in groups, one `read_ranges` call each, and every
+    other block alone; grouping changes no byte."""
+    monkeypatch.setattr(work, "SMALL_BYTES", small)
+    monkeypatch.setattr(work, "GROUP_BLOCKS", group)
+    monkeypatch.setattr(work, "COMPUTE_BLOCK", 256)
+    base_dir, task_dirs, base, tasks = build_model_set(tmp_path, kind="llama")
+    config = MergeConfig(base=str(base_dir), tasks=tuple(map(str, task_dirs)))
+    job = driver.prepare(config)
+    method, state = get_method("ram_plus"), job.initial_state()
+    args = (job.layout, job.storage, method, job.params)
+    calls: list[int] = []
+    read_ranges = type(job.storage).read_ranges
+
+    def counting(self, url_ranges, into=None, traffic=None):
+        calls.append(len(url_ranges))
+        return read_ranges(self, url_ranges, into, traffic)
+
+    monkeypatch.setattr(type(job.storage), "read_ranges", counting)
+    totals: dict[str, np.ndarray] = {}
+    for unit in job.units:
+        with work.worker_context().task() as scope:
+            work.add_up(work.reduce_unit(unit, *args, state, 0, False, scope), totals, {})
+    sums = {key: torch.from_numpy(value) for key, value in totals.items()}
+    state = method.finalize(0, sums, job.params, job.numel(), state)
+    calls.clear()
+    data = b"".join(work.map_unit(unit, *args, state).data.tobytes() for unit in job.units)
+    blocks = [
+        [
+            work.Block(k, lo, hi)
+            for k, p in enumerate(u.pieces)
+            for lo, hi in work._blocks(p.numel, job.layout.tensors[p.tensor])
+        ]
+        for u in job.units
+    ]
+    groups = [work._groups(b, u.pieces, job.layout) for b, u in zip(blocks, job.units, strict=True)]
+    assert len(calls) == sum(map(len, groups))  # one call per group
+    assert all(len(g) <= group for gs in groups for g in gs)
+    alone = [not work._groupable(job.layout.tensors[p.tensor]) for u in job.units for p in u.pieces]
+    if small == 0:
+        assert all(alone) and len(calls) == sum(map(len, blocks))
+    else:
+        assert not all(alone) and len(calls) < sum(map(len, blocks))
+    expected, _ = reference_merge(base, tasks, "ram_plus")
+    names = [p.tensor for u in job.units for p in u.pieces]
+    assert len(set(names)) == len(names)  # one piece per tensor: the bytes are in their order
+    assert data == b"".join(
+        expected[n].reshape(-1).view(torch.uint8).numpy().tobytes() for n in names
+    )
+
+
+def test_reduce_statistics_pickle_as_a_few_stacked_arrays():
+    """A reduce task's statistics keep their keys, order, shapes and values across a pickle,
+    which holds one array per shape and dtype (not one per key)."""
+    import pickle
+
+    stats = work.Statistics(
+        {f"t{i}": np.full((3, 3), i, np.int64) for i in range(1000)}
+        | {"scalar": np.array(5, np.int64), "row": np.arange(4), "last": np.ones((3, 3), int)}
+    )
+    _, (keys, which, stacks) = stats.__reduce__()
+    assert keys == list(stats) and len(which) == len(stats) and len(stacks) == 3
+    back = pickle.loads(pickle.dumps(stats))
+    assert isinstance(back, work.Statistics) and list(back) == list(stats)
+    for key, value in stats.items():
+        assert isinstance(back[key], np.ndarray) and back[key].dtype == value.dtype
+        assert back[key].shape == value.shape and np.array_equal(back[key], value)

@@ -23,7 +23,7 @@ from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
 from ram_dist.engine.devices import choose_device
 from ram_dist.engine.job import Job
-from ram_dist.engine.pool import near, unordered_map
+from ram_dist.engine.pool import Shared, near, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster
 from ram_dist.engine.work import (
@@ -154,6 +154,20 @@ class PassStats:
         return out
 
 
+@dataclass(frozen=True)
+class Shipped:
+    """What every task of a job reads that is the same for all of them, the layout and the
+    parameters of every tensor, put in Ray's object store once for all passes: each worker
+    process deserializes them once (`pool.Shared`), not with every task."""
+
+    layout: Shared
+    params: Shared
+
+    @classmethod
+    def of(cls, job: Job) -> Shipped:
+        return cls(Shared(job.layout), Shared(job.params))
+
+
 def _options(job: Job, cluster: Cluster) -> tuple[int, dict[str, Any]]:
     """Units in flight, and the Ray options of each. With `--workers`, exactly that many run
     at once; by default twice the device's slots (the cluster's GPUs, or its CPUs; see
@@ -184,15 +198,35 @@ def _placement(
 def _parts_of(
     job: Job, shards: Sequence[str], min_part_bytes: int
 ) -> tuple[dict[int, WorkUnit], dict[str, bytes], dict[str, list[Part]]]:
-    """The units of `shards` by index, each shard's header, and its parts (`plan_parts`)."""
+    """The units of `shards` by index, each shard's header, and its parts (`plan_parts`):
+    fresh containers (the caller may change them) over what `_planned` keeps."""
+    every_unit, every_header, every_plan = _planned(job, min_part_bytes)
     wanted = set(shards)
-    units = {u.index: u for u in job.units if u.shard in wanted}
-    headers = {s: shard_header(job.layout.out_tensors(s)) for s in shards}
+    units = {i: u for i, u in every_unit.items() if u.shard in wanted}
+    return units, {s: every_header[s] for s in shards}, {s: list(every_plan[s]) for s in shards}
+
+
+#: The latest job's `_planned`, kept for the next pass (the job itself too, so that its id
+#: is not reused while kept).
+_PLANNED: list[tuple[Job, int, Any]] = []
+
+
+def _planned(
+    job: Job, min_part_bytes: int
+) -> tuple[dict[int, WorkUnit], dict[str, bytes], dict[str, list[Part]]]:
+    """Every shard's header and parts, made once per job and part size (each header holds
+    every tensor of its shard: seconds for 100k tensors)."""
+    for kept, size, planned in _PLANNED:
+        if kept is job and size == min_part_bytes:
+            return planned
+    units = {u.index: u for u in job.units}
+    headers = {s: shard_header(job.layout.out_tensors(s)) for s in job.layout.shards}
     sizes = {i: unit_out_bytes(u, job.layout) for i, u in units.items()}
-    plan: dict[str, list[Part]] = {s: [] for s in shards}
+    plan: dict[str, list[Part]] = {s: [] for s in job.layout.shards}
     lengths = {s: len(h) for s, h in headers.items()}
     for part in plan_parts(list(units.values()), sizes, lengths, min_part_bytes):
         plan[part.shard].append(part)
+    _PLANNED[:] = [(job, min_part_bytes, (units, headers, plan))]
     return units, headers, plan
 
 
@@ -210,14 +244,17 @@ def reduce_pass(
     progress: Progress | None = None,
     cache: InputCache | None = None,
     min_part_bytes: int = 0,
+    shipped: Shipped | None = None,
 ) -> tuple[dict[str, Any], PassStats]:
     """Every reduce round of the method: sum each unit's int64 statistics per key, then let
     the method fold the sums into its state. Rounds no tensor needs read nothing. The first
     round also counts NaN and Inf in every input (a check-only round for methods without
     statistics), unless the job allows them. With a `cache`, what a round fetches is kept on
     its node, and `stats.first_node` says which node first read each unit. A task reads the
-    units of one output part of at least `min_part_bytes` (see `unit_groups`)."""
+    units of one output part of at least `min_part_bytes` (see `unit_groups`). `shipped`:
+    the job's layout and parameters, already in the object store."""
     stats = PassStats()
+    shipped = shipped or Shipped.of(job)
     groups = unit_groups(job, min_part_bytes)
     storage, node_of = _placement(job.storage, cache, stats.first_node)
     start = time.perf_counter()
@@ -241,7 +278,8 @@ def reduce_pass(
             continue
         totals: dict[str, np.ndarray] = {}
         nonfinite: dict[str, list[int]] = {}
-        shared = (job.layout, storage, method, job.params, _shipped(job, state), round_, checking)
+        shared = (shipped.layout, storage, method, shipped.params, _shipped(job, state), round_,
+                  checking)  # fmt: skip
         results = unordered_map(
             reduce_group, items, shared, workers, resources, lambda g: near(node_of(g[0]))
         )
@@ -356,20 +394,23 @@ def map_pass(
     cache: InputCache | None = None,
     first_node: dict[int, str] | None = None,
     pin_to: str | None = None,
+    shipped: Shipped | None = None,
 ) -> PassStats:
     """Merge `shards` part by part, results taken as they finish: each task writes its part
     through the `sink`'s target (or sends it back, through the driver), and each shard is
     completed once all its parts are in, then recorded in the `book`. A resumed shard's
     parts already in place are not made again. With a `cache`, the last reader of it, a
     part runs on its first unit's `first_node` (while that node lives) and removes what it
-    reads from the cache there; with `pin_to`, every part runs on that node."""
+    reads from the cache there; with `pin_to`, every part runs on that node. `shipped`: the
+    job's layout and parameters, already in the object store."""
     assert job.out is not None
+    shipped = shipped or Shipped.of(job)
     stats = PassStats(output_path=sink.path, output_path_reason=sink.reason)
     last = cache.for_last_pass() if cache is not None else None
     storage, node_of = _placement(job.storage, last, first_node or {})
     start = time.perf_counter()
     workers, resources = _options(job, cluster)
-    shared = (job.layout, storage, job.method, job.params, _shipped(job, state))
+    shared = (shipped.layout, storage, job.method, shipped.params, _shipped(job, state))
     units, headers, plan = _parts_of(job, shards, sink.min_part_bytes)
     for name in shards:  # a shard a killed run was writing keeps the parts it recorded
         recorded = (book.manifest.writing.get(name) or {}).get("plan")

@@ -8,7 +8,11 @@ the item back there).
 
 from __future__ import annotations
 
+import gc
 import logging
+import pickle
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -21,8 +25,45 @@ from ram_dist.io.failures import is_storage_failure, storage_error
 log = logging.getLogger(__name__)
 
 
+class Shared:
+    """A value put in Ray's object store once (on the driver), for every task that takes it
+    among `unordered_map`'s `shared` values: each worker process fetches and deserializes
+    it once, and keeps it for the next task, instead of once per task (a layout of 100k
+    tensors takes seconds to deserialize). Handed to the task's function as the value."""
+
+    #: Values a worker process keeps, by object id: the latest few (one job's, mostly).
+    KEPT = 4
+    _kept: OrderedDict[str, Any] = OrderedDict()
+    _lock = threading.Lock()
+
+    def __init__(self, value: Any) -> None:
+        # The standard pickler: Ray's (cloudpickle) calls back into Python for every object,
+        # a third slower on a layout's 400k objects. `value` needs nothing more.
+        self.ref = ray.put(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def get(self) -> Any:
+        key = self.ref.hex()
+        with Shared._lock:
+            if key in Shared._kept:
+                Shared._kept.move_to_end(key)
+                return Shared._kept[key]
+        collecting = gc.isenabled()
+        gc.disable()  # full collections while it is built would scan it again and again
+        try:
+            value = pickle.loads(ray.get(self.ref))
+        finally:
+            if collecting:
+                gc.enable()
+        with Shared._lock:
+            Shared._kept[key] = value
+            while len(Shared._kept) > Shared.KEPT:
+                Shared._kept.popitem(last=False)
+        return value
+
+
 def _run(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
-    return ray.get_runtime_context().get_node_id(), fn(item, *shared)
+    values = [s.get() if isinstance(s, Shared) else s for s in shared]
+    return ray.get_runtime_context().get_node_id(), fn(item, *values)
 
 
 #: Ray titles a worker running these `ray::_run` (tests find the workers to kill by it).
@@ -45,12 +86,13 @@ def unordered_map(
     doing the work and at most `max_in_flight` items submitted at once (back-pressure
     bounds memory); one slow item never holds back the others' results.
 
-    `shared` values are put in the object store once. `options_of(item)` may add Ray options
-    for one item (e.g. a scheduling strategy). `resources` may hold `max_calls: 1` (a fresh
-    worker process per task). A worker's `RamDistError` (a `StorageError` naming the file
-    it could not read or write, among others) is raised again here as itself, and a store's
-    failure no layer named as a `StorageError`, so the user sees one line rather than a
-    Ray traceback; the task's traceback is logged at debug level.
+    `shared` values are put in the object store once (a `Shared` one is already there, and
+    each worker process deserializes it once, whatever the map). `options_of(item)` may add
+    Ray options for one item (e.g. a scheduling strategy). `resources` may hold `max_calls:
+    1` (a fresh worker process per task). A worker's `RamDistError` (a `StorageError` naming
+    the file it could not read or write, among others) is raised again here as itself, and a
+    store's failure no layer named as a `StorageError`, so the user sees one line rather
+    than a Ray traceback; the task's traceback is logged at debug level.
     """
     resources = dict(resources)
     max_calls = resources.pop("max_calls", 0)
@@ -58,7 +100,7 @@ def unordered_map(
         raise ValueError(f"max_calls must be 0 (no limit) or 1, got {max_calls}")
     run = _run_once if max_calls == 1 else _run_anywhere
     remote = run.options(**resources)
-    shared_refs = tuple(ray.put(v) for v in shared)
+    shared_refs = tuple(v if isinstance(v, Shared) else ray.put(v) for v in shared)
     pending: dict[ray.ObjectRef, Any] = {}
     queue = iter(items)
     more = True

@@ -11,6 +11,8 @@ naming the input file (`failures`).
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import os
 import time
@@ -125,16 +127,30 @@ class Storage:
     def _read_direct(
         self, url_ranges: list[tuple[str, int, int]], into: list[memoryview] | None
     ) -> list[Buffer]:
-        """`read_ranges` without the cache."""
+        """`read_ranges` without the cache. Ranges that follow each other in a file are read
+        together: with one `preadv` into their buffers (local), or in one request (remote);
+        each local file is opened once."""
         out: list[Buffer | None] = [None] * len(url_ranges)
         remote: list[int] = []
-        for i, (url, start, end) in enumerate(url_ranges):
-            fs, path = self.fs(url)
+        local: dict[str, tuple[str, list[int]]] = {}
+        where: dict[str, tuple[AbstractFileSystem, str]] = {}
+        for i, (url, _, _) in enumerate(url_ranges):
+            if url not in where:
+                where[url] = self.fs(url)
+            fs, path = where[url]
             if isinstance(fs, LocalFileSystem) and hasattr(os, "preadv"):
-                buf = into[i] if into is not None else memoryview(bytearray(end - start))
-                out[i] = _pread(url, path, start, end, buf)
+                local.setdefault(url, (path, []))[1].append(i)
             else:
                 remote.append(i)
+        for url, (path, index) in local.items():
+            ranges = [(url_ranges[i][1], url_ranges[i][2]) for i in index]
+            if into is not None:
+                bufs = [into[i] for i in index]
+            else:
+                bufs = [memoryview(bytearray(end - start)) for start, end in ranges]
+            _pread(url, path, ranges, bufs)
+            for i, buf in zip(index, bufs, strict=True):
+                out[i] = buf
         if remote:
             blobs = self._read_remote([url_ranges[i] for i in remote])
             for i, blob in zip(remote, blobs, strict=True):
@@ -145,16 +161,29 @@ class Storage:
         return out  # type: ignore[return-value]
 
     def _read_remote(self, url_ranges: list[tuple[str, int, int]]) -> list[bytes]:
+        """Requests of at most `REQUEST_BYTES`, a range that follows another in its file
+        joining that one's request, then each range's bytes cut out of them."""
         requests: list[tuple[str, int, int]] = []
-        owners: list[int] = []
-        for i, (url, start, end) in enumerate(url_ranges):
-            for lo in range(start, end, REQUEST_BYTES):
-                requests.append((url, lo, min(lo + REQUEST_BYTES, end)))
-                owners.append(i)
-        parts: list[list[bytes]] = [[] for _ in url_ranges]
-        for i, blob in zip(owners, self._fetch(requests), strict=True):
-            parts[i].append(blob)
-        return [b"".join(p) if len(p) != 1 else p[0] for p in parts]
+        cuts: list[list[tuple[int, int, int]]] = [[] for _ in url_ranges]
+        for i in sorted(range(len(url_ranges)), key=url_ranges.__getitem__):
+            url, pos, end = url_ranges[i]
+            while pos < end:
+                last = requests[-1] if requests else None
+                if last and last[0] == url and last[2] == pos and pos - last[1] < REQUEST_BYTES:
+                    stop = min(end, last[1] + REQUEST_BYTES)
+                    requests[-1] = (url, last[1], stop)
+                else:
+                    stop = min(end, pos + REQUEST_BYTES)
+                    requests.append((url, pos, stop))
+                lo = requests[-1][1]
+                cuts[i].append((len(requests) - 1, pos - lo, stop - lo))
+                pos = stop
+        blobs = self._fetch(requests)
+        return [
+            blobs[c[0][0]][c[0][1] : c[0][2]] if len(c) == 1
+            else b"".join(blobs[r][lo:hi] for r, lo, hi in c)
+            for c in cuts
+        ]  # fmt: skip
 
     def _fetch(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
         """One batched `cat_ranges` per filesystem. A request that failed is raised as a
@@ -197,33 +226,65 @@ class Storage:
         raise AssertionError("unreachable")
 
 
-def _pread(url: str, path: str, start: int, end: int, buf: memoryview) -> memoryview:
-    """Bytes `[start, end)` of a local file, read into `buf` (errors are permanent)."""
-    if len(buf) != end - start:
-        raise ValueError(f"buffer of {len(buf)} bytes for the range [{start}, {end})")
+def _pread(url: str, path: str, ranges: list[tuple[int, int]], bufs: list[memoryview]) -> None:
+    """Bytes `[start, end)` of a local file into the buffer of each range (errors are
+    permanent). The file is opened once; ranges that follow each other in it are read by
+    one `preadv` into their buffers."""
+    for (start, end), buf in zip(ranges, bufs, strict=True):
+        if len(buf) != end - start:
+            raise ValueError(f"buffer of {len(buf)} bytes for the range [{start}, {end})")
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise storage_error(e, url, "read", "input") from e
     try:
-        done = 0
-        while done < len(buf):
-            step = min(len(buf) - done, _PREAD_BYTES)
-            try:
-                n = os.preadv(fd, [buf[done : done + step]], start + done)
-            except OSError as e:
-                raise storage_error(e, url, "read", "input") from e
-            if n == 0:
-                short = ChangedError(f"short read of [{start}, {end}): {done} bytes")
-                raise storage_error(short, url, "read", "input")
-            done += n
+        order = sorted(range(len(ranges)), key=ranges.__getitem__)
+        k = 0
+        while k < len(order):
+            start, end = ranges[order[k]]
+            run = [bufs[order[k]]]
+            k += 1
+            while k < len(order) and ranges[order[k]][0] == end:
+                end = ranges[order[k]][1]
+                run.append(bufs[order[k]])
+                k += 1
+            _preadv(fd, url, start, end, run)
     finally:
         os.close(fd)
-    return buf
 
 
-#: Largest single `preadv` (Linux caps one call at about 2 GiB).
+def _preadv(fd: int, url: str, start: int, end: int, run: list[memoryview]) -> None:
+    """Fill the buffers of `run`, which hold bytes `[start, end)` of the file in order."""
+    pending = collections.deque(b for b in run if len(b))
+    at = start
+    while pending:
+        batch, size = [], 0
+        for buf in itertools.islice(pending, _IOV_MAX):
+            if size + len(buf) > _PREAD_BYTES:
+                if not batch:
+                    batch, size = [buf[:_PREAD_BYTES]], _PREAD_BYTES
+                break
+            batch.append(buf)
+            size += len(buf)
+        try:
+            n = os.preadv(fd, batch, at)
+        except OSError as e:
+            raise storage_error(e, url, "read", "input") from e
+        if n == 0:
+            short = ChangedError(f"short read of [{start}, {end}): {at - start} bytes")
+            raise storage_error(short, url, "read", "input")
+        at += n
+        while n:
+            if len(pending[0]) <= n:
+                n -= len(pending.popleft())
+            else:
+                pending[0] = pending[0][n:]
+                n = 0
+
+
+#: Largest single `preadv` (Linux caps one call at about 2 GiB), and most buffers in one.
 _PREAD_BYTES = 1 << 30
+_IOV_MAX = 1024
 
 
 def join(url: str, name: str) -> str:

@@ -365,44 +365,50 @@ def _is_tensor(x: object) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+#: The array a kernel reads for each numpy dtype it takes (bf16 comes as its uint16 bits),
+#: and writes (float64 too).
+_NUMPY_TO_KERNEL = {np.dtype(np.float32): np.float32, np.dtype(np.uint16): np.uint16,
+                    np.dtype(np.float16): np.int16}  # fmt: skip
+_NUMPY_OUT_TO_KERNEL = {**_NUMPY_TO_KERNEL, np.dtype(np.float64): np.float64}
+
+
 def _kernel_view(x: ArrayLike, table: dict[str, type], writable: bool) -> np.ndarray:
     """The flat array a kernel reads (or writes), tagged by dtype as the kernels expect."""
-    if _is_tensor(x):
-        import torch
-
-        assert isinstance(x, torch.Tensor)
-        if x.device.type != "cpu":
-            raise TypeError(f"fused RAM kernels run on CPU tensors, got {x.device}")
-        name = str(x.dtype).removeprefix("torch.")
-        if name not in table:
-            raise TypeError(f"fused RAM kernels do not handle {x.dtype}")
-        if not x.is_contiguous():
-            if writable:
-                raise ValueError("the output of a fused RAM kernel must be contiguous")
-            x = x.contiguous()
-        flat = x.reshape(-1)
-        if x.dtype == torch.bfloat16:
-            return flat.view(torch.int16).numpy().view(np.uint16)
-        return flat.numpy().view(table[name])
-    if not isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray):  # the engine's case first: it is called once per block
+        kinds = _NUMPY_OUT_TO_KERNEL if table is _TORCH_OUT_TO_KERNEL else _NUMPY_TO_KERNEL
+        kind = kinds.get(x.dtype)
+        if kind is None:
+            raise TypeError(f"fused RAM kernels do not handle numpy {x.dtype} (bf16 is uint16)")
+        if writable and not (x.flags.c_contiguous and x.flags.writeable):
+            raise ValueError("the output of a fused RAM kernel must be contiguous and writable")
+        return x.ravel().view(kind)
+    if not _is_tensor(x):
         raise TypeError(f"expected a torch tensor or numpy array, got {type(x).__name__}")
-    kinds = {np.dtype(np.float32): np.float32, np.dtype(np.uint16): np.uint16}
-    kinds[np.dtype(np.float16)] = np.int16
-    if table is _TORCH_OUT_TO_KERNEL:
-        kinds[np.dtype(np.float64)] = np.float64
-    if x.dtype not in kinds:
-        raise TypeError(f"fused RAM kernels do not handle numpy {x.dtype} (bf16 is uint16)")
-    if writable and not (x.flags.c_contiguous and x.flags.writeable):
-        raise ValueError("the output of a fused RAM kernel must be contiguous and writable")
-    return np.ravel(x).view(kinds[x.dtype])
+    import torch
+
+    assert isinstance(x, torch.Tensor)
+    if x.device.type != "cpu":
+        raise TypeError(f"fused RAM kernels run on CPU tensors, got {x.device}")
+    name = str(x.dtype).removeprefix("torch.")
+    if name not in table:
+        raise TypeError(f"fused RAM kernels do not handle {x.dtype}")
+    if not x.is_contiguous():
+        if writable:
+            raise ValueError("the output of a fused RAM kernel must be contiguous")
+        x = x.contiguous()
+    flat = x.reshape(-1)
+    if x.dtype == torch.bfloat16:
+        return flat.view(torch.int16).numpy().view(np.uint16)
+    return flat.numpy().view(table[name])
 
 
 def _inputs(base: ArrayLike, tasks: Sequence[ArrayLike]) -> tuple[np.ndarray, ...]:
     if len(tasks) < 1:
         raise ValueError("fused RAM kernels need at least one task")
-    arrays = tuple(_kernel_view(x, _TORCH_TO_KERNEL, False) for x in (base, *tasks))
-    sizes = {a.size for a in arrays}
-    if len(sizes) != 1:
+    arrays = (_kernel_view(base, _TORCH_TO_KERNEL, False),)
+    arrays += tuple([_kernel_view(x, _TORCH_TO_KERNEL, False) for x in tasks])
+    size = arrays[0].size
+    if any(a.size != size for a in arrays):
         raise ValueError(f"base and tasks differ in length: {[a.size for a in arrays]}")
     return arrays
 
@@ -442,7 +448,7 @@ def overlap_counts_nonfinite(
     hist = np.zeros((ntasks + 1, ntasks + 1), np.int64)
     nonfinite = np.zeros(ntasks + 1, np.int64)
     _count_kernel(arrays, np.float32(eps), hist, nonfinite, code_tasks)
-    return hist, [int(v) for v in nonfinite]
+    return hist, nonfinite.tolist()
 
 
 def merge_ram(
