@@ -248,6 +248,7 @@ def merge(
     cache_dir: PathLike | None = None,
     log_format: str | None = None,
     allow_nonfinite: bool = False,
+    integers_from_base: bool = False,
     storage_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> MergeReport:
     """Merge `tasks` into `base`, or run (resume) an unfinished merge into `out`, as
@@ -274,6 +275,7 @@ def probe(
     cache_dir: PathLike | None = None,
     log_format: str | None = None,
     allow_nonfinite: bool = False,
+    integers_from_base: bool = False,
     storage_options: Mapping[str, Mapping[str, Any]] | None = None,
     json_path: PathLike | None = None,
 ) -> ProbeReport:
@@ -306,6 +308,7 @@ def plan(
     cache_dir: PathLike | None = None,
     log_format: str | None = None,
     allow_nonfinite: bool = False,
+    integers_from_base: bool = False,
     storage_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> PlanReport:
     """Headers only (`ram-dist plan`): every check that needs no tensor data, then what a
@@ -348,6 +351,7 @@ def job_config(
     cache_dir: PathLike | None = None,
     log_format: str | None = None,
     allow_nonfinite: bool = False,
+    integers_from_base: bool = False,
     storage_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> MergeConfig:
     """The checked job: `config` (a mergekit YAML file's path, or its keys as a mapping),
@@ -393,7 +397,12 @@ def job_config(
         "input_cache": input_cache, "cache_dir": cache_dir, "log_format": log_format,
     }  # fmt: skip
     kwargs.update({k: _fspath(v) for k, v in flags.items() if v is not None})
-    kwargs.update(overwrite=overwrite, output_shared=output_shared, allow_nonfinite=allow_nonfinite)
+    kwargs.update(
+        overwrite=overwrite,
+        output_shared=output_shared,
+        allow_nonfinite=allow_nonfinite,
+        integers_from_base=integers_from_base,
+    )
     if storage_options is not None:
         kwargs["storage_options"] = dict(storage_options)
     return MergeConfig(**kwargs)

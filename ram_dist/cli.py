@@ -152,6 +152,12 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
         help="merge inputs that hold NaN or Inf instead of refusing them",
     )
     p.add_argument(
+        "--integers-from-base",
+        action="store_true",
+        help="copy the base's integer and bool tensors even where a task changed them (they "
+        "cannot be merged; without it such a task is refused)",
+    )
+    p.add_argument(
         "--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else a local Ray)"
     )
     p.add_argument(
@@ -238,6 +244,7 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
     if args.device is not None:
         kwargs["device"] = args.device
     kwargs["allow_nonfinite"] = args.allow_nonfinite
+    kwargs["integers_from_base"] = args.integers_from_base
     kwargs["log_format"] = args.log_format
     kwargs["kernels"] = args.kernels
     kwargs["input_cache"] = args.input_cache

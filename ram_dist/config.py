@@ -61,6 +61,9 @@ class MergeConfig:
     """`text` (a progress bar on a terminal) or `json` (one JSON object per line on stderr)."""
     allow_nonfinite: bool = False
     """Merge inputs holding NaN or Inf instead of refusing them."""
+    integers_from_base: bool = False
+    """Copy the base's integer and bool tensors even where a task's bytes differ (they
+    cannot be merged); without it such a task is refused before any work."""
     input_cache: str = "auto"
     """Keep what the first pass fetched on each node's disk for the later passes: `auto`
     (inputs not on a local filesystem), `on` (every input) or `off`. Never changes a byte."""

@@ -249,6 +249,14 @@ def markdown_summary(report: Mapping[str, Any]) -> str:
             lines.append(f"- {key}: {md_cell(extra)}")
     for note in report.get("notes") or []:
         lines.append(f"- note: {md_cell(note)}")
+    formats = report.get("formats")
+    if formats:
+        given = "; ".join(f"{i['role']}: {i['format']}" for i in formats["inputs"])
+        lines.append(f"- formats: {md_cell(given)}; output: {md_cell(formats['output'])}")
+    copied = (report.get("integers_from_base") or {}).get("copied_though_changed") or []
+    if copied:
+        lines.append(f"- copied from the base though a task changed them: {len(copied)} "
+                     "integer or bool tensor(s) (--integers-from-base)")  # fmt: skip
     for name, p in (report.get("passes") or {}).items():
         if p.get("skipped"):
             lines.append(f"- {name} pass: skipped (statistics reused from the manifest)")

@@ -160,6 +160,7 @@ def model_card(
     if notes:
         lines += ["", "Notes:", ""] + [f"- {md_cell(n)}" for n in notes]
 
+    lines += _format_section(report)
     lines += ["", "## Inputs", "", "In task order (the order is part of the result).", ""]
     lines += ["| role | location | file | size (bytes) | header sha256 | store version |"]
     lines += ["|---|---|---|---:|---|---|"]
@@ -195,6 +196,27 @@ def model_card(
         "",
     ]
     return "\n".join(lines)
+
+
+def _format_section(report: Mapping[str, Any]) -> list[str]:
+    """How the inputs and the merged model store their weights, and the integer tensors
+    copied from the base though a task changed them."""
+    formats = report.get("formats")
+    lines: list[str] = []
+    if formats:
+        lines += ["", "## Storage format", "", "| model | format |", "|---|---|"]
+        lines += [f"| {md_cell(i['role'])} | {md_cell(i['format'])} |" for i in formats["inputs"]]
+        lines.append(f"| **merged model** | {md_cell(formats['output'])} |")
+    copied = (report.get("integers_from_base") or {}).get("copied_though_changed") or []
+    if copied:
+        lines += [
+            "",
+            f"**Not merged:** {len(copied)} integer or bool tensor(s) that a task changed were "
+            "copied from the base, as asked (`--integers-from-base`): "
+            + ", ".join(md_code(n) for n in copied[:20])
+            + (" and more (see merge_report.json)." if len(copied) > 20 else "."),
+        ]
+    return lines
 
 
 def _method_text(method: str) -> str:
@@ -263,6 +285,12 @@ def _load_snippet(report: Mapping[str, Any]) -> list[str]:
         lines.append(f"# copy {where} to a local folder first, then load that folder")
         where = "./merged-model"
     tokenizer = any(f in TOKENIZER_FILES for f in output.get("files_copied") or [])
+    if str((report.get("formats") or {}).get("output", "")).startswith("fine-grained FP8"):
+        lines += [
+            "# FP8 blocks, as the base: transformers loads them with its fine-grained FP8",
+            "# support (a GPU that has FP8); `ram-dist merge --out-dtype bfloat16` writes a",
+            "# checkpoint any machine loads",
+        ]
     lines += [
         "from transformers import AutoModelForCausalLM" + (", AutoTokenizer" if tokenizer else ""),
         "",

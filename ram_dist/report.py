@@ -37,7 +37,27 @@ def format_report(report: dict[str, Any]) -> str:
     )
     for i, t in enumerate(tasks, 1):
         lines.append(f"task {i}: {t['model']}")
+    lines += format_lines(report)
     return "\n".join(lines)
+
+
+def format_lines(report: dict[str, Any]) -> list[str]:
+    """Each input's storage format and the output's; the integer tensors copied from the
+    base though a task changed them (`--integers-from-base`)."""
+    formats = report.get("formats")
+    lines = []
+    if formats:
+        lines.append("formats:")
+        lines += [f"  {i['role']}: {i['format']}" for i in formats["inputs"]]
+        lines.append(f"  output: {formats['output']}")
+    copied = (report.get("integers_from_base") or {}).get("copied_though_changed") or []
+    if copied:
+        more = f" (and {len(copied) - 3} more)" if len(copied) > 3 else ""
+        lines.append(
+            f"copied from the base though a task changed them (--integers-from-base): "
+            f"{', '.join(copied[:3])}{more}"
+        )
+    return lines
 
 
 def format_merge(report: dict[str, Any], out: str) -> str:
@@ -66,6 +86,7 @@ def _baseline_summary(report: dict[str, Any]) -> str:
             lines.append(f"{key} {name.replace('_', ' ')}: {value}")
     for i, model in enumerate(report.get("tasks_given", []), 1):
         lines.append(f"task {i}: {model}")
+    lines += format_lines(report)
     return "\n".join(lines)
 
 
@@ -90,6 +111,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         size = sum(f["size"] for f in item["files"].values())
         lines.append(f"  {item['role']}: {item['location']} ({len(item['files'])} files, "
                      f"{_size(size)})")  # fmt: skip
+    lines += format_lines(plan)
     lines += [
         f"tensors: {t['merged']} merged ({t['elements_merged']} elements), {t['copied']} copied",
         f"work units: {plan['work_units']}"

@@ -4,12 +4,17 @@ A work unit is a list of pieces (a tensor and a flat element range) that are con
 one output shard, so its merged bytes can be appended to that shard as they are. The budget
 bounds the bytes a unit reads from each input: a large tensor is cut into whole rows (or,
 when one row is larger than the budget, into element ranges), small tensors are packed
-together. Every split gives the same merged bytes: the rule is element-wise.
+together. Every split gives the same merged bytes: the rule is element-wise. A tensor whose
+rows are `atomic` (the bands of an FP8 weight, each the height of its blocks) is cut only
+between them, and a unit takes at least one even when it is over the budget; one that fits
+a unit whole starts a unit rather than be cut (its new scales, next, then need no band
+merged again).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ram_dist.errors import RamDistError
@@ -39,13 +44,19 @@ class WorkUnit:
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """What the planner needs of a tensor: its size, row length and widest input dtype."""
+    """What the planner needs of a tensor: its size, row length and the bytes one element
+    reads from an input (its widest input dtype)."""
 
     name: str
     shard: str
     numel: int
     row: int
     max_itemsize: int
+    atomic: bool = False
+    """Cut only between rows, never inside one, whatever the budget."""
+    follows: str | None = None
+    """The tensor this one is computed from (an FP8 weight, for its new scales): free to
+    read when the unit already holds all of that tensor."""
 
 
 #: Most pieces in one unit: a unit costs per piece too (a range read from each input, a
@@ -57,15 +68,16 @@ MAX_PIECES = 8192
 def plan_units(
     slots: list[TensorSlot], budget_bytes: int, max_pieces: int = MAX_PIECES
 ) -> list[WorkUnit]:
-    """Cut tensors (in output order) into units reading at most `budget_bytes` per input,
-    of at most `max_pieces` pieces."""
-    widest = max((s.max_itemsize for s in slots), default=1)
+    """Cut tensors (in output order) into units reading at most `budget_bytes` per input
+    (one atomic row may be more), of at most `max_pieces` pieces."""
+    widest = max((s.max_itemsize for s in slots if not s.atomic), default=1)
     if budget_bytes < widest:
         raise RamDistError(
             f"unit budget of {budget_bytes} bytes cannot hold one element ({widest} bytes)"
         )
     units: list[WorkUnit] = []
     pieces: list[Piece] = []
+    whole: set[str] = set()  # tensors the unit being filled holds all of
     used = 0
     shard = None
 
@@ -74,31 +86,40 @@ def plan_units(
         if pieces:
             units.append(WorkUnit(index=len(units), shard=shard or "", pieces=tuple(pieces)))
         pieces, used = [], 0
+        whole.clear()
 
     for slot in slots:
         if slot.shard != shard:
             flush()
             shard = slot.shard
-        if len(pieces) >= max_pieces:
+        if len(pieces) >= max_pieces and slot.follows not in whole:
             flush()
         if slot.numel == 0:
             pieces.append(Piece(slot.name, 0, 0))
             continue
+        whole_cost = slot.numel * slot.max_itemsize
+        if slot.atomic and slot.follows is None and used + whole_cost > budget_bytes >= whole_cost:
+            flush()  # a whole FP8 weight in one unit, its scales after it: no band merged twice
         pos = 0
         while pos < slot.numel:
-            fit = (budget_bytes - used) // slot.max_itemsize
             rest = slot.numel - pos
+            cost = 0 if slot.follows is not None and slot.follows in whole else slot.max_itemsize
+            fit = max(0, budget_bytes - used) // cost if cost else rest
             if rest <= fit:
                 take = rest
-            elif slot.row * slot.max_itemsize <= budget_bytes:
+            elif slot.atomic or slot.row * slot.max_itemsize <= budget_bytes:
                 take = (fit // slot.row) * slot.row  # whole rows only
+                if take == 0 and slot.atomic and not pieces:
+                    take = min(slot.row, rest)  # one row over the budget: it cannot be cut
             else:
                 take = fit  # one row exceeds the budget: split inside the row
             if take == 0:
                 flush()
                 continue
             pieces.append(Piece(slot.name, pos, pos + take))
-            used += take * slot.max_itemsize
+            if take == slot.numel:
+                whole.add(slot.name)
+            used += take * cost
             pos += take
             if pos < slot.numel:
                 flush()
@@ -178,12 +199,14 @@ def parts_as_recorded(
     header_bytes: int,
     ranges: list[list[int]],
     next_index: int,
+    rows: Mapping[str, int] | None = None,
 ) -> tuple[list[Part], list[WorkUnit]] | None:
     """Cut a shard's `units` (in order) again so that its parts are the byte `ranges` a
     resumed run recorded, whatever unit budget planned the units now: a unit that straddles
     a range's end is split there (the new pieces get indices from `next_index` on). Returns
     the parts and the units, or None when the ranges do not tile the shard or one ends inside
-    an element. `itemsize` is each tensor's output itemsize."""
+    an element (or inside an atomic row: `rows` gives, per tensor cut only between rows,
+    its row length in elements). `itemsize` is each tensor's output itemsize."""
 
     def nbytes(pieces: tuple[Piece, ...] | list[Piece]) -> int:
         return sum(p.numel * itemsize[p.tensor] for p in pieces)
@@ -208,6 +231,8 @@ def parts_as_recorded(
                     if (cuts[k] - at) % width:
                         return None  # a recorded part ends inside an element
                     step = (cuts[k] - at) // width
+                    if rows and piece.tensor in rows and (start + step) % rows[piece.tensor]:
+                        return None  # a recorded part ends inside a band of FP8 blocks
                     pending.append(Piece(piece.tensor, start, start + step))
                     start, at = start + step, cuts[k]
                 if cuts[k] == at and pending:

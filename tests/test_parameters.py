@@ -21,6 +21,7 @@ from ram_dist.mergekit_config import (
     parse_mergekit_config,
     resolve,
     resolve_parameter,
+    resolve_tensor,
 )
 from ram_dist.methods import METHODS, get_method
 from ram_dist.methods.layers import layer_index, layer_name
@@ -134,6 +135,46 @@ def test_engine_resolves_with_the_readers_precedence(tmp_path: Path) -> None:
     assert resolved["lm_head.weight"]["lambda"] == 0.5
     with pytest.raises(RamDistError, match="no lambda for tensor model.layers.0.mlp.up"):
         resolve_parameter(spec, "lambda", None, NAMES[1], layers, REQUIRED)
+
+
+GROUPED_YAML = """
+merge_method: ties
+base_model: /b
+models:
+  - model: /a
+    parameters: {{weight: {a_weight}, density: [0.2, 0.8]}}
+  - model: /c
+    parameters: {{density: 0.5}}
+parameters:
+  lambda: {lam}
+"""
+
+
+@pytest.mark.parametrize(
+    ("a_weight", "lam"), [("0.5", "1.0"), ("[0.1, 0.9]", "1.0"), ("0.5", "[0.5, 2.0]")]
+)
+def test_tensors_of_one_layer_or_model_resolve_once_with_the_same_values(
+    tmp_path: Path, a_weight: str, lam: str
+) -> None:
+    """Without filter lists, tensors of one layer (or all, without gradients) are resolved
+    once: the same values as one by one, in their own dicts and lists; a bad value still
+    names the first tensor that has it."""
+    path = tmp_path / "job.yaml"
+    path.write_text(GROUPED_YAML.format(a_weight=a_weight, lam=lam))
+    config = MergeConfig(**load_yaml(str(path)))
+    method = get_method("ties")
+    resolved = resolve_all(config, method, NAMES)
+    per_task = list(config.task_parameters)
+    one_by_one = {
+        n: resolve_tensor(handed(method.parameters), config.parameters, per_task, n, 3)
+        for n in NAMES
+    }
+    assert resolved == one_by_one
+    assert len({id(v["weight"]) for v in resolved.values()}) == len(NAMES)
+    path.write_text(GROUPED_YAML.format(a_weight=a_weight, lam=lam).replace("0.8]", "1.5]"))
+    config = MergeConfig(**load_yaml(str(path)))
+    with pytest.raises(RamDistError, match="tensor 'model.layers.2.mlp.up.weight': param"):
+        resolve_all(config, method, NAMES)  # the last layer's density is 1.5
 
 
 GPT2 = [

@@ -148,3 +148,18 @@ def test_recorded_ranges_that_do_not_fit_are_refused():
                 [[0, 100], [100, total]],  # part 1 shorter than the header
                 [[0, 1000], [999, total]]):  # fmt: skip
         assert parts_as_recorded("s", units, OUT_ITEMSIZE, 120, bad, len(units)) is None
+
+
+def test_a_recorded_part_may_end_only_between_bands_of_an_fp8_weight():
+    """An FP8 weight of 3 bands of 40 elements (1 byte each): a resumed run may cut its units
+    at a recorded part's end only where a band ends."""
+    slots = [TensorSlot("w", "s", numel=120, row=40, max_itemsize=1, atomic=True)]
+    units = plan_units(slots, 10**6)
+    rows = {"w": 40}
+    total = 10 + 120
+    at_band = [[0, 10 + 40], [10 + 40, total]]
+    got = parts_as_recorded("s", units, {"w": 1}, 10, at_band, len(units), rows)
+    assert got is not None and [[p.start, p.stop] for p in got[0]] == at_band
+    inside = [[0, 10 + 41], [10 + 41, total]]
+    assert parts_as_recorded("s", units, {"w": 1}, 10, inside, len(units), rows) is None
+    assert parts_as_recorded("s", units, {"w": 1}, 10, inside, len(units)) is not None

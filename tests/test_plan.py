@@ -72,3 +72,53 @@ def test_default_budget_from_cores_and_memory():
     assert auto_unit_budget(10**12, 8, 8 * 1024 * MIB) == 128 * MIB
     # a tiny model still gets the 16 MiB floor
     assert auto_unit_budget(10**6, 2, 24 * 1024 * MIB) == 16 * MIB
+
+
+def test_atomic_rows_are_never_cut_and_one_goes_over_a_small_budget():
+    """An FP8 weight's bands (4 rows of 10 here): units hold whole bands, at least one even
+    when a band is over the budget; a scale tensor that follows its whole weight in a unit
+    costs nothing there, elsewhere its blocks' bytes."""
+    weight = TensorSlot("w", "s", numel=90, row=40, max_itemsize=1, atomic=True)
+    scales = TensorSlot("w_scale_inv", "s", numel=3, row=1, max_itemsize=40, atomic=True,
+                        follows="w")  # fmt: skip
+    units = plan_units([weight, scales], budget_bytes=30)
+    cuts = [(p.tensor, p.start, p.stop) for u in units for p in u.pieces]
+    assert cuts == [("w", 0, 40), ("w", 40, 80), ("w", 80, 90), ("w_scale_inv", 0, 1),
+                    ("w_scale_inv", 1, 2), ("w_scale_inv", 2, 3)]  # fmt: skip
+    whole = plan_units([weight, scales], budget_bytes=100)
+    assert [[(p.tensor, p.start, p.stop) for p in u.pieces] for u in whole] == [
+        [("w", 0, 90), ("w_scale_inv", 0, 3)]
+    ]
+
+
+def test_an_fp8_weight_that_fits_a_unit_starts_one_rather_than_be_cut():
+    small = TensorSlot("norm", "s", numel=60, row=1, max_itemsize=1)
+    weight = TensorSlot("w", "s", numel=80, row=40, max_itemsize=1, atomic=True)
+    scales = TensorSlot("w_scale_inv", "s", numel=2, row=1, max_itemsize=40, atomic=True,
+                        follows="w")  # fmt: skip
+    units = plan_units([small, weight, scales], budget_bytes=100)
+    assert [[(p.tensor, p.start, p.stop) for p in u.pieces] for u in units] == [
+        [("norm", 0, 60)],
+        [("w", 0, 80), ("w_scale_inv", 0, 2)],
+    ]
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it():
+    import gc
+
+    from ram_dist.engine.job import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RamDistError), gc_paused():
+        raise RamDistError("a check failed")
+    assert gc.isenabled()
+    gc.disable()  # a caller that keeps it off keeps it off
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -85,3 +85,58 @@ def test_overlapping_tensors_are_refused(tmp_path):
     path = _write_raw(tmp_path / "x.safetensors", header, b"\0" * 12)
     with pytest.raises(CheckpointError, match="overlaps"):
         read_file_header(path, Storage())
+
+
+GOOD = {"dtype": "F32", "shape": [2, 3], "data_offsets": [8, 32]}
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        GOOD,
+        {**GOOD, "shape": []},
+        {**GOOD, "shape": [0, 3], "data_offsets": [8, 8]},
+        {**GOOD, "extra": 1},
+        [1, 2],
+        {**GOOD, "dtype": "Q7"},
+        {**GOOD, "dtype": 4},
+        {**GOOD, "shape": [2, True]},
+        {**GOOD, "shape": [2, -3]},
+        {**GOOD, "shape": [2, 3.0]},
+        {**GOOD, "shape": "23"},
+        {**GOOD, "data_offsets": [8]},
+        {**GOOD, "data_offsets": [8, 32, 40]},
+        {**GOOD, "data_offsets": [False, 24]},
+        {**GOOD, "data_offsets": [-8, 16]},
+        {**GOOD, "data_offsets": [32, 8]},
+        {**GOOD, "data_offsets": [8, 30]},
+        {**GOOD, "data_offsets": (8, 32)},
+        {"shape": [2, 3], "data_offsets": [8, 32]},
+    ],
+)
+def test_quick_check_of_an_entry_agrees_with_the_full_one(entry):
+    """The parser's quick path takes only entries the full check takes, with the same result;
+    anything else goes to the full check, which says what is wrong."""
+    from ram_dist.io.safetensors_header import _tensor_info, _well_formed
+
+    quick = _well_formed("w", entry, "f", 100)
+    try:
+        full = _tensor_info("w", entry, "f", 100)
+    except CheckpointError:
+        assert quick is None
+    else:
+        assert quick is None or quick == full
+        assert entry is not GOOD or quick == full
+
+
+def test_index_naming_a_tensor_no_file_holds_is_refused(tmp_path):
+    from ram_dist.io.checkpoint import INDEX_NAME, open_checkpoint
+    from ram_dist.synthetic.files import write_sparse_checkpoint
+
+    write_sparse_checkpoint(tmp_path, [[("a", (4,)), ("b", (2,))], [("c", (3,))]])
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    open_checkpoint(str(tmp_path), "base", Storage())  # as written: fine
+    index["weight_map"] |= {"zz": "model-00002-of-00002.safetensors", "d": index["weight_map"]["a"]}
+    (tmp_path / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="index maps 'd' to model-00001-of-00002.safe"):
+        open_checkpoint(str(tmp_path), "base", Storage())

@@ -4,14 +4,18 @@ are the real ones, and what it writes is what ram-dist and safetensors read back
 from __future__ import annotations
 
 import json
+import math
+import statistics
 
 import pytest
 import torch
 from builders import build_tiny_base, load_checkpoint
 from safetensors import safe_open
 
+from ram_dist.dtypes import ITEMSIZE
 from ram_dist.io.checkpoint import open_checkpoint
 from ram_dist.io.storage import Storage
+from ram_dist.synthetic.deepseek import DEEPSEEK_V3, DeepSeekDims, shard_name
 from ram_dist.synthetic.files import plan_shards, write_shards, write_sparse_checkpoint
 from ram_dist.synthetic.llama import LLAMA_3_1_405B, TINY, LlamaDims
 from ram_dist.synthetic.weights import base_state, base_tensor
@@ -87,3 +91,74 @@ def test_sparse_checkpoint_has_real_headers_and_no_data(tmp_path):
         assert torch.equal(f.get_tensor("c"), torch.zeros(2, 2, dtype=torch.bfloat16))
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == 24 + 10 + 8
+
+
+def test_deepseek_v3_layout():
+    """The published DeepSeek-V3: 91,991 tensors, 45,808 of them FP8 weights, each with its
+    F32 block scales; the router, norms, embeddings, lm_head and the MTP module's own
+    weights BF16 (the router's correction bias F32)."""
+    tensors = DEEPSEEK_V3.tensors()
+    by_name = {name: (shape, dtype) for name, shape, dtype in tensors}
+    assert len(tensors) == len(by_name) == 91_991
+    fp8 = [name for name, _, dtype in tensors if dtype == "F8_E4M3"]
+    assert len(fp8) == 45_808
+    assert DEEPSEEK_V3.params == 684_531_386_000
+    for name in fp8:
+        (rows, cols), scales = by_name[name][0], by_name[name + "_scale_inv"]
+        assert scales == ((-(-rows // 128), -(-cols // 128)), "F32")
+    assert sum(dtype == "F32" for _, _, dtype in tensors) == 45_808 + 59  # + the router biases
+    assert by_name["model.layers.3.mlp.gate.weight"] == ((256, 7168), "BF16")
+    assert by_name["model.layers.3.mlp.gate.e_score_correction_bias"] == ((256,), "F32")
+    assert "model.layers.2.mlp.gate.weight" not in by_name  # the first 3 layers are dense
+    assert by_name["model.layers.2.mlp.down_proj.weight"] == ((7168, 18432), "F8_E4M3")
+    assert by_name["model.layers.2.mlp.down_proj.weight_scale_inv"] == ((56, 144), "F32")
+    assert by_name["model.layers.60.self_attn.kv_a_proj_with_mqa.weight_scale_inv"] == (
+        (5, 56), "F32"
+    )  # fmt: skip
+    assert by_name["model.layers.60.self_attn.q_b_proj.weight"] == ((24576, 1536), "F8_E4M3")
+    assert by_name["model.layers.60.self_attn.kv_b_proj.weight"] == ((32768, 512), "F8_E4M3")
+    assert by_name["model.layers.60.self_attn.o_proj.weight"] == ((7168, 16384), "F8_E4M3")
+    assert by_name["model.layers.61.mlp.experts.255.down_proj.weight"] == ((7168, 2048), "F8_E4M3")
+    assert by_name["model.layers.61.eh_proj.weight"] == ((7168, 14336), "BF16")
+    vocab = ["model.embed_tokens.weight", "lm_head.weight", "model.layers.61.embed_tokens.weight"]
+    for name in [*vocab, "model.layers.61.shared_head.head.weight"]:
+        assert by_name[name] == ((129280, 7168), "BF16")
+    config = DEEPSEEK_V3.config()
+    assert config["quantization_config"] == {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }  # fmt: skip
+    assert (config["num_hidden_layers"], config["first_k_dense_replace"]) == (61, 3)
+
+
+def test_deepseek_v3_shards():
+    shards = DEEPSEEK_V3.shards()
+    assert len(shards) == 163 and all(shards)
+    assert sorted(t for s in shards for t in s) == sorted(DEEPSEEK_V3.tensors())
+    sizes = [sum(math.prod(shape) * ITEMSIZE[dtype] for _, shape, dtype in s) for s in shards]
+    assert 3e9 < statistics.median(sizes) < 5e9
+    names = [[name for name, _, _ in s] for s in shards]
+    assert "model.embed_tokens.weight" in names[0]
+    assert "model.layers.61.shared_head.head.weight" in names[-1]
+    for s in shards:  # Hugging Face's order: element size descending, then name
+        assert s == sorted(s, key=lambda t: (-ITEMSIZE[t[2]], t[0]))
+    assert shard_name(7, 163) == "model-00007-of-000163.safetensors"
+
+
+def test_sparse_checkpoint_of_mixed_dtypes_and_its_config(tmp_path):
+    dims = DeepSeekDims(
+        hidden=256, intermediate=384, moe_intermediate=64, layers=3, dense_layers=1,
+        routed_experts=4, heads=2, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, vocab=300, shard_count=5,
+    )  # fmt: skip
+    write_sparse_checkpoint(tmp_path, dims.shards(), config=dims.config(), name=shard_name)
+    ckpt = open_checkpoint(str(tmp_path), "base", Storage())
+    assert sorted(ckpt.files) == [shard_name(k, 5) for k in range(1, 6)]
+    assert {n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()} == {
+        n: (shape, dtype) for n, shape, dtype in dims.tensors()
+    }
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    with safe_open(str(tmp_path / shard_name(2, 5)), "pt") as f:
+        name = next(n for n in f.keys() if n.endswith("proj.weight"))
+        assert f.get_slice(name).get_dtype() == "F8_E4M3"

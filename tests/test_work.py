@@ -88,7 +88,11 @@ def test_small_tensors_are_read_together(tmp_path, monkeypatch, small, group):
     calls.clear()
     data = b"".join(work.map_unit(unit, *args, state).data.tobytes() for unit in job.units)
     blocks = [
-        [work.Block(k, lo, hi) for k, p in enumerate(u.pieces) for lo, hi in work._blocks(p.numel)]
+        [
+            work.Block(k, lo, hi)
+            for k, p in enumerate(u.pieces)
+            for lo, hi in work._blocks(p.numel, job.layout.tensors[p.tensor])
+        ]
         for u in job.units
     ]
     groups = [work._groups(b, u.pieces, job.layout) for b, u in zip(blocks, job.units, strict=True)]

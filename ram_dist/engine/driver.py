@@ -30,7 +30,7 @@ from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
 from ram_dist.engine.devices import DeviceChoice, choose_device
 from ram_dist.engine.effective import CONFIG_NAME, render
-from ram_dist.engine.job import Job, prepare
+from ram_dist.engine.job import Job, gc_paused, prepare
 from ram_dist.engine.output import OutputState, check_writable, clear_published, open_output
 from ram_dist.engine.passes import PassStats, ShardBook, Shipped, map_pass, reduce_pass
 from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
@@ -322,7 +322,14 @@ def plan(config: MergeConfig) -> dict[str, Any]:
     """Headers only: every up-front check, then what the job would read, run and write.
 
     Writes nothing anywhere (a remote output's writability is not probed by a dry run).
+    The garbage collector stays paused until the job is freed: the collection that turning it
+    back on starts then finds the few objects of the report, not every tensor's.
     """
+    with gc_paused():
+        return _plan(config)
+
+
+def _plan(config: MergeConfig) -> dict[str, Any]:
     job = prepare(config)
     device, cluster = _planned_device(config)
     if cluster is not None:
@@ -342,7 +349,8 @@ def plan(config: MergeConfig) -> dict[str, Any]:
         sink, _ = output_sink(job, nodes=1 if embedded else None)
         out["output"].update({"path": sink.path, "path_reason": sink.reason})
     participating = [n for n, e in job.layout.tensors.items() if e.participating]
-    merge_bytes = sum(job.unit_bytes(u, set(participating)) for u in job.units)
+    merging = set(participating)
+    merge_bytes = sum(job.unit_bytes(u, merging) for u in job.units)
     rounds = job.method.rounds + (1 if job.method.rounds == 0 and not config.allow_nonfinite else 0)
     out_bytes = max(
         (sum(p.numel * itemsize(job.layout.tensors[p.tensor].out_dtype) for p in u.pieces)
@@ -351,8 +359,9 @@ def plan(config: MergeConfig) -> dict[str, Any]:
     # A worker holds two read blocks (at most COMPUTE_BLOCK elements of every input), its
     # unit's merged bytes, and float temporaries of one block on the eager path.
     largest = max((job.unit_bytes(u) for u in job.units), default=0)
-    widest = max((itemsize(s.dtype) for e in job.layout.tensors.values() for s in e.sources),
-                 default=1)  # fmt: skip
+    # An FP8 input's block is also held dequantized (4 bytes an element).
+    widest = max((itemsize(s.dtype) + (4 if s.scales else 0)
+                  for e in job.layout.tensors.values() for s in e.sources), default=1)  # fmt: skip
     blocks = min(2 * COMPUTE_BLOCK * widest * (len(job.tasks) + 1), 2 * largest)
     temporaries = min(COMPUTE_BLOCK, largest) * 8 * (len(job.tasks) + 4)
     out.update(
@@ -360,6 +369,11 @@ def plan(config: MergeConfig) -> dict[str, Any]:
             "method": job.method.name,
             "parameters": job.effective_parameters(),
             "inputs": job.identity()["inputs"],
+            "formats": job.formats(),
+            "integers_from_base": {
+                "allowed": config.integers_from_base,
+                "copied_though_changed": list(job.integers_changed),
+            },
             "tensors": {
                 "merged": len(participating),
                 "copied": len(job.layout.tensors) - len(participating),
@@ -444,6 +458,11 @@ def _report(
         "out_dtype": config.out_dtype,
         "unit_budget_bytes": job.unit_budget_bytes,
         "device": device.as_dict(),
+        "formats": job.formats(),
+        "integers_from_base": {
+            "allowed": config.integers_from_base,
+            "copied_though_changed": list(job.integers_changed),
+        },
     }
     report.update(job.method.report(method_state))
     for url, t in zip(config.tasks, report.get("tasks", []), strict=False):

@@ -3,28 +3,62 @@
 Runs on the driver, on headers only, before any tensor byte is read: a task missing a base
 tensor, holding an extra one, or with another shape stops the job here, naming the model,
 the tensor and the file.
+
+A fine-grained FP8 weight (`engine.formats`) is one tensor here: each input's source says
+where its e4m3 bytes and its scales lie, the workers merge its dequantized values, and, when
+the output is FP8 again, its companion scale tensor is an output tensor of its own that
+follows the weight in its shard (`TensorEntry.scale_of`): the same unit can then write both.
+Work units cut such a weight only at whole bands of `bm` rows, the blocks' height.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from ram_dist.dtypes import FLOATING, itemsize
+from ram_dist.dtypes import FLOATING, dtype_name, itemsize
+from ram_dist.engine.formats import FP8_DTYPE, Format, recognize
 from ram_dist.errors import CheckpointError
 from ram_dist.io.checkpoint import Checkpoint
+from ram_dist.io.safetensors_header import TensorInfo
 from ram_dist.io.storage import join
 from ram_dist.io.writer import OutTensor
 from ram_dist.units import TensorSlot
 
 
-@dataclass(frozen=True)
-class Source:
-    """Where one input's bytes of a tensor start, and their dtype."""
+class Scales(NamedTuple):
+    """Where an FP8 source's scales lie: one per `block` of its `cols`-wide rows (a named
+    tuple: a DeepSeek-V3 job makes 180,000, and a frozen dataclass is slow to make)."""
 
     file: str
     start: int
     dtype: str
+    block: tuple[int, int]
+    cols: int
+
+    @property
+    def per_band(self) -> int:
+        """Scales per band of `block[0]` rows."""
+        return -(-self.cols // self.block[1])
+
+
+class Source(NamedTuple):
+    """Where one input's bytes of a tensor start, and their dtype; an FP8 source's scales."""
+
+    file: str
+    start: int
+    dtype: str
+    scales: Scales | None = None
+
+
+@dataclass(frozen=True)
+class Fp8Out:
+    """An FP8 output weight: its block size and its companion scale tensor (name, dtype)."""
+
+    block: tuple[int, int]
+    scale_name: str
+    scale_dtype: str
 
 
 @dataclass(frozen=True)
@@ -36,10 +70,32 @@ class TensorEntry:
     participating: bool
     out_dtype: str
     sources: tuple[Source, ...]
+    fp8_out: Fp8Out | None = None
+    """Written as FP8 blocks again (and its companion `fp8_out.scale_name` with it)."""
+    scale_of: str | None = None
+    """This output tensor is the new scales of that FP8 weight: it reads no input of its
+    own; the weight's bands, merged, give it."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def band(self) -> int | None:
+        """Elements of one band (`bm` whole rows) of a weight with an FP8 input or output:
+        units and compute blocks cut it only there. None for any other tensor."""
+        block = self.block
+        return block[0] * self.shape[1] if block is not None else None
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        """The FP8 block size this weight is read or written in (None: no FP8 involved)."""
+        if self.fp8_out is not None:
+            return self.fp8_out.block
+        for src in self.sources:
+            if src.scales is not None:
+                return src.scales.block
+        return None
 
 
 @dataclass(frozen=True)
@@ -49,6 +105,24 @@ class Layout:
     tensors: dict[str, TensorEntry]
     shards: dict[str, tuple[str, ...]]
     sharded: bool
+    formats: tuple[str, ...] = ()
+    """Each input's storage format in words (`formats.Format.describe`), base first."""
+    fp8_inputs: bool = False
+    """Whether any input holds FP8 weights (part of the job's identity then)."""
+
+    def output_format(self) -> str:
+        """The output's storage format in words, as `formats` says the inputs'."""
+        merged = [e for e in self.tensors.values() if e.participating]
+        fp8 = [e for e in merged if e.fp8_out is not None]
+        plain = sorted({e.out_dtype for e in merged if e.fp8_out is None})
+        words = "/".join(dtype_name(d) for d in plain) or "no floating-point tensors"
+        if not fp8:
+            return words
+        bm, bn = fp8[0].fp8_out.block  # type: ignore[union-attr]
+        return (
+            f"fine-grained FP8 (e4m3, {bm}x{bn} blocks, {len(fp8)} FP8 weights with new "
+            f"scales; the rest {words})"
+        )
 
     def out_tensors(self, shard: str) -> list[OutTensor]:
         return [
@@ -57,24 +131,71 @@ class Layout:
         ]
 
     def slots(self) -> list[TensorSlot]:
-        """Planner input, in output order; copied tensors read the base only."""
+        """Planner input, in output order; copied tensors read the base only. A new scale
+        tensor costs, per element, the block of its weight it is computed from (nothing
+        when it follows its whole weight in one unit)."""
         slots = []
         for shard, names in self.shards.items():
             for n in names:
                 e = self.tensors[n]
+                if e.scale_of is not None:
+                    w = self.tensors[e.scale_of]
+                    assert w.fp8_out is not None
+                    bm, bn = w.fp8_out.block
+                    cost = bm * bn * max(itemsize(s.dtype) for s in w.sources)
+                    row = -(-w.shape[1] // bn)
+                    slots.append(TensorSlot(n, shard, e.numel, row, cost, True, e.scale_of))
+                    continue
                 used = e.sources if e.participating else e.sources[:1]
                 row = math.prod(e.shape[1:]) if len(e.shape) > 1 else 1
                 widest = max(itemsize(s.dtype) for s in used)
-                slots.append(TensorSlot(n, shard, e.numel, row, widest))
+                band = e.band
+                if band is not None:
+                    slots.append(TensorSlot(n, shard, e.numel, band, widest, True))
+                else:
+                    slots.append(TensorSlot(n, shard, e.numel, row, widest))
         return slots
+
+    def atomic_rows(self, shard: str) -> dict[str, int]:
+        """Per tensor of `shard` that units cut only between rows, its row in elements."""
+        rows = {}
+        for name in self.shards[shard]:
+            e = self.tensors[name]
+            if e.scale_of is not None:
+                w = self.tensors[e.scale_of]
+                assert w.fp8_out is not None
+                rows[name] = -(-w.shape[1] // w.fp8_out.block[1])
+            elif e.band is not None:
+                rows[name] = e.band
+        return rows
+
+    def read_bytes(self, tensor: str, numel: int) -> int:
+        """Bytes `numel` elements of `tensor` read from all inputs together: a copied tensor
+        reads the base only; a new scale tensor, its weight's blocks (scales left out)."""
+        e = self.tensors[tensor]
+        if e.scale_of is not None:
+            w = self.tensors[e.scale_of]
+            assert w.fp8_out is not None
+            bm, bn = w.fp8_out.block
+            per = min(bm * bn, w.numel)
+            return numel * per * sum(itemsize(s.dtype) for s in w.sources)
+        sources = e.sources if e.participating else e.sources[:1]
+        return numel * sum(itemsize(s.dtype) for s in sources)
 
 
 def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | None) -> Layout:
-    """Validate names, shapes and dtype kinds of all inputs against the base."""
-    for task in tasks:
-        _check_names(base, task)
+    """Validate names, shapes and dtype kinds of all inputs against the base. An FP8 weight
+    with its scales counts as one floating tensor of its checkpoint: the base and each task
+    may store it in FP8 or not, each on its own."""
+    formats = [recognize(c) for c in (base, *tasks)]
+    for task, fmt in zip(tasks, formats[1:], strict=True):
+        _check_names(base, formats[0], task, fmt)
+    base_fp8 = formats[0].fp8
+    companions = formats[0].companions
     tensors: dict[str, TensorEntry] = {}
     for name, b in base.tensors.items():
+        if name in companions:
+            continue
         infos = [b] + [t.tensors[name] for t in tasks]
         for task, info in zip(tasks, infos[1:], strict=True):
             if info.shape != b.shape:
@@ -82,35 +203,107 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
                     f"tensor {name!r}: shape {list(info.shape)} in {task.describe(name)} "
                     f"differs from {list(b.shape)} in {base.describe(name)}"
                 )
-            if (info.dtype in FLOATING) != (b.dtype in FLOATING):
+            if _floating(info) != _floating(b):
                 raise CheckpointError(
                     f"tensor {name!r}: dtype {info.dtype} in {task.describe(name)} and "
                     f"{b.dtype} in {base.describe(name)} are not both floating point"
                 )
-        participating = b.dtype in FLOATING
+        participating = _floating(b)
+        fp8_out = None
+        if b.dtype == FP8_DTYPE and out_dtype is None:
+            assert base_fp8 is not None
+            scale = base_fp8.scales[name]
+            fp8_out = Fp8Out(base_fp8.block, scale.name, scale.dtype)
         tensors[name] = TensorEntry(
             name=name,
             shape=b.shape,
             participating=participating,
-            out_dtype=(out_dtype or b.dtype) if participating else b.dtype,
-            sources=tuple(Source(i.file, i.start, i.dtype) for i in infos),
+            out_dtype=_out_dtype(b, participating, fp8_out, out_dtype),
+            sources=tuple(_source(info, fmt) for info, fmt in zip(infos, formats, strict=True)),
+            fp8_out=fp8_out,
         )
+        if fp8_out is not None:
+            scale_info = base.tensors[fp8_out.scale_name]
+            tensors[fp8_out.scale_name] = TensorEntry(
+                name=fp8_out.scale_name,
+                shape=scale_info.shape,
+                participating=False,
+                out_dtype=scale_info.dtype,
+                sources=(Source(scale_info.file, scale_info.start, scale_info.dtype),),
+                scale_of=name,
+            )
     shards: dict[str, tuple[str, ...]] = {}
+    by_file: dict[str, list[TensorInfo]] = {}
+    for info in base.tensors.values():
+        by_file.setdefault(info.file, []).append(info)
     for file in base.files:
-        in_file = [i for i in base.tensors.values() if i.file == join(base.url, file)]
-        shards[file] = tuple(i.name for i in sorted(in_file, key=lambda i: i.start))
-    return Layout(tensors=tensors, shards=shards, sharded=base.sharded)
+        in_file = sorted(by_file.get(join(base.url, file), []), key=lambda i: i.start)
+        names = [i.name for i in in_file if i.name in tensors]
+        shards[file] = tuple(_scales_after_weights(names, tensors))
+    return Layout(
+        tensors=tensors,
+        shards={f: n for f, n in shards.items() if n},
+        sharded=base.sharded,
+        formats=tuple(f.describe(c) for f, c in zip(formats, (base, *tasks), strict=True)),
+        fp8_inputs=any(f.fp8 is not None for f in formats),
+    )
 
 
-def _check_names(base: Checkpoint, task: Checkpoint) -> None:
-    missing = sorted(set(base.tensors) - set(task.tensors))
+def _out_dtype(
+    base: TensorInfo, participating: bool, fp8_out: Fp8Out | None, out_dtype: str | None
+) -> str:
+    """A merged tensor's: FP8 again, the configured dtype, or the base's; a copy's: the
+    base's."""
+    if not participating:
+        return base.dtype
+    return FP8_DTYPE if fp8_out is not None else out_dtype or base.dtype
+
+
+def _floating(info: TensorInfo) -> bool:
+    """Whether a tensor takes part in the merge: a floating one, or an FP8 weight (a lone
+    F8 tensor is refused by `formats.recognize` before this is asked)."""
+    return info.dtype in FLOATING or info.dtype == FP8_DTYPE
+
+
+def _source(info: TensorInfo, fmt: Format) -> Source:
+    if fmt.fp8 is None or info.name not in fmt.fp8.scales:
+        return Source(info.file, info.start, info.dtype)
+    scale = fmt.fp8.scales[info.name]
+    scales = Scales(scale.file, scale.start, scale.dtype, fmt.fp8.block, info.shape[1])
+    return Source(info.file, info.start, info.dtype, scales)
+
+
+def _scales_after_weights(names: list[str], tensors: dict[str, TensorEntry]) -> list[str]:
+    """A shard's output order: the base's, except that a new scale tensor follows its FP8
+    weight when both are in this shard (the scales are computed from the weight's bands)."""
+    here = set(names)
+    moved = {
+        n for n in names
+        if tensors[n].scale_of is not None and tensors[n].scale_of in here
+    }  # fmt: skip
+    order: list[str] = []
+    for n in names:
+        if n in moved:
+            continue
+        order.append(n)
+        fp8_out = tensors[n].fp8_out
+        if fp8_out is not None and fp8_out.scale_name in moved:
+            order.append(fp8_out.scale_name)
+    return order
+
+
+def _check_names(base: Checkpoint, base_fmt: Format, task: Checkpoint, fmt: Format) -> None:
+    """The same tensors, an FP8 weight's scales not counted as tensors of their own."""
+    base_names = set(base.tensors) - base_fmt.companions
+    task_names = set(task.tensors) - fmt.companions
+    missing = sorted(base_names - task_names)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(
             f"{task.label} ({task.url}) has no tensor {missing[0]!r}{more}, which the "
             f"{base.describe(missing[0])} holds; every task must hold exactly the base's tensors"
         )
-    extra = sorted(set(task.tensors) - set(base.tensors))
+    extra = sorted(task_names - base_names)
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointError(

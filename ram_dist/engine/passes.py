@@ -419,7 +419,7 @@ def map_pass(
             again = parts_as_recorded(
                 name, [units[i] for p in plan[name] for i in p.units],
                 {n: itemsize(job.layout.tensors[n].out_dtype) for n in job.layout.shards[name]},
-                len(headers[name]), recorded, fresh,
+                len(headers[name]), recorded, fresh, job.layout.atomic_rows(name),
             )  # fmt: skip
             if again is not None:
                 plan[name], cut = again

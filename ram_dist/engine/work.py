@@ -29,11 +29,12 @@ import ray
 
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
-from ram_dist.engine.layout import Layout, TensorEntry
+from ram_dist.engine.layout import Layout, Source, TensorEntry
 from ram_dist.engine.memory import PeakMemory, peak_rss
 from ram_dist.io.range_cache import CacheTraffic, Traffic
 from ram_dist.io.sinks import PartReceipt, ShardTarget
 from ram_dist.io.storage import Storage
+from ram_dist.kernels import fp8
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.registry import Chunk, State, TensorParams
 from ram_dist.units import Part, Piece, WorkUnit
@@ -164,17 +165,35 @@ def warm_up() -> None:
 
 
 def _inputs_of(entry: TensorEntry) -> int:
+    """Inputs a tensor reads: all (merged), the base (copied), none (new FP8 scales)."""
+    if entry.scale_of is not None:
+        return 0
     return len(entry.sources) if entry.participating else 1
 
 
 def _ranges(entry: TensorEntry, start: int, stop: int) -> list[tuple[str, int, int]]:
     """The byte ranges of elements [start, stop) of a tensor in every input it needs (base
-    first; only the base for a tensor that is copied)."""
+    first; only the base for a tensor that is copied), then the scale rows of the bands
+    they cover in each FP8 input (elements [start, stop) are whole bands there)."""
+    sources = entry.sources[: _inputs_of(entry)]
     out = []
-    for src in entry.sources[: _inputs_of(entry)]:
+    for src in sources:
         size = itemsize(src.dtype)
         out.append((src.file, src.start + start * size, src.start + stop * size))
+    for src in sources:
+        if src.scales is not None:
+            first, last = _band_span(entry, start, stop)
+            width, per = itemsize(src.scales.dtype), src.scales.per_band
+            lo, hi = src.scales.start + first * per * width, src.scales.start + last * per * width
+            out.append((src.scales.file, lo, hi))
     return out
+
+
+def _band_span(entry: TensorEntry, start: int, stop: int) -> tuple[int, int]:
+    """The bands [first, last) that elements [start, stop) of an FP8 weight cover."""
+    band = entry.band
+    assert band is not None and start % band == 0, f"{entry.name}: not cut at a band"
+    return start // band, -(-stop // band)
 
 
 def _input_count(layout: Layout) -> int:
@@ -201,6 +220,16 @@ class _ReadBuffers:
     def __init__(self) -> None:
         self._slots: list[np.ndarray] = [np.empty(0, dtype=np.uint8)] * 2
         self._pinned = [False, False]
+        self._floats: dict[tuple[int, int], np.ndarray] = {}
+
+    def floats(self, key: tuple[int, int], size: int) -> np.ndarray:
+        """A reusable float32 array of `size` under `key` (read slot, input): the values of
+        an FP8 input once dequantized, valid as long as that slot's bytes are."""
+        held = self._floats.get(key)
+        if held is None or held.size < size:
+            self._floats.pop(key, None)  # let the old one go first
+            held = self._floats[key] = np.empty(size, dtype=np.float32)
+        return held[:size]
 
     def views(self, slot: int, sizes: list[int], pinned: bool) -> list[np.ndarray]:
         """Byte arrays of `sizes`, each starting `ALIGN`-aligned, valid until the next call
@@ -312,6 +341,9 @@ class BlockInputs:
 
     raw: tuple[np.ndarray, ...]
     dtypes: tuple[str, ...]
+    fp8: tuple[tuple[np.ndarray, np.ndarray] | None, ...] = ()
+    """Per input read as FP8: its e4m3 bytes and raw scale bytes (`raw` holds its values,
+    dequantized to float32); None for any other input."""
 
     def arrays(self) -> list[np.ndarray]:
         """The inputs as the fused kernels read them (`ram_dist.kernels.READS`)."""
@@ -335,7 +367,11 @@ GROUP_BYTES = 4 * 2**20
 def _groupable(entry: TensorEntry) -> bool:
     """Whether a tensor's blocks may be read together with their neighbours' (one
     `read_ranges` call for the group): a small tensor, at most `SMALL_BYTES` from each input.
-    A block of a tensor that is not is read on its own."""
+    A block of a tensor that is not is read on its own, and so is every block of a weight in
+    FP8 blocks (its scales are read with it, its values dequantized) and of new FP8 scales
+    (made from their weight's bands)."""
+    if entry.scale_of is not None or entry.band is not None:
+        return False
     return all(entry.numel * itemsize(s.dtype) <= SMALL_BYTES for s in entry.sources)
 
 
@@ -377,10 +413,35 @@ def stream_blocks(
     caller computes this one's (reads and the fused kernels release the GIL), into one of
     the scope's two read buffers: a block's inputs are valid until the caller asks for the
     block after it. `bytes_read[i]` grows by what is read from input i."""
-    blocks = [Block(p, lo, hi) for p, piece in enumerate(pieces) for lo, hi in _blocks(piece.numel)]
+    blocks = [
+        Block(p, lo, hi)
+        for p, piece in enumerate(pieces)
+        for lo, hi in _blocks(piece.numel, layout.tensors[piece.tensor])
+    ]
     groups = _groups(blocks, pieces, layout)
 
+    def read_one(k: int, slot: int) -> BlockInputs:
+        """A block read on its own, an FP8 one dequantized."""
+        block = blocks[k]
+        piece = pieces[block.piece]
+        entry = layout.tensors[piece.tensor]
+        sources = entry.sources[: _inputs_of(entry)]
+        if not sources:  # new FP8 scales: made from their weight's bands, read nothing
+            return BlockInputs((), ())
+        start, stop = piece.start + block.lo, piece.start + block.hi
+        requests = _ranges(entry, start, stop)
+        arrays = scope.reads.views(slot, [end - start for _, start, end in requests], pinned)
+        storage.read_ranges(requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic)
+        scaled = [i for i, s in enumerate(sources) if s.scales is not None]
+        for i, a in enumerate(arrays):
+            bytes_read[i if i < len(sources) else scaled[i - len(sources)]] += a.size
+        if not scaled:
+            return BlockInputs(tuple(arrays), tuple(s.dtype for s in sources))
+        return _dequantized(sources, arrays, scaled, lambda i, n: scope.reads.floats((slot, i), n))
+
     def read(g: int) -> list[BlockInputs]:
+        if len(groups[g]) == 1:
+            return [read_one(groups[g][0], g % 2)]
         requests: list[tuple[str, int, int]] = []
         dtypes: list[tuple[str, ...]] = []
         for block in (blocks[k] for k in groups[g]):
@@ -410,6 +471,29 @@ def stream_blocks(
             scope.memory.note()
             for k, block_inputs in zip(group, inputs, strict=True):
                 yield blocks[k], block_inputs
+
+
+def _dequantized(
+    sources: Sequence[Source],
+    arrays: list[np.ndarray],
+    scaled: list[int],
+    floats: Callable[[int, int], np.ndarray],
+) -> BlockInputs:
+    """A block's inputs with each FP8 one's values dequantized to float32 (the spec's one
+    multiplication per element), its bytes and scales kept beside them."""
+    raw: list[np.ndarray] = list(arrays[: len(sources)])
+    dtypes = [s.dtype for s in sources]
+    kept: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(sources)
+    for j, i in enumerate(scaled):
+        scales = sources[i].scales
+        assert scales is not None
+        q, s_raw = arrays[i], arrays[len(sources) + j]
+        values = fp8.dequantize(
+            q, fp8.scale_values(s_raw, scales.dtype), scales.cols, scales.block,
+            floats(i, q.size),
+        )  # fmt: skip
+        raw[i], dtypes[i], kept[i] = values.view(np.uint8), "F32", (q, s_raw)
+    return BlockInputs(tuple(raw), tuple(dtypes), tuple(kept))
 
 
 def _tensor_from_bytes(raw: np.ndarray, dtype: str) -> torch.Tensor:
@@ -586,7 +670,7 @@ def map_unit(
         data = scope.output.take(size) if reuse_output else np.empty(size, dtype=np.uint8)
         fused_elements = _merge_into(
             unit, layout, storage, method, params, state, data, bytes_read, scope
-        )
+        )  # fmt: skip
         return UnitResult(
             unit.index, None, data, tuple(bytes_read), peak_rss(),
             fused_elements=fused_elements, peak_private_bytes=scope.memory.note(),
@@ -647,6 +731,7 @@ def _map_part(
     data[:at] = np.frombuffer(task.header, dtype=np.uint8)
     digest = hashlib.sha256()
     fused_elements = 0
+    scale_rows: ScaleRows = {}
     queued: list[Future[None]] = []
     with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-sha256") as behind:
         handed = [0]  # bytes of the part handed to the thread so far
@@ -674,6 +759,7 @@ def _map_part(
             fused_elements += _merge_into(
                 unit, layout, storage, method, params, state, out, bytes_read, scope,
                 on_block=lambda lo, hi, base=at: made(base + hi),
+                scale_rows=scale_rows,
             )  # fmt: skip
             at += size
         made(at, last=True)
@@ -690,6 +776,11 @@ def _map_part(
     )  # fmt: skip
 
 
+#: New scale rows by (FP8 weight, band): a task's record of the bands it merged, so that
+#: the scale tensor after its weight is written without merging the bands again.
+ScaleRows = dict[tuple[str, int], np.ndarray]
+
+
 def _merge_into(
     unit: WorkUnit,
     layout: Layout,
@@ -701,41 +792,139 @@ def _merge_into(
     bytes_read: list[int],
     scope: TaskScope,
     on_block: Callable[[int, int], None] | None = None,
+    scale_rows: ScaleRows | None = None,
 ) -> int:
     """Merge a unit's pieces into `data` (its output bytes); returns the elements a fused
     kernel merged. `bytes_read[i]` grows by what is read from input i; `on_block(lo, hi)` is
-    told, in order, of each range of `data` once it is final."""
+    told, in order, of each range of `data` once it is final. `scale_rows` (kept by the
+    caller across its units) holds the new scale rows of the FP8 bands merged so far; the
+    bands a new scale tensor needs and no earlier piece merged are merged first, for their
+    scales only."""
     dev = device()
     fused = Fused.of(state, dev)
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     offsets = list(itertools.accumulate(sizes, initial=0))
     address = data.ctypes.data
+    rows: ScaleRows = {} if scale_rows is None else scale_rows
+    stream, writes = _with_scale_bands(unit.pieces, layout, rows)
     fused_elements = 0
-    blocks = stream_blocks(unit.pieces, layout, storage, bytes_read, scope, dev == "cuda")
+    blocks = stream_blocks(stream, layout, storage, bytes_read, scope, dev == "cuda")
     for block, inputs in blocks:
-        piece = unit.pieces[block.piece]
+        piece = stream[block.piece]
         entry = layout.tensors[piece.tensor]
+        written = writes[block.piece]
         width = itemsize(entry.out_dtype)
-        at = offsets[block.piece]
+        at = offsets[written] if written is not None else 0
         lo, hi = at + block.lo * width, at + block.hi * width
-        target = data[lo:hi]
-        if not entry.participating:
+        target = data[lo:hi] if written is not None else None
+        if entry.scale_of is not None:
+            assert target is not None
+            _scales_into(entry, layout.tensors[entry.scale_of], piece, rows, target)
+        elif not entry.participating:
+            assert target is not None
             target[:] = inputs.raw[0]  # copied from the base, byte for byte
         else:
             chunk = Chunk(piece.tensor, piece.start + block.lo, entry.numel)
             p = params[piece.tensor]
-            view = _typed(target, entry.out_dtype, address + lo)
+            out_dtype = "F32" if entry.fp8_out is not None else entry.out_dtype
+            merged = scope.reads.floats((-1, 0), block.hi - block.lo) if entry.fp8_out else target
+            assert merged is not None
+            raw = merged.view(np.uint8)
+            view = _typed(raw, out_dtype, None if entry.fp8_out else address + lo)
             if (
                 view is not None
-                and fused.take(inputs.dtypes, entry.out_dtype)
+                and fused.take(inputs.dtypes, out_dtype)
                 and method.fused_merge(chunk, inputs.arrays(), p, state, view)
             ):
-                fused_elements += block.hi - block.lo
+                fused_elements += block.hi - block.lo if written is not None else 0
             else:
-                _merge_eager(method, chunk, inputs, p, state, dev, entry.out_dtype, target)
-        if on_block is not None:
+                _merge_eager(
+                    method, chunk, inputs, p, state, dev, out_dtype, raw
+                )  # fmt: skip
+            if entry.fp8_out is not None:
+                _requantized(entry, piece.start + block.lo, merged, inputs, target, rows)
+        if on_block is not None and written is not None:
             on_block(lo, hi)
     return fused_elements
+
+
+def _with_scale_bands(
+    pieces: tuple[Piece, ...], layout: Layout, rows: ScaleRows
+) -> tuple[tuple[Piece, ...], list[int | None]]:
+    """The pieces to stream: the unit's, each new scale piece preceded by the bands of its
+    weight that neither `rows` nor an earlier piece holds (merged for their scales only).
+    Also, per piece streamed, the index of the unit's piece it writes (None: scales only)."""
+    have = {key for key in rows}
+    stream: list[Piece] = []
+    writes: list[int | None] = []
+    for k, piece in enumerate(pieces):
+        entry = layout.tensors[piece.tensor]
+        if entry.fp8_out is not None and piece.numel:
+            first, last = _band_span(entry, piece.start, piece.stop)
+            have.update((piece.tensor, b) for b in range(first, last))
+        elif entry.scale_of is not None and piece.numel:
+            weight = layout.tensors[entry.scale_of]
+            assert weight.fp8_out is not None and weight.band is not None
+            per = -(-weight.shape[1] // weight.fp8_out.block[1])
+            missing = [
+                b for b in range(piece.start // per, -(-piece.stop // per))
+                if (weight.name, b) not in have
+            ]  # fmt: skip
+            for first, last in _runs(missing):
+                stop = min(last * weight.band, weight.numel)
+                stream.append(Piece(weight.name, first * weight.band, stop))
+                writes.append(None)
+            have.update((weight.name, b) for b in missing)
+        stream.append(piece)
+        writes.append(k)
+    return tuple(stream), writes
+
+
+def _runs(numbers: list[int]) -> list[tuple[int, int]]:
+    """Increasing integers as runs [first, last) of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for n in numbers:
+        if runs and runs[-1][1] == n:
+            runs[-1] = (runs[-1][0], n + 1)
+        else:
+            runs.append((n, n + 1))
+    return runs
+
+
+def _requantized(
+    entry: TensorEntry,
+    start: int,
+    merged: np.ndarray,
+    inputs: BlockInputs,
+    target: np.ndarray | None,
+    rows: ScaleRows,
+) -> None:
+    """FP8 blocks of merged bands (elements from `start`, whole bands) into `target` (None:
+    the scales only), and their new scale rows into `rows`."""
+    fp8_out = entry.fp8_out
+    assert fp8_out is not None and entry.band is not None
+    base = inputs.fp8[0] if inputs.fp8 else None
+    assert base is not None, f"{entry.name}: an FP8 output needs an FP8 base"
+    cols = entry.shape[1]
+    stored = fp8.requantize(
+        merged, inputs.raw[0].view(np.float32), base[0], base[1], cols, fp8_out.block,
+        fp8_out.scale_dtype, target,
+    )  # fmt: skip
+    first = start // entry.band
+    per_row = stored.size // -(-merged.size // entry.band)
+    for b in range(stored.size // per_row):
+        rows[(entry.name, first + b)] = stored[b * per_row : (b + 1) * per_row].copy()
+
+
+def _scales_into(
+    entry: TensorEntry, weight: TensorEntry, piece: Piece, rows: ScaleRows, target: np.ndarray
+) -> None:
+    """The new scale rows of a scale piece (whole rows, one per band of its weight)."""
+    assert weight.fp8_out is not None
+    per = -(-weight.shape[1] // weight.fp8_out.block[1])
+    first, last = piece.start // per, -(-piece.stop // per)
+    data = np.concatenate([rows[(weight.name, b)] for b in range(first, last)])
+    target[:] = data
 
 
 def _merge_eager(
@@ -773,7 +962,14 @@ def _typed(raw: np.ndarray, dtype: str, address: int | None = None) -> np.ndarra
 _WIDTH = {kind: np.dtype(kind).itemsize for kind in kernels.WRITES.values()}
 
 
-def _blocks(numel: int) -> list[tuple[int, int]]:
+def _blocks(numel: int, entry: TensorEntry) -> list[tuple[int, int]]:
     """Split a piece into compute blocks, so float temporaries stay small whatever the unit
-    budget (the rule is element-wise: the split changes no byte)."""
-    return [(lo, min(lo + COMPUTE_BLOCK, numel)) for lo in range(0, numel, COMPUTE_BLOCK)]
+    budget (the rule is element-wise: the split changes no byte). A weight with FP8 blocks
+    is split at whole bands (at least one a block); new scales are one block, reading
+    nothing."""
+    if entry.scale_of is not None:
+        return [(0, numel)] if numel else []
+    step = COMPUTE_BLOCK
+    if entry.band is not None:
+        step = max(1, COMPUTE_BLOCK // entry.band) * entry.band
+    return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]

@@ -20,7 +20,7 @@ from fsspec import AbstractFileSystem
 
 from ram_dist.errors import CheckpointError, RamDistError, StorageError
 from ram_dist.io.failures import classify, is_storage_failure, storage_error
-from ram_dist.io.json_files import MAX_INDEX_BYTES, read_json
+from ram_dist.io.json_files import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, read_json
 from ram_dist.io.safetensors_header import (
     FileHeader,
     TensorInfo,
@@ -30,6 +30,7 @@ from ram_dist.io.safetensors_header import (
 from ram_dist.io.storage import Storage, join, protocol_of
 
 INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
 SINGLE_NAME = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -68,6 +69,8 @@ class Checkpoint:
     sharded: bool
     identity: dict[str, dict[str, object]]
     """Per file: size, sha256 of the header, and the store's version (ETag, blob id, mtime)."""
+    quantization: dict[str, Any] | None = None
+    """`quantization_config` of the folder's `config.json` (None: no such key, or no file)."""
 
     def describe(self, name: str | None = None) -> str:
         """`label (url)` plus the file that holds `name`, for error messages."""
@@ -141,6 +144,7 @@ class _Folder:
     weight_map: dict[str, str] | None
     listed: dict[str, Mapping[str, Any]]
     """The listing's entry of each file in the folder, by file name."""
+    quantization: dict[str, Any] | None
 
 
 def _list_folder(url: str, label: str, storage: Storage) -> _Folder:
@@ -189,7 +193,8 @@ def _list_folder(url: str, label: str, storage: Storage) -> _Folder:
             raise CheckpointError(
                 f"{label} ({url}): the index names shard {file}, which does not exist"
             )
-    return _Folder(url, label, files, weight_map, listed)
+    quantization = _read_quantization(url, label, storage, listed.get(CONFIG_NAME))
+    return _Folder(url, label, files, weight_map, listed, quantization)
 
 
 def _assemble(
@@ -215,7 +220,9 @@ def _assemble(
                     f"it to {weight_map.get(name)!r}"
                 )
             tensors[name] = info
-    if weight_map is not None:
+    # Every tensor is in the index (checked above): one the index maps is missing exactly
+    # when the index holds more names.
+    if weight_map is not None and len(weight_map) != len(tensors):
         missing = sorted(set(weight_map) - set(tensors))
         if missing:
             raise CheckpointError(
@@ -229,6 +236,7 @@ def _assemble(
         tensors=tensors,
         sharded=weight_map is not None,
         identity=identity,
+        quantization=folder.quantization,
     )
 
 
@@ -382,6 +390,33 @@ def _read_error(url: str, error: BaseException) -> BaseException:
         return error
     wrapped.__cause__ = error
     return wrapped
+
+
+def _read_quantization(
+    url: str, label: str, storage: Storage, entry: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The `quantization_config` of the folder's config.json, which says how its weights are
+    stored (`engine.formats`); None when there is no config.json or no such key."""
+    if entry is None:
+        return None
+    size = entry.get("size")
+    listed = size if isinstance(size, int) and not entry.get("islink") else None
+    config_url = join(url, CONFIG_NAME)
+    try:
+        config = read_json(config_url, storage, MAX_CONFIG_BYTES, "config", "input", listed)
+    except FileNotFoundError:
+        return None
+    except StorageError as e:
+        raise StorageError(f"{label}: {e}", e.exit_status) from e
+    except RamDistError as e:
+        raise CheckpointError(f"{label}: {e}") from e
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if quant is None:
+        return None
+    if not isinstance(quant, dict):
+        raise CheckpointError(f"{label}: {config_url} has a quantization_config that is not "
+                              "an object")  # fmt: skip
+    return quant
 
 
 def _read_weight_map(

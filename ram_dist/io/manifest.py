@@ -87,7 +87,7 @@ def save_manifest(out_url: str, manifest: Manifest, storage: Storage) -> None:
 def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """What changed between two job identities, in words a person can act on."""
     changes = []
-    for key in ("method", "out_dtype"):
+    for key in ("method", "out_dtype", "formats"):
         if old.get(key) != new.get(key):
             changes.append(f"{key}: {old.get(key)} -> {new.get(key)}")
     old_params, new_params = old.get("parameters", {}), new.get("parameters", {})

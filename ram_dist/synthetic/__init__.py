@@ -3,7 +3,10 @@ demo (`ram-dist demo`), the tests and the benchmarks share.
 
 * `llama`: the tensor names, shapes and `config.json` of a Llama-shaped model of any size
   (the tiny one of the demo and the tests, one of a chosen parameter count, Llama-3.1-405B);
+* `deepseek`: DeepSeek-V3's tensors (FP8 weights with their block scales, 256 experts per MoE
+  layer, the multi-token-prediction layer), its 163 shards and its `config.json`;
 * `weights`: a random base, and RL-like agents whose task vectors are sparse;
 * `files`: Hugging Face style folders (one safetensors file, or greedy shards and their
-  index, written one shard in memory at a time), and sparse files that hold only headers.
+  index, written one shard in memory at a time), and sparse files that hold only headers
+  (of any safetensors dtypes, with a `config.json`).
 """

@@ -8,6 +8,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -107,24 +108,31 @@ def write_config(folder: str | os.PathLike, dims: LlamaDims, dtype: str = "bfloa
 
 def write_sparse_checkpoint(
     folder: str | os.PathLike,
-    shards: Sequence[Sequence[tuple[str, tuple[int, ...]]]],
+    shards: Sequence[Sequence[tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], str]]],
     dtype: str = "BF16",
+    config: dict[str, Any] | None = None,
+    name: Callable[[int, int], str] = shard_name,
 ) -> None:
-    """Shards of `(name, shape)` tensors as sparse files: each shard's real safetensors header,
-    then `truncate` to its full size (the tensor bytes are a hole), and the index."""
+    """Shards of `(name, shape)` or `(name, shape, dtype)` tensors (safetensors dtypes such as
+    BF16, F32, F8_E4M3; `dtype` for those without one) as sparse files: each shard's real
+    safetensors header, then `truncate` to its full size (the tensor bytes are a hole), and
+    the index. `config`, where given, is written as `config.json`; `name(k, count)` names
+    shard `k` (from 1) of `count`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     weight_map: dict[str, str] = {}
     total = 0
     for k, tensors in enumerate(shards, start=1):
-        file = shard_name(k, len(shards))
-        out = [OutTensor(name, dtype, tuple(shape)) for name, shape in tensors]
+        file = name(k, len(shards))
+        out = [OutTensor(t[0], t[2] if len(t) > 2 else dtype, tuple(t[1])) for t in tensors]
         header = shard_header(out)
         data = sum(t.nbytes for t in out)
         with open(folder / file, "wb") as f:
             f.write(header)
         os.truncate(folder / file, len(header) + data)
-        weight_map |= dict.fromkeys((name for name, _ in tensors), file)
+        weight_map |= dict.fromkeys((t.name for t in out), file)
         total += data
     _write_index(folder, weight_map, total)
 

@@ -1,0 +1,201 @@
+"""What each input stores its weights as: floating point, or fine-grained FP8 blocks.
+
+Recognised per checkpoint, from its `config.json`'s `quantization_config` and its headers,
+on the driver before any tensor byte is read (`../shared/spec/ram.md`, "FP8 block-quantized
+checkpoints"). An FP8 weight `W` (F8_E4M3, [R, C]) and its companion `W_scale_inv` (F32 or
+BF16, [ceil(R/bm), ceil(C/bn)]) are one tensor to the merge: its values are the dequantized
+ones, and the companion never takes part on its own. Every other quantized or packed format
+is refused here, naming the checkpoint, the file, the tensor and the format: merging its
+packed integers as numbers, or copying the base's, would drop the agents' updates without a
+word.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ram_dist.dtypes import FLOATING, dtype_name
+from ram_dist.errors import CheckpointError
+from ram_dist.io.checkpoint import Checkpoint
+from ram_dist.io.safetensors_header import TensorInfo
+
+FP8_DTYPE = "F8_E4M3"
+SCALE_SUFFIX = "_scale_inv"
+SCALE_DTYPES = ("F32", "BF16")
+#: Tensor-name endings of packed formats, and the format they belong to.
+PACKED_SUFFIXES = {
+    ".qweight": "GPTQ/AWQ packed int4",
+    ".qzeros": "GPTQ/AWQ packed int4",
+    ".g_idx": "GPTQ packed int4",
+    ".scales": "GPTQ/AWQ packed int4",
+    "_blocks": "MXFP4 (blocks and scales)",
+    ".weight_packed": "compressed-tensors packed",
+    ".weight_scale": "compressed-tensors",
+    ".SCB": "bitsandbytes int8",
+    ".absmax": "bitsandbytes 4-bit",
+    ".quant_map": "bitsandbytes 4-bit",
+    ".quant_state.bitsandbytes__nf4": "bitsandbytes 4-bit",
+    ".quant_state.bitsandbytes__fp4": "bitsandbytes 4-bit",
+}
+DEQUANTIZE = (
+    "dequantize it first (e.g. load it with transformers and `save_pretrained` it in bfloat16)"
+)
+
+
+@dataclass(frozen=True)
+class Fp8Blocks:
+    """A checkpoint's fine-grained FP8 layout: the block size and each FP8 weight's scales."""
+
+    block: tuple[int, int]
+    scales: dict[str, TensorInfo]
+    """Per FP8 weight name, its companion `<name>_scale_inv`."""
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one checkpoint stores its weights."""
+
+    fp8: Fp8Blocks | None
+
+    @functools.cached_property
+    def companions(self) -> frozenset[str]:
+        """Names of the scale tensors, which are part of their weights, not tensors."""
+        if self.fp8 is None:
+            return frozenset()
+        return frozenset(n + SCALE_SUFFIX for n in self.fp8.scales)
+
+    def describe(self, ckpt: Checkpoint) -> str:
+        """In words, for `plan`, the report and the model card."""
+        floating = sorted({i.dtype for i in ckpt.tensors.values() if i.dtype in FLOATING}
+                          - {ckpt.tensors[n].dtype for n in self.companions})  # fmt: skip
+        plain = "/".join(dtype_name(d) for d in floating) or "no floating-point tensors"
+        if self.fp8 is None:
+            return plain
+        bm, bn = self.fp8.block
+        n = len(self.fp8.scales)
+        return f"fine-grained FP8 (e4m3, {bm}x{bn} blocks, {n} FP8 weights; the rest {plain})"
+
+
+def recognize(ckpt: Checkpoint) -> Format:
+    """The checkpoint's format, or a `CheckpointError` saying why it cannot be merged."""
+    quant = ckpt.quantization
+    _refuse_packed(ckpt, quant)
+    block = _fp8_block(ckpt, quant) if quant is not None else None
+    scales: dict[str, TensorInfo] = {}
+    for name, info in sorted(ckpt.tensors.items()):
+        if not info.dtype.startswith("F8_"):
+            continue
+        if info.dtype != FP8_DTYPE:
+            where = f"tensor {name!r} in {ckpt.describe(name)}"
+            raise CheckpointError(
+                f"{where} is {info.dtype}: ram-dist merges FP8 only as fine-grained "
+                f"{FP8_DTYPE} blocks with a {SCALE_SUFFIX} companion; {DEQUANTIZE}"
+            )
+        if block is None:
+            raise CheckpointError(
+                f"tensor {name!r} in {ckpt.describe(name)} is {FP8_DTYPE}, but the "
+                "checkpoint's config.json declares no quantization_config {quant_method: "
+                "fp8, fmt: e4m3, weight_block_size: [bm, bn]}, so its scales cannot be read; "
+                "add it, or " + DEQUANTIZE
+            )
+        scales[name] = _companion(ckpt, info, block)
+    if block is not None and not scales:
+        raise CheckpointError(
+            f"{ckpt.label} ({ckpt.url}): config.json declares fine-grained FP8 but no tensor "
+            f"is {FP8_DTYPE}; fix the config or the checkpoint"
+        )
+    return Format(Fp8Blocks(block, scales) if block is not None else None)
+
+
+def _refuse_packed(ckpt: Checkpoint, quant: Mapping[str, Any] | None) -> None:
+    """Any quantization but fine-grained FP8, declared or recognised by its tensor names."""
+    method = quant.get("quant_method") if quant is not None else None
+    ends = tuple(PACKED_SUFFIXES)
+    first = min((n for n in ckpt.tensors if n.endswith(ends)), default=None)
+    packed = None
+    if first is not None:
+        packed = (first, next(f for e, f in PACKED_SUFFIXES.items() if first.endswith(e)))
+    if method == "fp8" and packed is None:
+        return
+    if quant is not None and method != "fp8":
+        name = packed[0] if packed else _first_not_floating(ckpt)
+        what = f"quant_method {method!r}" if method is not None else "a quantization_config"
+        first = f"; first quantized tensor {name!r} in {ckpt.describe(name)}" if name else ""
+        raise CheckpointError(
+            f"{ckpt.label} ({ckpt.url}) is quantized ({what} in its config.json{first}): "
+            f"ram-dist merges floating-point and fine-grained FP8 checkpoints only; {DEQUANTIZE}"
+        )
+    if packed is not None:
+        name, fmt = packed
+        raise CheckpointError(
+            f"tensor {name!r} in {ckpt.describe(name)} is a packed quantized tensor "
+            f"({fmt}): ram-dist merges floating-point and fine-grained FP8 checkpoints only; "
+            + DEQUANTIZE
+        )
+
+
+def _first_not_floating(ckpt: Checkpoint) -> str | None:
+    for name, info in sorted(ckpt.tensors.items()):
+        if info.dtype not in FLOATING:
+            return name
+    return None
+
+
+def _fp8_block(ckpt: Checkpoint, quant: Mapping[str, Any]) -> tuple[int, int]:
+    """The block size of a `quant_method: fp8` config, which must be the fine-grained one."""
+    where = f"{ckpt.label} ({ckpt.url}): config.json quantization_config"
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(
+            f"{where} has fmt {fmt!r}: only e4m3 FP8 is merged; {DEQUANTIZE}"
+        )  # fmt: skip
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise CheckpointError(
+            f"{where} has activation_scheme {scheme!r}: static activation scales "
+            f"(input_scale tensors) cannot be merged; {DEQUANTIZE}"
+        )
+    block = quant.get("weight_block_size")
+    if (
+        not isinstance(block, list | tuple)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise CheckpointError(
+            f"{where} has weight_block_size {block!r}: fine-grained FP8 needs two positive "
+            f"integers (e.g. [128, 128]); per-tensor or per-channel FP8 is not merged; "
+            + DEQUANTIZE
+        )
+    return (block[0], block[1])
+
+
+def _companion(ckpt: Checkpoint, info: TensorInfo, block: tuple[int, int]) -> TensorInfo:
+    """The scale tensor of FP8 weight `info`, checked against its shape."""
+    name = info.name
+    scale = ckpt.tensors.get(name + SCALE_SUFFIX)
+    shape = info.shape
+    want = tuple(-(-n // b) for n, b in zip(shape, block, strict=False))
+    if scale is not None and len(shape) == 2 and scale.shape == want:
+        if scale.dtype in SCALE_DTYPES:
+            return scale  # the usual case, checked without composing any message
+    where = f"tensor {name!r} in {ckpt.describe(name)}"
+    if len(info.shape) != 2:
+        raise CheckpointError(
+            f"{where} is {FP8_DTYPE} with shape {list(info.shape)}: fine-grained FP8 "
+            f"weights are matrices; {DEQUANTIZE}"
+        )
+    if scale is None:
+        raise CheckpointError(
+            f"{where} is {FP8_DTYPE} but has no companion {name + SCALE_SUFFIX!r}, so its "
+            f"values are unknown; {DEQUANTIZE}"
+        )
+    if scale.shape != want or scale.dtype not in SCALE_DTYPES:
+        raise CheckpointError(
+            f"tensor {scale.name!r} in {ckpt.describe(scale.name)} is {scale.dtype} "
+            f"{list(scale.shape)}; the scales of {name!r} ({list(info.shape)}, "
+            f"{block[0]}x{block[1]} blocks) must be F32 or BF16 of shape {list(want)}"
+        )
+    return scale
