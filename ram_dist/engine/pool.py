@@ -47,18 +47,30 @@ class Shared:
             if key in Shared._kept:
                 Shared._kept.move_to_end(key)
                 return Shared._kept[key]
-        collecting = gc.isenabled()
-        gc.disable()  # full collections while it is built would scan it again and again
-        try:
-            value = pickle.loads(ray.get(self.ref))
-        finally:
-            if collecting:
-                gc.enable()
+        value = _settled(lambda: pickle.loads(ray.get(self.ref)))
         with Shared._lock:
             Shared._kept[key] = value
             while len(Shared._kept) > Shared.KEPT:
                 Shared._kept.popitem(last=False)
         return value
+
+
+def _settled(make: Callable[[], Any]) -> Any:
+    """`make()`, with Python's cyclic garbage collector paused while it builds, then told to
+    leave what exists alone for good (`gc.freeze`): the layout of 100k tensors is 400k
+    objects, which every full collection in this process would otherwise scan again, while
+    it is built and then while each later task's arguments are deserialized (seconds per
+    pass). Cycles already unreachable are collected first, so that none is kept."""
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        value = make()
+        gc.freeze()
+    finally:
+        if collecting:
+            gc.enable()
+    return value
 
 
 def _run(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
