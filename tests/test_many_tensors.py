@@ -39,3 +39,37 @@ def test_a_shared_value_is_deserialized_once_per_worker_process():
             assert size == 1001
             tasks[pid] = max(tasks.get(pid, 0), count)
     assert sum(tasks.values()) == 16  # each process counted every task it ran
+
+
+def test_shard_header_is_the_json_of_the_header():
+    """`writer.shard_header` writes the JSON of its entries itself: the same bytes as
+    `json.dumps` of the header dict, names that need escaping and scalar shapes included."""
+    import json
+    import math
+
+    from ram_dist.dtypes import itemsize
+    from ram_dist.io.writer import OutTensor, shard_header
+
+    def reference(tensors: list[OutTensor]) -> bytes:
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for t in tensors:
+            end = offset + math.prod(t.shape) * itemsize(t.dtype)
+            header[t.name] = {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "data_offsets": [offset, end],
+            }
+            offset = end
+        body = json.dumps(header, separators=(",", ":")).encode()
+        body += b" " * (-len(body) % 8)
+        return len(body).to_bytes(8, "little") + body
+
+    tensors = [
+        OutTensor("model.layers.0.mlp.experts.7.up_proj.weight_scale_inv", "F32", (1,)),
+        OutTensor('odd "name" \\ \u00e9\u2028\n', "BF16", ()),
+        OutTensor("empty", "F16", (0, 4)),
+        OutTensor("w", "F8_E4M3", (3, 5, 7)),
+    ] + [OutTensor(f"t{i}", "BF16", (i % 3 + 1, 2)) for i in range(100)]
+    for case in (tensors, tensors[1:2], tensors[4:], []):
+        assert shard_header(case) == reference(case)
