@@ -66,17 +66,25 @@ def test_bucket_to_bucket_in_several_parts(large, options, fs, tmp_path):
     assert api.verify(f"s3://{BUCKET}/out", storage_options=options).ok
 
 
-def test_killed_inside_an_fp8_shard_resumes_with_identical_bytes(large, tmp_path):
+def test_killed_inside_an_fp8_shard_resumes_with_identical_bytes(large, options, server, tmp_path):
+    """Inputs read from the S3 server with 50 ms a GET and no input cache, so the map pass
+    lasts long enough to be killed inside a shard (a local merge is over too soon)."""
     s = large["set"]
     out = tmp_path / "out"
-    args = ["merge", "--base", str(s.base_dir), "--out", str(out)]
+    args = ["merge", "--base", f"s3://{BUCKET}/in/base", "--out", str(out)]
     for t in s.task_dirs:
-        args += ["--task", str(t)]
+        args += ["--task", f"s3://{BUCKET}/in/{t.name}"]
+    args += ["--storage-options", json.dumps(options)]
     # One band a unit (the budget is less than a band), one unit at a time.
-    manifest = _kill_after_first_shard(
-        [*args, "--unit-mb", "0.1", "--workers", "1"], _env(),
-        lambda: _manifest((out / "ram_dist_manifest.json").read_text), mid_shard=True, out=out,
-    )  # fmt: skip
+    server.get_delay_s = 0.05
+    try:
+        manifest = _kill_after_first_shard(
+            [*args, "--unit-mb", "0.1", "--workers", "1", "--input-cache", "off"], _env(),
+            lambda: _manifest((out / "ram_dist_manifest.json").read_text), mid_shard=True,
+            out=out,
+        )  # fmt: skip
+    finally:
+        server.get_delay_s = 0.0
     assert any(w["parts"] for w in manifest["writing"].values())
     # Resumed with the default budget: the recorded parts are kept, cut at whole bands.
     done = subprocess.run(

@@ -186,9 +186,12 @@ def test_spec_edge_cases(tmp_path, method):
         folder = tmp_path / f"in{i}"
         save_checkpoint(state, folder, max_shard_bytes=24 if i in (0, 2) else None)
         dirs.append(folder)
+    # Task 1 changed an integer tensor: copied from the base only when asked (the spec).
     report = _merge(
-        dirs[0], dirs[1:], tmp_path / "out", method=method, parameters={"epsilon": 1e-5}
-    )
+        dirs[0], dirs[1:], tmp_path / "out", method=method, parameters={"epsilon": 1e-5},
+        integers_from_base=True,
+    )  # fmt: skip
+    assert report["integers_from_base"]["copied_though_changed"] == ["steps"]
     merged = load_checkpoint(tmp_path / "out")
     expected, ref = reference_merge(base, tasks, method, eps=1e-5)
     _assert_same_bytes(merged, expected)
