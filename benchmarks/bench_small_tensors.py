@@ -138,9 +138,9 @@ def measure(
     name: str, cmd: list[str], env: dict, out: Path, log: Path, tensors: int
 ) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
-    wall, _ = run_process(cmd, env, log)
+    wall, usage = run_process(cmd, env, log)
     report = json.loads((out / "merge_report.json").read_text())
-    sample: dict[str, Any] = {"wall_s": wall}
+    sample: dict[str, Any] = {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime}
     for key, dotted in REPORT_KEYS.items():
         sample[key] = dig(report, dotted)
     sample["passes_s"] = sample["reduce_s"] + sample["map_s"]
@@ -158,6 +158,7 @@ ROWS = [
     ("map pass", "map_s"),
     ("reduce + map", "passes_s"),
     ("start-up, planning, shutdown", "overhead_s"),
+    ("CPU time (the command and the processes it reaped)", "cpu_s"),
 ]
 
 
