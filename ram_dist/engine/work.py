@@ -854,7 +854,7 @@ def _with_scale_bands(
     """The pieces to stream: the unit's, each new scale piece preceded by the bands of its
     weight that neither `rows` nor an earlier piece holds (merged for their scales only).
     Also, per piece streamed, the index of the unit's piece it writes (None: scales only)."""
-    have = {key for key in rows}
+    have = set(rows)
     stream: list[Piece] = []
     writes: list[int | None] = []
     for k, piece in enumerate(pieces):
@@ -919,12 +919,12 @@ def _requantized(
 def _scales_into(
     entry: TensorEntry, weight: TensorEntry, piece: Piece, rows: ScaleRows, target: np.ndarray
 ) -> None:
-    """The new scale rows of a scale piece (whole rows, one per band of its weight)."""
+    """The new scale rows of a scale piece (whole rows, one per band of its weight), taken
+    out of `rows`: each is written once, so a task's record holds only rows still to write."""
     assert weight.fp8_out is not None
     per = -(-weight.shape[1] // weight.fp8_out.block[1])
     first, last = piece.start // per, -(-piece.stop // per)
-    data = np.concatenate([rows[(weight.name, b)] for b in range(first, last)])
-    target[:] = data
+    target[:] = np.concatenate([rows.pop((weight.name, b)) for b in range(first, last)])
 
 
 def _merge_eager(
