@@ -137,14 +137,16 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
         "--workers",
         type=int,
         default=None,
-        help="work units at once (default: one per CPU or GPU of the cluster, as many queued)",
+        help="CPU tasks at once (default: one per CPU the GPU workers leave, as many queued)",
     )
     p.add_argument(
         "--device",
         choices=DEVICES,
         default=None,
-        help="auto: one unit per GPU where the cluster has GPUs, else per CPU (default); "
-        "cpu: every CPU with the fused kernels, GPUs or not; cuda: the GPUs, or refuse to start",
+        help="auto (default): every CPU with the fused kernels; the units of tensors that "
+        "need the eager rule (dare_*, L1 rescaling, float64) on one worker per GPU, where the "
+        "cluster has GPUs; cpu: every unit on the CPUs; cuda: every unit on the GPU workers, "
+        "or refuse to start without GPUs",
     )
     p.add_argument(
         "--allow-nonfinite",

@@ -42,10 +42,12 @@ class MergeConfig:
     """Bytes one work unit may read from each input; None: chosen from the cluster's cores
     and memory (`engine.sizing`, at most 256 MiB)."""
     workers: int | None = None
-    """Work units running at once; None uses every CPU (or GPU) of the cluster."""
+    """CPU tasks running at once; None uses every CPU the GPU workers leave (the GPU workers
+    are one per GPU, whatever this says)."""
     device: str = "auto"
-    """`auto`: one unit per GPU where the cluster has GPUs, else per CPU; `cpu`: every CPU
-    with the fused kernels, GPUs or not; `cuda`: the GPUs, refusing a cluster without any
+    """`auto`: every CPU with the fused kernels, and, on a cluster with GPUs, the units of
+    tensors that need the eager rule on one worker per GPU; `cpu`: every unit on the CPUs;
+    `cuda`: every unit on the GPU workers, refusing a cluster without GPUs
     (`engine.devices`). Never changes a byte."""
     address: str | None = None
     """Ray cluster address; None uses RAY_ADDRESS or starts a local Ray."""

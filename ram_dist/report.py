@@ -76,6 +76,16 @@ def format_merge(report: dict[str, Any], out: str) -> str:
         f"map {passes['map']['wall_s']:.2f} s, {passes['map']['bytes_written']} bytes written"
         f"{reused}; output path: {passes['map'].get('output_path', 'none')})"
     )
+    device = report.get("device")
+    if device:
+        lines.append(f"device: {device['device']} ({device['reason']})")
+        ran = [
+            f"{name} {p['units_on_cpu']} unit(s) on CPUs, {p['units_on_gpu']} on GPUs"
+            for name, p in passes.items()
+            if "units_on_cpu" in p
+        ]
+        if ran:
+            lines.append("; ".join(ran))
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
-"""`--device`: which units ask Ray for a GPU, on a real local Ray with two fake GPUs (Ray's
-`num_gpus=2`, no CUDA: a task given a GPU still computes on the CPU, so the bytes can be
-compared). A GPU task runs in a worker process of its own; CPU tasks share theirs.
+"""`--device`: where the units run, on a real local Ray with two CPUs and two fake GPUs
+(Ray's `num_gpus=2`, no CUDA: a GPU worker computes the eager rule on the CPU, so the bytes
+can be compared). The fused kernels keep every unit on the CPUs; GPU work runs in one
+long-lived worker process per GPU, whatever the number of units.
 """
 
 from __future__ import annotations
@@ -9,15 +10,19 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import ray
 
-from ram_dist.engine.devices import choose_device
+from ram_dist.engine.devices import EagerTensors, choose_device
 from ram_dist.errors import RamDistError
 
 CLI = [sys.executable, "-m", "ram_dist.cli"]
+#: Bytes a unit may read from each input: the fixture's model makes about 50 units.
+UNIT = 256
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +58,16 @@ def fake_gpus(cuda_refused):
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> tuple[Path, list[Path]]:
-    """A bf16 base of two tensors (a.weight: 64 bytes, b.weight: 12) and three tasks."""
+    """A bf16 base of three tensors (8 KiB, 12 bytes and 3 KiB) and three tasks."""
     import torch
     from builders import save_checkpoint
 
     root = tmp_path_factory.mktemp("device")
     g = torch.Generator().manual_seed(0)
     base = {
-        "a.weight": torch.randn(8, 4, generator=g).to(torch.bfloat16),
+        "a.weight": torch.randn(128, 32, generator=g).to(torch.bfloat16),
         "b.weight": torch.randn(6, generator=g).to(torch.bfloat16),
+        "c.weight": torch.randn(48, 32, generator=g).to(torch.bfloat16),
     }
     save_checkpoint(base, root / "base")
     tasks = []
@@ -84,24 +90,72 @@ def _config(inputs, out=None, **kw):
 
 
 def test_choose_device():
-    auto = choose_device("auto", gpus=2, cpus=16)
-    assert (auto.device, auto.gpus, auto.slots) == ("cuda", 2, 2)
-    assert auto.reason == "auto: the cluster has 2 GPU(s) and 16 CPU(s): one unit per GPU"
+    fused = choose_device("auto", gpus=2, cpus=16)
+    assert (fused.device, fused.gpus, fused.cpu_slots, fused.slots) == ("cpu", 0, 16, 16)
+    assert fused.reason == (
+        "auto: the fused CPU kernels take every merged tensor, and merging is bound by "
+        "storage: one unit per CPU (16); the 2 GPU(s) stay idle"
+    )
     assert choose_device("auto", 0, 16).as_dict() == {
-        "requested": "auto", "device": "cpu", "gpus": 0, "slots": 16,
-        "reason": "auto: the cluster has 0 GPU(s) and 16 CPU(s): one unit per CPU",
+        "requested": "auto", "device": "cpu", "gpus": 0, "cpu_slots": 16, "slots": 16,
+        "reason": "auto: no GPU: one unit per CPU (16)",
     }  # fmt: skip
     cpu = choose_device("cpu", 2, 16)
     assert (cpu.device, cpu.gpus, cpu.slots) == ("cpu", 0, 16)
     assert "2 GPU(s) stay idle" in cpu.reason
     cuda = choose_device("cuda", 4, 16)
-    assert (cuda.device, cuda.gpus, cuda.slots, cuda.reason) == (
-        "cuda", 4, 4, "--device cuda: one unit per GPU"
-    )  # fmt: skip
+    assert (cuda.device, cuda.gpus, cuda.cpu_slots, cuda.slots) == ("cuda", 4, 0, 8)
+    assert cuda.reason == (
+        "--device cuda: every unit on the GPUs, one worker per GPU (4), 2 units at a time each"
+    )
+    some = EagerTensors(frozenset({"x", "x_scale_inv"}), 1, 10, "F64 tensors")
+    split = choose_device("auto", 2, 16, some)
+    assert (split.device, split.gpus, split.cpu_slots, split.slots) == ("cpu+cuda", 2, 14, 18)
+    assert split.reason.startswith("auto: 1 of 10 merged tensors need the eager rule (F64")
+    assert "the other units on the other 14 CPU(s)" in split.reason
+    crowded = choose_device("auto", 2, 2, some)  # the GPU workers hold every CPU
+    assert (crowded.device, crowded.cpu_slots) == ("cuda", 0)
+    assert crowded.reason.endswith("they hold the 2 CPU(s)")
+    every = choose_device("auto", 2, 16, EagerTensors(frozenset({"x"}), 3, 3, "why"))
+    assert (every.device, every.gpus, every.cpu_slots) == ("cuda", 2, 0)
     with pytest.raises(RamDistError, match=r"^--device cuda, but the Ray cluster has no GPU"):
         choose_device("cuda", 0, 16)
     with pytest.raises(RamDistError, match="device must be one of auto, cpu, cuda"):
         choose_device("gpu", 2, 16)
+
+
+def test_which_tensors_need_the_eager_rule(inputs, tmp_path):
+    import torch
+    from builders import save_checkpoint
+
+    from ram_dist.engine.job import prepare
+    from ram_dist.units import Piece, WorkUnit
+
+    def choice(**kw):
+        return prepare(_config(inputs, **kw)).device_choice(gpus=2, cpus=8)
+
+    assert choice(method="ram_plus").device == "cpu"
+    assert choice(method="ties", parameters={"density": 0.5}).device == "cpu"
+    dare = choice(method="dare_ties", parameters={"density": 0.5})
+    assert dare.device == "cuda"
+    assert "need the eager rule (dare_ties has no fused kernel" in dare.reason
+    rescaled = choice(method="ties", parameters={"density": 0.5, "rescale": True})
+    assert rescaled.device == "cuda"
+    eager = choice(method="ram_plus", kernels="eager")
+    assert "3 of 3 merged tensors need the eager rule (--kernels eager)" in eager.reason
+    assert choice(method="ram_plus", out_dtype="float64").device == "cpu"  # kernels write F64
+    for name in ("base", "t0", "t1"):  # float64 inputs: the spec computes them in float64
+        save_checkpoint({"w": torch.full((4,), 1.0 + len(name), dtype=torch.float64)},
+                        tmp_path / name)  # fmt: skip
+    config = _config((tmp_path / "base", [tmp_path / "t0", tmp_path / "t1"]))
+    wide = prepare(config).device_choice(gpus=2, cpus=8)
+    assert (
+        wide.device == "cuda"
+        and "1 of 1 merged tensors need the eager rule (F64 tensors)" in wide.reason
+    )
+    # units of a tensor that needs the eager rule go to the GPUs, the others stay
+    unit = WorkUnit(0, "model.safetensors", (Piece("a.weight", 0, 4),))
+    assert dare.on_gpu([unit]) and not choice(method="ram_plus").on_gpu([unit])
 
 
 def test_the_setting_from_flags_yaml_and_config(inputs, tmp_path):
@@ -127,34 +181,86 @@ def test_the_setting_from_flags_yaml_and_config(inputs, tmp_path):
         MergeConfig(base=str(base), tasks=tuple(map(str, tasks)), device="gpu")
 
 
-def test_options_ask_for_a_gpu_and_a_fresh_process_only_on_cuda(inputs, fake_gpus):
-    from ram_dist.engine.job import prepare
-    from ram_dist.engine.passes import _options
+def test_gpu_workers_live_for_the_job_two_units_at_once(fake_gpus, tmp_path):
+    from ram_dist.engine.gpu import GpuWorkers
     from ram_dist.engine.pool import unordered_map
-    from ram_dist.engine.runtime import Cluster
 
-    cluster = Cluster(cpus=2, gpus=2, embedded=False)
-    for device in ("auto", "cuda"):
-        in_flight, resources = _options(prepare(_config(inputs, device=device)), cluster)
-        assert in_flight == 4 and resources["num_gpus"] == 1 and resources["max_calls"] == 1
-    in_flight, cpu = _options(prepare(_config(inputs, device="cpu")), cluster)
-    assert in_flight == 4 and "num_gpus" not in cpu and "max_calls" not in cpu
-    with pytest.raises(RamDistError, match="no GPU"):
-        _options(prepare(_config(inputs, device="cuda")), Cluster(cpus=2, gpus=0, embedded=False))
+    # Functions defined here travel to the workers by value (this module is not importable
+    # there).
+    def _where(item: int) -> dict:
+        """A pool item: which process, thread and GPUs ran it, and when."""
+        started = time.monotonic()
+        time.sleep(0.2)
+        return {
+            "pid": os.getpid(), "thread": threading.get_ident(), "gpus": list(ray.get_gpu_ids()),
+            "started": started, "ended": time.monotonic(),
+        }  # fmt: skip
 
-    def where(item: int) -> tuple[int, list[str]]:  # a Ray task: its process, its GPUs
-        return os.getpid(), [str(g) for g in ray.get_gpu_ids()]
+    def _dies_once(item: int, marker: str) -> int:
+        """Kills its worker process the first time item 3 runs."""
+        if item == 3 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)
+        time.sleep(0.05)
+        return os.getpid()
 
-    # One task at a time: a GPU task's process exits after it, so no CUDA context made for
-    # one GPU ever serves a task Ray gave another; CPU tasks keep reusing their process.
-    ran = [r for _, _, r in unordered_map(where, range(3), (), 1, resources)]
-    assert len({pid for pid, _ in ran}) == 3
-    assert all(len(gpus) == 1 and gpus[0] in ("0", "1") for _, gpus in ran)
-    ran = [r for _, _, r in unordered_map(where, range(4), (), 1, cpu)]
-    assert len({pid for pid, _ in ran}) <= 2 and all(gpus == [] for _, gpus in ran)
+    def _dies(item: int) -> None:
+        os._exit(1)
+
+    def _refuses(item: int) -> None:
+        raise RamDistError(f"tensor 'x' in item {item}: bad")
+
+    def _all(item: int) -> bool:
+        return True
+
+    workers = GpuWorkers(2)
+    try:
+        start = time.monotonic()
+        ran = [r for _, _, r in unordered_map(_where, range(12), (), 4, {}, None, workers, _all)]
+        wall = time.monotonic() - start
+        assert len({r["pid"] for r in ran}) == 2  # twelve items, two processes
+        assert {len(r["gpus"]) for r in ran} == {1}
+        assert len({r["gpus"][0] for r in ran}) == 2  # each its own GPU, for its whole life
+        for pid in {r["pid"] for r in ran}:  # two at a time in each, in two threads
+            mine = [r for r in ran if r["pid"] == pid]
+            assert len({r["thread"] for r in mine}) == 2
+            assert any(a["started"] < b["ended"] and b["started"] < a["ended"]
+                       for a in mine for b in mine if a is not b)  # fmt: skip
+        assert 0.3 < workers.busy_share(wall) <= 1.0
+        assert workers.busy_share(wall) == 0.0  # counted once
+        # items not for the GPUs run as CPU tasks, which hold no GPU (asking for no CPU
+        # here: the two GPU workers hold this cluster's two)
+        odd = [r for _, _, r in unordered_map(_where, range(6), (), 2, {"num_cpus": 0},
+                                              None, workers, lambda i: i % 2)]  # fmt: skip
+        assert sorted(len(r["gpus"]) for r in odd) == [0, 0, 0, 1, 1, 1]
+        assert {r["pid"] for r in odd if r["gpus"]} <= {r["pid"] for r in ran}
+        assert workers.processes == {f"{os.uname().nodename}:{r['pid']}" for r in ran}
+
+        # a worker that dies is replaced, and the unit it held runs again
+        marker = str(tmp_path / "died")
+        got = [r for _, _, r in unordered_map(_dies_once, range(8), (marker,), 4, {}, None,
+                                              workers, _all)]  # fmt: skip
+        assert os.path.exists(marker) and len(got) == 8
+        assert len(workers.processes) == 3
+        # a worker's error reaches the driver as itself: one line
+        with pytest.raises(RamDistError, match=r"^tensor 'x' in item \d: bad$"):
+            list(unordered_map(_refuses, range(4), (), 4, {}, None, workers, _all))
+    finally:
+        workers.close()
+    once = GpuWorkers(1, restarts=0)
+    try:
+        with pytest.raises(RamDistError, match=r"^a GPU worker \(node \w+\) died and was not "
+                           r"replaced after 0 restart\(s\)"):  # fmt: skip
+            list(unordered_map(_dies, range(2), (), 2, {}, None, once, _all))
+    finally:
+        once.close()
 
 
-def test_auto_uses_the_gpus_cpu_does_not_and_the_bytes_are_the_same(inputs, fake_gpus, tmp_path):
+def _merged(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+
+
+def test_auto_keeps_fused_work_on_the_cpus(inputs, fake_gpus, tmp_path):
     import jsonschema
     import torch
     from builders import load_checkpoint
@@ -169,40 +275,74 @@ def test_auto_uses_the_gpus_cpu_does_not_and_the_bytes_are_the_same(inputs, fake
     base, tasks = inputs
     states = [load_checkpoint(p) for p in [base, *tasks]]
     expected, _ = reference_merge(states[0], states[1:], "ram_plus")
-    shards = {}
-    for device in ("auto", "cpu"):
+    shards, reports = {}, {}
+    for device in ("auto", "cpu", "cuda"):
         out = tmp_path / device
-        report = driver.merge(_config(inputs, out, device=device))
+        report = driver.merge(_config(inputs, out, device=device, unit_budget_bytes=UNIT))
         jsonschema.Draft202012Validator(schema).validate(report)
         merged = load_checkpoint(out)
         assert merged.keys() == expected.keys()
         assert all(torch.equal(merged[k], v) for k, v in expected.items())
-        shards[device] = (out / "model.safetensors").read_bytes()
-        saved = json.loads((out / "merge_report.json").read_text())
-        assert saved["device"] == report["device"]
-        for name in ("reduce", "map"):  # one unit, one task each
-            stats = report["passes"][name]
-            assert stats["units"] == 1 and stats["tasks"] == 1, stats
-            if device == "auto":  # the task held one of the two GPUs
-                assert stats["tasks_on_gpu"] == 1 and stats["worker_processes"] == 1
-                assert len(stats["gpu_ids"]) == 1 and stats["gpu_ids"][0] in ("0", "1")
-            else:
-                assert stats["tasks_on_gpu"] == 0 and stats["gpu_ids"] == []
-        assert report["passes"]["map"]["fused_elements"] > 0  # on the CPU, fused, either way
-    assert shards["auto"] == shards["cpu"]
-    auto = json.loads((tmp_path / "auto" / "merge_report.json").read_text())["device"]
-    assert auto == choose_device("auto", 2, 2).as_dict()
-    cpu = json.loads((tmp_path / "cpu" / "merge_report.json").read_text())["device"]
-    assert cpu == choose_device("cpu", 2, 2).as_dict()
+        shards[device], reports[device] = _merged(out), report
+    assert shards["auto"] == shards["cpu"] == shards["cuda"]
+    elements = sum(v.numel() for v in expected.values())
+    for device in ("auto", "cpu"):  # every unit on the CPU slots, with the fused kernels
+        report = reports[device]
+        assert report["device"]["device"] == "cpu" and report["device"]["gpus"] == 0
+        for stats in report["passes"].values():
+            assert stats["units"] >= 40 and stats["units_on_cpu"] == stats["units"], stats
+            assert stats["units_on_gpu"] == stats["tasks_on_gpu"] == 0
+            assert stats["gpu_worker_processes"] == 0 and stats["gpu_busy_share"] is None
+            assert stats["worker_processes"] <= 2
+        assert report["passes"]["map"]["fused_elements"] == elements
+        assert report["device"]["gpu_worker_processes"] == 0
+    assert reports["auto"]["device"]["reason"].startswith("auto: the fused CPU kernels take")
+    cuda = reports["cuda"]  # the eager rule on the GPU workers: the same bytes
+    assert cuda["passes"]["map"]["fused_elements"] == 0
+    assert cuda["device"]["gpu_worker_processes"] == 2
+    for stats in cuda["passes"].values():
+        assert stats["units_on_gpu"] == stats["units"] and stats["units_on_cpu"] == 0
+        assert 0 < stats["gpu_busy_share"] <= 1
+    text = (tmp_path / "auto" / "merge_report.json").read_text()
+    assert json.loads(text)["device"] == reports["auto"]["device"]
+
+
+def test_dare_ties_on_the_gpus_starts_two_processes_for_the_whole_job(inputs, fake_gpus, tmp_path):
+    from ram_dist.engine import driver
+
+    params = {"density": 0.5}
+    shards, reports = {}, {}
+    for device in ("cuda", "auto", "cpu"):
+        out = tmp_path / device
+        config = _config(
+            inputs, out, device=device, unit_budget_bytes=UNIT, method="dare_ties",
+            parameters=params,
+        )  # fmt: skip
+        reports[device] = driver.merge(config)
+        shards[device] = _merged(out)
+    assert shards["cuda"] == shards["auto"] == shards["cpu"]
+    for device in ("cuda", "auto"):
+        report = reports[device]
+        assert report["device"]["device"] == "cuda", report["device"]
+        assert report["device"]["gpu_worker_processes"] <= 2  # not one per unit
+        reduce, map_ = report["passes"]["reduce"], report["passes"]["map"]
+        assert map_["units"] >= 40 and map_["units_on_gpu"] == map_["units"]
+        assert reduce["units_on_gpu"] == reduce["units"]  # the NaN/Inf check round
+        assert map_["worker_processes_started"] == 0  # the reduce pass's, kept
+        assert len(map_["gpu_ids"]) == 2
+    assert "dare_ties has no fused kernel" in reports["auto"]["device"]["reason"]
+    assert reports["cpu"]["passes"]["map"]["units_on_gpu"] == 0
 
 
 def test_plan_says_the_device(inputs, fake_gpus, tmp_path, capsys):
     from ram_dist.cli import main
     from ram_dist.engine import driver
+    from ram_dist.engine.job import prepare
 
     planned = driver.plan(_config(inputs, tmp_path / "p"))
+    choice = prepare(_config(inputs)).device_choice(2, 2)
     assert planned["device"] == {
-        **choose_device("auto", 2, 2).as_dict(),
+        **choice.as_dict(),
         "cluster": "the Ray this process is connected to",
     }
     base, tasks = inputs
@@ -212,7 +352,10 @@ def test_plan_says_the_device(inputs, fake_gpus, tmp_path, capsys):
     assert "device: cpu (--device cpu: one unit per CPU (2); its 2 GPU(s) stay idle)" in printed
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "device: cuda (auto: the cluster has 2 GPU(s) and 2 CPU(s): one unit per GPU)" in printed
+    assert "device: cpu (auto: the fused CPU kernels take every merged tensor" in printed
+    assert main([*argv, "--method", "dare_linear", "--density", "0.5"]) == 0
+    printed = capsys.readouterr().out
+    assert "device: cuda (auto: 3 of 3 merged tensors need the eager rule (dare_linear" in printed
     assert not (tmp_path / "p").exists()
 
 

@@ -1,67 +1,190 @@
-"""Which device the work units compute on, and how many run at once. Driver side, pure.
+"""Where the work units compute, and how many run at once. Driver side, pure.
 
-`--device auto` takes the GPUs where the cluster has them (one unit per GPU), else every CPU;
-`cpu` takes every CPU, with the fused CPU kernels, even on a cluster with GPUs; `cuda` takes
-the GPUs and refuses to start without any. The bytes are the same whichever runs.
+Merging is bound by storage, not arithmetic: the fused CPU kernels pass about 0.7 GB/s per
+core, so the tensors they take are merged on the CPUs, every CPU, even on a cluster with
+GPUs. The GPUs pay for the tensors that need the eager torch rule (DARE's random masks, L1
+rescaling, float64, `--kernels eager`): with `--device auto` the units holding one go to the
+GPU workers (one long-lived process per GPU, `engine.gpu`), the others to the CPUs the GPU
+workers leave. `cpu` runs every unit on the CPUs; `cuda` every unit on the GPUs, and refuses
+a cluster without any. The bytes are the same wherever a unit runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ram_dist import kernels
+from ram_dist.engine.layout import Layout, TensorEntry
 from ram_dist.errors import RamDistError
+from ram_dist.methods import MergeMethod
+from ram_dist.methods.registry import TensorParams
+from ram_dist.units import WorkUnit
 
 #: What `--device` (and the YAML key `device`) accepts.
 DEVICES = ("auto", "cpu", "cuda")
+#: Units a GPU worker runs at once, in threads of their own buffers: one reads while the
+#: other computes. The memory plan counts each as a slot.
+GPU_UNITS_AT_ONCE = 2
+
+
+@dataclass(frozen=True)
+class EagerTensors:
+    """The merged tensors the fused CPU kernels do not take (with the new FP8 scales of
+    such a weight, made from its merged bands), and why, in words (the first one's)."""
+
+    names: frozenset[str]
+    count: int
+    """Merged tensors among `names` (scales not counted)."""
+    merged: int
+    """Merged tensors in the job."""
+    why: str
+
+
+NO_EAGER = EagerTensors(frozenset(), 0, 0, "")
+
+
+def eager_tensors(
+    layout: Layout, params: Mapping[str, TensorParams], method: MergeMethod, kernels_on: bool
+) -> EagerTensors:
+    """Which merged tensors run the eager rule on a CPU, and why. `kernels_on`: the job's
+    `--kernels` is `auto` (the kernels also need numba, asked here)."""
+    names: set[str] = set()
+    why = ""
+    for name, entry in layout.tensors.items():
+        if not entry.participating:
+            continue
+        cause = _eager_cause(entry, params[name], method, kernels_on)
+        if cause:
+            names.add(name)
+            if entry.fp8_out is not None:
+                names.add(entry.fp8_out.scale_name)
+            why = why or cause
+    count = sum(1 for n in names if layout.tensors[n].scale_of is None)
+    merged = sum(1 for e in layout.tensors.values() if e.participating)
+    return EagerTensors(frozenset(names), count, merged, why)
+
+
+def _eager_cause(
+    entry: TensorEntry, params: TensorParams, method: MergeMethod, kernels_on: bool
+) -> str:
+    """Why a merged tensor runs the eager rule ("" when the fused kernels take it)."""
+    if not kernels_on:
+        return "--kernels eager"
+    if not kernels.available():
+        return "numba is not installed"
+    read = ["F32" if s.scales is not None else s.dtype for s in entry.sources]
+    out = "F32" if entry.fp8_out is not None else entry.out_dtype
+    if not kernels.handle(read, out):
+        odd = sorted({d for d in read if d not in kernels.READS} or {out})
+        return f"{', '.join(odd)} tensors"
+    if not method.fuses(params):
+        return f"{method.name} has no fused kernel for its parameters"
+    return ""
 
 
 @dataclass(frozen=True)
 class DeviceChoice:
-    """The device the units of a job run on, as decided for one cluster."""
+    """Where the units of a job run, as decided for one cluster."""
 
     requested: str
     """What the job asked for: auto, cpu or cuda."""
     device: str
-    """`cuda` (each unit asks Ray for one GPU) or `cpu`."""
+    """`cpu` (every unit on the CPUs), `cuda` (every unit on the GPU workers), or
+    `cpu+cuda` (units of tensors that need the eager rule on the GPUs, the rest on CPUs)."""
     gpus: int
-    """GPUs the units use: the cluster's on `cuda`, 0 on `cpu`."""
-    slots: int
-    """Units Ray runs at once by default: one per GPU, or one per CPU."""
+    """GPU workers, one per GPU (0: the GPUs stay idle)."""
+    cpu_slots: int
+    """CPU tasks Ray runs at once: one per CPU the GPU workers leave (0: none run)."""
     reason: str
+    eager: frozenset[str] = frozenset()
+    """On `cpu+cuda`: the tensors whose units go to the GPUs."""
+
+    @property
+    def slots(self) -> int:
+        """Units at once on the whole cluster (what the unit budget is planned for)."""
+        return max(1, self.cpu_slots + GPU_UNITS_AT_ONCE * self.gpus)
 
     @property
     def uses_gpus(self) -> bool:
-        return self.device == "cuda"
+        return self.gpus > 0
+
+    def on_gpu(self, units: Iterable[WorkUnit]) -> bool:
+        """Whether the task of these units runs on a GPU worker."""
+        if self.device != "cpu+cuda":
+            return self.device == "cuda"
+        return any(p.tensor in self.eager for u in units for p in u.pieces)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "requested": self.requested,
             "device": self.device,
             "gpus": self.gpus,
+            "cpu_slots": self.cpu_slots,
             "slots": self.slots,
             "reason": self.reason,
         }
 
 
-def choose_device(requested: str, gpus: int, cpus: int) -> DeviceChoice:
-    """The device for a cluster with `gpus` GPUs and `cpus` CPUs (Ray's resources). Raises
-    `RamDistError` for `cuda` on a cluster without GPUs, or an unknown name."""
+def choose_device(
+    requested: str, gpus: int, cpus: int, eager: EagerTensors = NO_EAGER
+) -> DeviceChoice:
+    """The devices for a cluster with `gpus` GPUs and `cpus` CPUs (Ray's resources), for a
+    job whose `eager` tensors need the eager rule. Raises `RamDistError` for `cuda` on a
+    cluster without GPUs, or an unknown name."""
     if requested not in DEVICES:
         raise RamDistError(f"device must be one of {', '.join(DEVICES)}, got {requested!r}")
     cpus = max(1, cpus)
-    has = f"the cluster has {gpus} GPU(s) and {cpus} CPU(s)"
+    workers = f"one worker per GPU ({gpus}), {GPU_UNITS_AT_ONCE} units at a time each"
     if requested == "cpu":
         unused = f"; its {gpus} GPU(s) stay idle" if gpus else ""
         return DeviceChoice(
             requested, "cpu", 0, cpus, f"--device cpu: one unit per CPU ({cpus}){unused}"
         )
-    if gpus > 0:
-        why = "--device cuda" if requested == "cuda" else f"auto: {has}"
-        return DeviceChoice(requested, "cuda", gpus, gpus, f"{why}: one unit per GPU")
+    if gpus == 0:
+        if requested == "cuda":
+            raise RamDistError(
+                f"--device cuda, but the Ray cluster has no GPU ({cpus} CPU(s)): run on a "
+                "cluster with GPUs, or use --device auto or cpu"
+            )
+        return DeviceChoice(requested, "cpu", 0, cpus, f"auto: no GPU: one unit per CPU ({cpus})")
     if requested == "cuda":
-        raise RamDistError(
-            f"--device cuda, but the Ray cluster has no GPU ({cpus} CPU(s)): run on a cluster "
-            "with GPUs, or use --device auto or cpu"
+        why = f"--device cuda: every unit on the GPUs, {workers}"
+        return DeviceChoice(requested, "cuda", gpus, 0, why)
+    if not eager.names:
+        return DeviceChoice(
+            requested, "cpu", 0, cpus,
+            f"auto: the fused CPU kernels take every merged tensor, and merging is bound by "
+            f"storage: one unit per CPU ({cpus}); the {gpus} GPU(s) stay idle",
+        )  # fmt: skip
+    need = f"{eager.count} of {eager.merged} merged tensors need the eager rule ({eager.why})"
+    left = cpus - gpus  # a GPU worker holds a CPU too
+    if eager.count == eager.merged or left < 1:
+        held = "" if eager.count == eager.merged else f"; they hold the {cpus} CPU(s)"
+        return DeviceChoice(
+            requested, "cuda", gpus, 0, f"auto: {need}: every unit on the GPUs, {workers}{held}"
         )
-    return DeviceChoice(requested, "cpu", 0, cpus, f"auto: {has}: one unit per CPU")
+    return DeviceChoice(
+        requested, "cpu+cuda", gpus, left,
+        f"auto: {need}: their units on the GPUs, {workers}; the other units on the other "
+        f"{left} CPU(s), one each",
+        eager.names,
+    )  # fmt: skip
+
+
+def job_device(
+    requested: str,
+    gpus: int,
+    cpus: int,
+    layout: Layout,
+    params: Mapping[str, TensorParams],
+    method: MergeMethod,
+    kernels_setting: str,
+) -> DeviceChoice:
+    """`choose_device` for a job: the eager tensors asked only where the answer depends on
+    them (`auto` on a cluster with GPUs)."""
+    eager = NO_EAGER
+    if requested == "auto" and gpus > 0:
+        eager = eager_tensors(layout, params, method, kernels_setting == "auto")
+    return choose_device(requested, gpus, cpus, eager)

@@ -28,8 +28,8 @@ from ram_dist import __version__
 from ram_dist.config import MergeConfig
 from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
-from ram_dist.engine.devices import DeviceChoice, choose_device
 from ram_dist.engine.effective import CONFIG_NAME, render
+from ram_dist.engine.gpu import Devices, job_devices
 from ram_dist.engine.job import Job, gc_paused, prepare
 from ram_dist.engine.output import OutputState, check_writable, clear_published, open_output
 from ram_dist.engine.passes import PassStats, ShardBook, Shipped, map_pass, reduce_pass
@@ -84,11 +84,13 @@ def probe_checks(config: MergeConfig) -> Job:
 
 def probe_on(job: Job, cluster: Cluster) -> dict[str, Any]:
     """`probe` once Ray is up and `probe_checks` has passed."""
-    device = choose_device(job.config.device, cluster.gpus, cluster.cpus)
+    device = job.device_choice(cluster.gpus, cluster.cpus)
     job = job.replanned(device.slots, cluster.memory)
-    with settled():
-        method_state, stats = reduce_pass(job, cluster, Progress(job.config.log_format))
-        return _report(job, method_state, {"reduce": stats.as_dict()}, [stats], device)
+    with settled(), job_devices(device) as devices:
+        progress = Progress(job.config.log_format)
+        method_state, stats = reduce_pass(job, cluster, progress, devices=devices)
+        passes = _pass_reports({"reduce": stats})
+        return _report(job, method_state, passes, [stats], devices)
 
 
 @contextlib.contextmanager
@@ -123,7 +125,9 @@ def merge_on(claim: Claim, cluster: Cluster) -> dict[str, Any]:
     if isinstance(claim, dict):
         return claim
     with settled():
-        return _merge_held(*claim, cluster)
+        job = claim[0]
+        with job_devices(job.device_choice(cluster.gpus, cluster.cpus)) as devices:
+            return _merge_held(*claim, cluster, devices)
 
 
 def merge_checks(config: MergeConfig, held: contextlib.ExitStack) -> Claim:
@@ -157,12 +161,12 @@ def _remove_if_empty(folder: str) -> None:
 
 
 def _merge_held(
-    job: Job, found: OutputState, lease: OutputLease, cluster: Cluster
+    job: Job, found: OutputState, lease: OutputLease, cluster: Cluster, devices: Devices
 ) -> dict[str, Any]:
-    """The merge, once this run holds the output's lease."""
+    """The merge, once this run holds the output's lease, on the job's `devices`."""
     config = job.config
     assert job.out is not None
-    device = choose_device(config.device, cluster.gpus, cluster.cpus)  # before anything runs
+    device = devices.choice
 
     def still_ours() -> None:
         if lease.lost:
@@ -191,10 +195,9 @@ def _merge_held(
         passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
     else:
         method_state, reduce_stats = reduce_pass(
-            job, cluster, progress, cache, sink.min_part_bytes, shipped
+            job, cluster, progress, cache, sink.min_part_bytes, shipped, devices
         )
         first_node = reduce_stats.first_node
-        passes["reduce"] = reduce_stats.as_dict()
         measured.append(reduce_stats)
         fs.makedirs(path, exist_ok=True)
         manifest.method_state = method_state
@@ -208,13 +211,15 @@ def _merge_held(
     todo = [s for s in manifest.shard_names if s not in done]
     book = ShardBook(manifest, lambda: save_manifest(job.out, manifest, job.storage), still_ours)
     map_stats = map_pass(
-        job, cluster, method_state, todo, sink, book, progress, cache, first_node, pin_to, shipped
-    )
-    passes["map"] = map_stats.as_dict()
+        job, cluster, method_state, todo, sink, book, progress, cache, first_node, pin_to,
+        shipped, devices,
+    )  # fmt: skip
     measured.append(map_stats)
+    ran = {"reduce": measured[0], "map": map_stats} if len(measured) == 2 else {"map": map_stats}
+    passes.update(_pass_reports(ran))
     cleaned = len(on_every_node(cache.remove)) if cache is not None else 0
 
-    report = _report(job, method_state, passes, measured, device)
+    report = _report(job, method_state, passes, measured, devices)
     report["input_cache"] = _cache_report(job, cache, cache_note)
     report["input_cache"]["nodes_cleaned"] = cleaned
     report["output"] = {
@@ -331,7 +336,7 @@ def plan(config: MergeConfig) -> dict[str, Any]:
 
 def _plan(config: MergeConfig) -> dict[str, Any]:
     job = prepare(config)
-    device, cluster = _planned_device(config)
+    device, cluster = _planned_device(job)
     if cluster is not None:
         job = job.replanned(*cluster)
     out: dict[str, Any] = {"output": None, "device": device}
@@ -394,11 +399,12 @@ def _plan(config: MergeConfig) -> dict[str, Any]:
     return out
 
 
-def _planned_device(config: MergeConfig) -> tuple[dict[str, Any], tuple[int, int] | None]:
-    """The device a merge would choose (`choose_device`) and why, for `plan`, with the slots
+def _planned_device(job: Job) -> tuple[dict[str, Any], tuple[int, int] | None]:
+    """The device a merge would choose (`Job.device_choice`) and why, for `plan`, with the slots
     and memory to plan units for; None for those where the cluster is not known without
     connecting to it. The cluster is the Ray this process is connected to, else, with no
     address, this machine (where a merge starts an embedded Ray)."""
+    config = job.config
     if ray.is_initialized():
         res = ray.cluster_resources()
         gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 1))
@@ -411,18 +417,27 @@ def _planned_device(config: MergeConfig) -> tuple[dict[str, Any], tuple[int, int
         where = "this machine (a merge starts an embedded Ray)"
     else:
         how = {
-            "auto": "one unit per GPU if the cluster has GPUs, else per CPU: known once a merge "
+            "auto": "every CPU with the fused kernels; on a cluster with GPUs, the units of "
+            "tensors that need the eager rule on one worker per GPU: known once a merge "
             "connects to it",
             "cpu": "one unit per CPU of the cluster",
-            "cuda": "one unit per GPU; a cluster without GPUs is refused when a merge connects",
+            "cuda": "every unit on one worker per GPU; a cluster without GPUs is refused when "
+            "a merge connects",
         }[config.device]
         device = None if config.device == "auto" else config.device
         return {
-            "requested": config.device, "device": device, "gpus": None, "slots": None,
-            "reason": f"--device {config.device}: {how}", "cluster": None,
+            "requested": config.device, "device": device, "gpus": None, "cpu_slots": None,
+            "slots": None, "reason": f"--device {config.device}: {how}", "cluster": None,
         }, None  # fmt: skip
-    choice = choose_device(config.device, gpus, cpus)  # cuda without GPUs: refused here too
+    choice = job.device_choice(gpus, cpus)  # cuda without GPUs: refused here too
     return {**choice.as_dict(), "cluster": where}, (choice.slots, memory)
+
+
+def _device_report(devices: Devices) -> dict[str, Any]:
+    """The device choice, and the GPU worker processes the job had (restarts included)."""
+    out = devices.choice.as_dict()
+    out["gpu_worker_processes"] = len(devices.gpu.processes) if devices.gpu is not None else 0
+    return out
 
 
 def _finished_report(job: Job) -> dict[str, Any]:
@@ -440,12 +455,24 @@ def _finished_report(job: Job) -> dict[str, Any]:
     return report
 
 
+def _pass_reports(ran: dict[str, PassStats]) -> dict[str, dict[str, Any]]:
+    """Each pass's report, in order, with the worker processes it started (that no earlier
+    pass of the job had used)."""
+    seen: set[str] = set()
+    out = {}
+    for name, stats in ran.items():
+        out[name] = stats.as_dict()
+        out[name]["worker_processes_started"] = len(stats.workers - seen)
+        seen |= stats.workers
+    return out
+
+
 def _report(
     job: Job,
     method_state: dict[str, Any],
     passes: dict[str, Any],
     measured: list[PassStats],
-    device: DeviceChoice,
+    devices: Devices,
 ) -> dict[str, Any]:
     config = job.config
     report: dict[str, Any] = {
@@ -457,7 +484,7 @@ def _report(
         "notes": list(config.notes),
         "out_dtype": config.out_dtype,
         "unit_budget_bytes": job.unit_budget_bytes,
-        "device": device.as_dict(),
+        "device": _device_report(devices),
         "formats": job.formats(),
         "integers_from_base": {
             "allowed": config.integers_from_base,

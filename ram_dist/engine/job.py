@@ -15,6 +15,7 @@ from typing import Any
 
 from ram_dist.config import MergeConfig
 from ram_dist.dtypes import itemsize
+from ram_dist.engine.devices import DeviceChoice, job_device
 from ram_dist.engine.layout import Layout, build_layout
 from ram_dist.engine.params import resolve_all
 from ram_dist.engine.sizing import auto_unit_budget, machine
@@ -56,6 +57,14 @@ class Job:
             return self
         units = plan_units(self.layout.slots(), budget)
         return dataclasses.replace(self, units=units, unit_budget_bytes=budget)
+
+    def device_choice(self, gpus: int, cpus: int) -> DeviceChoice:
+        """Where this job's units run on a cluster of `gpus` GPUs and `cpus` CPUs (raises
+        for `--device cuda` without GPUs)."""
+        config = self.config
+        return job_device(
+            config.device, gpus, cpus, self.layout, self.params, self.method, config.kernels
+        )
 
     def largest_input_bytes(self) -> int:
         """Tensor bytes of the largest input checkpoint (what one pass reads from it)."""

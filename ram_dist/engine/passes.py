@@ -10,6 +10,7 @@ is sent back there, where the cache holds its bytes.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -21,9 +22,10 @@ import torch
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
-from ram_dist.engine.devices import choose_device
+from ram_dist.engine.devices import DeviceChoice
+from ram_dist.engine.gpu import Devices, job_devices
 from ram_dist.engine.job import Job
-from ram_dist.engine.pool import Shared, near, unordered_map
+from ram_dist.engine.pool import Place, Shared, near, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster
 from ram_dist.engine.work import (
@@ -80,10 +82,16 @@ class PassStats:
     tasks_retried: int = 0
     """Tasks Ray ran again after an attempt was lost with its worker or node."""
     tasks_on_gpu: int = 0
-    """Tasks that held a GPU Ray gave them (see `engine.devices`)."""
+    """Tasks that ran on a GPU worker (see `engine.devices`)."""
+    units_on_cpu: int = 0
+    units_on_gpu: int = 0
     gpu_ids: set[str] = field(default_factory=set)
     workers: set[str] = field(default_factory=set)
-    """The worker processes (`host:pid`) that ran the tasks: one per GPU task."""
+    """The worker processes (`host:pid`) that ran the tasks."""
+    gpu_workers: set[str] = field(default_factory=set)
+    """Those of them that were GPU workers."""
+    gpu_busy_share: float | None = None
+    """The share of the pass's wall time the GPU workers spent on units (None: none ran)."""
 
     def ran(
         self, indices: Sequence[int], node: str, traffic: CacheTraffic, sent_to: str | None
@@ -106,8 +114,14 @@ class PassStats:
         self.tasks_retried += result.attempt > 0
         self.tasks_on_gpu += bool(result.gpus)
         self.gpu_ids.update(result.gpus)
+        if result.gpus:
+            self.units_on_gpu += units
+        else:
+            self.units_on_cpu += units
         if result.worker:
             self.workers.add(result.worker)
+            if result.gpus:
+                self.gpu_workers.add(result.worker)
         self.fused_elements += result.fused_elements
         self.bytes_read += sum(bytes_read)
         if not self.max_unit_bytes_read:
@@ -139,6 +153,12 @@ class PassStats:
             "tasks_on_gpu": self.tasks_on_gpu,
             "gpu_ids": sorted(self.gpu_ids),
             "worker_processes": len(self.workers),
+            "units_on_cpu": self.units_on_cpu,
+            "units_on_gpu": self.units_on_gpu,
+            "gpu_worker_processes": len(self.gpu_workers),
+            "gpu_busy_share": (
+                None if self.gpu_busy_share is None else round(self.gpu_busy_share, 4)
+            ),
         }
         if self.output_path is not None:
             out.update(
@@ -168,21 +188,30 @@ class Shipped:
         return cls(Shared(job.layout), Shared(job.params))
 
 
-def _options(job: Job, cluster: Cluster) -> tuple[int, dict[str, Any]]:
-    """Units in flight, and the Ray options of each. With `--workers`, exactly that many run
-    at once; by default twice the device's slots (the cluster's GPUs, or its CPUs; see
-    `choose_device`) are submitted, Ray runs as many as it has slots for, and the rest are
-    queued so that a worker never waits on the driver."""
-    choice = choose_device(job.config.device, cluster.gpus, cluster.cpus)
-    in_flight = job.config.workers or 2 * choice.slots
-    resources: dict[str, Any] = {"num_cpus": 1, "max_retries": SYSTEM_RETRIES}
-    if choice.uses_gpus:
-        resources["num_gpus"] = 1
-        # A fresh worker process per GPU task: Ray points CUDA_VISIBLE_DEVICES at the task's
-        # GPU when the task starts, but a process keeps the CUDA context it made first, so a
-        # reused worker would compute the next task on the GPU Ray gave the one before.
-        resources["max_calls"] = 1
-    return in_flight, resources
+def _cpu_tasks(job: Job, choice: DeviceChoice) -> tuple[int, dict[str, Any]]:
+    """CPU tasks in flight, and the Ray options of each. With `--workers`, exactly that many
+    run at once; by default twice the CPU slots (`DeviceChoice.cpu_slots`) are submitted,
+    Ray runs as many as it has CPUs for, and the rest are queued so that a worker never
+    waits on the driver. GPU work goes to the GPU workers (`engine.gpu`)."""
+    in_flight = job.config.workers or 2 * choice.cpu_slots
+    return in_flight, {"num_cpus": 1, "max_retries": SYSTEM_RETRIES}
+
+
+@contextlib.contextmanager
+def _devices(job: Job, cluster: Cluster, given: Devices | None) -> Iterator[Devices]:
+    """The devices a pass runs on: those `given` (the job's, for all its passes), else this
+    pass's own, for this cluster."""
+    if given is not None:
+        yield given
+        return
+    with job_devices(job.device_choice(cluster.gpus, cluster.cpus)) as devices:
+        yield devices
+
+
+def _finish(stats: PassStats, devices: Devices) -> None:
+    """A pass's wall time, and its GPU workers' busy share."""
+    if devices.gpu is not None:
+        stats.gpu_busy_share = devices.gpu.busy_share(stats.wall_s)
 
 
 def _placement(
@@ -245,6 +274,7 @@ def reduce_pass(
     cache: InputCache | None = None,
     min_part_bytes: int = 0,
     shipped: Shipped | None = None,
+    devices: Devices | None = None,
 ) -> tuple[dict[str, Any], PassStats]:
     """Every reduce round of the method: sum each unit's int64 statistics per key, then let
     the method fold the sums into its state. Rounds no tensor needs read nothing. The first
@@ -252,14 +282,27 @@ def reduce_pass(
     statistics), unless the job allows them. With a `cache`, what a round fetches is kept on
     its node, and `stats.first_node` says which node first read each unit. A task reads the
     units of one output part of at least `min_part_bytes` (see `unit_groups`). `shipped`:
-    the job's layout and parameters, already in the object store."""
+    the job's layout and parameters, already in the object store; `devices`: the job's
+    (else this pass's own)."""
+    with _devices(job, cluster, devices) as on:
+        return _reduce_pass(job, on, progress, cache, min_part_bytes, shipped)
+
+
+def _reduce_pass(
+    job: Job,
+    devices: Devices,
+    progress: Progress | None,
+    cache: InputCache | None,
+    min_part_bytes: int,
+    shipped: Shipped | None,
+) -> tuple[dict[str, Any], PassStats]:
     stats = PassStats()
     shipped = shipped or Shipped.of(job)
     groups = unit_groups(job, min_part_bytes)
     storage, node_of = _placement(job.storage, cache, stats.first_node)
     start = time.perf_counter()
     method, state = job.method, job.initial_state()
-    workers, resources = _options(job, cluster)
+    workers, resources = _cpu_tasks(job, devices.choice)
     numel = job.numel()
     check = not job.config.allow_nonfinite
     for round_ in range(max(method.rounds, 1 if check else 0)):
@@ -281,8 +324,9 @@ def reduce_pass(
         shared = (shipped.layout, storage, method, shipped.params, _shipped(job, state), round_,
                   checking)  # fmt: skip
         results = unordered_map(
-            reduce_group, items, shared, workers, resources, lambda g: near(node_of(g[0]))
-        )
+            reduce_group, items, shared, workers, resources, lambda g: near(node_of(g[0])),
+            devices.gpu, devices.on_gpu,
+        )  # fmt: skip
         progress = progress or Progress()
         total_bytes = sum(job.unit_bytes(u, wanted) for u in units)
         progress.start_pass(f"reduce {round_ + 1}", total_bytes, len(units))
@@ -298,6 +342,7 @@ def reduce_pass(
             sums = {key: torch.from_numpy(value) for key, value in totals.items()}
             state = method.finalize(round_, sums, job.params, numel, state)
     stats.wall_s = time.perf_counter() - start
+    _finish(stats, devices)
     return state, stats
 
 
@@ -395,6 +440,7 @@ def map_pass(
     first_node: dict[int, str] | None = None,
     pin_to: str | None = None,
     shipped: Shipped | None = None,
+    devices: Devices | None = None,
 ) -> PassStats:
     """Merge `shards` part by part, results taken as they finish: each task writes its part
     through the `sink`'s target (or sends it back, through the driver), and each shard is
@@ -402,14 +448,34 @@ def map_pass(
     parts already in place are not made again. With a `cache`, the last reader of it, a
     part runs on its first unit's `first_node` (while that node lives) and removes what it
     reads from the cache there; with `pin_to`, every part runs on that node. `shipped`: the
-    job's layout and parameters, already in the object store."""
+    job's layout and parameters, already in the object store; `devices`: the job's (else
+    this pass's own)."""
+    with _devices(job, cluster, devices) as on:
+        return _map_pass(
+            job, on, state, shards, sink, book, progress, cache, first_node, pin_to, shipped
+        )
+
+
+def _map_pass(
+    job: Job,
+    devices: Devices,
+    state: dict[str, Any],
+    shards: list[str],
+    sink: OutputSink,
+    book: ShardBook,
+    progress: Progress | None,
+    cache: InputCache | None,
+    first_node: dict[int, str] | None,
+    pin_to: str | None,
+    shipped: Shipped | None,
+) -> PassStats:
     assert job.out is not None
     shipped = shipped or Shipped.of(job)
     stats = PassStats(output_path=sink.path, output_path_reason=sink.reason)
     last = cache.for_last_pass() if cache is not None else None
     storage, node_of = _placement(job.storage, last, first_node or {})
     start = time.perf_counter()
-    workers, resources = _options(job, cluster)
+    workers, resources = _cpu_tasks(job, devices.choice)
     shared = (shipped.layout, storage, job.method, shipped.params, _shipped(job, state))
     units, headers, plan = _parts_of(job, shards, sink.min_part_bytes)
     for name in shards:  # a shard a killed run was writing keeps the parts it recorded
@@ -456,15 +522,16 @@ def map_pass(
             if len(shard.done) == len(plan[name]) and name in opened:
                 complete(shard)  # every part was in already (a resumed shard)
 
-    def placement(task: PartTask) -> dict[str, Any] | None:
+    def placement(task: PartTask) -> Place | None:
         if pin_to is not None:
             return near(pin_to, only=True)
         return near(node_of(units[task.part.units[0]])) if task.part.units else None
 
     try:
         for task, node, result in unordered_map(
-            map_part, tasks(), shared, workers, resources, placement
-        ):
+            map_part, tasks(), shared, workers, resources, placement,
+            devices.gpu, lambda task: devices.on_gpu(task.units),
+        ):  # fmt: skip
             if task.part.units:
                 first = node_of(units[task.part.units[0]])
                 stats.ran(task.part.units, node, result.traffic, first)
@@ -490,4 +557,5 @@ def map_pass(
     stats.bytes_written_by_driver = sink.bytes_written_by_driver
     progress.end_pass(bytes_written=stats.bytes_written)
     stats.wall_s = time.perf_counter() - start
+    _finish(stats, devices)
     return stats

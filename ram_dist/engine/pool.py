@@ -1,9 +1,9 @@
 """Run a plain function over work items on Ray, a bounded number at a time.
 
 Runs on the driver. The pool knows nothing of merging: it submits `fn(item, *shared)` as
-Ray tasks, keeps at most `max_in_flight` submitted (back-pressure bounds memory), and yields
-each result as it finishes, with its item and the node it ran on (so a later pass can send
-the item back there).
+Ray tasks (or to long-lived workers: `engine.gpu`), keeps a bounded number submitted
+(back-pressure bounds memory), and yields each result as it finishes, with its item and the
+node it ran on (so a later pass can send the item back there).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -73,9 +74,14 @@ def _settled(make: Callable[[], Any]) -> Any:
     return value
 
 
-def _run(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
+def run_item(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
+    """`fn(item, *shared)` where a worker runs it, with the node it ran on."""
     values = [s.get() if isinstance(s, Shared) else s for s in shared]
     return ray.get_runtime_context().get_node_id(), fn(item, *values)
+
+
+def _run(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
+    return run_item(fn, item, *shared)
 
 
 #: Ray titles a worker running these `ray::_run` (tests find the workers to kill by it).
@@ -86,54 +92,136 @@ _run_anywhere = ray.remote(_run)
 _run_once = ray.remote(max_calls=1)(_run)
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where an item should run: on `node` while it lives (else anywhere), or, with `only`,
+    there and nowhere else."""
+
+    node: str
+    only: bool = False
+
+
+class Lane(Protocol):
+    """What runs `unordered_map`'s items: Ray tasks (`TaskLane`), or long-lived workers
+    (`engine.gpu.GpuWorkers`). A lane counts its own items in flight."""
+
+    def serves(self, place: Place | None) -> bool:
+        """Whether it can run an item that must run at `place`."""
+        ...
+
+    def has_room(self, place: Place | None) -> bool:
+        """Whether it takes another item for `place` now (always, with nothing in flight)."""
+        ...
+
+    def submit(
+        self, fn: Callable[..., Any], item: Any, shared: tuple[Any, ...], place: Place | None
+    ) -> ray.ObjectRef: ...
+
+    def result(self, ref: ray.ObjectRef) -> tuple[str, Any]:
+        """The node and value of a finished item, or its failure, raised as `get_result`
+        does."""
+        ...
+
+    def forget(self, ref: ray.ObjectRef) -> None:
+        """An item dropped unread (the map stopped early)."""
+        ...
+
+
+class TaskLane:
+    """Each item a Ray task of `resources` (which may hold `max_calls: 1`: a fresh worker
+    process per task), at most `capacity` in flight."""
+
+    def __init__(self, resources: dict[str, Any], capacity: int) -> None:
+        resources = dict(resources)
+        max_calls = resources.pop("max_calls", 0)
+        if max_calls not in (0, 1):
+            raise ValueError(f"max_calls must be 0 (no limit) or 1, got {max_calls}")
+        self._run = _run_once if max_calls == 1 else _run_anywhere
+        self._resources = resources
+        self._remote = self._run.options(**resources)
+        self._capacity = max(1, capacity)
+        self._in_flight = 0
+
+    def serves(self, place: Place | None) -> bool:
+        return True
+
+    def has_room(self, place: Place | None) -> bool:
+        return self._in_flight < self._capacity
+
+    def submit(
+        self, fn: Callable[..., Any], item: Any, shared: tuple[Any, ...], place: Place | None
+    ) -> ray.ObjectRef:
+        task = self._remote
+        if place is not None:
+            strategy = NodeAffinitySchedulingStrategy(place.node, soft=not place.only)
+            task = self._run.options(**self._resources, scheduling_strategy=strategy)
+        self._in_flight += 1
+        return task.remote(fn, item, *shared)
+
+    def result(self, ref: ray.ObjectRef) -> tuple[str, Any]:
+        self._in_flight -= 1
+        return get_result(ref)
+
+    def forget(self, ref: ray.ObjectRef) -> None:
+        self._in_flight -= 1
+
+
 def unordered_map(
     fn: Callable[..., Any],
     items: Iterable[Any],
     shared: tuple[Any, ...],
     max_in_flight: int,
     resources: dict[str, Any],
-    options_of: Callable[[Any], dict[str, Any] | None] | None = None,
+    place_of: Callable[[Any], Place | None] | None = None,
+    gpu: Lane | None = None,
+    on_gpu: Callable[[Any], bool] | None = None,
 ) -> Iterator[tuple[Any, str, Any]]:
     """Yield `(item, node id, fn(item, *shared))` for each item as it finishes, with Ray
-    doing the work and at most `max_in_flight` items submitted at once (back-pressure
-    bounds memory); one slow item never holds back the others' results.
+    doing the work and at most `max_in_flight` items submitted at once as tasks of
+    `resources` (back-pressure bounds memory); one slow item never holds back the others'
+    results. Items `on_gpu` says so of go to the `gpu` lane instead, as it has room, unless
+    it cannot run them where `place_of` says they must run.
 
     `shared` values are put in the object store once (a `Shared` one is already there, and
-    each worker process deserializes it once, whatever the map). `options_of(item)` may add
-    Ray options for one item (e.g. a scheduling strategy). `resources` may hold `max_calls:
-    1` (a fresh worker process per task). A worker's `RamDistError` (a `StorageError` naming
-    the file it could not read or write, among others) is raised again here as itself, and a
-    store's failure no layer named as a `StorageError`, so the user sees one line rather
-    than a Ray traceback; the task's traceback is logged at debug level.
+    each worker process deserializes it once, whatever the map). `place_of(item)` may say
+    where an item should run. `resources` may hold `max_calls: 1` (a fresh worker process per
+    task). A worker's `RamDistError` (a `StorageError` naming the file it could not read or
+    write, among others) is raised again here as itself, and a store's failure no layer
+    named as a `StorageError`, so the user sees one line rather than a Ray traceback; the
+    task's traceback is logged at debug level.
     """
-    resources = dict(resources)
-    max_calls = resources.pop("max_calls", 0)
-    if max_calls not in (0, 1):
-        raise ValueError(f"max_calls must be 0 (no limit) or 1, got {max_calls}")
-    run = _run_once if max_calls == 1 else _run_anywhere
-    remote = run.options(**resources)
+    tasks = TaskLane(resources, max_in_flight)
     shared_refs = tuple(v if isinstance(v, Shared) else ray.put(v) for v in shared)
-    pending: dict[ray.ObjectRef, Any] = {}
+    pending: dict[ray.ObjectRef, tuple[Any, Lane]] = {}
     queue = iter(items)
-    more = True
+    held: tuple[Any, Place | None, Lane] | None = None  # the next item, waiting for room
     try:
         while True:
-            while more and len(pending) < max_in_flight:
-                item = next(queue, _END)
-                if item is _END:
-                    more = False
+            while True:
+                if held is None:
+                    item = next(queue, _END)
+                    if item is _END:
+                        break
+                    place = place_of(item) if place_of is not None else None
+                    to_gpu = gpu is not None and on_gpu is not None and on_gpu(item)
+                    lane: Lane = gpu if to_gpu and gpu.serves(place) else tasks  # type: ignore[assignment]
+                    held = (item, place, lane)
+                item, place, lane = held
+                if not lane.has_room(place):
                     break
-                extra = options_of(item) if options_of is not None else None
-                task = run.options(**resources, **extra) if extra else remote
-                pending[task.remote(fn, item, *shared_refs)] = item
+                pending[lane.submit(fn, item, shared_refs, place)] = (item, lane)
+                held = None
             if not pending:
+                assert held is None, "a lane with nothing in flight took no item"
                 return
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
-                item = pending.pop(ref)
-                node, result = _get(ref)
+                item, lane = pending.pop(ref)
+                node, result = lane.result(ref)
                 yield item, node, result
     finally:
+        for ref, (_, lane) in pending.items():
+            lane.forget(ref)
         _drop(list(pending))
 
 
@@ -158,7 +246,9 @@ def _drop(refs: list[ray.ObjectRef]) -> None:
             log.debug("a task ended after the map stopped: %s", e)
 
 
-def _get(ref: ray.ObjectRef) -> Any:
+def get_result(ref: ray.ObjectRef) -> Any:
+    """`ray.get(ref)`, a worker's `RamDistError` raised as itself and a store's failure as a
+    `StorageError`."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
@@ -171,13 +261,10 @@ def _get(ref: ray.ObjectRef) -> Any:
         raise
 
 
-def near(node_id: str | None, only: bool = False) -> dict[str, Any] | None:
-    """Ray options that send a task to `node_id` while that node lives (else anywhere), or,
-    with `only`, to that node and no other."""
-    if node_id is None:
-        return None
-    strategy = NodeAffinitySchedulingStrategy(node_id, soft=not only)
-    return {"scheduling_strategy": strategy}
+def near(node_id: str | None, only: bool = False) -> Place | None:
+    """Run at `node_id` while that node lives (else anywhere), or, with `only`, there and
+    nowhere else."""
+    return None if node_id is None else Place(node_id, only)
 
 
 def this_node() -> str:

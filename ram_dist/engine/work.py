@@ -288,49 +288,73 @@ class TaskScope:
 
 
 class WorkerContext:
-    """What a worker process keeps from one task to the next: its read and output buffers
-    (reused: fresh memory costs page faults) and its peak memory (a unit reports the
-    process's peak so far: samples are rate-limited, and a small unit may take none). Each
-    task enters `task()`, which gives it these with fresh traffic counters; a worker runs one
-    task at a time (Ray's default for tasks), and a second task entering at once is an error
-    rather than two tasks sharing buffers."""
+    """What a worker thread keeps from one task to the next: its read and output buffers
+    (reused: fresh memory costs page faults) and its process's peak memory (a unit reports
+    the process's peak so far: samples are rate-limited, and a small unit may take none).
+    Each task enters `task()`, which gives it these with fresh traffic counters. A CPU worker
+    runs one task at a time (Ray's default for tasks); a GPU worker runs one per thread
+    (`engine.gpu`), each thread with a context of its own. A second task entering the same
+    context at once is an error rather than two tasks sharing buffers."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory: PeakMemory) -> None:
         self._reads = _ReadBuffers()
         self._output = _OutputBuffer()
-        self._memory = PeakMemory()
+        self._memory = memory
         self._busy = threading.Lock()
 
     @contextlib.contextmanager
     def task(self) -> Iterator[TaskScope]:
-        """The task's scope, with Python's cyclic garbage collector paused: a unit of many
-        small tensors makes objects by the hundred thousand (blocks, statistics), and each
-        full collection would scan them all again, and the job's layout (a third of the
-        time of a unit of 100k tensors). A task makes no reference cycles to speak of;
-        they are collected after it."""
+        """The task's scope, with Python's cyclic garbage collector paused (`_collector_paused`)."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("a worker context runs one task at a time")
-        collecting = gc.isenabled()
-        gc.disable()
         try:
-            yield TaskScope(self._reads, self._output, self._memory, Traffic())
+            with _collector_paused():
+                yield TaskScope(self._reads, self._output, self._memory, Traffic())
         finally:
-            if collecting:
-                gc.enable()
             self._busy.release()
 
 
-_PROCESS_CONTEXT: list[WorkerContext] = []
+_PAUSES = [0, False]  # tasks running with the collector paused; whether it ran before
+_PAUSES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while any task of this process runs: a unit of
+    many small tensors makes objects by the hundred thousand (blocks, statistics), and each
+    full collection would scan them all again, and the job's layout (a third of the time of
+    a unit of 100k tensors). A task makes no reference cycles to speak of; they are collected
+    after it. Counted, so that a GPU worker's second thread does not turn it back on under
+    the first."""
+    with _PAUSES_LOCK:
+        if _PAUSES[0] == 0:
+            _PAUSES[1] = gc.isenabled()
+            gc.disable()
+        _PAUSES[0] += 1
+    try:
+        yield
+    finally:
+        with _PAUSES_LOCK:
+            _PAUSES[0] -= 1
+            if _PAUSES[0] == 0 and _PAUSES[1]:
+                gc.enable()
+
+
+_THREAD = threading.local()
+_PROCESS_MEMORY: list[PeakMemory] = []
 _PROCESS_LOCK = threading.Lock()
 
 
 def worker_context() -> WorkerContext:
-    """This process's worker context, made on first use; it lives as long as the process
-    (a Ray worker), so that the next task reuses its buffers."""
-    with _PROCESS_LOCK:
-        if not _PROCESS_CONTEXT:
-            _PROCESS_CONTEXT.append(WorkerContext())
-        return _PROCESS_CONTEXT[0]
+    """This thread's worker context, made on first use; it lives as long as the thread (a Ray
+    worker's, or one of a GPU worker's), so that its next task reuses its buffers."""
+    context = getattr(_THREAD, "context", None)
+    if context is None:
+        with _PROCESS_LOCK:
+            if not _PROCESS_MEMORY:
+                _PROCESS_MEMORY.append(PeakMemory())
+        context = _THREAD.context = WorkerContext(_PROCESS_MEMORY[0])
+    return context
 
 
 @dataclass(frozen=True)
@@ -510,15 +534,16 @@ def _tensor_from_bytes(raw: np.ndarray, dtype: str) -> torch.Tensor:
 @dataclass(frozen=True)
 class Fused:
     """Whether a task's chunks may go to the method's fused kernels: kernels on for the job
-    (`state["fused"]`, from `--kernels`), a CPU task, and numba installed. Per chunk, the
-    inputs' dtypes (and the output's) must be ones the kernels handle, and the method may
-    still decline."""
+    (`state["fused"]`, from `--kernels`), a CPU task (a GPU worker runs the eager rule, on
+    the CPU where CUDA is absent), and numba installed. Per chunk, the inputs' dtypes (and
+    the output's) must be ones the kernels handle, and the method may still decline."""
 
     on: bool
 
     @classmethod
     def of(cls, state: State, dev: str) -> Fused:
-        return cls(bool(state.get("fused")) and dev == "cpu" and kernels.available())
+        cpu_task = dev == "cpu" and not task_gpus()
+        return cls(bool(state.get("fused")) and cpu_task and kernels.available())
 
     def take(self, dtypes: Sequence[str], out: str | None = None) -> bool:
         return self.on and _handles(tuple(dtypes), out)

@@ -143,7 +143,7 @@ class TaskArithmeticFamily:
         seed = 0
         for name, p in params.items():
             densities = _densities(p)
-            rescale = bool(p.get("rescale")) and any(d < 1 for d in densities)
+            rescale = _rescales(p)
             seed = p.get("seed", 0)
             if self.sparsify == "random":
                 tensors[name] = {"rescale": rescale}
@@ -363,6 +363,10 @@ class TaskArithmeticFamily:
         )  # fmt: skip
         return True
 
+    def fuses(self, params: TensorParams) -> bool:
+        """The kernels take every chunk but DARE's (random masks) and L1 rescaling's."""
+        return self.sparsify != "random" and not _rescales(params)
+
     def report(self, state: State) -> dict[str, Any]:
         tensors = state.get("tensors", {})
         if self.sparsify == "magnitude":
@@ -371,6 +375,11 @@ class TaskArithmeticFamily:
         if self.sparsify == "random":
             return {"dare": {"seed": state.get("seed", 0)}}
         return {}
+
+
+def _rescales(params: TensorParams) -> bool:
+    """Whether L1 rescaling runs on a tensor: asked for, and some task drops values."""
+    return bool(params.get("rescale")) and any(d < 1 for d in _densities(params))
 
 
 def _zeros(n: int, device: torch.device) -> torch.Tensor:

@@ -302,6 +302,10 @@ class RamMethod:
         ram_numba.merge_ram(base, tasks, params["epsilon"], lambdas, out, bf16_nan=nan)
         return True
 
+    def fuses(self, params: TensorParams) -> bool:
+        """The kernels take every chunk, whatever the parameters."""
+        return True
+
     def _lambdas(self, chunk: Chunk, state: State) -> list[float]:
         if "lambdas" in state:
             return state["lambdas"]

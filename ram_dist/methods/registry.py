@@ -16,7 +16,8 @@ Both run eagerly on torch tensors (CPU or GPU). A method with fused CPU kernels 
 torch: a CPU worker on the fused path never imports it) and may decline a chunk (None,
 False), which then runs eagerly. The engine calls them only where kernels are on, on the
 CPU, for inputs the kernels read (`ram_dist.kernels.READS`): a method decides only what is
-its own (a statistic its kernel does not compute, a parameter it does not handle).
+its own (a statistic its kernel does not compute, a parameter it does not handle), and says
+the same ahead of time in `fuses`.
 
 A method module must not import torch at import time (the engine pickles methods to
 workers): import it inside the eager functions that need it.
@@ -134,6 +135,13 @@ class MergeMethod(Protocol):
         (the output's raw array: bfloat16 as uint16); False to decline."""
         ...
 
+    def fuses(self, params: TensorParams) -> bool:
+        """Whether `fused_statistics` and `fused_merge` take every chunk of a tensor with
+        these parameters (on dtypes the kernels read): asked on the driver, before any work,
+        to choose where the tensor's units run (`engine.devices`: a tensor the fused kernels
+        take runs on the CPUs, one that needs the eager rule may go to a GPU)."""
+        ...
+
     def report(self, state: State) -> dict[str, Any]: ...
 
 
@@ -142,6 +150,9 @@ class Eager:
 
     rounds_note: str = ""
     reports_overlap: bool = False
+
+    def fuses(self, params: TensorParams) -> bool:
+        return False
 
     def fused_statistics(self, *args: Any) -> None:
         return None
