@@ -16,8 +16,9 @@ from s3_server import (
 )
 
 from ram_dist.engine import driver
+from ram_dist.engine.blocks import stream_blocks
 from ram_dist.engine.layout import build_layout
-from ram_dist.engine.work import stream_blocks, worker_context
+from ram_dist.engine.worker import worker_context
 from ram_dist.errors import StorageError
 from ram_dist.io.checkpoint import open_checkpoint
 from ram_dist.io.storage import Storage

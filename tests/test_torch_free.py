@@ -19,8 +19,8 @@ from reference import reference_merge
 from ram_dist import kernels
 from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
+from ram_dist.engine.map_step import PartTask
 from ram_dist.engine.passes import _shipped
-from ram_dist.engine.work import PartTask
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
 
@@ -28,17 +28,17 @@ WORKER = """
 import pickle, sys
 sys.modules["torch"] = None  # `import torch` raises ImportError from here on
 args = pickle.load(open(sys.argv[1], "rb"))
-from ram_dist.engine import pool, work  # what a Ray worker imports to run a task
-work.warm_up()
+from ram_dist.engine import map_step, pool, reduce_step, worker  # what a Ray worker imports
+worker.warm_up()
 out = {}
 for round_ in range(args["method"].rounds):
-    r = work.reduce_group(args["units"], args["layout"], args["storage"], args["method"],
-                          args["params"], args["state"], round_, True)
+    r = reduce_step.reduce_group(args["units"], args["layout"], args["storage"],
+                                 args["method"], args["params"], args["state"], round_, True)
     out["stats"] = {k: v.tolist() for k, v in r.stats.items()}
     out["nonfinite"] = r.nonfinite
 for unit in args["units"]:
-    r = work.map_unit(unit, args["layout"], args["storage"], args["method"], args["params"],
-                      args["final"], reuse_output=False)
+    r = map_step.map_unit(unit, args["layout"], args["storage"], args["method"],
+                          args["params"], args["final"], reuse_output=False)
     out.setdefault("data", []).append(r.data.tobytes())
     out.setdefault("fused", []).append(r.fused_elements)
 out["torch"] = "torch" in sys.modules and sys.modules["torch"] is not None
@@ -116,18 +116,19 @@ def test_eager_method_in_the_same_worker_needs_torch(tmp_path) -> None:
 
 def _final_state(job) -> dict:
     """The method's state after its reduce rounds, computed inline with the kernels off."""
-    from ram_dist.engine import work
+    from ram_dist.engine.reduce_step import add_up, reduce_unit
+    from ram_dist.engine.worker import worker_context
 
     state = job.initial_state()
     for round_ in range(job.method.rounds):
         totals: dict[str, np.ndarray] = {}
         for unit in job.units:
-            with work.worker_context().task() as scope:
-                r = work.reduce_unit(
+            with worker_context().task() as scope:
+                r = reduce_unit(
                     unit, job.layout, job.storage, job.method, job.params, state, round_, False,
                     scope,
                 )  # fmt: skip
-            work.add_up(r, totals, {})
+            add_up(r, totals, {})
         sums = {k: torch.from_numpy(v) for k, v in totals.items()}
         state = job.method.finalize(round_, sums, job.params, job.numel(), state)
     return state

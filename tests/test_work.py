@@ -9,7 +9,7 @@ from builders import build_model_set
 from reference import reference_merge, reference_stats
 
 from ram_dist.config import MergeConfig
-from ram_dist.engine import driver, work
+from ram_dist.engine import blocks, driver, map_step, reduce_step, results, worker
 from ram_dist.methods import get_method
 
 
@@ -18,7 +18,7 @@ from ram_dist.methods import get_method
 def test_units_and_compute_blocks_reassemble_the_reference(
     tmp_path, monkeypatch, block, reuse_output
 ):
-    monkeypatch.setattr(work, "COMPUTE_BLOCK", block)
+    monkeypatch.setattr(blocks, "COMPUTE_BLOCK", block)
     base_dir, task_dirs, base, tasks = build_model_set(
         tmp_path, kind="llama", task_dtypes=[torch.float32, None, torch.float16]
     )
@@ -30,9 +30,9 @@ def test_units_and_compute_blocks_reassemble_the_reference(
     args = (job.layout, job.storage, method, job.params)
     totals: dict[str, np.ndarray] = {}
     for unit in job.units:
-        with work.worker_context().task() as scope:
-            result = work.reduce_unit(unit, *args, state, 0, False, scope)
-        work.add_up(result, totals, {})
+        with worker.worker_context().task() as scope:
+            result = reduce_step.reduce_unit(unit, *args, state, 0, False, scope)
+        reduce_step.add_up(result, totals, {})
     sums = {key: torch.from_numpy(value) for key, value in totals.items()}
     state = method.finalize(0, sums, job.params, job.numel(), state)
     ref = reference_stats(base, tasks)
@@ -42,7 +42,7 @@ def test_units_and_compute_blocks_reassemble_the_reference(
     blobs: dict[str, list[bytes]] = {}
     previous = None
     for unit in job.units:
-        result = work.map_unit(unit, *args, state, reuse_output=reuse_output).data
+        result = map_step.map_unit(unit, *args, state, reuse_output=reuse_output).data
         if previous is not None:  # the worker's buffer is used again, or fresh memory is
             assert np.shares_memory(result, previous) == reuse_output
         previous, data = result, result.tobytes()
@@ -63,9 +63,9 @@ def test_units_and_compute_blocks_reassemble_the_reference(
 def test_small_tensors_are_read_together(tmp_path, monkeypatch, small, group):
     """The blocks of small tensors are read in groups, one `read_ranges` call each, and every
     other block alone; grouping changes no byte."""
-    monkeypatch.setattr(work, "SMALL_BYTES", small)
-    monkeypatch.setattr(work, "GROUP_BLOCKS", group)
-    monkeypatch.setattr(work, "COMPUTE_BLOCK", 256)
+    monkeypatch.setattr(blocks, "SMALL_BYTES", small)
+    monkeypatch.setattr(blocks, "GROUP_BLOCKS", group)
+    monkeypatch.setattr(blocks, "COMPUTE_BLOCK", 256)
     base_dir, task_dirs, base, tasks = build_model_set(tmp_path, kind="llama")
     config = MergeConfig(base=str(base_dir), tasks=tuple(map(str, task_dirs)))
     job = driver.prepare(config)
@@ -81,28 +81,32 @@ def test_small_tensors_are_read_together(tmp_path, monkeypatch, small, group):
     monkeypatch.setattr(type(job.storage), "read_ranges", counting)
     totals: dict[str, np.ndarray] = {}
     for unit in job.units:
-        with work.worker_context().task() as scope:
-            work.add_up(work.reduce_unit(unit, *args, state, 0, False, scope), totals, {})
+        with worker.worker_context().task() as scope:
+            result = reduce_step.reduce_unit(unit, *args, state, 0, False, scope)
+        reduce_step.add_up(result, totals, {})
     sums = {key: torch.from_numpy(value) for key, value in totals.items()}
     state = method.finalize(0, sums, job.params, job.numel(), state)
     calls.clear()
-    data = b"".join(work.map_unit(unit, *args, state).data.tobytes() for unit in job.units)
-    blocks = [
+    data = b"".join(map_step.map_unit(unit, *args, state).data.tobytes() for unit in job.units)
+    unit_blocks = [
         [
-            work.Block(k, lo, hi)
+            blocks.Block(k, lo, hi)
             for k, p in enumerate(u.pieces)
-            for lo, hi in work._blocks(p.numel, job.layout.tensors[p.tensor])
+            for lo, hi in blocks._blocks(p.numel, job.layout.tensors[p.tensor])
         ]
         for u in job.units
     ]
-    groups = [work._groups(b, u.pieces, job.layout) for b, u in zip(blocks, job.units, strict=True)]
+    groups = [
+        blocks._groups(b, u.pieces, job.layout) for b, u in zip(unit_blocks, job.units, strict=True)
+    ]
     assert len(calls) == sum(map(len, groups))  # one call per group
     assert all(len(g) <= group for gs in groups for g in gs)
-    alone = [not work._groupable(job.layout.tensors[p.tensor]) for u in job.units for p in u.pieces]
+    pieces = [p for u in job.units for p in u.pieces]
+    alone = [not blocks._groupable(job.layout.tensors[p.tensor]) for p in pieces]
     if small == 0:
-        assert all(alone) and len(calls) == sum(map(len, blocks))
+        assert all(alone) and len(calls) == sum(map(len, unit_blocks))
     else:
-        assert not all(alone) and len(calls) < sum(map(len, blocks))
+        assert not all(alone) and len(calls) < sum(map(len, unit_blocks))
     expected, _ = reference_merge(base, tasks, "ram_plus")
     names = [p.tensor for u in job.units for p in u.pieces]
     assert len(set(names)) == len(names)  # one piece per tensor: the bytes are in their order
@@ -116,14 +120,14 @@ def test_reduce_statistics_pickle_as_a_few_stacked_arrays():
     which holds one array per shape and dtype (not one per key)."""
     import pickle
 
-    stats = work.Statistics(
+    stats = results.Statistics(
         {f"t{i}": np.full((3, 3), i, np.int64) for i in range(1000)}
         | {"scalar": np.array(5, np.int64), "row": np.arange(4), "last": np.ones((3, 3), int)}
     )
     _, (keys, which, stacks) = stats.__reduce__()
     assert keys == list(stats) and len(which) == len(stats) and len(stacks) == 3
     back = pickle.loads(pickle.dumps(stats))
-    assert isinstance(back, work.Statistics) and list(back) == list(stats)
+    assert isinstance(back, results.Statistics) and list(back) == list(stats)
     for key, value in stats.items():
         assert isinstance(back[key], np.ndarray) and back[key].dtype == value.dtype
         assert back[key].shape == value.shape and np.array_equal(back[key], value)

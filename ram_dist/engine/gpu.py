@@ -53,11 +53,11 @@ class GpuWorker:
         exact_torch()
         import torch
 
-        from ram_dist.engine import work
+        from ram_dist.engine import worker
 
         if torch.cuda.is_available():
             torch.cuda.init()  # the CUDA context, once, before the first unit
-        work.warm_up()
+        worker.warm_up()
         self._process = f"{socket.gethostname()}:{os.getpid()}"
 
     def where(self) -> tuple[str, str]:

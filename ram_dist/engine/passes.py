@@ -25,17 +25,12 @@ from ram_dist.engine import memory
 from ram_dist.engine.devices import DeviceChoice
 from ram_dist.engine.gpu import Devices, job_devices
 from ram_dist.engine.job import Job
+from ram_dist.engine.map_step import PartTask, map_part, unit_out_bytes
 from ram_dist.engine.pool import Place, Shared, near, unordered_map
 from ram_dist.engine.progress import Progress
+from ram_dist.engine.reduce_step import add_up, reduce_group
+from ram_dist.engine.results import UnitResult
 from ram_dist.engine.runtime import Cluster
-from ram_dist.engine.work import (
-    PartTask,
-    UnitResult,
-    add_up,
-    map_part,
-    reduce_group,
-    unit_out_bytes,
-)
 from ram_dist.errors import RamDistError
 from ram_dist.io.manifest import Manifest
 from ram_dist.io.range_cache import CacheTraffic, InputCache

@@ -109,7 +109,7 @@ def _cluster(embedded: bool) -> Cluster:
 
 @ray.remote(num_cpus=1)
 def _warm() -> None:
-    from ram_dist.engine.work import warm_up
+    from ram_dist.engine.worker import warm_up
 
     warm_up()
 

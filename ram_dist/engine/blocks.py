@@ -1,0 +1,266 @@
+"""Reading a unit's inputs, block by block: the byte ranges of every input a piece needs,
+read into reused buffers by a thread while the caller computes the block before (small
+tensors grouped into one request), FP8 blocks dequantized on the way. Runs on Ray workers.
+
+A CPU worker on the fused path never imports torch: the kernels read the numpy arrays;
+torch is loaded where the eager rule or a GPU runs, the first time it does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ram_dist import kernels
+from ram_dist.dtypes import itemsize
+from ram_dist.engine.layout import Layout, Source, TensorEntry
+from ram_dist.engine.worker import TaskScope
+from ram_dist.io.storage import Storage
+from ram_dist.kernels import fp8
+from ram_dist.units import Piece
+
+if TYPE_CHECKING:
+    import torch
+
+
+#: Elements computed at once; bounds a worker's float temporaries (about 40 bytes each).
+COMPUTE_BLOCK = 1 << 22
+
+
+def inputs_of(entry: TensorEntry) -> int:
+    """Inputs a tensor reads: all (merged), the base (copied), none (new FP8 scales)."""
+    if entry.scale_of is not None:
+        return 0
+    return len(entry.sources) if entry.participating else 1
+
+
+def _ranges(entry: TensorEntry, start: int, stop: int) -> list[tuple[str, int, int]]:
+    """The byte ranges of elements [start, stop) of a tensor in every input it needs (base
+    first; only the base for a tensor that is copied), then the scale rows of the bands
+    they cover in each FP8 input (elements [start, stop) are whole bands there)."""
+    sources = entry.sources[: inputs_of(entry)]
+    out = []
+    for src in sources:
+        size = itemsize(src.dtype)
+        out.append((src.file, src.start + start * size, src.start + stop * size))
+    for src in sources:
+        if src.scales is not None:
+            first, last = band_span(entry, start, stop)
+            width, per = itemsize(src.scales.dtype), src.scales.per_band
+            lo, hi = src.scales.start + first * per * width, src.scales.start + last * per * width
+            out.append((src.scales.file, lo, hi))
+    return out
+
+
+def band_span(entry: TensorEntry, start: int, stop: int) -> tuple[int, int]:
+    """The bands [first, last) that elements [start, stop) of an FP8 weight cover."""
+    band = entry.band
+    assert band is not None and start % band == 0, f"{entry.name}: not cut at a band"
+    return start // band, -(-stop // band)
+
+
+def input_count(layout: Layout) -> int:
+    return max(len(e.sources) for e in layout.tensors.values())
+
+
+@dataclass(frozen=True)
+class Block:
+    """Elements [lo, hi) of one piece of a unit: what is read and computed at once."""
+
+    piece: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class BlockInputs:
+    """One block's inputs as read (base first; only the base for a tensor that is copied):
+    each input's bytes, as a byte array over the read buffer, and its safetensors dtype. The
+    arrays are valid until the block after the next is read."""
+
+    raw: tuple[np.ndarray, ...]
+    dtypes: tuple[str, ...]
+    fp8: tuple[tuple[np.ndarray, np.ndarray] | None, ...] = ()
+    """Per input read as FP8: its e4m3 bytes and raw scale bytes (`raw` holds its values,
+    dequantized to float32); None for any other input."""
+
+    def arrays(self) -> list[np.ndarray]:
+        """The inputs as the fused kernels read them (`ram_dist.kernels.READS`)."""
+        return [r.view(kernels.READS[d]) for r, d in zip(self.raw, self.dtypes, strict=True)]
+
+    def tensors(self, dev: str) -> list[torch.Tensor]:
+        """The inputs as torch tensors on `dev`, for the eager rule (this imports torch)."""
+        return [
+            tensor_from_bytes(r, d).to(dev, non_blocking=True)
+            for r, d in zip(self.raw, self.dtypes, strict=True)
+        ]
+
+
+#: A tensor that reads at most this many bytes from each input is small (`_groupable`).
+SMALL_BYTES = 64 * 2**10
+
+
+#: Blocks of small tensors read together: at most this many, of at most `GROUP_BYTES` in all.
+GROUP_BLOCKS = 4096
+
+
+GROUP_BYTES = 4 * 2**20
+
+
+def _groupable(entry: TensorEntry) -> bool:
+    """Whether a tensor's blocks may be read together with their neighbours' (one
+    `read_ranges` call for the group): a small tensor, at most `SMALL_BYTES` from each input.
+    A block of a tensor that is not is read on its own, and so is every block of a weight in
+    FP8 blocks (its scales are read with it, its values dequantized) and of new FP8 scales
+    (made from their weight's bands)."""
+    if entry.scale_of is not None or entry.band is not None:
+        return False
+    return all(entry.numel * itemsize(s.dtype) <= SMALL_BYTES for s in entry.sources)
+
+
+def _groups(blocks: list[Block], pieces: tuple[Piece, ...], layout: Layout) -> list[range]:
+    """`blocks` cut into runs read at once: consecutive blocks of small tensors (at most
+    `GROUP_BLOCKS`, `GROUP_BYTES`), every other block alone."""
+    groups: list[range] = []
+    first, size, small = 0, 0, False
+    for k, block in enumerate(blocks):
+        entry = layout.tensors[pieces[block.piece].tensor]
+        if not _groupable(entry):
+            groups += [range(first, k)] if small else []
+            groups.append(range(k, k + 1))
+            first, size, small = k + 1, 0, False
+            continue
+        nbytes = (block.hi - block.lo) * sum(
+            itemsize(src.dtype) for src in entry.sources[: inputs_of(entry)]
+        )
+        if small and (k - first >= GROUP_BLOCKS or size + nbytes > GROUP_BYTES):
+            groups.append(range(first, k))
+            first, size = k, 0
+        size += nbytes
+        small = True
+    if small:
+        groups.append(range(first, len(blocks)))
+    return groups
+
+
+def stream_blocks(
+    pieces: tuple[Piece, ...],
+    layout: Layout,
+    storage: Storage,
+    bytes_read: list[int],
+    scope: TaskScope,
+    pinned: bool = False,
+) -> Iterator[tuple[Block, BlockInputs]]:
+    """Each compute block of `pieces` with its inputs, in order. A thread reads the next
+    group of blocks (`_groups`: small tensors together, in one `read_ranges` call) while the
+    caller computes this one's (reads and the fused kernels release the GIL), into one of
+    the scope's two read buffers: a block's inputs are valid until the caller asks for the
+    block after it. `bytes_read[i]` grows by what is read from input i."""
+    blocks = [
+        Block(p, lo, hi)
+        for p, piece in enumerate(pieces)
+        for lo, hi in _blocks(piece.numel, layout.tensors[piece.tensor])
+    ]
+    groups = _groups(blocks, pieces, layout)
+
+    def read_one(k: int, slot: int) -> BlockInputs:
+        """A block read on its own, an FP8 one dequantized."""
+        block = blocks[k]
+        piece = pieces[block.piece]
+        entry = layout.tensors[piece.tensor]
+        sources = entry.sources[: inputs_of(entry)]
+        if not sources:  # new FP8 scales: made from their weight's bands, read nothing
+            return BlockInputs((), ())
+        start, stop = piece.start + block.lo, piece.start + block.hi
+        requests = _ranges(entry, start, stop)
+        arrays = scope.reads.views(slot, [end - start for _, start, end in requests], pinned)
+        storage.read_ranges(requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic)
+        scaled = [i for i, s in enumerate(sources) if s.scales is not None]
+        for i, a in enumerate(arrays):
+            bytes_read[i if i < len(sources) else scaled[i - len(sources)]] += a.size
+        if not scaled:
+            return BlockInputs(tuple(arrays), tuple(s.dtype for s in sources))
+        return _dequantized(sources, arrays, scaled, lambda i, n: scope.reads.floats((slot, i), n))
+
+    def read(g: int) -> list[BlockInputs]:
+        if len(groups[g]) == 1:
+            return [read_one(groups[g][0], g % 2)]
+        requests: list[tuple[str, int, int]] = []
+        dtypes: list[tuple[str, ...]] = []
+        for block in (blocks[k] for k in groups[g]):
+            piece = pieces[block.piece]
+            entry = layout.tensors[piece.tensor]
+            requests += _ranges(entry, piece.start + block.lo, piece.start + block.hi)
+            dtypes.append(tuple(s.dtype for s in entry.sources[: inputs_of(entry)]))
+        arrays = scope.reads.views(g % 2, [end - start for _, start, end in requests], pinned)
+        storage.read_ranges(requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic)
+        out, at = [], 0
+        for types in dtypes:
+            raw = tuple(arrays[at : at + len(types)])
+            for i, a in enumerate(raw):
+                bytes_read[i] += a.size
+            out.append(BlockInputs(raw, types))
+            at += len(types)
+        return out
+
+    if not blocks:
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-read") as reader:
+        ahead = reader.submit(read, 0)
+        for g, group in enumerate(groups):
+            inputs = ahead.result()
+            if g + 1 < len(groups):
+                ahead = reader.submit(read, g + 1)
+            scope.memory.note()
+            for k, block_inputs in zip(group, inputs, strict=True):
+                yield blocks[k], block_inputs
+
+
+def _dequantized(
+    sources: Sequence[Source],
+    arrays: list[np.ndarray],
+    scaled: list[int],
+    floats: Callable[[int, int], np.ndarray],
+) -> BlockInputs:
+    """A block's inputs with each FP8 one's values dequantized to float32 (the spec's one
+    multiplication per element), its bytes and scales kept beside them."""
+    raw: list[np.ndarray] = list(arrays[: len(sources)])
+    dtypes = [s.dtype for s in sources]
+    kept: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(sources)
+    for j, i in enumerate(scaled):
+        scales = sources[i].scales
+        assert scales is not None
+        q, s_raw = arrays[i], arrays[len(sources) + j]
+        values = fp8.dequantize(
+            q, fp8.scale_values(s_raw, scales.dtype), scales.cols, scales.block,
+            floats(i, q.size),
+        )  # fmt: skip
+        raw[i], dtypes[i], kept[i] = values.view(np.uint8), "F32", (q, s_raw)
+    return BlockInputs(tuple(raw), tuple(dtypes), tuple(kept))
+
+
+def tensor_from_bytes(raw: np.ndarray, dtype: str) -> torch.Tensor:
+    """A tensor over the bytes (no copy); a dtype this torch build lacks is only ever
+    copied, byte for byte, so it is read as bytes."""
+    import torch
+
+    from ram_dist.dtypes import SAFETENSORS_DTYPES
+
+    data = torch.from_numpy(raw)
+    return data.view(SAFETENSORS_DTYPES.get(dtype, torch.uint8))
+
+
+def _blocks(numel: int, entry: TensorEntry) -> list[tuple[int, int]]:
+    """Split a piece into compute blocks, so float temporaries stay small whatever the unit
+    budget (the rule is element-wise: the split changes no byte). A weight with FP8 blocks
+    is split at whole bands (at least one a block); new scales are one block, reading
+    nothing."""
+    if entry.scale_of is not None:
+        return [(0, numel)] if numel else []
+    step = COMPUTE_BLOCK
+    if entry.band is not None:
+        step = max(1, COMPUTE_BLOCK // entry.band) * entry.band
+    return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]

@@ -1,0 +1,341 @@
+"""A map task: merge an output part's units into the worker's reused output buffer, in each
+tensor's output dtype as raw little-endian bytes (FP8 weights requantized, with their new
+scales), hash them and hand them to the part's target. Runs on Ray workers."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ram_dist import kernels
+from ram_dist.dtypes import itemsize
+from ram_dist.engine.blocks import BlockInputs, band_span, input_count, stream_blocks
+from ram_dist.engine.layout import Layout, TensorEntry
+from ram_dist.engine.memory import peak_rss
+from ram_dist.engine.results import UnitResult
+from ram_dist.engine.worker import Fused, TaskScope, device, ran_by, worker_context
+from ram_dist.io.sinks import ShardTarget
+from ram_dist.io.storage import Storage
+from ram_dist.kernels import fp8
+from ram_dist.methods import MergeMethod
+from ram_dist.methods.registry import Chunk, State, TensorParams
+from ram_dist.units import Part, Piece, WorkUnit
+
+if TYPE_CHECKING:
+    pass
+
+
+def map_unit(
+    unit: WorkUnit,
+    layout: Layout,
+    storage: Storage,
+    method: MergeMethod,
+    params: Mapping[str, TensorParams],
+    state: State,
+    reuse_output: bool = False,
+) -> UnitResult:
+    """Map pass: merged bytes of a unit's pieces, in order, in each tensor's output dtype.
+    With `reuse_output`, the bytes live in this process's reused output buffer (see
+    `_OutputBuffer`) and are valid until the next such call."""
+    with worker_context().task() as scope:
+        bytes_read = [0] * input_count(layout)
+        size = unit_out_bytes(unit, layout)
+        data = scope.output.take(size) if reuse_output else np.empty(size, dtype=np.uint8)
+        fused_elements = _merge_into(
+            unit, layout, storage, method, params, state, data, bytes_read, scope
+        )  # fmt: skip
+        return UnitResult(
+            unit.index, None, data, tuple(bytes_read), peak_rss(),
+            fused_elements=fused_elements, peak_private_bytes=scope.memory.note(),
+            traffic=scope.traffic.total(),
+        )  # fmt: skip
+
+
+def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
+    """Bytes a unit's merged pieces take in the output shard."""
+    return sum(p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces)
+
+
+@dataclass(frozen=True)
+class PartTask:
+    """One part of an output shard to make and write: its units, in order, and the shard's
+    header when it is part 1."""
+
+    part: Part
+    units: tuple[WorkUnit, ...]
+    header: bytes
+    target: ShardTarget
+
+
+def map_part(
+    task: PartTask,
+    layout: Layout,
+    storage: Storage,
+    method: MergeMethod,
+    params: Mapping[str, TensorParams],
+    state: State,
+) -> UnitResult:
+    """Map pass: merge a part's units into this process's reused output buffer, hash them
+    (in a thread, unit by unit, while the next unit is merged) and hand the part to its
+    target, which writes it in place (direct) or sends it back (through the driver)."""
+    with worker_context().task() as scope:
+        return _map_part(task, layout, storage, method, params, state, scope)
+
+
+#: Bytes of a part made before they are handed, at once, to the thread that hashes (and
+#: writes) them: each hand-off costs a thread switch and a write call, which the blocks of
+#: small tensors would otherwise pay one by one.
+HAND_OFF_BYTES = 1 << 20
+
+
+def _map_part(
+    task: PartTask,
+    layout: Layout,
+    storage: Storage,
+    method: MergeMethod,
+    params: Mapping[str, TensorParams],
+    state: State,
+    scope: TaskScope,
+) -> UnitResult:
+    part, target = task.part, task.target
+    bytes_read = [0] * input_count(layout)
+    data = scope.output.take(part.size)
+    at = len(task.header)
+    data[:at] = np.frombuffer(task.header, dtype=np.uint8)
+    digest = hashlib.sha256()
+    fused_elements = 0
+    scale_rows: ScaleRows = {}
+    queued: list[Future[None]] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-sha256") as behind:
+        handed = [0]  # bytes of the part handed to the thread so far
+
+        def made(hi: int, last: bool = False) -> None:
+            """Bytes [0, hi) of the part are final: hash them (and write them, when the
+            target streams) in the thread, in order, while the next block is merged, once at
+            least `HAND_OFF_BYTES` wait (or at the `last`). A write that failed (a full disk)
+            fails the part here, at a later block."""
+            lo = handed[0]
+            if hi - lo < HAND_OFF_BYTES and not (last and hi > lo):
+                return
+            while queued and queued[0].done():
+                queued.pop(0).result()
+            view = data[lo:hi]
+            queued.append(behind.submit(digest.update, view))
+            if target.streams:
+                queued.append(behind.submit(target.write_at, part.start + lo, view))
+            handed[0] = hi
+
+        made(at)
+        for unit in task.units:
+            size = unit_out_bytes(unit, layout)
+            out = data[at : at + size]
+            fused_elements += _merge_into(
+                unit, layout, storage, method, params, state, out, bytes_read, scope,
+                on_block=lambda lo, hi, base=at: made(base + hi),
+                scale_rows=scale_rows,
+            )  # fmt: skip
+            at += size
+        made(at, last=True)
+    for step in queued:
+        step.result()
+    if at != part.size:
+        raise RuntimeError(f"{task.target.url}: part {part.number} made {at} bytes, "
+                           f"expected {part.size}")  # fmt: skip
+    receipt = target.write(part, data, digest.digest())
+    return UnitResult(
+        part.units[0] if part.units else -1, None, None, tuple(bytes_read), peak_rss(),
+        fused_elements=fused_elements, peak_private_bytes=scope.memory.note(),
+        receipt=receipt, traffic=scope.traffic.total(), **ran_by(),
+    )  # fmt: skip
+
+
+#: New scale rows by (FP8 weight, band): a task's record of the bands it merged, so that
+#: the scale tensor after its weight is written without merging the bands again.
+ScaleRows = dict[tuple[str, int], np.ndarray]
+
+
+def _merge_into(
+    unit: WorkUnit,
+    layout: Layout,
+    storage: Storage,
+    method: MergeMethod,
+    params: Mapping[str, TensorParams],
+    state: State,
+    data: np.ndarray,
+    bytes_read: list[int],
+    scope: TaskScope,
+    on_block: Callable[[int, int], None] | None = None,
+    scale_rows: ScaleRows | None = None,
+) -> int:
+    """Merge a unit's pieces into `data` (its output bytes); returns the elements a fused
+    kernel merged. `bytes_read[i]` grows by what is read from input i; `on_block(lo, hi)` is
+    told, in order, of each range of `data` once it is final. `scale_rows` (kept by the
+    caller across its units) holds the new scale rows of the FP8 bands merged so far; the
+    bands a new scale tensor needs and no earlier piece merged are merged first, for their
+    scales only."""
+    dev = device()
+    fused = Fused.of(state, dev)
+    sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
+    offsets = list(itertools.accumulate(sizes, initial=0))
+    address = data.ctypes.data
+    rows: ScaleRows = {} if scale_rows is None else scale_rows
+    stream, writes = _with_scale_bands(unit.pieces, layout, rows)
+    fused_elements = 0
+    blocks = stream_blocks(stream, layout, storage, bytes_read, scope, dev == "cuda")
+    for block, inputs in blocks:
+        piece = stream[block.piece]
+        entry = layout.tensors[piece.tensor]
+        written = writes[block.piece]
+        width = itemsize(entry.out_dtype)
+        at = offsets[written] if written is not None else 0
+        lo, hi = at + block.lo * width, at + block.hi * width
+        target = data[lo:hi] if written is not None else None
+        if entry.scale_of is not None:
+            assert target is not None
+            _scales_into(entry, layout.tensors[entry.scale_of], piece, rows, target)
+        elif not entry.participating:
+            assert target is not None
+            target[:] = inputs.raw[0]  # copied from the base, byte for byte
+        else:
+            chunk = Chunk(piece.tensor, piece.start + block.lo, entry.numel)
+            p = params[piece.tensor]
+            out_dtype = "F32" if entry.fp8_out is not None else entry.out_dtype
+            merged = scope.reads.floats((-1, 0), block.hi - block.lo) if entry.fp8_out else target
+            assert merged is not None
+            raw = merged.view(np.uint8)
+            view = _typed(raw, out_dtype, None if entry.fp8_out else address + lo)
+            if (
+                view is not None
+                and fused.take(inputs.dtypes, out_dtype)
+                and method.fused_merge(chunk, inputs.arrays(), p, state, view)
+            ):
+                fused_elements += block.hi - block.lo if written is not None else 0
+            else:
+                _merge_eager(
+                    method, chunk, inputs, p, state, dev, out_dtype, raw
+                )  # fmt: skip
+            if entry.fp8_out is not None:
+                _requantized(entry, piece.start + block.lo, merged, inputs, target, rows)
+        if on_block is not None and written is not None:
+            on_block(lo, hi)
+    return fused_elements
+
+
+def _with_scale_bands(
+    pieces: tuple[Piece, ...], layout: Layout, rows: ScaleRows
+) -> tuple[tuple[Piece, ...], list[int | None]]:
+    """The pieces to stream: the unit's, each new scale piece preceded by the bands of its
+    weight that neither `rows` nor an earlier piece holds (merged for their scales only).
+    Also, per piece streamed, the index of the unit's piece it writes (None: scales only)."""
+    have = set(rows)
+    stream: list[Piece] = []
+    writes: list[int | None] = []
+    for k, piece in enumerate(pieces):
+        entry = layout.tensors[piece.tensor]
+        if entry.fp8_out is not None and piece.numel:
+            first, last = band_span(entry, piece.start, piece.stop)
+            have.update((piece.tensor, b) for b in range(first, last))
+        elif entry.scale_of is not None and piece.numel:
+            weight = layout.tensors[entry.scale_of]
+            assert weight.fp8_out is not None and weight.band is not None
+            per = -(-weight.shape[1] // weight.fp8_out.block[1])
+            missing = [
+                b for b in range(piece.start // per, -(-piece.stop // per))
+                if (weight.name, b) not in have
+            ]  # fmt: skip
+            for first, last in _runs(missing):
+                stop = min(last * weight.band, weight.numel)
+                stream.append(Piece(weight.name, first * weight.band, stop))
+                writes.append(None)
+            have.update((weight.name, b) for b in missing)
+        stream.append(piece)
+        writes.append(k)
+    return tuple(stream), writes
+
+
+def _runs(numbers: list[int]) -> list[tuple[int, int]]:
+    """Increasing integers as runs [first, last) of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for n in numbers:
+        if runs and runs[-1][1] == n:
+            runs[-1] = (runs[-1][0], n + 1)
+        else:
+            runs.append((n, n + 1))
+    return runs
+
+
+def _requantized(
+    entry: TensorEntry,
+    start: int,
+    merged: np.ndarray,
+    inputs: BlockInputs,
+    target: np.ndarray | None,
+    rows: ScaleRows,
+) -> None:
+    """FP8 blocks of merged bands (elements from `start`, whole bands) into `target` (None:
+    the scales only), and their new scale rows into `rows`."""
+    fp8_out = entry.fp8_out
+    assert fp8_out is not None and entry.band is not None
+    base = inputs.fp8[0] if inputs.fp8 else None
+    assert base is not None, f"{entry.name}: an FP8 output needs an FP8 base"
+    cols = entry.shape[1]
+    stored = fp8.requantize(
+        merged, inputs.raw[0].view(np.float32), base[0], base[1], cols, fp8_out.block,
+        fp8_out.scale_dtype, target,
+    )  # fmt: skip
+    first = start // entry.band
+    per_row = stored.size // -(-merged.size // entry.band)
+    for b in range(stored.size // per_row):
+        rows[(entry.name, first + b)] = stored[b * per_row : (b + 1) * per_row].copy()
+
+
+def _scales_into(
+    entry: TensorEntry, weight: TensorEntry, piece: Piece, rows: ScaleRows, target: np.ndarray
+) -> None:
+    """The new scale rows of a scale piece (whole rows, one per band of its weight), taken
+    out of `rows`: each is written once, so a task's record holds only rows still to write."""
+    assert weight.fp8_out is not None
+    per = -(-weight.shape[1] // weight.fp8_out.block[1])
+    first, last = piece.start // per, -(-piece.stop // per)
+    target[:] = np.concatenate([rows.pop((weight.name, b)) for b in range(first, last)])
+
+
+def _merge_eager(
+    method: MergeMethod,
+    chunk: Chunk,
+    inputs: BlockInputs,
+    params: TensorParams,
+    state: State,
+    dev: str,
+    out_dtype: str,
+    target: np.ndarray,
+) -> None:
+    """The method's torch rule on one block, cast to the output dtype, into `target`."""
+    import torch
+
+    from ram_dist.dtypes import SAFETENSORS_DTYPES
+
+    base, *tasks = inputs.tensors(dev)
+    merged = method.merge_chunk(chunk, base, tasks, params, state)
+    raw = merged.to(SAFETENSORS_DTYPES[out_dtype]).cpu().reshape(-1).view(torch.uint8)
+    torch.from_numpy(target).copy_(raw)
+
+
+def _typed(raw: np.ndarray, dtype: str, address: int | None = None) -> np.ndarray | None:
+    """The output bytes as the array the fused kernels write for `dtype`, when they write
+    that dtype and the bytes are aligned for it (`address`: where they start, when known)."""
+    kind = kernels.WRITES.get(dtype)
+    if kind is None:
+        return None
+    if (raw.ctypes.data if address is None else address) % _WIDTH[kind]:
+        return None
+    return raw.view(kind)
+
+
+_WIDTH = {kind: np.dtype(kind).itemsize for kind in kernels.WRITES.values()}

@@ -1,0 +1,144 @@
+"""A reduce task: the method's int64 statistics of a unit's chunks (fused kernels or the
+eager rule), and the NaN/Inf count of every input in the check round. Runs on Ray workers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ram_dist.engine.blocks import BlockInputs, input_count, stream_blocks
+from ram_dist.engine.layout import Layout
+from ram_dist.engine.memory import peak_rss
+from ram_dist.engine.results import Statistics, UnitResult
+from ram_dist.engine.worker import Fused, TaskScope, device, ran_by, worker_context
+from ram_dist.io.storage import Storage
+from ram_dist.methods import MergeMethod
+from ram_dist.methods.registry import Chunk, State, TensorParams
+from ram_dist.units import WorkUnit
+
+if TYPE_CHECKING:
+    pass
+
+
+def reduce_unit(
+    unit: WorkUnit,
+    layout: Layout,
+    storage: Storage,
+    method: MergeMethod,
+    params: Mapping[str, TensorParams],
+    state: State,
+    round_: int,
+    check_finite: bool,
+    scope: TaskScope,
+) -> UnitResult:
+    """One reduce round: the method's statistics of the unit's active pieces, summed by key;
+    with `check_finite`, also the NaN and Inf count of every input of every piece."""
+    method_rounds = round_ < method.rounds
+
+    def wanted(tensor: str) -> bool:
+        active = method_rounds and method.active(round_, state, tensor)
+        return layout.tensors[tensor].participating and (active or check_finite)
+
+    pieces = tuple(p for p in unit.pieces if wanted(p.tensor))
+    bytes_read = [0] * input_count(layout)
+    dev = device()
+    fused = Fused.of(state, dev)
+    totals: dict[str, np.ndarray] = {}
+    nonfinite: dict[str, list[int]] = {}
+    for block, inputs in stream_blocks(pieces, layout, storage, bytes_read, scope, dev == "cuda"):
+        piece = pieces[block.piece]
+        numel = layout.tensors[piece.tensor].numel
+        active = method_rounds and method.active(round_, state, piece.tensor)
+        chunk = Chunk(piece.tensor, piece.start + block.lo, numel)
+        p = params[piece.tensor]
+        stats: dict[str, np.ndarray] | None = None
+        counts: list[int] | None = None
+        if active and fused.take(inputs.dtypes):
+            got = method.fused_statistics(
+                round_, chunk, inputs.arrays(), p, state, check_finite
+            )  # fmt: skip
+            if got is not None:
+                stats, counts = got
+        if check_finite and counts is None:
+            counts = _nonfinite(inputs, fused, dev)
+        if counts is not None and any(counts):
+            old = nonfinite.get(piece.tensor, [0] * len(counts))
+            nonfinite[piece.tensor] = [a + b for a, b in zip(old, counts, strict=True)]
+        if not active:
+            continue
+        if stats is None:
+            base, *tasks = inputs.tensors(dev)
+            eager = method.chunk_statistics(round_, chunk, base, tasks, p, state)
+            stats = {k: v.cpu().numpy().astype(np.int64, copy=False) for k, v in eager.items()}
+        _add(totals, stats)
+    return UnitResult(
+        unit.index, totals, None, tuple(bytes_read), peak_rss(), nonfinite or None,
+        peak_private_bytes=scope.memory.note(),
+    )  # fmt: skip
+
+
+def _add(totals: dict[str, np.ndarray], stats: Mapping[str, np.ndarray]) -> None:
+    """Add int64 statistics into `totals`, by key (sums of integers: any order)."""
+    for key, value in stats.items():
+        totals[key] = totals[key] + value if key in totals else np.array(value, dtype=np.int64)
+
+
+def add_up(
+    result: UnitResult, totals: dict[str, np.ndarray], nonfinite: dict[str, list[int]]
+) -> None:
+    """Add a reduce result's statistics to `totals` and its NaN/Inf counts to `nonfinite`
+    (sums of integers: the order never matters)."""
+    _add(totals, result.stats or {})
+    for name, counts in (result.nonfinite or {}).items():
+        old = nonfinite.get(name, [0] * len(counts))
+        nonfinite[name] = [a + b for a, b in zip(old, counts, strict=True)]
+
+
+def reduce_group(
+    units: tuple[WorkUnit, ...],
+    layout: Layout,
+    storage: Storage,
+    method: MergeMethod,
+    params: Mapping[str, TensorParams],
+    state: State,
+    round_: int,
+    check_finite: bool,
+) -> UnitResult:
+    """`reduce_unit` over units one task reads together (those of one output part, so the
+    map pass, which makes the part in one task, finds all their bytes in this node's input
+    cache), the results summed."""
+    with worker_context().task() as scope:
+        results = [
+            reduce_unit(u, layout, storage, method, params, state, round_, check_finite, scope)
+            for u in units
+        ]
+        totals: dict[str, np.ndarray] = {}
+        nonfinite: dict[str, list[int]] = {}
+        for r in results:
+            add_up(r, totals, nonfinite)
+        return UnitResult(
+            units[0].index,
+            Statistics(totals),
+            None,
+            tuple(map(sum, zip(*(r.bytes_read for r in results), strict=True))),
+            max(r.peak_rss_bytes for r in results),
+            nonfinite or None,
+            peak_private_bytes=scope.memory.note(),
+            traffic=scope.traffic.total(),
+            **ran_by(),
+        )
+
+
+def _nonfinite(inputs: BlockInputs, fused: Fused, dev: str) -> list[int]:
+    """NaN and Inf count of each input of a block: a raw-bits sweep where kernels are on."""
+    from ram_dist.kernels import scan_numba
+
+    if fused.on and all(scan_numba.supports(d) for d in inputs.dtypes):
+        return [
+            scan_numba.nonfinite_in(r, d) for r, d in zip(inputs.raw, inputs.dtypes, strict=True)
+        ]
+    import torch
+
+    return [int((~torch.isfinite(x)).sum()) for x in inputs.tensors(dev)]
