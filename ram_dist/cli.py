@@ -92,21 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Renamed(argparse.Action):
-    """A flag's old name: takes the value as the new name would, and says the new name."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        new = "--" + self.dest.replace("_", "-")
-        print(f"ram-dist: {option_string} is now called {new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
 def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="mergekit-style YAML config (instead of flags)")
     p.add_argument("out_positional", nargs="?", metavar="OUT", help=argparse.SUPPRESS)
@@ -129,9 +114,6 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="input MiB one work unit may read, per input (default: from the cluster's cores "
         f"and memory, at most {MAX_UNIT_BUDGET // 2**20})",
-    )
-    p.add_argument(  # the flag's name before 0.2: scripts and manifests still pass it
-        "--chunk-mb", dest="unit_mb", type=float, action=_Renamed, help=argparse.SUPPRESS
     )
     p.add_argument(
         "--workers",

@@ -175,19 +175,3 @@ def test_help_and_verify_load_neither_torch_nor_ray_and_plan_starts_no_ray(tmp_p
     assert _loaded("verify", str(out)) == "0 [] False"
     # plan reads headers with torch loaded (the dtypes), but starts no Ray
     assert _loaded("plan", *args, "--out", str(tmp_path / "p")).endswith("False")
-
-
-def test_old_flag_name_chunk_mb_still_sets_the_unit_budget(capsys):
-    """`--chunk-mb` was renamed `--unit-mb` ("chunk" now only means a method's compute
-    block); manifests and scripts that pass the old name get the same budget and a notice."""
-    from ram_dist.cli import build_parser, config_from_args
-
-    argv = ["merge", "--base", "b", "--task", "t1", "--task", "t2", "--out", "o"]
-    old = config_from_args(build_parser().parse_args([*argv, "--chunk-mb", "3"]))
-    assert "--chunk-mb is now called --unit-mb" in capsys.readouterr().err
-    new = config_from_args(build_parser().parse_args([*argv, "--unit-mb", "3"]))
-    assert old.unit_budget_bytes == new.unit_budget_bytes == 3 * 2**20
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["merge", "--help"])
-    shown = capsys.readouterr().out
-    assert "--unit-mb" in shown and "--chunk-mb" not in shown

@@ -38,9 +38,7 @@ from ram_dist.io.checkpoint import (
     FIRST_READ_BYTES,
     INDEX_NAME,
     Checkpoint,
-    open_checkpoint,
     open_checkpoints,
-    read_file_header,
     read_file_headers,
 )
 from ram_dist.io.safetensors_header import header_length, parse_header
@@ -159,10 +157,10 @@ def test_same_checkpoints_as_the_sequential_reader(folders, storage):
     opened = open_checkpoints(inputs, storage)
     for k in (0, 3):  # on S3, the base and the last task (the old way takes a while)
         assert opened[k] == _sequential(*inputs[k], storage)
-    s3_base = open_checkpoint(folders["s3"][0], "base model", storage)
+    s3_base = open_checkpoints([(folders["s3"][0], "base model")], storage)[0]
     version = next(iter(s3_base.identity.values()))["version"]
     assert version.startswith('ETag:"') and version.endswith('"')  # as s3fs's HEAD gives it
-    local = open_checkpoint(folders["local"][0], "base model", storage)
+    local = open_checkpoints([(folders["local"][0], "base model")], storage)[0]
     assert next(iter(local.identity.values()))["version"].startswith("mtime:")
 
 
@@ -188,7 +186,7 @@ def test_all_headers_in_flight_together(folders, storage, server):
 def test_a_header_longer_than_the_first_read_takes_two_gets(folders, storage, server):
     local, remote = folders["wide"]
     server.clear()
-    opened = open_checkpoint(remote, "wide", storage)
+    opened = open_checkpoints([(remote, "wide")], storage)[0]
     gets = [s for s in server.object_gets(BUCKET) if s.path.endswith(".safetensors")]
     path = Path(local) / "model.safetensors"
     (n,) = struct.unpack("<Q", path.read_bytes()[:8])
@@ -199,18 +197,18 @@ def test_a_header_longer_than_the_first_read_takes_two_gets(folders, storage, se
     assert sum(s.nbytes for s in gets) == 8 + n == header_read_bytes(path)
     assert len(opened.tensors) == 2000
     assert opened == _sequential(remote, "wide", storage)
-    assert open_checkpoint(local, "wide", storage) == _sequential(local, "wide", storage)
+    assert open_checkpoints([(local, "wide")], storage)[0] == _sequential(local, "wide", storage)
 
 
 def test_missing_files_read_as_before(folders, storage, server):
     gone = f"s3://{BUCKET}/base/model-99999-of-99999.safetensors"
     with pytest.raises(CheckpointError, match=f"^{re.escape(gone)}: file not found$"):
-        read_file_header(gone, storage)
+        read_file_headers([gone], storage)
     # Listed, then deleted before its read: the GET's 404 says the same.
     with pytest.raises(CheckpointError, match=f"^{re.escape(gone)}: file not found$"):
         read_file_headers([gone], storage, [{"name": gone, "size": 100, "type": "file"}])
     # A file of the batch that fails is reported; the first in order when several do.
-    good = join(folders["s3"][0], open_checkpoint(folders["s3"][0], "b", storage).files[0])
+    good = join(folders["s3"][0], open_checkpoints([(folders["s3"][0], "b")], storage)[0].files[0])
     with pytest.raises(CheckpointError, match="99999-of-99999.safetensors: file not found"):
         read_file_headers([good, gone, gone.replace("99999-of", "99998-of")], storage)
 
@@ -255,7 +253,7 @@ def test_a_symlinked_shard_keeps_its_targets_version(folders, storage, tmp_path)
         link = snapshot / blob.name
         link.symlink_to(blob)
         os.utime(link, (1e9, 1e9), follow_symlinks=False)  # the link is older than its blob
-    opened = open_checkpoint(str(snapshot), "base model", storage)
+    opened = open_checkpoints([(str(snapshot), "base model")], storage)[0]
     assert opened.identity == _sequential(str(snapshot), "base model", storage).identity
     mtime = (blobs / opened.files[0]).stat().st_mtime
     assert opened.identity[opened.files[0]]["version"] == f"mtime:{mtime}"

@@ -30,7 +30,7 @@ from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
 from ram_dist.engine.job import prepare
 from ram_dist.engine.passes import reduce_pass
-from ram_dist.engine.runtime import ray_cluster
+from ram_dist.engine.runtime import ray_session
 from ram_dist.io.range_cache import InputCache, Traffic
 from ram_dist.io.storage import Storage
 
@@ -223,7 +223,7 @@ def test_changed_input_never_hits_a_killed_jobs_cache(models, options, fs, serve
     killed = prepare(config)
     cache, _ = driver.input_cache(killed)
     assert cache is not None
-    with ray_cluster(None) as cluster:
+    with ray_session(None, lambda: None) as (cluster, _):
         reduce_pass(killed, cluster, cache=cache)  # then "killed": its cache stays
     left = _job_folders(nodes)
     assert left

@@ -20,7 +20,7 @@ from ram_dist.engine.blocks import stream_blocks
 from ram_dist.engine.layout import build_layout
 from ram_dist.engine.worker import worker_context
 from ram_dist.errors import StorageError
-from ram_dist.io.checkpoint import open_checkpoint
+from ram_dist.io.checkpoint import open_checkpoints
 from ram_dist.io.storage import Storage
 from ram_dist.units import Piece
 
@@ -82,7 +82,7 @@ def test_range_read_fetches_only_the_rows_and_the_header(models, options, server
     storage = Storage(options)
     base_url = models["s3"][0]
     server.clear()
-    ckpt = open_checkpoint(base_url, "base model", storage)
+    [ckpt] = open_checkpoints([(base_url, "base model")], storage)
     info = ckpt.tensors["model.layers.0.mlp.down_proj.weight"]  # [64, 128] bf16
     key = info.file.removeprefix("s3://")
     local_file = Path(models["local"][0]) / key.rsplit("/", 1)[-1]

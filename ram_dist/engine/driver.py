@@ -500,7 +500,10 @@ def _report(
     report["memory"] = {
         "driver_peak_rss_bytes": memory.peak_rss(),
         "worker_peak_rss_bytes": max((p.worker_peak_rss_bytes for p in measured), default=0),
-        "driver_peak_private_bytes": memory.DRIVER.note(now=True),
+        "driver_peak_private_bytes": max(  # this job's, not the process's: a notebook may
+            [memory.PeakMemory().note(now=True)]  # run several
+            + [p.driver_memory.peak for p in measured]
+        ),
         "worker_peak_private_bytes": max(
             (p.worker_peak_private_bytes for p in measured), default=0
         ),

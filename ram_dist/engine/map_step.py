@@ -9,7 +9,6 @@ import itertools
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,9 +25,6 @@ from ram_dist.kernels import fp8
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.registry import Chunk, State, TensorParams
 from ram_dist.units import Part, Piece, WorkUnit
-
-if TYPE_CHECKING:
-    pass
 
 
 def map_unit(

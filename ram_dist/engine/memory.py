@@ -66,7 +66,3 @@ class PeakMemory:
             self._last = time.monotonic()
             self._gap = max(self._every_s, (self._last - t) / self._max_share)
         return self.peak
-
-
-#: The driver's own peak (the process that runs the job and receives the results).
-DRIVER = PeakMemory()

@@ -87,6 +87,8 @@ class PassStats:
     """Those of them that were GPU workers."""
     gpu_busy_share: float | None = None
     """The share of the pass's wall time the GPU workers spent on units (None: none ran)."""
+    driver_memory: memory.PeakMemory = field(default_factory=memory.PeakMemory)
+    """The driver's own peak during the pass (the process that receives the results)."""
 
     def ran(
         self, indices: Sequence[int], node: str, traffic: CacheTraffic, sent_to: str | None
@@ -541,7 +543,7 @@ def _map_pass(
                 stats.bytes_written_by_workers += receipt.stop - receipt.start
             shard.done[receipt.number] = replace(receipt, data=None)
             book.part_done(shard.done[receipt.number])
-            memory.DRIVER.note()  # the driver, holding this result
+            stats.driver_memory.note()  # the driver, holding this result
             if len(shard.done) == len(plan[shard.name]):
                 complete(shard)
     except BaseException:

@@ -4,7 +4,6 @@ eager rule), and the NaN/Inf count of every input in the check round. Runs on Ra
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,9 +16,6 @@ from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.registry import Chunk, State, TensorParams
 from ram_dist.units import WorkUnit
-
-if TYPE_CHECKING:
-    pass
 
 
 def reduce_unit(

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ram_dist.io.range_cache import CacheTraffic
 from ram_dist.io.sinks import PartReceipt
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass(frozen=True)

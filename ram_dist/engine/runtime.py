@@ -16,6 +16,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -38,13 +39,6 @@ class Cluster:
     embedded: bool
     memory: int = 0
     """Bytes of Ray's `memory` resource over all nodes (what tasks may use)."""
-
-
-@contextmanager
-def ray_cluster(address: str | None) -> Iterator[Cluster]:
-    """`ray_session` with nothing to check meanwhile."""
-    with ray_session(address, lambda: None) as (cluster, _):
-        yield cluster
 
 
 @contextmanager
@@ -91,8 +85,9 @@ def ray_session(address: str | None, checks: Callable[[], T]) -> Iterator[tuple[
         warm_workers(cluster.cpus)
         yield cluster, result["value"]
     finally:
-        if _deferred is not None:
-            _deferred.append(stop)
+        deferred = _DEFERRED.get()
+        if deferred is not None:
+            deferred.append(stop)
         else:
             stop()
 
@@ -217,7 +212,10 @@ def _end(processes: list[subprocess.Popen[Any]], *, graceful: bool) -> None:
                 p.wait(timeout=5)
 
 
-_deferred: list[Callable[[], None]] | None = None
+#: The stops `ray_stopped_last` holds back, in this context (None: stop at once).
+_DEFERRED: ContextVar[list[Callable[[], None]] | None] = ContextVar(
+    "ram_dist_deferred", default=None
+)
 
 
 @contextmanager
@@ -225,11 +223,11 @@ def ray_stopped_last() -> Iterator[None]:
     """Within this, a Ray started by `ray_session` is stopped only when the block ends (the
     CLI's whole command), so that the result is out and the exit status decided before
     Ray's processes are torn down."""
-    global _deferred
-    outer, _deferred = _deferred, []
+    stops: list[Callable[[], None]] = []
+    token = _DEFERRED.set(stops)
     try:
         yield
     finally:
-        stops, _deferred = _deferred, outer
+        _DEFERRED.reset(token)
         for stop in stops:
             stop()

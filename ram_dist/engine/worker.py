@@ -12,7 +12,7 @@ import socket
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import ray
@@ -21,9 +21,6 @@ from ram_dist import kernels
 from ram_dist.engine.memory import PeakMemory
 from ram_dist.io.range_cache import Traffic
 from ram_dist.methods.registry import State
-
-if TYPE_CHECKING:
-    pass
 
 
 def task_gpus() -> tuple[str, ...] | None:

@@ -92,12 +92,6 @@ def file_version(info: Mapping[str, object]) -> str | None:
     return None
 
 
-def read_file_header(url: str, storage: Storage) -> tuple[FileHeader, dict[str, object]]:
-    """Read and parse one safetensors header (never the tensor data) and the file's
-    identity: `fs.info`, then one read, two for a header over `FIRST_READ_BYTES`."""
-    return read_file_headers([url], storage)[0]
-
-
 def read_file_headers(
     urls: Sequence[str],
     storage: Storage,
@@ -112,11 +106,6 @@ def read_file_headers(
             raise result
         out.append(result)
     return out
-
-
-def open_checkpoint(url: str, label: str, storage: Storage) -> Checkpoint:
-    """List a checkpoint folder, read its index (if sharded) and every shard header."""
-    return open_checkpoints([(url, label)], storage)[0]
 
 
 def open_checkpoints(inputs: Sequence[tuple[str, str]], storage: Storage) -> list[Checkpoint]:
