@@ -58,7 +58,7 @@ Tensors = list[tuple[str, tuple[int, ...]]]
 #: `small-100k`: layers of tensors of one element, and the shards of each checkpoint.
 SMALL_LAYERS, SMALL_PER_LAYER, SMALL_SHARDS = 1000, 100, 4
 #: What every `ram-dist` command imports before it does anything (torch, Ray, numba).
-IMPORTS = "import ram_dist.cli, ram_dist.engine.driver, ram_dist.report"
+IMPORTS = "import ram_dist.cli, ram_dist.engine.driver, ram_dist.report.text"
 #: `--profile`: the command's `main` under cProfile, its statistics written to `argv[1]`
 #: (`python -m cProfile` would write nothing: the `ram-dist` executable ends with `os._exit`).
 PROFILED = (

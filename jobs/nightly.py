@@ -39,7 +39,7 @@ from ram_dist.api import run_merge
 from ram_dist.cli import build_parser, config_from_args
 from ram_dist.errors import RamDistError
 from ram_dist.io.storage import Storage
-from ram_dist.report import format_merge
+from ram_dist.report.text import format_merge
 
 REPORT_NAME = "merge_report.json"
 INDEX_NAME = "model.safetensors.index.json"

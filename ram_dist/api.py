@@ -461,8 +461,8 @@ def run_plan(config: ConfigSource) -> PlanReport:
 
 def write_probe_files(report: Mapping[str, Any], json_path: str) -> list[str]:
     """The probe's JSON, and beside it the figures and the per-layer table."""
-    from ram_dist.figures import write_figure2, write_layer_csv, write_layer_heatmap
     from ram_dist.io.writer import json_text
+    from ram_dist.report.figures import write_figure2, write_layer_csv, write_layer_heatmap
 
     with open(json_path, "w", encoding="utf-8") as f:
         f.write(json_text(report))

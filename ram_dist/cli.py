@@ -318,7 +318,7 @@ def _dispatch(args: argparse.Namespace, last: contextlib.ExitStack) -> int:
         print(f"{args.out}: {result.shards_checked} shard(s) match the manifest; index consistent")
         return 0
     from ram_dist.engine.runtime import ray_stopped_last
-    from ram_dist.report import format_merge, format_plan, format_report
+    from ram_dist.report.text import format_merge, format_plan, format_report
 
     last.enter_context(ray_stopped_last())
     _stop_on_sigterm()
@@ -343,7 +343,7 @@ def _dispatch(args: argparse.Namespace, last: contextlib.ExitStack) -> int:
     if args.command == "probe":
         report = api.run_probe(build, address=args.address, json_path=args.json_path)
         if args.output_format == "markdown":
-            from ram_dist.figures import markdown_summary
+            from ram_dist.report.figures import markdown_summary
 
             print(markdown_summary(report.data))
         else:

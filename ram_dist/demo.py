@@ -12,7 +12,7 @@ import os
 
 from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
-from ram_dist.report import format_report
+from ram_dist.report.text import format_report
 from ram_dist.synthetic.files import save_checkpoint, write_config
 from ram_dist.synthetic.llama import TINY
 from ram_dist.synthetic.weights import AGENT_DENSITIES, base_state, make_agents

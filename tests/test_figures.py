@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from ram_dist import figures
+from ram_dist.report import figures
 
 # Three tasks over 1000 participating elements. Elements changed by exactly k tasks:
 # k=1: 10 + 250 + 100 = 360; k=2: (20 + 240 + 110) / 2 = 185; k=3: 10; k=0: 1000 - 555 = 445.
@@ -319,7 +319,7 @@ def test_markdown_summary_of_a_merge_and_of_a_baseline() -> None:
 
 def test_importing_ram_dist_does_not_import_matplotlib() -> None:
     code = (
-        "import sys, ram_dist, ram_dist.figures, ram_dist.model_card\n"
+        "import sys, ram_dist, ram_dist.report.figures, ram_dist.report.model_card\n"
         "assert 'matplotlib' not in sys.modules, 'matplotlib imported eagerly'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

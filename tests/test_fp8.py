@@ -181,7 +181,7 @@ def test_plan_shows_each_input_format(sets, tmp_path):
 
 def test_probe_says_the_formats_in_text_json_and_markdown(sets, capsys):
     from ram_dist.cli import main
-    from ram_dist.figures import markdown_summary
+    from ram_dist.report.figures import markdown_summary
 
     s = sets["fp8-base-bf16-agent"]
     argv = ["probe", "--base", str(s.base_dir)] + [

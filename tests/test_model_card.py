@@ -8,7 +8,7 @@ import pytest
 import yaml
 from test_figures import hand_report  # the hand-written RAM+ report (tests/ is on sys.path)
 
-from ram_dist.model_card import format_parameters, hub_repo_id, model_card, redact_location
+from ram_dist.report.model_card import format_parameters, hub_repo_id, model_card, redact_location
 
 SHA = "ab" * 32
 

@@ -27,7 +27,7 @@ from ram_dist.methods import METHODS, get_method
 from ram_dist.methods.layers import layer_index, layer_name
 from ram_dist.methods.parameters import BY_NAME, PARAMETERS, cli_parameters, handed
 from ram_dist.methods.ram import layer_summary
-from ram_dist.model_card import model_card
+from ram_dist.report.model_card import model_card
 
 
 def test_every_method_takes_the_parameters_the_table_declares() -> None:

@@ -14,8 +14,8 @@ import jsonschema
 import pytest
 from test_figures import hand_report  # the hand-written probe report (tests/ is on sys.path)
 
-from ram_dist import figures
-from ram_dist.model_card import model_card
+from ram_dist.report import figures
+from ram_dist.report.model_card import model_card
 
 
 @pytest.fixture(scope="module")

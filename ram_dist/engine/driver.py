@@ -48,7 +48,7 @@ from ram_dist.io.sinks import FileSink, OutputSink, choose_sink
 from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
 from ram_dist.methods import get_method
-from ram_dist.model_card import model_card
+from ram_dist.report.model_card import model_card
 
 REPORT_NAME = "merge_report.json"
 #: What `probe` counts with when the configured method counts no overlap statistics.

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any
 
-from ram_dist.model_card import (
+from ram_dist.report.model_card import (
     METHOD_LABELS,
     RAM_METHODS,
     format_parameters,
