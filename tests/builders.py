@@ -36,6 +36,19 @@ __all__ = [
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
 
+#: The dtype sets the exactness tests merge: `build_model_set` keywords by name.
+DTYPE_SETS = {
+    "bf16": dict(kind="llama", base_dtype=torch.bfloat16, task_dtypes=None),
+    "fp16": dict(kind="qwen2", base_dtype=torch.float16, task_dtypes=None),
+    "fp32": dict(kind="llama", base_dtype=torch.float32, task_dtypes=None),
+    "mixed": dict(
+        kind="qwen2",
+        base_dtype=torch.bfloat16,
+        task_dtypes=[torch.float32, torch.float16, torch.bfloat16],
+    ),
+}
+
+
 def _tiny_config(kind: str):
     """`TINY`'s dimensions (hidden 64, 2 layers, 4 heads, 2 kv heads, vocab 256), untied."""
     from transformers import LlamaConfig, Qwen2Config
@@ -154,3 +167,21 @@ def merge_config(base, tasks, out, options: dict | None = None, **kw: Any) -> Me
         storage_options=options or {},
         **kw,
     )
+
+
+def save_shifted_tasks(
+    root: Path, base: State, densities: tuple[float, ...], shift: float, generator: torch.Generator
+) -> tuple[Path, list[Path]]:
+    """`base` saved as root/base, and one task per density as root/t{i}: each element of the
+    base moved by `shift` with that probability (in float64, stored in the base's dtype)."""
+    save_checkpoint(base, root / "base")
+    tasks = []
+    for i, density in enumerate(densities):
+        task = {
+            k: torch.where(torch.rand(v.shape, generator=generator) < density,
+                           v.double() + shift, v.double()).to(v.dtype)
+            for k, v in base.items()
+        }  # fmt: skip
+        save_checkpoint(task, root / f"t{i}")
+        tasks.append(root / f"t{i}")
+    return root / "base", tasks

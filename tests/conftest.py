@@ -3,6 +3,7 @@ HTTP per module, with the module's `BUCKET` created (a module may define its own
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -13,16 +14,27 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    """A real two-CPU Ray for this module, shut down after it."""
+@contextlib.contextmanager
+def local_ray(num_cpus: int = 2, num_gpus: int | None = None) -> Iterator[None]:
+    """A real local Ray of `num_cpus` CPUs (and `num_gpus` GPUs, fake ones where the machine
+    has none), shut down after the block."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+        log_to_driver=False,
+    )  # fmt: skip
     try:
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """A real two-CPU Ray for this module, shut down after it."""
+    with local_ray():
+        yield
 
 
 @pytest.fixture(scope="module")

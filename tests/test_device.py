@@ -49,18 +49,17 @@ def cuda_refused(inputs, tmp_path_factory) -> tuple[subprocess.Popen, Path]:
 @pytest.fixture(scope="module")
 def fake_gpus(cuda_refused):
     """A real Ray with two CPUs and two GPUs that do not exist."""
-    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    from conftest import local_ray
+
+    with local_ray(num_cpus=2, num_gpus=2):
         yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> tuple[Path, list[Path]]:
     """A bf16 base of three tensors (8 KiB, 12 bytes and 3 KiB) and three tasks."""
     import torch
-    from builders import save_checkpoint
+    from builders import save_shifted_tasks
 
     root = tmp_path_factory.mktemp("device")
     g = torch.Generator().manual_seed(0)
@@ -69,16 +68,7 @@ def inputs(tmp_path_factory) -> tuple[Path, list[Path]]:
         "b.weight": torch.randn(6, generator=g).to(torch.bfloat16),
         "c.weight": torch.randn(48, 32, generator=g).to(torch.bfloat16),
     }
-    save_checkpoint(base, root / "base")
-    tasks = []
-    for i, density in enumerate((0.1, 0.5, 0.6)):
-        task = {
-            k: torch.where(torch.rand(v.shape, generator=g) < density, v.float() + 0.25, v.float())
-            for k, v in base.items()
-        }
-        save_checkpoint({k: v.to(torch.bfloat16) for k, v in task.items()}, root / f"t{i}")
-        tasks.append(root / f"t{i}")
-    return root / "base", tasks
+    return save_shifted_tasks(root, base, (0.1, 0.5, 0.6), 0.25, g)
 
 
 def _config(inputs, out=None, **kw):

@@ -9,23 +9,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import ray
 
 
 @pytest.fixture(scope="module")
 def fake_gpu():
-    ray.init(address="local", num_cpus=3, num_gpus=1, include_dashboard=False, log_to_driver=False)
-    try:
+    from conftest import local_ray
+
+    with local_ray(num_cpus=3, num_gpus=1):
         yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> tuple[Path, list[Path]]:
     """bf16 tensors around a float64 one, a base and two tasks."""
     import torch
-    from builders import save_checkpoint
+    from builders import save_shifted_tasks
 
     root = tmp_path_factory.mktemp("mixed")
     g = torch.Generator().manual_seed(3)
@@ -34,16 +32,7 @@ def inputs(tmp_path_factory) -> tuple[Path, list[Path]]:
         "b.weight": torch.randn(32, 32, generator=g).to(torch.float64),
         "c.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
     }
-    save_checkpoint(base, root / "base")
-    tasks = []
-    for i, density in enumerate((0.2, 0.5)):
-        task = {
-            k: torch.where(torch.rand(v.shape, generator=g) < density, v + 0.125, v)
-            for k, v in base.items()
-        }
-        save_checkpoint(task, root / f"t{i}")
-        tasks.append(root / f"t{i}")
-    return root / "base", tasks
+    return save_shifted_tasks(root, base, (0.2, 0.5), 0.125, g)
 
 
 def test_eager_units_on_the_gpu_the_rest_on_the_cpus(inputs, fake_gpu, tmp_path):

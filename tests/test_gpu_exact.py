@@ -9,20 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import build_model_set
+from builders import DTYPE_SETS, build_model_set
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-DTYPES = {
-    "bf16": dict(kind="llama", base_dtype=torch.bfloat16, task_dtypes=None),
-    "fp16": dict(kind="qwen2", base_dtype=torch.float16, task_dtypes=None),
-    "fp32": dict(kind="llama", base_dtype=torch.float32, task_dtypes=None),
-    "mixed": dict(
-        kind="qwen2",
-        base_dtype=torch.bfloat16,
-        task_dtypes=[torch.float32, torch.float16, torch.bfloat16],
-    ),
-}
 METHODS = [
     ("ram", {}),
     ("ram_plus", {}),
@@ -38,27 +28,16 @@ METHODS = [
 
 
 @pytest.fixture(scope="module")
-def gpu_ray():
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model_sets(tmp_path_factory) -> dict:
     return {
         name: build_model_set(tmp_path_factory.mktemp(name), **spec)
-        for name, spec in DTYPES.items()
+        for name, spec in DTYPE_SETS.items()
     }
 
 
-@pytest.mark.parametrize("dtypes", list(DTYPES))
+@pytest.mark.parametrize("dtypes", list(DTYPE_SETS))
 @pytest.mark.parametrize(("method", "params"), METHODS)
-def test_the_gpu_gives_the_cpus_bytes(gpu_ray, model_sets, tmp_path, dtypes, method, params):
+def test_the_gpu_gives_the_cpus_bytes(ray_local, model_sets, tmp_path, dtypes, method, params):
     from ram_dist.config import MergeConfig
     from ram_dist.engine import driver
 

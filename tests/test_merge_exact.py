@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import build_model_set, load_checkpoint, save_checkpoint
+from builders import DTYPE_SETS, build_model_set, load_checkpoint, save_checkpoint
 from reference import reference_merge
 
 from ram_dist.config import MergeConfig
@@ -18,16 +18,6 @@ from ram_dist.io.writer import json_text
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 METHODS = ["ram", "ram_plus", "ram_plus_soft"]
-DTYPE_SETS = {
-    "bf16": dict(kind="llama", base_dtype=torch.bfloat16, task_dtypes=None),
-    "fp16": dict(kind="qwen2", base_dtype=torch.float16, task_dtypes=None),
-    "fp32": dict(kind="llama", base_dtype=torch.float32, task_dtypes=None),
-    "mixed": dict(
-        kind="qwen2",
-        base_dtype=torch.bfloat16,
-        task_dtypes=[torch.float32, torch.float16, torch.bfloat16],
-    ),
-}
 
 
 @pytest.fixture(scope="module")
