@@ -210,7 +210,7 @@ def _check_distinct(base: str, tasks: list[str], method: str) -> None:
     which averages its inputs and may list the base among them, as mergekit does)."""
     seen: dict[str, int] = {}
     for i, url in enumerate(tasks):
-        if url == base and get_method(method).name != "linear":
+        if url == base and get_method(method).needs_base:
             raise RamDistError(
                 f"task {i + 1} ({url}) is the base model; tasks are the models fine-tuned from it"
             )

@@ -25,6 +25,7 @@ from ram_dist.mergekit_config.spec import (
     ParamValue,
     Scalar,
 )
+from ram_dist.methods import get_method
 from ram_dist.methods import parameters as method_parameters
 from ram_dist.methods.parameters import Parameter
 
@@ -47,8 +48,6 @@ _UNSUPPORTED_KEYS = {
     "chat_template": "ram-dist keeps the base model's chat template",
     "merge_method_sequence": "ram-dist runs one merge method per job",
 }
-#: Methods without a base model (mergekit's contract `base=IGNORED`).
-_BASELESS = frozenset({"linear"})
 _MODEL_KEYS = ("model", "parameters")
 _ENTRY_KEYS = ("filter", "value")
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
@@ -95,7 +94,7 @@ def parse_mergekit_config(raw: Any, where: str) -> JobSpec:
     base = raw.get("base_model")
     if base is not None:
         base = _model_name(base, f"{p}: base_model")
-    elif method not in _BASELESS:
+    elif get_method(method).needs_base:
         raise RamDistError(f"{p}: {method} needs a base_model (the checkpoint tasks start from)")
 
     parameters = _parameters(
@@ -210,7 +209,7 @@ def _models(
         )
         if name == base:
             base_listed = True
-            if method not in _BASELESS:
+            if get_method(method).needs_base:
                 if params:
                     notes.append(
                         f"{at} is the base_model: its parameters ({', '.join(params)}) are "
@@ -218,7 +217,7 @@ def _models(
                     )
                 continue
         models.append(ModelSpec(model=name, parameters=params))
-    if method in _BASELESS and base is not None and not base_listed:
+    if not get_method(method).needs_base and base is not None and not base_listed:
         models.append(ModelSpec(model=base))
         notes.append(
             f"{method}: base_model {base} is averaged as one more input (appended after the "

@@ -87,6 +87,12 @@ def _weights(params: TensorParams) -> list[float]:
     return [float(w) for w in params["weight"]]
 
 
+#: What the model card says of a method computed as mergekit computes it.
+MERGEKIT_TEXT = (
+    "`{name}`, computed as mergekit computes it (float32), streamed unit by unit on Ray."
+)
+
+
 @dataclass(frozen=True)
 class TaskArithmeticFamily:
     """mergekit's generalized task arithmetic: sparsify (none, magnitude, random), weight,
@@ -95,6 +101,13 @@ class TaskArithmeticFamily:
     name: str
     sparsify: str | None  # None, "magnitude" (TIES) or "random" (DARE)
     consensus: bool
+    label: str = ""
+    reference: str = ""
+    needs_base: bool = True
+
+    @property
+    def description(self) -> str:
+        return MERGEKIT_TEXT.format(name=self.name)
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -393,6 +406,13 @@ class LinearMethod(NoStatistics):
     """mergekit's `linear`: the weighted mean of the task models (the base is not averaged)."""
 
     name: str = "linear"
+    label: str = "Linear (weighted average)"
+    reference: str = "Wortsman et al. 2022 (model soups)"
+    needs_base: bool = False
+
+    @property
+    def description(self) -> str:
+        return MERGEKIT_TEXT.format(name=self.name)
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -416,9 +436,9 @@ class LinearMethod(NoStatistics):
 
 #: mergekit's baselines, as `ram_dist.methods.METHODS` lists them.
 METHODS = (
-    TaskArithmeticFamily("task_arithmetic", None, False),
-    TaskArithmeticFamily("ties", "magnitude", True),
-    TaskArithmeticFamily("dare_linear", "random", False),
-    TaskArithmeticFamily("dare_ties", "random", True),
+    TaskArithmeticFamily("task_arithmetic", None, False, "Task Arithmetic", "Ilharco et al. 2023"),
+    TaskArithmeticFamily("ties", "magnitude", True, "TIES", "Yadav et al. 2023"),
+    TaskArithmeticFamily("dare_linear", "random", False, "DARE (linear)", "Yu et al. 2024"),
+    TaskArithmeticFamily("dare_ties", "random", True, "DARE (TIES)", "Yu et al. 2024"),
     LinearMethod(),
 )

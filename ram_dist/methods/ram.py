@@ -177,6 +177,10 @@ def merge_ram(
     return torch.where(count == 0, b, b + merged)
 
 
+#: The paper of the RAM family (`../shared/reference/ram-paper.md` in the project).
+RAM_PAPER = "Yuan et al. 2026, Behavior Knowledge Merge in Reinforced Agentic Models"
+
+
 @dataclass(frozen=True)
 class RamMethod:
     """One configured member of the RAM family; `rule` gives lambda_t from rho_t."""
@@ -188,6 +192,23 @@ class RamMethod:
     rounds: int = 1
     rounds_note: str = ""
     reports_overlap: bool = True
+    label: str = ""
+    reference: str = RAM_PAPER
+    needs_base: bool = True
+
+    @property
+    def description(self) -> str:
+        text = (
+            "Reinforced Agent Merging (Yuan et al. 2026): an element that no task changed keeps "
+            "the base value; an element that exactly one task changed takes that task's update "
+            "scaled by `lambda_t`; an element that two or more tasks changed takes the mean of "
+            "their updates. A task's change counts where `abs(theta_t - theta_base) > epsilon`."
+        )
+        if self.rule is lambda_ram:
+            return text + " RAM keeps every `lambda_t = 1`."
+        if self.scope == "tensor":
+            return text + " `lambda_t` is computed per tensor from that tensor's counts."
+        return text + " `lambda_t` grows with the task's ratio `rho_t` of shared to unique changes."
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -327,8 +348,16 @@ class RamMethod:
 
 #: The RAM family, as `ram_dist.methods.METHODS` lists it.
 METHODS = (
-    RamMethod("ram", lambda_ram),
-    RamMethod("ram_plus", lambda_ram_plus),
-    RamMethod("ram_plus_soft", lambda_ram_plus_soft),
-    RamMethod("ramplus_tl", lambda_ram_plus, alpha=0.2, scope="tensor"),
+    RamMethod("ram", lambda_ram, label="RAM (Reinforced Agent Merging)"),
+    RamMethod("ram_plus", lambda_ram_plus, label="RAM+ (clipped linear rescaling, Eq. 6)"),
+    RamMethod(
+        "ram_plus_soft", lambda_ram_plus_soft, label="RAM+s (soft-saturation rescaling, Eq. 8)"
+    ),
+    RamMethod(
+        "ramplus_tl",
+        lambda_ram_plus,
+        alpha=0.2,
+        scope="tensor",
+        label="RAM+ with lambda per tensor (mergekit's ramplus_tl)",
+    ),
 )

@@ -62,6 +62,14 @@ class Chunk:
 
 class MergeMethod(Protocol):
     name: str
+    label: str
+    """How reports and the model card name it, e.g. "RAM+ (clipped linear rescaling, Eq. 6)"."""
+    reference: str
+    """The paper the rule comes from, e.g. "Yadav et al. 2023" ("": none)."""
+    description: str
+    """What the rule does, one paragraph of the model card ("": none)."""
+    needs_base: bool
+    """Whether it reads a base model (mergekit's `linear` averages the inputs without one)."""
     parameters: tuple[Parameter, ...]
     """What it takes (`methods.parameters.PARAMETERS[name]`); `check` sees what involves
     several of them, each value having been checked by its declaration."""
@@ -146,10 +154,18 @@ class MergeMethod(Protocol):
 
 
 class Eager:
-    """What a method without fused kernels says to the engine's fused path: no."""
+    """What a method without fused kernels says to the engine's fused path: no. Also the
+    defaults of what a method says of itself."""
 
     rounds_note: str = ""
     reports_overlap: bool = False
+    reference: str = ""
+    description: str = ""
+    needs_base: bool = True
+
+    @property
+    def label(self) -> str:
+        return str(getattr(self, "name", type(self).__name__))
 
     def fuses(self, params: TensorParams) -> bool:
         return False

@@ -17,11 +17,10 @@ from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 from ram_dist.report.model_card import (
-    METHOD_LABELS,
-    RAM_METHODS,
     format_parameters,
     md_cell,
     md_code,
+    method_facts,
     ram_task_table,
     redact_location,
 )
@@ -228,7 +227,9 @@ def markdown_summary(report: Mapping[str, Any]) -> str:
     histogram, and where the model is (or that a probe wrote none)."""
     method = str(report.get("method", ""))
     kind = "merge" if "output" in report else "probe"
-    lines = [f"### ram-dist {kind}: {METHOD_LABELS.get(method, method)} (`{method}`)", ""]
+    facts = method_facts(method)
+    label = facts.label if facts is not None else method
+    lines = [f"### ram-dist {kind}: {label} (`{method}`)", ""]
     shown = format_parameters(report.get("parameters") or {}, method)
     params = ", ".join(f"{k}={v}" for k, v in shown)
     lines.append(f"- ram-dist {report.get('ram_dist_version', '?')}; parameters: {md_cell(params)}")
@@ -266,7 +267,7 @@ def markdown_summary(report: Mapping[str, Any]) -> str:
                 f"{p.get('bytes_read')} bytes read, {p.get('bytes_written', 0)} bytes written"
             )
 
-    if method in RAM_METHODS and report.get("tasks"):
+    if facts is not None and facts.reports_overlap and report.get("tasks"):
         lines += ["", "#### Per task", ""] + ram_task_table(report)
         tasks = report["tasks"]
         n = len(tasks)

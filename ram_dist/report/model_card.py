@@ -15,13 +15,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ram_dist.dtypes import dtype_name
+from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config.writing import CONFIG_NAME
+from ram_dist.methods import MergeMethod, get_method
 from ram_dist.methods import parameters as method_parameters
 from ram_dist.methods.parameters import handed
 
 __all__ = [
-    "METHOD_LABELS",
-    "RAM_METHODS",
+    "method_facts",
     "format_parameters",
     "format_rho",
     "hub_repo_id",
@@ -31,20 +32,6 @@ __all__ = [
     "ram_task_table",
     "redact_location",
 ]
-
-RAM_METHODS = ("ram", "ram_plus", "ram_plus_soft", "ramplus_tl")
-
-METHOD_LABELS = {
-    "ram": "RAM (Reinforced Agent Merging)",
-    "ram_plus": "RAM+ (clipped linear rescaling, Eq. 6)",
-    "ram_plus_soft": "RAM+s (soft-saturation rescaling, Eq. 8)",
-    "ramplus_tl": "RAM+ with lambda per tensor (mergekit's ramplus_tl)",
-    "task_arithmetic": "Task Arithmetic",
-    "ties": "TIES",
-    "dare_linear": "DARE (linear)",
-    "dare_ties": "DARE (TIES)",
-    "linear": "Linear (weighted average)",
-}
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -128,7 +115,8 @@ def model_card(
     import yaml
 
     method = str(report.get("method", ""))
-    label = METHOD_LABELS.get(method, method)
+    facts = method_facts(method)
+    label = facts.label if facts is not None else method
     base_id = hub_repo_id(base)
     meta = {"base_model": base_id, "tags": ["merge", "ram-dist"], "library_name": "transformers"}
     lines = ["---", yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(), "---", ""]
@@ -182,7 +170,7 @@ def model_card(
             ]
             lines.append("| " + " | ".join(cells) + " |")
 
-    if method in RAM_METHODS and report.get("tasks"):
+    if facts is not None and facts.reports_overlap and report.get("tasks"):
         lines += ["", "## Task vector statistics", ""]
         lines += ram_task_table(report)
 
@@ -219,20 +207,20 @@ def _format_section(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def method_facts(method: str) -> MergeMethod | None:
+    """The method a report names, for what it says of itself (None: not one ram-dist has)."""
+    try:
+        return get_method(method)
+    except RamDistError:
+        return None
+
+
 def _method_text(method: str) -> str:
-    if method in RAM_METHODS:
-        text = (
-            "Reinforced Agent Merging (Yuan et al. 2026): an element that no task changed keeps "
-            "the base value; an element that exactly one task changed takes that task's update "
-            "scaled by `lambda_t`; an element that two or more tasks changed takes the mean of "
-            "their updates. A task's change counts where `abs(theta_t - theta_base) > epsilon`."
-        )
-        if method == "ram":
-            return text + " RAM keeps every `lambda_t = 1`."
-        if method == "ramplus_tl":
-            return text + " `lambda_t` is computed per tensor from that tensor's counts."
-        return text + " `lambda_t` grows with the task's ratio `rho_t` of shared to unique changes."
-    return f"`{method}`, computed as mergekit computes it (float32), streamed unit by unit on Ray."
+    facts = method_facts(method)
+    if facts is None or not facts.description:
+        return f"`{method}`."
+    cited = f" Reference: {facts.reference}." if facts.reference else ""
+    return facts.description + cited
 
 
 def ram_task_table(report: Mapping[str, Any]) -> list[str]:
