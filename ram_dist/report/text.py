@@ -69,16 +69,9 @@ def format_merge(report: dict[str, Any], out: str) -> str:
     passes, output = report["passes"], report["output"]
     if output.get("lease", {}).get("took_over"):
         lines.append(f"\n{out}: {output['lease']['took_over']}")
-    reused = f", {len(output['shards_reused'])} shard(s) reused" if output["shards_reused"] else ""
-    reduce = "skipped" if passes["reduce"].get("skipped") else f"{passes['reduce']['wall_s']:.2f} s"
-    lines.append(
-        f"\nmerged model written to {out} (reduce {reduce}, "
-        f"map {passes['map']['wall_s']:.2f} s, {passes['map']['bytes_written']} bytes written"
-        f"{reused}; output path: {passes['map'].get('output_path', 'none')})"
-    )
     device = report.get("device")
-    if device:
-        lines.append(f"device: {device['device']} ({device['reason']})")
+    if device:  # before the last line, which says where the model is
+        lines.append(f"\ndevice: {device['device']} ({device['reason']})")
         ran = [
             f"{name} {p['units_on_cpu']} unit(s) on CPUs, {p['units_on_gpu']} on GPUs"
             for name, p in passes.items()
@@ -86,6 +79,13 @@ def format_merge(report: dict[str, Any], out: str) -> str:
         ]
         if ran:
             lines.append("; ".join(ran))
+    reused = f", {len(output['shards_reused'])} shard(s) reused" if output["shards_reused"] else ""
+    reduce = "skipped" if passes["reduce"].get("skipped") else f"{passes['reduce']['wall_s']:.2f} s"
+    lines.append(
+        f"\nmerged model written to {out} (reduce {reduce}, "
+        f"map {passes['map']['wall_s']:.2f} s, {passes['map']['bytes_written']} bytes written"
+        f"{reused}; output path: {passes['map'].get('output_path', 'none')})"
+    )
     return "\n".join(lines)
 
 
