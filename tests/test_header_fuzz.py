@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ram_dist.errors import CheckpointError
-from ram_dist.io.checkpoint import read_file_header
+from ram_dist.io.checkpoint import read_file_headers
 from ram_dist.io.safetensors_header import MAX_HEADER_BYTES
 from ram_dist.io.storage import Storage
 
@@ -42,7 +42,7 @@ def _read(data: bytes):
     path = f"memory://fuzz/{uuid.uuid4().hex}.safetensors"
     MEMORY.pipe_file(path, data)
     try:
-        header, identity = read_file_header(path, STORAGE)
+        header, identity = read_file_headers([path], STORAGE)[0]
     except CheckpointError:
         return None
     finally:

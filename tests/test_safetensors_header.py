@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from ram_dist.errors import CheckpointError
-from ram_dist.io.checkpoint import read_file_header
+from ram_dist.io.checkpoint import read_file_headers
 from ram_dist.io.storage import Storage
 
 
@@ -28,7 +28,7 @@ def test_offsets_match_safetensors_own_layout(tmp_path):
     }
     path = tmp_path / "m.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt"})
-    header, identity = read_file_header(str(path), Storage())
+    header, identity = read_file_headers([str(path)], Storage())[0]
     raw = path.read_bytes()
     assert header.metadata == {"format": "pt"}
     assert identity["size"] == path.stat().st_size and identity["version"].startswith("mtime:")
@@ -54,7 +54,7 @@ def test_broken_prefix_or_json(tmp_path, raw, message):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(raw)
     with pytest.raises(CheckpointError, match=message) as e:
-        read_file_header(str(path), Storage())
+        read_file_headers([str(path)], Storage())[0]
     assert str(path) in str(e.value)
 
 
@@ -71,7 +71,7 @@ def test_broken_prefix_or_json(tmp_path, raw, message):
 def test_bad_tensor_entries_name_file_and_tensor(tmp_path, entry, message):
     path = _write_raw(tmp_path / "bad.safetensors", {"w": entry}, b"\0" * 8)
     with pytest.raises(CheckpointError, match=message) as e:
-        read_file_header(path, Storage())
+        read_file_headers([path], Storage())[0]
     assert "bad.safetensors" in str(e.value)
     if "truncated" not in message:
         assert "'w'" in str(e.value)
@@ -84,7 +84,7 @@ def test_overlapping_tensors_are_refused(tmp_path):
     }
     path = _write_raw(tmp_path / "x.safetensors", header, b"\0" * 12)
     with pytest.raises(CheckpointError, match="overlaps"):
-        read_file_header(path, Storage())
+        read_file_headers([path], Storage())[0]
 
 
 GOOD = {"dtype": "F32", "shape": [2, 3], "data_offsets": [8, 32]}
@@ -130,13 +130,13 @@ def test_quick_check_of_an_entry_agrees_with_the_full_one(entry):
 
 
 def test_index_naming_a_tensor_no_file_holds_is_refused(tmp_path):
-    from ram_dist.io.checkpoint import INDEX_NAME, open_checkpoint
+    from ram_dist.io.checkpoint import INDEX_NAME, open_checkpoints
     from ram_dist.synthetic.files import write_sparse_checkpoint
 
     write_sparse_checkpoint(tmp_path, [[("a", (4,)), ("b", (2,))], [("c", (3,))]])
     index = json.loads((tmp_path / INDEX_NAME).read_text())
-    open_checkpoint(str(tmp_path), "base", Storage())  # as written: fine
+    open_checkpoints([(str(tmp_path), "base")], Storage())[0]  # as written: fine
     index["weight_map"] |= {"zz": "model-00002-of-00002.safetensors", "d": index["weight_map"]["a"]}
     (tmp_path / INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="index maps 'd' to model-00001-of-00002.safe"):
-        open_checkpoint(str(tmp_path), "base", Storage())
+        open_checkpoints([(str(tmp_path), "base")], Storage())[0]

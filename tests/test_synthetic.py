@@ -13,7 +13,7 @@ from builders import build_tiny_base, load_checkpoint
 from safetensors import safe_open
 
 from ram_dist.dtypes import ITEMSIZE
-from ram_dist.io.checkpoint import open_checkpoint
+from ram_dist.io.checkpoint import open_checkpoints
 from ram_dist.io.storage import Storage
 from ram_dist.synthetic.deepseek import DEEPSEEK_V3, DeepSeekDims, shard_name
 from ram_dist.synthetic.files import plan_shards, write_shards, write_sparse_checkpoint
@@ -78,7 +78,7 @@ def test_shards_are_written_in_the_planned_order(tmp_path):
 def test_sparse_checkpoint_has_real_headers_and_no_data(tmp_path):
     shards = [[("a", (4, 3))], [("b", (5,)), ("c", (2, 2))]]
     write_sparse_checkpoint(tmp_path, shards)
-    ckpt = open_checkpoint(str(tmp_path), "base", Storage())
+    ckpt = open_checkpoints([(str(tmp_path), "base")], Storage())[0]
     assert ckpt.sharded and len(ckpt.files) == 2
     assert {n: (t.dtype, t.shape, t.end - t.start) for n, t in ckpt.tensors.items()} == {
         "a": ("BF16", (4, 3), 24),
@@ -152,7 +152,7 @@ def test_sparse_checkpoint_of_mixed_dtypes_and_its_config(tmp_path):
         qk_rope_head_dim=16, v_head_dim=32, vocab=300, shard_count=5,
     )  # fmt: skip
     write_sparse_checkpoint(tmp_path, dims.shards(), config=dims.config(), name=shard_name)
-    ckpt = open_checkpoint(str(tmp_path), "base", Storage())
+    ckpt = open_checkpoints([(str(tmp_path), "base")], Storage())[0]
     assert sorted(ckpt.files) == [shard_name(k, 5) for k in range(1, 6)]
     assert {n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()} == {
         n: (shape, dtype) for n, shape, dtype in dims.tensors()
