@@ -5,7 +5,7 @@ that compiled code has no fused multiply-add.
 A kernel works on tiles of `TILE` elements: `load_tile` widens every input into float32 bits
 (each by its own dtype's loop, picked at compile time), the rule runs in float32, and
 `store` narrows the result into the output's dtype. numba has no float16 or bfloat16 arrays,
-so both come as raw bits: bfloat16 as uint16, float16 as int16.
+so both come as raw bits (`NUMBA_ARRAYS`): bfloat16 as uint16, float16 as int16.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ LANES = 4
 #: fastmath off (no FMA contraction, IEEE NaN/inf/subnormal semantics); numpy error model
 #: (x / 0 is inf or NaN, as in torch, instead of an exception); no GIL held.
 OPTIONS = {"fastmath": False, "nogil": True, "error_model": "numpy"}
+
+#: The array a kernel takes for each numpy view of stored elements that `load` and `store`
+#: handle: float16 as its int16 bits (numba has no float16); the others as they are.
+NUMBA_ARRAYS = {np.dtype(np.float16): np.dtype(np.int16)}
 
 _U32 = np.uint32
 ABS32 = _U32(0x7FFFFFFF)

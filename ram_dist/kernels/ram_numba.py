@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numba import njit
 
-from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels import handle, use_writable_cache
 from ram_dist.kernels.primitives import (
     INF32,
     LANES,
@@ -61,14 +61,7 @@ from ram_dist.kernels.primitives import (
     load_tile,
     store,
 )
-from ram_dist.kernels.views import (
-    TORCH_READS,
-    TORCH_WRITES,
-    ArrayLike,
-    kernel_inputs,
-    kernel_view,
-    torch_bf16_nan,
-)
+from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_view, torch_bf16_nan
 
 if TYPE_CHECKING:
     import torch
@@ -195,12 +188,10 @@ def supports(inputs: Sequence[torch.dtype], out: torch.dtype | None = None) -> b
     """Whether the fused kernels take these torch input dtypes (and output dtype); float64
     inputs, and anything else, stay on the eager path (`ram_dist.kernels.handle` answers
     the same for safetensors dtype names)."""
+    from ram_dist.dtypes import TORCH_TO_SAFETENSORS as names
 
-    def name(d: torch.dtype) -> str:
-        return str(d).removeprefix("torch.")
-
-    ok = all(name(d) in TORCH_READS for d in inputs)
-    return ok and (out is None or name(out) in TORCH_WRITES)
+    read = [names.get(d, "") for d in inputs]
+    return handle(read, None if out is None else names.get(out, ""))
 
 
 def overlap_counts(

@@ -6,22 +6,23 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from ram_dist.kernels import READS, WRITES
+from ram_dist.kernels.primitives import NUMBA_ARRAYS
 
 ArrayLike = "torch.Tensor | np.ndarray"
 
 
-#: torch's names of the dtypes the kernels read, and the array each is read as.
-TORCH_READS = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.int16}
-TORCH_WRITES = {**TORCH_READS, "float64": np.float64}
+def _numba_arrays(table: Mapping[str, type]) -> dict[np.dtype, np.dtype]:
+    """numpy view of stored elements -> the array a kernel takes for it."""
+    return {np.dtype(t): NUMBA_ARRAYS.get(np.dtype(t), np.dtype(t)) for t in table.values()}
 
-#: The array a kernel reads for each numpy dtype it takes (bf16 comes as its uint16 bits),
-#: and writes (float64 too).
-_NUMPY_READS = {np.dtype(np.float32): np.float32, np.dtype(np.uint16): np.uint16,
-                np.dtype(np.float16): np.int16}  # fmt: skip
-_NUMPY_WRITES = {**_NUMPY_READS, np.dtype(np.float64): np.float64}
+
+_READ_ARRAYS = _numba_arrays(READS)
+_WRITE_ARRAYS = _numba_arrays(WRITES)
 
 
 def is_tensor(x: object) -> bool:
@@ -32,10 +33,10 @@ def is_tensor(x: object) -> bool:
 
 
 def kernel_view(x: ArrayLike, writable: bool) -> np.ndarray:
-    """The flat array a kernel reads (or, `writable`, writes), tagged by dtype as the kernels
-    expect."""
+    """The flat array a kernel reads (or, `writable`, writes), typed as the kernels expect."""
+    table, arrays = (WRITES, _WRITE_ARRAYS) if writable else (READS, _READ_ARRAYS)
     if isinstance(x, np.ndarray):  # the engine's case first: it is called once per block
-        kind = (_NUMPY_WRITES if writable else _NUMPY_READS).get(x.dtype)
+        kind = arrays.get(x.dtype)
         if kind is None:
             raise TypeError(f"fused RAM kernels do not handle numpy {x.dtype} (bf16 is uint16)")
         if writable and not (x.flags.c_contiguous and x.flags.writeable):
@@ -45,21 +46,20 @@ def kernel_view(x: ArrayLike, writable: bool) -> np.ndarray:
         raise TypeError(f"expected a torch tensor or numpy array, got {type(x).__name__}")
     import torch
 
+    from ram_dist.dtypes import TORCH_TO_SAFETENSORS
+
     assert isinstance(x, torch.Tensor)
-    table = TORCH_WRITES if writable else TORCH_READS
     if x.device.type != "cpu":
         raise TypeError(f"fused RAM kernels run on CPU tensors, got {x.device}")
-    name = str(x.dtype).removeprefix("torch.")
+    name = TORCH_TO_SAFETENSORS.get(x.dtype)
     if name not in table:
         raise TypeError(f"fused RAM kernels do not handle {x.dtype}")
     if not x.is_contiguous():
         if writable:
             raise ValueError("the output of a fused RAM kernel must be contiguous")
         x = x.contiguous()
-    flat = x.reshape(-1)
-    if x.dtype == torch.bfloat16:
-        return flat.view(torch.int16).numpy().view(np.uint16)
-    return flat.numpy().view(table[name])
+    stored = x.reshape(-1).view(torch.uint8).numpy().view(table[name])  # bf16: no numpy dtype
+    return stored.view(arrays[stored.dtype])
 
 
 def kernel_inputs(base: ArrayLike, tasks: Sequence[ArrayLike]) -> tuple[np.ndarray, ...]:
