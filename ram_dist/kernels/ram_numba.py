@@ -61,7 +61,7 @@ from ram_dist.kernels.primitives import (
     load_tile,
     store,
 )
-from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_view, torch_bf16_nan
+from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
 
 if TYPE_CHECKING:
     import torch
@@ -236,9 +236,7 @@ def merge_ram(
     `bf16_nan`: the bits of a NaN cast to bfloat16; by default what torch writes here (the
     engine passes what it probed on the driver, so that workers need no torch)."""
     arrays = kernel_inputs(base, tasks)
-    target = kernel_view(out, True)
-    if target.size != arrays[0].size:
-        raise ValueError(f"out has {target.size} elements, the inputs {arrays[0].size}")
+    target = kernel_output(out, arrays[0].size)
     if len(lambdas) != len(arrays) - 1:
         raise ValueError(f"{len(lambdas)} lambdas for {len(arrays) - 1} tasks")
     lam = np.asarray(lambdas, dtype=np.float64).astype(np.float32)

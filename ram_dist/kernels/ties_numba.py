@@ -27,7 +27,7 @@ from numba import njit
 
 from ram_dist.kernels import use_writable_cache
 from ram_dist.kernels.primitives import ABS32, LANES, OPTIONS, TILE, bits, load_tile, store
-from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_view, torch_bf16_nan
+from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -220,9 +220,7 @@ def merge(
     `weights` and `divisor` (the plain weight sum, 1 where mergekit treats it as zero) are
     float32 values; `lambda_` is applied (rounded to float32) unless it is 1."""
     arrays = kernel_inputs(base, tasks)
-    target = kernel_view(out, True)
-    if target.size != arrays[0].size:
-        raise ValueError(f"out has {target.size} elements, the inputs {arrays[0].size}")
+    target = kernel_output(out, arrays[0].size)
     ntasks = len(arrays) - 1
     if not len(weights) == len(keep) == len(cuts) == ntasks:
         raise ValueError(f"weights, keep and cuts must have one entry per task ({ntasks})")

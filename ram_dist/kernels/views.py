@@ -74,6 +74,14 @@ def kernel_inputs(base: ArrayLike, tasks: Sequence[ArrayLike]) -> tuple[np.ndarr
     return arrays
 
 
+def kernel_output(out: ArrayLike, size: int) -> np.ndarray:
+    """The array a kernel writes into, checked to hold `size` elements (the inputs')."""
+    target = kernel_view(out, True)
+    if target.size != size:
+        raise ValueError(f"out has {target.size} elements, the inputs {size}")
+    return target
+
+
 @functools.cache
 def torch_bf16_nan() -> int:
     """What torch writes for a NaN cast to bfloat16 in a contiguous tensor in this process:
