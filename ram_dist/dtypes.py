@@ -1,32 +1,49 @@
-"""Safetensors dtype strings, their sizes and (on first use, importing torch) torch dtypes.
-
-Kept in one table so that the header parser, the planner and the workers agree.
+"""What ram-dist knows of each safetensors dtype, in one table (`INFO`), so that the header
+parser, the planner, the workers and the kernels agree; torch dtypes are built from it on
+first use (importing torch).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ram_dist.errors import RamDistError
 
 if TYPE_CHECKING:
     import torch
 
-#: Bytes per element of each safetensors dtype string. Known without torch, so the storage
-#: layer, `verify` and `--help` never import it; the torch dtypes are `SAFETENSORS_DTYPES`.
-ITEMSIZE: dict[str, int] = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-    "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
-}  # fmt: skip
 
-#: torch's name of each dtype; those only newer torch builds know are left out by those
-#: that do not.
-_TORCH_NAMES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-    "U16": "uint16", "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-}  # fmt: skip
+class DType(NamedTuple):
+    """One safetensors dtype's facts, as plain values: the storage layer, `verify` and
+    `--help` read them without importing torch (or numpy)."""
+
+    itemsize: int  # bytes per element
+    torch: str  # torch's name (a few only newer torch builds have: `SAFETENSORS_DTYPES`)
+    numpy: str  # numpy's type of the stored elements (bfloat16 as its bits, FP8 as bytes)
+    short: str = ""  # the short name users type (fp32, bf16), for floating dtypes
+
+
+#: Every safetensors dtype, by its header name.
+INFO: dict[str, DType] = {
+    "F64": DType(8, "float64", "float64", "fp64"),
+    "F32": DType(4, "float32", "float32", "fp32"),
+    "F16": DType(2, "float16", "float16", "fp16"),
+    "BF16": DType(2, "bfloat16", "uint16", "bf16"),
+    "I64": DType(8, "int64", "int64"),
+    "I32": DType(4, "int32", "int32"),
+    "I16": DType(2, "int16", "int16"),
+    "I8": DType(1, "int8", "int8"),
+    "U8": DType(1, "uint8", "uint8"),
+    "BOOL": DType(1, "bool", "bool"),
+    "U16": DType(2, "uint16", "uint16"),
+    "U32": DType(4, "uint32", "uint32"),
+    "U64": DType(8, "uint64", "uint64"),
+    "F8_E4M3": DType(1, "float8_e4m3fn", "uint8"),
+    "F8_E5M2": DType(1, "float8_e5m2", "uint8"),
+}
+
+#: Bytes per element of each safetensors dtype string (the header parser's lookup).
+ITEMSIZE: dict[str, int] = {k: v.itemsize for k, v in INFO.items()}
 
 _TABLES: dict[str, Any] = {}
 
@@ -40,7 +57,7 @@ def __getattr__(name: str) -> Any:
         import torch
 
         table: dict[str, torch.dtype] = {
-            k: getattr(torch, v) for k, v in _TORCH_NAMES.items() if hasattr(torch, v)
+            k: getattr(torch, v.torch) for k, v in INFO.items() if hasattr(torch, v.torch)
         }
         _TABLES["SAFETENSORS_DTYPES"] = table
         _TABLES["TORCH_TO_SAFETENSORS"] = {v: k for k, v in table.items()}
@@ -51,17 +68,10 @@ def __getattr__(name: str) -> Any:
 FLOATING = frozenset({"F64", "F32", "F16", "BF16"})
 
 #: Names a user may give for a dtype (CLI `--out-dtype`, YAML `dtype` and `out_dtype`), as
-#: mergekit's `dtype_from_name` reads them (after `dtype_key`).
+#: mergekit's `dtype_from_name` reads them (after `dtype_key`): torch's, short, and "half".
 OUT_DTYPE_NAMES: dict[str, str] = {
-    "float64": "F64",
-    "fp64": "F64",
-    "float32": "F32",
-    "fp32": "F32",
-    "float16": "F16",
-    "fp16": "F16",
+    **{name: d for d in sorted(FLOATING) for name in (INFO[d].torch, INFO[d].short)},
     "half": "F16",
-    "bfloat16": "BF16",
-    "bf16": "BF16",
 }
 
 
@@ -77,7 +87,7 @@ def dtype_key(name: str) -> str:
 
 def dtype_name(dtype: str) -> str:
     """mergekit's (and torch's) name of a floating safetensors dtype: F16 -> float16."""
-    return _TORCH_NAMES[dtype]
+    return INFO[dtype].torch
 
 
 def parse_out_dtype(name: str | None) -> str | None:

@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("numba")
 
+from ram_dist.kernels import primitives, views  # noqa: E402
 from ram_dist.kernels import ram_numba as kernels  # noqa: E402
 from ram_dist.methods import ram  # noqa: E402
 
@@ -330,15 +331,14 @@ def test_no_fma_in_compiled_code() -> None:
     from numba import njit
 
     base, tasks = sparse_inputs(100, (BF16, F16, F32), seed=1)
-    arrays = kernels._inputs(base, tasks)
+    arrays = views.kernel_inputs(base, tasks)
     eps = np.float32(EPS)
-    counts = njit(cache=False, **kernels._OPTIONS)(kernels._count_kernel.py_func)
+    counts = njit(cache=False, **primitives.OPTIONS)(kernels._count_kernel.py_func)
     counts(arrays, eps, np.zeros((3, 3), np.int64), np.zeros(3, np.int64), kernels.CODE_TASKS)
     assert kernels.fma_findings(counts) == []
-    merge = njit(cache=False, **kernels._OPTIONS)(kernels._merge_kernel.py_func)
+    merge = njit(cache=False, **primitives.OPTIONS)(kernels._merge_kernel.py_func)
     for out_dtype in OUTS:
-        out = kernels._kernel_view(torch.empty(100, dtype=out_dtype), kernels._TORCH_OUT_TO_KERNEL,
-                                   True)  # fmt: skip
+        out = views.kernel_view(torch.empty(100, dtype=out_dtype), True)
         merge(arrays, eps, np.array([1.1, 1.2], np.float32), out, 0xFFFF)
     assert len(merge.signatures) == len(OUTS)
     assert kernels.fma_findings(merge) == []

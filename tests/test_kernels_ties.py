@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("numba")
 
 from ram_dist import kernels  # noqa: E402
-from ram_dist.kernels import ram_numba, ties_numba  # noqa: E402
+from ram_dist.kernels import primitives, ram_numba, ties_numba  # noqa: E402
 from ram_dist.methods import get_method  # noqa: E402
 from ram_dist.methods.registry import Chunk  # noqa: E402
 
@@ -193,7 +193,7 @@ def test_no_fma_in_compiled_ties_kernels() -> None:
     ties_numba.merge(base, tasks, out, weights=[0.5, 0.25], keep=[2, 0], cuts=[(0, -1)] * 2,
                      start=0, consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
     for kernel in ties_numba.KERNELS:
-        fresh = njit(cache=False, **ram_numba._OPTIONS)(kernel.py_func)
+        fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
         for sig in kernel.signatures:
             fresh.compile(sig)
         assert fresh.signatures and ram_numba.fma_findings(fresh) == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from ram_dist.dtypes import FLOATING, dtype_name
 from ram_dist.io.checkpoint import INDEX_NAME, PICKLE_SUFFIXES
 from ram_dist.io.failures import reported
 from ram_dist.io.json_files import MAX_CONFIG_BYTES, checked_size
@@ -34,10 +35,6 @@ def non_weight_files(base_url: str, storage: Storage) -> list[str]:
     return sorted(names)
 
 
-#: torch's names of the safetensors dtypes an output may be written in.
-TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-
-
 def copy_files(
     base_url: str, out_url: str, names: list[str], storage: Storage, out_dtype: str | None = None
 ) -> int:
@@ -49,13 +46,13 @@ def copy_files(
     total = 0
     for name in names:
         url = join(base_url, name)
-        rewrite = name == "config.json" and out_dtype in TORCH_NAMES
+        rewrite = name == "config.json" and out_dtype in FLOATING
         if rewrite:  # parsed as JSON: refused over its cap before it is read
             checked_size(url, storage, MAX_CONFIG_BYTES, "config", "input")
         with reported(url, "read", "input"):
             data = src_fs.cat_file(join(src, name))
         if rewrite:
-            data = _with_dtype(data, TORCH_NAMES[out_dtype])
+            data = _with_dtype(data, dtype_name(out_dtype))
         with AtomicFile(join(out_url, name), storage) as f:
             f.write(data)
         total += len(data)

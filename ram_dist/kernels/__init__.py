@@ -20,11 +20,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ram_dist.dtypes import INFO
+
+
+def _stored(dtypes: Sequence[str]) -> dict[str, type]:
+    """Each safetensors dtype's numpy type of its stored elements (`ram_dist.dtypes.INFO`)."""
+    return {d: np.dtype(INFO[d].numpy).type for d in dtypes}
+
+
 #: The numpy array a kernel reads for each safetensors dtype it handles (float64 inputs are
 #: computed in float64 by the spec: the eager path keeps them).
-READS: dict[str, type] = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+READS: dict[str, type] = _stored(("BF16", "F16", "F32"))
 #: The numpy array a kernel writes for each output dtype it handles.
-WRITES: dict[str, type] = {**READS, "F64": np.float64}
+WRITES: dict[str, type] = {**READS, **_stored(("F64",))}
 
 
 def available() -> bool:

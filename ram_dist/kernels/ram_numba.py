@@ -45,210 +45,38 @@ Design (measured):
 
 from __future__ import annotations
 
-import functools
-import re
-import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-from numba import literal_unroll, njit, types
-from numba.core.dispatcher import Dispatcher
-from numba.extending import intrinsic, overload, register_jitable
+from numba import njit
 
-from ram_dist.kernels import use_writable_cache
-
-#: Elements per tile: the float32 scratch of base and tasks plus four work rows stay in L2.
-TILE = 4096
-#: Up to this many tasks, the counting pass keeps a histogram of active-task bit patterns
-#: (2**N bins, one increment per element); above it, one increment per active task.
-CODE_TASKS = 10
-#: Sub-histograms, so that consecutive increments of one bin do not wait on each other.
-LANES = 4
+from ram_dist.kernels import handle, use_writable_cache
+from ram_dist.kernels.primitives import (
+    INF32,
+    LANES,
+    OPTIONS,
+    TILE,
+    fma_findings,
+    load_tile,
+    store,
+)
+from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
 
 if TYPE_CHECKING:
     import torch
 
-#: torch's names of the dtypes the kernels read, and the array each is read as.
-_TORCH_TO_KERNEL = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.int16}
-_TORCH_OUT_TO_KERNEL = {**_TORCH_TO_KERNEL, "float64": np.float64}
-
-_U32 = np.uint32
-_ABS32 = _U32(0x7FFFFFFF)
-_INF32 = _U32(0x7F800000)
-_QNAN32 = _U32(0x7FC00000)
-_TWO_M24 = np.float32(2.0**-24)
-
-#: fastmath off (no FMA contraction, IEEE NaN/inf/subnormal semantics); numpy error model
-#: (x / 0 is inf or NaN, as in torch, instead of an exception); no GIL held.
-_OPTIONS = {"fastmath": False, "nogil": True, "error_model": "numpy"}
+#: Up to this many tasks, the counting pass keeps a histogram of active-task bit patterns
+#: (2**N bins, one increment per element); above it, one increment per active task.
+CODE_TASKS = 10
 
 use_writable_cache()  # before the first `@njit(cache=True)` picks numba's cache directory
-
-
-# ---- bit casts -------------------------------------------------------------------------
-
-
-@intrinsic
-def _bits(typingctx: Any, value: Any) -> tuple[Any, Any]:
-    """Reinterpret a float32 as its uint32 bits."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], context.get_value_type(types.uint32))
-
-    return sig, codegen
-
-
-# ---- exact conversions (stored dtype <-> float32 bits) ---------------------------------
-
-
-# Written without early returns: every candidate is computed and one is selected, so that
-# LLVM turns the choice into blends and vectorizes the conversion loops.
-
-
-@register_jitable
-def _half_to_float_bits(h: int) -> int:
-    """fp16 bits -> float32 bits, exact; NaNs keep sign and payload and become quiet (what
-    torch's vectorized conversion, F16C, does)."""
-    h = _U32(h) & _U32(0xFFFF)
-    sign = (h & _U32(0x8000)) << _U32(16)
-    e = (h >> _U32(10)) & _U32(0x1F)
-    m = h & _U32(0x3FF)
-    special = (_INF32 if m == _U32(0) else _QNAN32) | (m << _U32(13))
-    normal = ((e + _U32(112)) << _U32(23)) | (m << _U32(13))
-    # Subnormal (or zero): m * 2**-24 is exact in float32 (m < 2**10, result normal).
-    subnormal = _bits(np.float32(m) * _TWO_M24)
-    return sign | (special if e == _U32(0x1F) else (normal if e != _U32(0) else subnormal))
-
-
-@register_jitable
-def _float_bits_to_half(u: int) -> int:
-    """float32 bits -> fp16 bits, round to nearest even; overflow gives inf; a NaN keeps
-    its sign and top payload bits and becomes quiet (x86 F16C, which torch matches)."""
-    u = _U32(u)
-    sign = (u >> _U32(16)) & _U32(0x8000)
-    a = u & _ABS32
-    nan = _U32(0x7E00) | ((a >> _U32(13)) & _U32(0x3FF))
-    # Normal half (2**-14 <= a < 65520): rebias the exponent, round 13 bits away.
-    lsb = (a >> _U32(13)) & _U32(1)
-    normal = (a - _U32(0x38000000) + _U32(0xFFF) + lsb) >> _U32(13)
-    # Subnormal half (a < 2**-14): round mant * 2**(e - 126 - 23) to a multiple of 2**-24;
-    # shifts past 25 (a < 2**-26, or float32 subnormals) all give 0, like 25.
-    shift = min(max(np.int64(126) - np.int64(a >> _U32(23)), np.int64(14)), np.int64(25))
-    mant = (a & _U32(0x7FFFFF)) | _U32(0x800000)
-    q = mant >> _U32(shift)
-    rem = mant & ((_U32(1) << _U32(shift)) - _U32(1))
-    half = _U32(1) << _U32(shift - 1)
-    up = rem > half or (rem == half and (q & _U32(1)) == _U32(1))
-    subnormal = q + (_U32(1) if up else _U32(0))
-    if a > _INF32:
-        r = nan
-    elif a >= _U32(0x477FF000):  # 65520 and up: the tie above 65504 (odd) rounds to inf
-        r = _U32(0x7C00)
-    elif a >= _U32(0x38800000):
-        r = normal
-    else:
-        r = subnormal
-    return sign | r
-
-
-@register_jitable
-def _float_bits_to_bf16(u: int, nan_bits: int) -> int:
-    """float32 bits -> bf16 bits, round to nearest even (overflow gives inf). A NaN becomes
-    `nan_bits` when >= 0, else keeps sign and top payload bits, made quiet."""
-    u = _U32(u)
-    nan = _U32(nan_bits) if nan_bits >= 0 else (u >> _U32(16)) | _U32(0x40)
-    rounded = (u + _U32(0x7FFF) + ((u >> _U32(16)) & _U32(1))) >> _U32(16)
-    return nan if (u & _ABS32) > _INF32 else rounded
-
-
-def _load(src: np.ndarray, dst: np.ndarray) -> None:
-    """dst[:] = float32 bits of src[:] (implemented per dtype below). Callers pass tile
-    slices: indices that start at 0 let LLVM drop the negative-index check and vectorize."""
-    raise NotImplementedError
-
-
-# (numba requires an overload's implementation to declare its parameters exactly as the
-# typing function does, annotations included: both say Any, numba types vs arrays.)
-@overload(_load, jit_options={"fastmath": False, "error_model": "numpy"})
-def _load_impl(src: Any, dst: Any) -> Callable[..., None] | None:
-    if src.dtype == types.float32:
-
-        def load_f32(src: Any, dst: Any) -> None:
-            for i in range(dst.size):
-                dst[i] = _bits(src[i])
-
-        return load_f32
-    if src.dtype == types.uint16:
-
-        def load_bf16(src: Any, dst: Any) -> None:
-            for i in range(dst.size):
-                dst[i] = _U32(src[i]) << _U32(16)
-
-        return load_bf16
-    if src.dtype == types.int16:
-
-        def load_f16(src: Any, dst: Any) -> None:
-            for i in range(dst.size):
-                dst[i] = _half_to_float_bits(_U32(src[i]))
-
-        return load_f16
-    return None
-
-
-def _store(res: np.ndarray, out: np.ndarray, nan_bits: int) -> None:
-    """out[:] = res[:] cast to out's dtype (implemented per dtype below; tile slices)."""
-    raise NotImplementedError
-
-
-@overload(_store, jit_options={"fastmath": False, "error_model": "numpy"})
-def _store_impl(res: Any, out: Any, nan_bits: Any) -> Callable[..., None] | None:
-    if out.dtype == types.float32:
-
-        def store_f32(res: Any, out: Any, nan_bits: Any) -> None:
-            for i in range(out.size):
-                out[i] = res[i]
-
-        return store_f32
-    if out.dtype == types.float64:
-
-        def store_f64(res: Any, out: Any, nan_bits: Any) -> None:
-            for i in range(out.size):
-                out[i] = np.float64(res[i])
-
-        return store_f64
-    if out.dtype == types.uint16:
-
-        def store_bf16(res: Any, out: Any, nan_bits: Any) -> None:
-            for i in range(out.size):
-                out[i] = _float_bits_to_bf16(_bits(res[i]), nan_bits)
-
-        return store_bf16
-    if out.dtype == types.int16:
-
-        def store_f16(res: Any, out: Any, nan_bits: Any) -> None:
-            for i in range(out.size):
-                out[i] = _float_bits_to_half(_bits(res[i]))
-
-        return store_f16
-    return None
 
 
 # ---- the two passes --------------------------------------------------------------------
 
 
-@register_jitable
-def _load_tile(inputs: tuple[np.ndarray, ...], lo: int, m: int, buf: np.ndarray) -> None:
-    """buf[j, :m] = float32 bits of inputs[j][lo : lo + m], for every input (the tile every
-    kernel here and in `ties_numba` works on; each input is widened by its own dtype's loop)."""
-    j = 0
-    for src in literal_unroll(inputs):
-        _load(src[lo : lo + m], buf[j, :m])
-        j += 1
-
-
-@njit(cache=True, **_OPTIONS)
+@njit(cache=True, **OPTIONS)
 def _count_kernel(
     inputs: tuple[np.ndarray, ...],
     eps: np.float32,
@@ -268,13 +96,13 @@ def _count_kernel(
     patterns = np.zeros((LANES, (1 << ntasks) if small else 1), np.int64)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        _load_tile(inputs, lo, m, buf)
+        load_tile(inputs, lo, m, buf)
         if nonfinite.size:
             for j in range(ntasks + 1):
                 row = buf[j, :m]
                 found = 0
                 for i in range(m):
-                    found += 1 if (row[i] & _INF32) == _INF32 else 0
+                    found += 1 if (row[i] & INF32) == INF32 else 0
                 nonfinite[j] += found
         for i in range(m):
             code[i] = 0
@@ -312,7 +140,7 @@ def _count_kernel(
                     hist[t, k] += total
 
 
-@njit(cache=True, **_OPTIONS)
+@njit(cache=True, **OPTIONS)
 def _merge_kernel(
     inputs: tuple[np.ndarray, ...], eps: np.float32, lam: np.ndarray, out: np.ndarray, nan_bits: int
 ) -> None:
@@ -329,7 +157,7 @@ def _merge_kernel(
     zero = np.float32(0.0)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        _load_tile(inputs, lo, m, buf)
+        load_tile(inputs, lo, m, buf)
         for i in range(m):
             total[i] = zero
             count[i] = 0
@@ -350,79 +178,20 @@ def _merge_kernel(
             shared = total[i] / np.float32(c)
             merged = unique if c == 1 else shared
             res[i] = b if c == 0 else b + merged
-        _store(res[:m], out[lo : lo + m], nan_bits)
+        store(res[:m], out[lo : lo + m], nan_bits)
 
 
 # ---- Python API ------------------------------------------------------------------------
-
-ArrayLike = "torch.Tensor | np.ndarray"
-
-
-def _is_tensor(x: object) -> bool:
-    """Whether `x` is a torch tensor, without importing torch (a worker on the fused path
-    never does: the engine hands numpy arrays)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-#: The array a kernel reads for each numpy dtype it takes (bf16 comes as its uint16 bits),
-#: and writes (float64 too).
-_NUMPY_TO_KERNEL = {np.dtype(np.float32): np.float32, np.dtype(np.uint16): np.uint16,
-                    np.dtype(np.float16): np.int16}  # fmt: skip
-_NUMPY_OUT_TO_KERNEL = {**_NUMPY_TO_KERNEL, np.dtype(np.float64): np.float64}
-
-
-def _kernel_view(x: ArrayLike, table: dict[str, type], writable: bool) -> np.ndarray:
-    """The flat array a kernel reads (or writes), tagged by dtype as the kernels expect."""
-    if isinstance(x, np.ndarray):  # the engine's case first: it is called once per block
-        kinds = _NUMPY_OUT_TO_KERNEL if table is _TORCH_OUT_TO_KERNEL else _NUMPY_TO_KERNEL
-        kind = kinds.get(x.dtype)
-        if kind is None:
-            raise TypeError(f"fused RAM kernels do not handle numpy {x.dtype} (bf16 is uint16)")
-        if writable and not (x.flags.c_contiguous and x.flags.writeable):
-            raise ValueError("the output of a fused RAM kernel must be contiguous and writable")
-        return x.ravel().view(kind)
-    if not _is_tensor(x):
-        raise TypeError(f"expected a torch tensor or numpy array, got {type(x).__name__}")
-    import torch
-
-    assert isinstance(x, torch.Tensor)
-    if x.device.type != "cpu":
-        raise TypeError(f"fused RAM kernels run on CPU tensors, got {x.device}")
-    name = str(x.dtype).removeprefix("torch.")
-    if name not in table:
-        raise TypeError(f"fused RAM kernels do not handle {x.dtype}")
-    if not x.is_contiguous():
-        if writable:
-            raise ValueError("the output of a fused RAM kernel must be contiguous")
-        x = x.contiguous()
-    flat = x.reshape(-1)
-    if x.dtype == torch.bfloat16:
-        return flat.view(torch.int16).numpy().view(np.uint16)
-    return flat.numpy().view(table[name])
-
-
-def _inputs(base: ArrayLike, tasks: Sequence[ArrayLike]) -> tuple[np.ndarray, ...]:
-    if len(tasks) < 1:
-        raise ValueError("fused RAM kernels need at least one task")
-    arrays = (_kernel_view(base, _TORCH_TO_KERNEL, False),)
-    arrays += tuple([_kernel_view(x, _TORCH_TO_KERNEL, False) for x in tasks])
-    size = arrays[0].size
-    if any(a.size != size for a in arrays):
-        raise ValueError(f"base and tasks differ in length: {[a.size for a in arrays]}")
-    return arrays
 
 
 def supports(inputs: Sequence[torch.dtype], out: torch.dtype | None = None) -> bool:
     """Whether the fused kernels take these torch input dtypes (and output dtype); float64
     inputs, and anything else, stay on the eager path (`ram_dist.kernels.handle` answers
     the same for safetensors dtype names)."""
+    from ram_dist.dtypes import TORCH_TO_SAFETENSORS as names
 
-    def name(d: torch.dtype) -> str:
-        return str(d).removeprefix("torch.")
-
-    ok = all(name(d) in _TORCH_TO_KERNEL for d in inputs)
-    return ok and (out is None or name(out) in _TORCH_OUT_TO_KERNEL)
+    read = [names.get(d, "") for d in inputs]
+    return handle(read, None if out is None else names.get(out, ""))
 
 
 def overlap_counts(
@@ -431,7 +200,7 @@ def overlap_counts(
     """int64 [N+1, N+1], equal to `methods.ram.overlap_statistics(base, tasks, eps)`.
 
     `code_tasks` picks the counting strategy (both exact; tests force each)."""
-    arrays = _inputs(base, tasks)
+    arrays = kernel_inputs(base, tasks)
     ntasks = len(arrays) - 1
     hist = np.zeros((ntasks + 1, ntasks + 1), np.int64)
     _count_kernel(arrays, np.float32(eps), hist, np.zeros(0, np.int64), code_tasks)
@@ -443,7 +212,7 @@ def overlap_counts_nonfinite(
 ) -> tuple[np.ndarray, list[int]]:
     """`overlap_counts`, plus the NaN and Inf count of every input (base first) from the
     same sweep: the reduce pass's finiteness check without reading the inputs again."""
-    arrays = _inputs(base, tasks)
+    arrays = kernel_inputs(base, tasks)
     ntasks = len(arrays) - 1
     hist = np.zeros((ntasks + 1, ntasks + 1), np.int64)
     nonfinite = np.zeros(ntasks + 1, np.int64)
@@ -466,51 +235,13 @@ def merge_ram(
     the inputs' length, and must not overlap them. `lambdas` are rounded to float32 once.
     `bf16_nan`: the bits of a NaN cast to bfloat16; by default what torch writes here (the
     engine passes what it probed on the driver, so that workers need no torch)."""
-    arrays = _inputs(base, tasks)
-    target = _kernel_view(out, _TORCH_OUT_TO_KERNEL, True)
-    if target.size != arrays[0].size:
-        raise ValueError(f"out has {target.size} elements, the inputs {arrays[0].size}")
+    arrays = kernel_inputs(base, tasks)
+    target = kernel_output(out, arrays[0].size)
     if len(lambdas) != len(arrays) - 1:
         raise ValueError(f"{len(lambdas)} lambdas for {len(arrays) - 1} tasks")
     lam = np.asarray(lambdas, dtype=np.float64).astype(np.float32)
     nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
     _merge_kernel(arrays, np.float32(eps), lam, target, nan_bits)
-
-
-@functools.cache
-def torch_bf16_nan() -> int:
-    """What torch writes for a NaN cast to bfloat16 in a contiguous tensor in this process:
-    0xFFFF on AVX2/AVX512 builds, 0x7FC0 on the scalar path; -1 when it keeps the sign and
-    payload (a quiet NaN, as `vcvtneps2bf16` would)."""
-    import torch
-
-    nans = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF812345, 0x7FFFFFFF], np.uint32)
-    probe = torch.from_numpy(np.tile(nans, 13).view(np.float32))
-    got = probe.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    values = {int(v) for v in got}
-    if len(values) == 1:
-        return values.pop()
-    if all(int(g) == (int(v) >> 16) | 0x40 for g, v in zip(got, np.tile(nans, 13), strict=True)):
-        return -1
-    raise RuntimeError(f"unexpected NaN encoding of torch's bfloat16 cast: {sorted(values)}")
-
-
-_FMA_ASM = re.compile(r"\bv?f(?:n?)m(?:add|sub)\w*", re.IGNORECASE)
-_FMA_IR = re.compile(
-    r"@llvm\.(?:fma|fmuladd)\b|\bf(?:add|sub|mul)\s+(?:[a-z]+\s+)*(?:contract|fast)\b"
-)
-
-
-def fma_findings(dispatcher: Dispatcher) -> list[str]:
-    """Fused multiply-adds in a dispatcher's compiled code (compiled here, not loaded from
-    the disk cache, which cannot be inspected): FMA instructions in the assembly, and
-    `llvm.fma`/`llvm.fmuladd` calls or `contract`/`fast` flags in the LLVM IR."""
-    found: list[str] = []
-    for text in dispatcher.inspect_llvm().values():
-        found += [m.group(0) for m in _FMA_IR.finditer(text)]
-    for text in dispatcher.inspect_asm().values():
-        found += [m.group(0) for m in _FMA_ASM.finditer(text)]
-    return found
 
 
 def fma_instructions() -> list[str]:
@@ -519,7 +250,7 @@ def fma_instructions() -> list[str]:
     rounds twice."""
     found: list[str] = []
     for kernel in (_count_kernel, _merge_kernel):
-        fresh = njit(cache=False, **_OPTIONS)(kernel.py_func)
+        fresh = njit(cache=False, **OPTIONS)(kernel.py_func)
         for sig in kernel.signatures:
             fresh.compile(sig)
         found += fma_findings(fresh)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numba import njit
 
+from ram_dist.dtypes import ITEMSIZE
 from ram_dist.kernels import use_writable_cache
 
 if TYPE_CHECKING:
@@ -20,14 +21,18 @@ if TYPE_CHECKING:
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
+#: Exponent mask of each floating safetensors dtype the engine reads.
+_MASKS = {"F64": 0x7FF0000000000000, "F32": 0x7F800000, "BF16": 0x7F80, "F16": 0x7C00}
+
+
+def _unsigned(dtype: str, mask: int) -> tuple[type, np.unsignedinteger]:
+    """The unsigned integers of the dtype's width (its raw bits), and the mask as one."""
+    kind = np.dtype(f"u{ITEMSIZE[dtype]}").type
+    return kind, kind(mask)
+
+
 #: Raw-bits view and exponent mask of each floating safetensors dtype the engine reads.
-_EXPONENT = {
-    "F64": (np.uint64, np.uint64(0x7FF0000000000000)),
-    "F32": (np.uint32, np.uint32(0x7F800000)),
-    "BF16": (np.uint16, np.uint16(0x7F80)),
-    "F16": (np.uint16, np.uint16(0x7C00)),
-}
-_TORCH_NAMES = {"float64": "F64", "float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_EXPONENT = {d: _unsigned(d, mask) for d, mask in _MASKS.items()}
 
 
 @njit(cache=True, nogil=True, fastmath=False)
@@ -54,10 +59,13 @@ def nonfinite_in(raw: np.ndarray, dtype: str) -> int:
 
 def nonfinite_count(x: torch.Tensor) -> int:
     """Number of NaN and Inf elements of a CPU tensor of a floating dtype in `_EXPONENT`."""
-    name = _TORCH_NAMES.get(str(x.dtype).removeprefix("torch."))
-    if x.device.type != "cpu" or name is None:
-        raise TypeError(f"nonfinite_count takes CPU float tensors, got {x.dtype} on {x.device}")
     import torch
+
+    from ram_dist.dtypes import TORCH_TO_SAFETENSORS
+
+    name = TORCH_TO_SAFETENSORS.get(x.dtype, "")
+    if x.device.type != "cpu" or name not in _EXPONENT:
+        raise TypeError(f"nonfinite_count takes CPU float tensors, got {x.dtype} on {x.device}")
 
     flat = x.reshape(-1).contiguous()
     if flat.numel() == 0:

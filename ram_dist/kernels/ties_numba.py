@@ -4,7 +4,7 @@ map pass (task_arithmetic, ties), byte-identical to the eager torch path.
 Eager TIES costs about 150 ns per element and round on 2 cores here: every round rebuilds
 float32 task vectors, int64 keys and boolean masks of the whole block before a `bincount`.
 These kernels read each input element once per round in its stored dtype (the tile
-loaders of `ram_numba`), keep everything else in registers or an L2-sized tile, and write
+loaders of `primitives`), keep everything else in registers or an L2-sized tile, and write
 the output dtype directly.
 
 - Statistics (`topk.py`'s four histograms): the key of a task's element is the bits of
@@ -25,21 +25,12 @@ from collections.abc import Sequence
 import numpy as np
 from numba import njit
 
-from ram_dist.kernels.ram_numba import (
-    _OPTIONS,
-    _TORCH_OUT_TO_KERNEL,
-    LANES,
-    TILE,
-    ArrayLike,
-    _bits,
-    _inputs,
-    _kernel_view,
-    _load_tile,
-    _store,
-    torch_bf16_nan,
-)
+from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels.primitives import ABS32, LANES, OPTIONS, TILE, bits, load_tile, store
+from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
 
-_ABS = np.uint32(0x7FFFFFFF)
+use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
+
 #: HIGH's int32 sub-histograms are folded into the int64 result every FOLD elements (a
 #: multiple of TILE, far below 2**31 increments per bin).
 FOLD = TILE * 4096
@@ -50,7 +41,7 @@ HIGH, LOW, INDEX_HIGH, INDEX_LOW = 0, 1, 2, 3
 KEEP_ALL, KEEP_NONE, KEEP_CUT = 0, 1, 2
 
 
-@njit(cache=True, **_OPTIONS)
+@njit(cache=True, **OPTIONS)
 def _stats_kernel(
     inputs: tuple[np.ndarray, ...], kind: int, select: np.ndarray, start: int, hist: np.ndarray
 ) -> None:
@@ -69,14 +60,14 @@ def _stats_kernel(
     lanes = np.zeros((ntasks, LANES, bins if kind == 0 else 0), np.int32)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        _load_tile(inputs, lo, m, buf)
+        load_tile(inputs, lo, m, buf)
         for t in range(ntasks):
             x = vals[t + 1]
             row = hist[t]
             if kind == 0:
                 sub = lanes[t]
                 for i in range(m):
-                    key = _bits(x[i] - base[i]) & _ABS
+                    key = bits(x[i] - base[i]) & ABS32
                     sub[i & (LANES - 1), key >> np.uint32(16)] += 1
                 continue
             want = select[t, 0]
@@ -84,12 +75,12 @@ def _stats_kernel(
                 continue
             if kind == 1:
                 for i in range(m):
-                    key = _bits(x[i] - base[i]) & _ABS
+                    key = bits(x[i] - base[i]) & ABS32
                     if np.int64(key >> np.uint32(16)) == want:
                         row[key & np.uint32(0xFFFF)] += 1
             else:
                 for i in range(m):
-                    key = _bits(x[i] - base[i]) & _ABS
+                    key = bits(x[i] - base[i]) & ABS32
                     if np.int64(key) == want:
                         index = start + lo + i
                         if kind == 2:
@@ -104,7 +95,7 @@ def _stats_kernel(
                         lanes[t, lane, b] = 0
 
 
-@njit(cache=True, **_OPTIONS)
+@njit(cache=True, **OPTIONS)
 def _merge_kernel(
     inputs: tuple[np.ndarray, ...],
     keep: np.ndarray,
@@ -134,7 +125,7 @@ def _merge_kernel(
     one = np.float32(1.0)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        _load_tile(inputs, lo, m, buf)
+        load_tile(inputs, lo, m, buf)
         # weighted_t = sparse(delta_t) * w_t, written over the task's row
         for t in range(ntasks):
             x = vals[t + 1]
@@ -145,7 +136,7 @@ def _merge_kernel(
             for i in range(m):
                 d = x[i] - base[i]
                 if mode == 2:
-                    key = np.int64(_bits(d) & _ABS)
+                    key = np.int64(bits(d) & ABS32)
                     kept = key > threshold or (
                         key == threshold and (index_cut < 0 or start + lo + i < index_cut)
                     )
@@ -183,7 +174,7 @@ def _merge_kernel(
             mixed = total[i] / div[i] if normalize else total[i]
             mixed = mixed * lam if scale else mixed
             res[i] = base[i] + mixed
-        _store(res[:m], out[lo : lo + m], nan_bits)
+        store(res[:m], out[lo : lo + m], nan_bits)
 
 
 # ---- Python API ------------------------------------------------------------------------
@@ -199,7 +190,7 @@ def statistics(
 ) -> np.ndarray:
     """int64 [N, size]: TIES round `kind` statistic of every task (rows of skipped tasks,
     `select[t][0] < 0`, are zeros), equal to `topk`'s histograms of `magnitude_keys`."""
-    arrays = _inputs(base, tasks)
+    arrays = kernel_inputs(base, tasks)
     ntasks = len(arrays) - 1
     chosen = np.full((ntasks, 2), -1, np.int64)
     if select is not None:
@@ -228,10 +219,8 @@ def merge(
 
     `weights` and `divisor` (the plain weight sum, 1 where mergekit treats it as zero) are
     float32 values; `lambda_` is applied (rounded to float32) unless it is 1."""
-    arrays = _inputs(base, tasks)
-    target = _kernel_view(out, _TORCH_OUT_TO_KERNEL, True)
-    if target.size != arrays[0].size:
-        raise ValueError(f"out has {target.size} elements, the inputs {arrays[0].size}")
+    arrays = kernel_inputs(base, tasks)
+    target = kernel_output(out, arrays[0].size)
     ntasks = len(arrays) - 1
     if not len(weights) == len(keep) == len(cuts) == ntasks:
         raise ValueError(f"weights, keep and cuts must have one entry per task ({ntasks})")

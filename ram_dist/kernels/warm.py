@@ -29,10 +29,13 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
-#: --dtype names -> torch dtype names (the inputs' dtype).
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+from ram_dist.dtypes import INFO
+from ram_dist.kernels import READS, WRITES
+
+#: --dtype names -> torch dtype names (the inputs' dtype): every dtype the kernels read.
+DTYPES = {INFO[d].short: INFO[d].torch for d in READS}
 #: --out-dtype names: every output dtype the merge kernels write.
-OUT_DTYPES = {**DTYPES, "fp64": "float64"}
+OUT_DTYPES = {INFO[d].short: INFO[d].torch for d in WRITES}
 #: Task counts 1..TASKS by default (the methods take any number).
 TASKS = 8
 EPS = 1e-5

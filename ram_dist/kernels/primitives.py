@@ -1,0 +1,221 @@
+"""Numeric primitives the fused kernels share (numba): the tile loader and storer, the exact
+conversions between the stored dtypes and float32 bits, the compile options, and the check
+that compiled code has no fused multiply-add.
+
+A kernel works on tiles of `TILE` elements: `load_tile` widens every input into float32 bits
+(each by its own dtype's loop, picked at compile time), the rule runs in float32, and
+`store` narrows the result into the output's dtype. numba has no float16 or bfloat16 arrays,
+so both come as raw bits (`NUMBA_ARRAYS`): bfloat16 as uint16, float16 as int16.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numba import literal_unroll, types
+from numba.core.dispatcher import Dispatcher
+from numba.extending import intrinsic, overload, register_jitable
+
+#: Elements per tile: the float32 scratch of base and tasks plus four work rows stay in L2.
+TILE = 4096
+#: Sub-histograms, so that consecutive increments of one bin do not wait on each other.
+LANES = 4
+
+#: fastmath off (no FMA contraction, IEEE NaN/inf/subnormal semantics); numpy error model
+#: (x / 0 is inf or NaN, as in torch, instead of an exception); no GIL held.
+OPTIONS = {"fastmath": False, "nogil": True, "error_model": "numpy"}
+
+#: The array a kernel takes for each numpy view of stored elements that `load` and `store`
+#: handle: float16 as its int16 bits (numba has no float16); the others as they are.
+NUMBA_ARRAYS = {np.dtype(np.float16): np.dtype(np.int16)}
+
+_U32 = np.uint32
+ABS32 = _U32(0x7FFFFFFF)
+INF32 = _U32(0x7F800000)
+_QNAN32 = _U32(0x7FC00000)
+_TWO_M24 = np.float32(2.0**-24)
+
+
+# ---- bit casts -------------------------------------------------------------------------
+
+
+@intrinsic
+def bits(typingctx: Any, value: Any) -> tuple[Any, Any]:
+    """Reinterpret a float32 as its uint32 bits."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+    return sig, codegen
+
+
+# ---- exact conversions (stored dtype <-> float32 bits) ---------------------------------
+
+
+# Written without early returns: every candidate is computed and one is selected, so that
+# LLVM turns the choice into blends and vectorizes the conversion loops.
+
+
+@register_jitable
+def half_to_float_bits(h: int) -> int:
+    """fp16 bits -> float32 bits, exact; NaNs keep sign and payload and become quiet (what
+    torch's vectorized conversion, F16C, does)."""
+    h = _U32(h) & _U32(0xFFFF)
+    sign = (h & _U32(0x8000)) << _U32(16)
+    e = (h >> _U32(10)) & _U32(0x1F)
+    m = h & _U32(0x3FF)
+    special = (INF32 if m == _U32(0) else _QNAN32) | (m << _U32(13))
+    normal = ((e + _U32(112)) << _U32(23)) | (m << _U32(13))
+    # Subnormal (or zero): m * 2**-24 is exact in float32 (m < 2**10, result normal).
+    subnormal = bits(np.float32(m) * _TWO_M24)
+    return sign | (special if e == _U32(0x1F) else (normal if e != _U32(0) else subnormal))
+
+
+@register_jitable
+def float_bits_to_half(u: int) -> int:
+    """float32 bits -> fp16 bits, round to nearest even; overflow gives inf; a NaN keeps
+    its sign and top payload bits and becomes quiet (x86 F16C, which torch matches)."""
+    u = _U32(u)
+    sign = (u >> _U32(16)) & _U32(0x8000)
+    a = u & ABS32
+    nan = _U32(0x7E00) | ((a >> _U32(13)) & _U32(0x3FF))
+    # Normal half (2**-14 <= a < 65520): rebias the exponent, round 13 bits away.
+    lsb = (a >> _U32(13)) & _U32(1)
+    normal = (a - _U32(0x38000000) + _U32(0xFFF) + lsb) >> _U32(13)
+    # Subnormal half (a < 2**-14): round mant * 2**(e - 126 - 23) to a multiple of 2**-24;
+    # shifts past 25 (a < 2**-26, or float32 subnormals) all give 0, like 25.
+    shift = min(max(np.int64(126) - np.int64(a >> _U32(23)), np.int64(14)), np.int64(25))
+    mant = (a & _U32(0x7FFFFF)) | _U32(0x800000)
+    q = mant >> _U32(shift)
+    rem = mant & ((_U32(1) << _U32(shift)) - _U32(1))
+    half = _U32(1) << _U32(shift - 1)
+    up = rem > half or (rem == half and (q & _U32(1)) == _U32(1))
+    subnormal = q + (_U32(1) if up else _U32(0))
+    if a > INF32:
+        r = nan
+    elif a >= _U32(0x477FF000):  # 65520 and up: the tie above 65504 (odd) rounds to inf
+        r = _U32(0x7C00)
+    elif a >= _U32(0x38800000):
+        r = normal
+    else:
+        r = subnormal
+    return sign | r
+
+
+@register_jitable
+def float_bits_to_bf16(u: int, nan_bits: int) -> int:
+    """float32 bits -> bf16 bits, round to nearest even (overflow gives inf). A NaN becomes
+    `nan_bits` when >= 0, else keeps sign and top payload bits, made quiet."""
+    u = _U32(u)
+    nan = _U32(nan_bits) if nan_bits >= 0 else (u >> _U32(16)) | _U32(0x40)
+    rounded = (u + _U32(0x7FFF) + ((u >> _U32(16)) & _U32(1))) >> _U32(16)
+    return nan if (u & ABS32) > INF32 else rounded
+
+
+# ---- tile loads and stores -------------------------------------------------------------
+
+
+def load(src: np.ndarray, dst: np.ndarray) -> None:
+    """dst[:] = float32 bits of src[:] (implemented per dtype below). Callers pass tile
+    slices: indices that start at 0 let LLVM drop the negative-index check and vectorize."""
+    raise NotImplementedError
+
+
+# (numba requires an overload's implementation to declare its parameters exactly as the
+# typing function does, annotations included: both say Any, numba types vs arrays.)
+@overload(load, jit_options={"fastmath": False, "error_model": "numpy"})
+def _load_impl(src: Any, dst: Any) -> Callable[..., None] | None:
+    if src.dtype == types.float32:
+
+        def load_f32(src: Any, dst: Any) -> None:
+            for i in range(dst.size):
+                dst[i] = bits(src[i])
+
+        return load_f32
+    if src.dtype == types.uint16:
+
+        def load_bf16(src: Any, dst: Any) -> None:
+            for i in range(dst.size):
+                dst[i] = _U32(src[i]) << _U32(16)
+
+        return load_bf16
+    if src.dtype == types.int16:
+
+        def load_f16(src: Any, dst: Any) -> None:
+            for i in range(dst.size):
+                dst[i] = half_to_float_bits(_U32(src[i]))
+
+        return load_f16
+    return None
+
+
+def store(res: np.ndarray, out: np.ndarray, nan_bits: int) -> None:
+    """out[:] = res[:] cast to out's dtype (implemented per dtype below; tile slices)."""
+    raise NotImplementedError
+
+
+@overload(store, jit_options={"fastmath": False, "error_model": "numpy"})
+def _store_impl(res: Any, out: Any, nan_bits: Any) -> Callable[..., None] | None:
+    if out.dtype == types.float32:
+
+        def store_f32(res: Any, out: Any, nan_bits: Any) -> None:
+            for i in range(out.size):
+                out[i] = res[i]
+
+        return store_f32
+    if out.dtype == types.float64:
+
+        def store_f64(res: Any, out: Any, nan_bits: Any) -> None:
+            for i in range(out.size):
+                out[i] = np.float64(res[i])
+
+        return store_f64
+    if out.dtype == types.uint16:
+
+        def store_bf16(res: Any, out: Any, nan_bits: Any) -> None:
+            for i in range(out.size):
+                out[i] = float_bits_to_bf16(bits(res[i]), nan_bits)
+
+        return store_bf16
+    if out.dtype == types.int16:
+
+        def store_f16(res: Any, out: Any, nan_bits: Any) -> None:
+            for i in range(out.size):
+                out[i] = float_bits_to_half(bits(res[i]))
+
+        return store_f16
+    return None
+
+
+@register_jitable
+def load_tile(inputs: tuple[np.ndarray, ...], lo: int, m: int, buf: np.ndarray) -> None:
+    """buf[j, :m] = float32 bits of inputs[j][lo : lo + m], for every input (the tile every
+    kernel works on; each input is widened by its own dtype's loop)."""
+    j = 0
+    for src in literal_unroll(inputs):
+        load(src[lo : lo + m], buf[j, :m])
+        j += 1
+
+
+# ---- no fused multiply-add -------------------------------------------------------------
+
+_FMA_ASM = re.compile(r"\bv?f(?:n?)m(?:add|sub)\w*", re.IGNORECASE)
+_FMA_IR = re.compile(
+    r"@llvm\.(?:fma|fmuladd)\b|\bf(?:add|sub|mul)\s+(?:[a-z]+\s+)*(?:contract|fast)\b"
+)
+
+
+def fma_findings(dispatcher: Dispatcher) -> list[str]:
+    """Fused multiply-adds in a dispatcher's compiled code (compiled here, not loaded from
+    the disk cache, which cannot be inspected): FMA instructions in the assembly, and
+    `llvm.fma`/`llvm.fmuladd` calls or `contract`/`fast` flags in the LLVM IR."""
+    found: list[str] = []
+    for text in dispatcher.inspect_llvm().values():
+        found += [m.group(0) for m in _FMA_IR.finditer(text)]
+    for text in dispatcher.inspect_asm().values():
+        found += [m.group(0) for m in _FMA_ASM.finditer(text)]
+    return found

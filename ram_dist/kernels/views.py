@@ -1,0 +1,100 @@
+"""The arrays the fused kernels take, made from what their callers hand: the engine's numpy
+views of stored bytes (`ram_dist.kernels.READS`, `WRITES`), or CPU torch tensors (tests and
+benchmarks), without importing torch for the former."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ram_dist.kernels import READS, WRITES
+from ram_dist.kernels.primitives import NUMBA_ARRAYS
+
+ArrayLike = "torch.Tensor | np.ndarray"
+
+
+def _numba_arrays(table: Mapping[str, type]) -> dict[np.dtype, np.dtype]:
+    """numpy view of stored elements -> the array a kernel takes for it."""
+    return {np.dtype(t): NUMBA_ARRAYS.get(np.dtype(t), np.dtype(t)) for t in table.values()}
+
+
+_READ_ARRAYS = _numba_arrays(READS)
+_WRITE_ARRAYS = _numba_arrays(WRITES)
+
+
+def is_tensor(x: object) -> bool:
+    """Whether `x` is a torch tensor, without importing torch (a worker on the fused path
+    never does: the engine hands numpy arrays)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def kernel_view(x: ArrayLike, writable: bool) -> np.ndarray:
+    """The flat array a kernel reads (or, `writable`, writes), typed as the kernels expect."""
+    table, arrays = (WRITES, _WRITE_ARRAYS) if writable else (READS, _READ_ARRAYS)
+    if isinstance(x, np.ndarray):  # the engine's case first: it is called once per block
+        kind = arrays.get(x.dtype)
+        if kind is None:
+            raise TypeError(f"fused RAM kernels do not handle numpy {x.dtype} (bf16 is uint16)")
+        if writable and not (x.flags.c_contiguous and x.flags.writeable):
+            raise ValueError("the output of a fused RAM kernel must be contiguous and writable")
+        return x.ravel().view(kind)
+    if not is_tensor(x):
+        raise TypeError(f"expected a torch tensor or numpy array, got {type(x).__name__}")
+    import torch
+
+    from ram_dist.dtypes import TORCH_TO_SAFETENSORS
+
+    assert isinstance(x, torch.Tensor)
+    if x.device.type != "cpu":
+        raise TypeError(f"fused RAM kernels run on CPU tensors, got {x.device}")
+    name = TORCH_TO_SAFETENSORS.get(x.dtype)
+    if name not in table:
+        raise TypeError(f"fused RAM kernels do not handle {x.dtype}")
+    if not x.is_contiguous():
+        if writable:
+            raise ValueError("the output of a fused RAM kernel must be contiguous")
+        x = x.contiguous()
+    stored = x.reshape(-1).view(torch.uint8).numpy().view(table[name])  # bf16: no numpy dtype
+    return stored.view(arrays[stored.dtype])
+
+
+def kernel_inputs(base: ArrayLike, tasks: Sequence[ArrayLike]) -> tuple[np.ndarray, ...]:
+    """(base, task_1, ..., task_N) as the kernels read them, checked to be of one length."""
+    if len(tasks) < 1:
+        raise ValueError("fused RAM kernels need at least one task")
+    arrays = (kernel_view(base, False),)
+    arrays += tuple([kernel_view(x, False) for x in tasks])
+    size = arrays[0].size
+    if any(a.size != size for a in arrays):
+        raise ValueError(f"base and tasks differ in length: {[a.size for a in arrays]}")
+    return arrays
+
+
+def kernel_output(out: ArrayLike, size: int) -> np.ndarray:
+    """The array a kernel writes into, checked to hold `size` elements (the inputs')."""
+    target = kernel_view(out, True)
+    if target.size != size:
+        raise ValueError(f"out has {target.size} elements, the inputs {size}")
+    return target
+
+
+@functools.cache
+def torch_bf16_nan() -> int:
+    """What torch writes for a NaN cast to bfloat16 in a contiguous tensor in this process:
+    0xFFFF on AVX2/AVX512 builds, 0x7FC0 on the scalar path; -1 when it keeps the sign and
+    payload (a quiet NaN, as `vcvtneps2bf16` would)."""
+    import torch
+
+    nans = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF812345, 0x7FFFFFFF], np.uint32)
+    probe = torch.from_numpy(np.tile(nans, 13).view(np.float32))
+    got = probe.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    values = {int(v) for v in got}
+    if len(values) == 1:
+        return values.pop()
+    if all(int(g) == (int(v) >> 16) | 0x40 for g, v in zip(got, np.tile(nans, 13), strict=True)):
+        return -1
+    raise RuntimeError(f"unexpected NaN encoding of torch's bfloat16 cast: {sorted(values)}")
