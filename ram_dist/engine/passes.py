@@ -350,7 +350,7 @@ def _shipped(job: Job, state: dict[str, Any]) -> dict[str, Any]:
     fused = job.config.kernels == "auto" and kernels.available()
     shipped = {**state, "fused": fused}
     if fused:
-        from ram_dist.kernels.ram_numba import torch_bf16_nan
+        from ram_dist.kernels.views import torch_bf16_nan
 
         shipped["bf16_nan"] = torch_bf16_nan()
     return shipped
