@@ -3,7 +3,7 @@
 Every read and write of ram-dist goes through a `Storage`, which the driver builds once and
 ships to the workers. Reads are byte ranges, cut into requests of at most `REQUEST_BYTES`
 that the filesystem may run concurrently. Retrying a transient failure is the store client's
-job: botocore's own retry mode for S3 (`S3_RETRIES`), gcsfs's and huggingface_hub's own
+job: botocore's own retry mode for S3 (`s3.RETRIES`), gcsfs's and huggingface_hub's own
 retries for gs:// and hf://; only stores whose client has none (`RETRIED_HERE`) are retried
 here, and only for what is transient. A failed read is raised as a one-line `StorageError`
 naming the input file (`failures`).
@@ -25,6 +25,7 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from ram_dist.errors import RamDistError
+from ram_dist.io import s3
 from ram_dist.io.failures import ChangedError, storage_error, transient
 
 if TYPE_CHECKING:
@@ -32,12 +33,8 @@ if TYPE_CHECKING:
 
 #: Largest single range request; a unit's range is cut into requests this size.
 REQUEST_BYTES = 16 * 2**20
-#: botocore's retry configuration for S3, unless the storage options give their own
-#: (`{"s3": {"config_kwargs": {"retries": {...}}}}`): its standard mode retries throttling
-#: (SlowDown, 429), 5xx answers, timeouts and broken connections, with exponential backoff
-#: and jitter, and nothing else (a denied or missing object fails at once). s3fs itself tries
-#: a request that failed with SlowDown or a broken response body up to 5 times more.
-S3_RETRIES = {"mode": "standard", "total_max_attempts": 8}
+#: botocore's retry configuration for S3 (see `s3.RETRIES`).
+S3_RETRIES = s3.RETRIES
 #: Protocols whose client retries nothing itself (fsspec's HTTP filesystem): their transient
 #: failures (`failures.transient`) are retried here, `ATTEMPTS` times in all.
 RETRIED_HERE = ("http", "https")
@@ -85,9 +82,7 @@ class Storage:
         protocol = protocol_of(url)
         kwargs = dict(self.options.get(protocol, {}))
         if protocol == "s3":
-            config = dict(kwargs.get("config_kwargs") or {})
-            config.setdefault("retries", dict(S3_RETRIES))
-            kwargs["config_kwargs"] = config
+            kwargs = s3.fs_options(kwargs)
         try:
             return fsspec.core.url_to_fs(url, **kwargs)
         except ImportError as e:

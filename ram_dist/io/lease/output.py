@@ -19,8 +19,9 @@ from ram_dist.io.failures import explained, is_storage_failure
 from ram_dist.io.lease.best_effort import FsspecStore
 from ram_dist.io.lease.host import machine_id, process_gone
 from ram_dist.io.lease.local import LocalStore
-from ram_dist.io.lease.s3 import S3Store, conditional_writes
+from ram_dist.io.lease.s3 import S3Store
 from ram_dist.io.lease.store import Holder, LeaseHeld, LeaseStore, Seen
+from ram_dist.io.s3 import conditional_writes
 from ram_dist.io.storage import Storage, join, protocol_of
 
 LEASE_NAME = ".ram-dist-lease.json"

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
 from fsspec.asyn import sync
 
+from ram_dist.io.failures import conditional
 from ram_dist.io.lease.store import MAX_LEASE_BYTES, LeaseStore, Seen, parse
 
 
@@ -27,7 +27,7 @@ class S3Store(LeaseStore):
             try:
                 return self.fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
             except Exception as e:
-                if _s3_error(e) != "conflict" or attempt == 4:
+                if conditional(e) != "conflict" or attempt == 4:
                     raise
                 time.sleep(0.05 * 2**attempt)
             finally:
@@ -38,7 +38,7 @@ class S3Store(LeaseStore):
         try:
             return self._call("put_object", Body=data, IfNoneMatch="*")["ETag"]
         except Exception as e:
-            if _s3_error(e) == "precondition":
+            if conditional(e) == "precondition":
                 return None
             raise
 
@@ -52,7 +52,7 @@ class S3Store(LeaseStore):
         try:
             data, etag, modified = sync(self.fs.loop, get)
         except Exception as e:
-            if _s3_error(e) == "missing":
+            if conditional(e) == "missing":
                 return None
             raise
         return Seen(parse(data), modified, etag)
@@ -61,7 +61,7 @@ class S3Store(LeaseStore):
         try:
             return self._call("put_object", Body=data, IfMatch=version)["ETag"]
         except Exception as e:
-            if _s3_error(e) not in ("precondition", "missing"):
+            if conditional(e) not in ("precondition", "missing"):
                 raise
         # A retried request whose first try landed fails its condition: was it ours?
         seen = self.read()
@@ -77,7 +77,7 @@ class S3Store(LeaseStore):
             self._call("delete_object", IfMatch=version)
             return True
         except Exception as e:
-            kind = _s3_error(e)
+            kind = conditional(e)
             if kind in ("precondition", "missing"):
                 return False
             if kind != "unsupported":
@@ -88,52 +88,3 @@ class S3Store(LeaseStore):
             return False
         self._call("delete_object")
         return True
-
-
-@functools.lru_cache(maxsize=1)
-def conditional_writes() -> bool:
-    """Whether this botocore sends PutObject's IfNoneMatch/IfMatch (s3fs silently drops
-    parameters its botocore does not know)."""
-    try:
-        import botocore.session
-
-        model = botocore.session.get_session().get_service_model("s3")
-        members = model.operation_model("PutObject").input_shape.members
-        return "IfNoneMatch" in members and "IfMatch" in members
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def _s3_error(error: BaseException) -> str | None:
-    """What an s3fs/botocore error means here: "precondition" (412 PreconditionFailed),
-    "conflict" (409 ConditionalRequestConflict), "missing" (404), "unsupported" (501 or a
-    store refusing the conditional header), or None.
-
-    s3fs turns a botocore `ClientError` into a builtin exception (`FileExistsError` for a
-    failed `If-None-Match`, `OSError(EINVAL)` for a failed `If-Match`, `FileNotFoundError`)
-    with the `ClientError` as `__cause__`; its `response` holds the code and HTTP status."""
-    chain: list[BaseException] = []
-    e: BaseException | None = error
-    while e is not None and e not in chain and len(chain) < 16:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    for e in chain:
-        response = getattr(e, "response", None)
-        if not isinstance(response, dict):
-            continue
-        code = (response.get("Error") or {}).get("Code")
-        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-        if code == "PreconditionFailed" or status == 412:
-            return "precondition"
-        if code in ("ConditionalRequestConflict", "OperationAborted") or status == 409:
-            return "conflict"
-        if code in ("NoSuchKey", "404", "NotFound") or status == 404:
-            return "missing"
-        if code in ("NotImplemented", "InvalidArgument") or status == 501:
-            return "unsupported"
-        return None
-    if isinstance(error, FileExistsError):
-        return "precondition"
-    if isinstance(error, FileNotFoundError):
-        return "missing"
-    return None
