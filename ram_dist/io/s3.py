@@ -1,6 +1,7 @@
-"""Facts about S3 that ram-dist relies on, kept in one place: its retry configuration, its
-error codes and how to read them off an error, and whether this botocore sends conditional
-writes. Imports nothing of ram-dist, so every io module (and the planner) may use it.
+"""Facts about S3 that ram-dist relies on, kept in one place: its multipart upload limits
+(the planner cuts parts by them), its retry configuration, its error codes and how to read
+them off an error, and whether this botocore sends conditional writes. Imports nothing of
+ram-dist, so every io module (and the planner) may use it.
 
 s3fs turns a botocore `ClientError` into a builtin exception (`FileExistsError` for a failed
 `If-None-Match`, `OSError(EINVAL)` for a failed `If-Match`, `FileNotFoundError`, ...) with the
@@ -11,6 +12,11 @@ from __future__ import annotations
 
 import functools
 from typing import Any
+
+#: S3's limits on a multipart upload: every part but the last at least 5 MiB, at most
+#: 10,000 parts (other S3-compatible stores take the same limits).
+MIN_PART_BYTES = 5 * 2**20
+MAX_PARTS = 10_000
 
 #: botocore's retry configuration for S3, unless the storage options give their own
 #: (`{"s3": {"config_kwargs": {"retries": {...}}}}`): its standard mode retries throttling

@@ -19,17 +19,33 @@ import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ram_dist.io.failures import reported
+from ram_dist.io.s3 import MIN_PART_BYTES
 from ram_dist.io.storage import Storage, join
 from ram_dist.io.writer import PARTIAL_SUFFIX, AtomicFile
-from ram_dist.units import MIN_PART_BYTES, Part
 
 DIRECT = "direct"
 THROUGH_DRIVER = "through-driver"
+
+
+class Part(Protocol):
+    """What a sink needs of a part (the planner's `units.Part`): bytes [start, stop) of a
+    shard, numbered from 1 within it. A protocol, so io does not import the planner."""
+
+    @property
+    def shard(self) -> str: ...
+    @property
+    def number(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def stop(self) -> int: ...
+    @property
+    def size(self) -> int: ...
 
 
 @dataclass(frozen=True)
