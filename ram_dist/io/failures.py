@@ -19,11 +19,11 @@ import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from urllib.parse import urlparse
 
 from ram_dist.errors import RamDistError, StorageError
 from ram_dist.io import s3
+from ram_dist.io.backends import client_errors
 
 #: errnos, by what they mean here.
 ERRNO_MISSING = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
@@ -59,7 +59,7 @@ class ChangedError(OSError):
 
 def is_storage_failure(error: BaseException) -> bool:
     """Whether `error` is a store's or disk's failure (not a bug, not our own check)."""
-    return isinstance(error, (OSError, *_client_errors())) and not isinstance(error, RamDistError)
+    return isinstance(error, (OSError, *client_errors())) and not isinstance(error, RamDistError)
 
 
 def classify(error: BaseException) -> Failure:
@@ -256,31 +256,6 @@ def _by_type(e: BaseException) -> Failure | None:
     if isinstance(e, OSError) and number is not None:
         return Failure("other", detail)
     return None
-
-
-@lru_cache(maxsize=1)
-def _client_errors() -> tuple[type[BaseException], ...]:
-    """Store client errors that are no `OSError`, from the clients installed."""
-    found: list[type[BaseException]] = []
-    try:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        found += [BotoCoreError, ClientError]
-    except ImportError:
-        pass
-    try:
-        from aiohttp import ClientError as AiohttpError
-
-        found.append(AiohttpError)
-    except ImportError:
-        pass
-    try:
-        from gcsfs.retry import HttpError
-
-        found.append(HttpError)
-    except ImportError:
-        pass
-    return tuple(found)
 
 
 def _bucket(url: str | None) -> str | None:

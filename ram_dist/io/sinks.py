@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ram_dist.io.backends import backend_of, load
 from ram_dist.io.failures import reported
 from ram_dist.io.s3 import MIN_PART_BYTES
 from ram_dist.io.storage import Storage, join
@@ -185,6 +186,13 @@ class OutputSink:
         self.reason = reason
         self.bytes_written_by_driver = 0
 
+    @classmethod
+    def choose(
+        cls, out_url: str, storage: Storage, *, shared: bool, single_node: bool | None
+    ) -> OutputSink:
+        """The sink of this kind for `out_url`, or the one to use instead (see `choose_sink`)."""
+        raise NotImplementedError
+
     def open(
         self, shard: str, size: int, plan: list[Part], old: dict[str, Any] | None
     ) -> OpenShard:
@@ -221,6 +229,12 @@ class S3Sink(OutputSink):
     """One multipart upload per shard, parts uploaded by the workers."""
 
     min_part_bytes = MIN_PART_BYTES
+
+    @classmethod
+    def choose(
+        cls, out_url: str, storage: Storage, *, shared: bool, single_node: bool | None
+    ) -> OutputSink:
+        return cls(out_url, storage, "S3: workers upload the parts of a multipart upload")
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         fs, _ = self.storage.fs(self.out_url)
@@ -331,6 +345,24 @@ class FileSink(OutputSink):
     """A filesystem every worker sees: workers `pwrite` their ranges into a partial file
     that the driver created at the shard's final size, and renames when every part is in."""
 
+    @classmethod
+    def choose(
+        cls, out_url: str, storage: Storage, *, shared: bool, single_node: bool | None
+    ) -> OutputSink:
+        """In place where every worker sees the folder, else through the driver."""
+        if shared:
+            return cls(out_url, storage, "a shared filesystem (--output-shared): workers "
+                       "write their ranges in place")  # fmt: skip
+        if single_node is None:
+            return cls(out_url, storage, "a local folder: workers write their ranges in "
+                       "place when the cluster is one node (or with --output-shared); "
+                       "on several nodes, through the driver")  # fmt: skip
+        if single_node:
+            return cls(out_url, storage, "a local folder on a one-node cluster: workers "
+                       "write their ranges in place")  # fmt: skip
+        return DriverSink(out_url, storage, "a local folder on a cluster of several nodes "
+                          "without --output-shared: only the driver's node sees it")  # fmt: skip
+
     def open(
         self, shard: str, size: int, plan: list[Part], old: dict[str, Any] | None
     ) -> OpenShard:
@@ -403,6 +435,15 @@ class DriverSink(OutputSink):
 
     path = THROUGH_DRIVER
 
+    @classmethod
+    def choose(
+        cls, out_url: str, storage: Storage, *, shared: bool, single_node: bool | None
+    ) -> OutputSink:
+        fs, _ = storage.fs(out_url)
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        return cls(out_url, storage, f"{protocol}:// takes no parts from several writers "
+                   "here: the driver streams each shard in order")  # fmt: skip
+
     def open(
         self, shard: str, size: int, plan: list[Part], old: dict[str, Any] | None
     ) -> OpenShard:
@@ -439,26 +480,11 @@ class DriverSink(OutputSink):
 def choose_sink(
     out_url: str, storage: Storage, *, shared: bool, single_node: bool | None
 ) -> OutputSink:
-    """The sink for an output location, with why, in words (for `plan` and the report).
+    """The sink for an output location, with why, in words (for `plan` and the report): its
+    backend's (`backends`).
 
     `shared`: the user declared a local output path mounted on every node (`--output-shared`);
     `single_node`: the cluster is one node (None: not known yet, as in `ram-dist plan`)."""
-    fs, _ = storage.fs(out_url)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    if protocol in ("s3", "s3a"):
-        return S3Sink(out_url, storage, "S3: workers upload the parts of a multipart upload")
-    if storage.is_local(out_url):
-        if shared:
-            return FileSink(out_url, storage, "a shared filesystem (--output-shared): workers "
-                            "write their ranges in place")  # fmt: skip
-        if single_node is None:
-            return FileSink(out_url, storage, "a local folder: workers write their ranges in "
-                            "place when the cluster is one node (or with --output-shared); "
-                            "on several nodes, through the driver")  # fmt: skip
-        if single_node:
-            return FileSink(out_url, storage, "a local folder on a one-node cluster: workers "
-                            "write their ranges in place")  # fmt: skip
-        return DriverSink(out_url, storage, "a local folder on a cluster of several nodes "
-                          "without --output-shared: only the driver's node sees it")  # fmt: skip
-    return DriverSink(out_url, storage, f"{protocol}:// takes no parts from several writers "
-                      "here: the driver streams each shard in order")  # fmt: skip
+    storage.fs(out_url)  # an unknown protocol or a missing client fails here
+    sink: type[OutputSink] = load(backend_of(out_url).sink)
+    return sink.choose(out_url, storage, shared=shared, single_node=single_node)

@@ -4,9 +4,9 @@ Every read and write of ram-dist goes through a `Storage`, which the driver buil
 ships to the workers. Reads are byte ranges, cut into requests of at most `REQUEST_BYTES`
 that the filesystem may run concurrently. Retrying a transient failure is the store client's
 job: botocore's own retry mode for S3 (`s3.RETRIES`), gcsfs's and huggingface_hub's own
-retries for gs:// and hf://; only stores whose client has none (`RETRIED_HERE`) are retried
-here, and only for what is transient. A failed read is raised as a one-line `StorageError`
-naming the input file (`failures`).
+retries for gs:// and hf://; only stores whose client has none (`retried_here` in `backends`)
+are retried here, and only for what is transient. A failed read is raised as a one-line
+`StorageError` naming the input file (`failures`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ram_dist.errors import RamDistError
 from ram_dist.io import s3
+from ram_dist.io.backends import backend, backend_of, protocol_of
 from ram_dist.io.failures import ChangedError, storage_error, transient
 
 if TYPE_CHECKING:
@@ -35,21 +36,13 @@ if TYPE_CHECKING:
 REQUEST_BYTES = 16 * 2**20
 #: botocore's retry configuration for S3 (see `s3.RETRIES`).
 S3_RETRIES = s3.RETRIES
-#: Protocols whose client retries nothing itself (fsspec's HTTP filesystem): their transient
-#: failures (`failures.transient`) are retried here, `ATTEMPTS` times in all.
-RETRIED_HERE = ("http", "https")
+#: Stores whose client retries nothing itself (fsspec's HTTP filesystem; `retried_here` in
+#: `backends`): their transient failures (`failures.transient`) are retried here, `ATTEMPTS`
+#: times in all.
 ATTEMPTS = 5
 BACKOFF_S = 0.25
 #: What a range read returns: fetched bytes, or a view of the buffer it was read into.
 Buffer = bytes | memoryview
-#: Protocols that name one another.
-ALIASES = {"s3a": "s3", "gcs": "gs"}
-
-
-def protocol_of(url: str) -> str:
-    """`s3`, `gs`, `hf`, `file`, ... of a URL (a plain path is `file`)."""
-    protocol = fsspec.utils.get_protocol(url)
-    return ALIASES.get(protocol, protocol)
 
 
 @dataclass(frozen=True)
@@ -81,8 +74,9 @@ class Storage:
         """The filesystem and the path inside it (fsspec caches the instances)."""
         protocol = protocol_of(url)
         kwargs = dict(self.options.get(protocol, {}))
-        if protocol == "s3":
-            kwargs = s3.fs_options(kwargs)
+        complete = backend(protocol).fs_options
+        if complete is not None:
+            kwargs = complete(kwargs)
         try:
             return fsspec.core.url_to_fs(url, **kwargs)
         except ImportError as e:
@@ -183,7 +177,7 @@ class Storage:
     def _fetch(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
         """One batched `cat_ranges` per filesystem. A request that failed is raised as a
         `StorageError`, unless the failure is transient and its store's client retries
-        nothing itself (`RETRIED_HERE`): then it is tried again alone, with backoff."""
+        nothing itself (`retried_here`): then it is tried again alone, with backoff."""
         out: list[bytes | None] = [None] * len(requests)
         todo = list(range(len(requests)))
         for attempt in range(ATTEMPTS):
@@ -213,7 +207,7 @@ class Storage:
                 return out  # type: ignore[return-value]
             for i, e in errors.items():
                 url = requests[i][0]
-                again = protocol_of(url) in RETRIED_HERE and transient(e)
+                again = backend_of(url).retried_here and transient(e)
                 if not again or attempt == ATTEMPTS - 1:
                     raise storage_error(e, url, "read", "input") from e
             todo = sorted(errors)

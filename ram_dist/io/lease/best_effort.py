@@ -7,8 +7,6 @@ import contextlib
 import time
 from typing import Any
 
-from fsspec import AbstractFileSystem
-
 from ram_dist.io.lease.store import MAX_LEASE_BYTES, LeaseStore, Seen, parse
 
 #: Wait this long after writing a lease before reading it back.
@@ -17,10 +15,6 @@ SETTLE_S = 0.25
 
 class FsspecStore(LeaseStore):
     """Best effort for stores without a conditional create: check, write, read back."""
-
-    def __init__(self, fs: AbstractFileSystem, path: str) -> None:
-        self.fs = fs
-        self.path = path
 
     def prepare(self) -> None:
         with contextlib.suppress(Exception):

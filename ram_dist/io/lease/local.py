@@ -13,6 +13,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from fsspec import AbstractFileSystem
+
 from ram_dist.io.lease.store import MAX_LEASE_BYTES, LeaseHeld, LeaseStore, Seen, parse
 
 #: The guard file held while an existing lease is checked and changed, and the age at which
@@ -35,8 +37,8 @@ class LocalStore(LeaseStore):
     the same instant could both go on: that takes a crash inside those milliseconds and two
     runs arriving together 10 s later)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, fs: AbstractFileSystem, path: str) -> None:
+        super().__init__(fs, path)
         self.dir = os.path.dirname(path)
         self.guard_path = path + GUARD_SUFFIX
 

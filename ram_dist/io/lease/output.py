@@ -12,17 +12,12 @@ from datetime import datetime, timezone
 from types import TracebackType
 from typing import Any
 
-from fsspec.implementations.local import LocalFileSystem
-
 from ram_dist.errors import RamDistError
+from ram_dist.io.backends import backend_of, load
 from ram_dist.io.failures import explained, is_storage_failure
-from ram_dist.io.lease.best_effort import FsspecStore
 from ram_dist.io.lease.host import machine_id, process_gone
-from ram_dist.io.lease.local import LocalStore
-from ram_dist.io.lease.s3 import S3Store
 from ram_dist.io.lease.store import Holder, LeaseHeld, LeaseStore, Seen
-from ram_dist.io.s3 import conditional_writes
-from ram_dist.io.storage import Storage, join, protocol_of
+from ram_dist.io.storage import Storage, join
 
 LEASE_NAME = ".ram-dist-lease.json"
 #: A lease not renewed for this long may be taken over.
@@ -294,17 +289,7 @@ class OutputLease:
 
 def _store_for(url: str, storage: Storage) -> LeaseStore:
     fs, path = storage.fs(url)
-    if isinstance(fs, LocalFileSystem):
-        return LocalStore(path)
-    if protocol_of(url) == "s3" and hasattr(fs, "call_s3") and conditional_writes():
-        return S3Store(fs, path)
-    if protocol_of(url) == "s3":
-        log.warning(
-            "%s: this botocore does not know conditional PutObject (IfNoneMatch/IfMatch); "
-            "the output lease is best effort only. Upgrade botocore/s3fs to make it exclusive.",
-            url,
-        )
-    return FsspecStore(fs, path)
+    return load(backend_of(url).lease).for_location(url, fs, path)
 
 
 def _iso(t: float) -> str:

@@ -3,22 +3,40 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
+from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
 from ram_dist.io.failures import conditional
+from ram_dist.io.lease.best_effort import FsspecStore
 from ram_dist.io.lease.store import MAX_LEASE_BYTES, LeaseStore, Seen, parse
+from ram_dist.io.s3 import conditional_writes
+
+log = logging.getLogger("ram_dist.io.lease")
 
 
 class S3Store(LeaseStore):
     """Conditional requests through s3fs's own client (`call_s3`)."""
 
     def __init__(self, fs: Any, path: str) -> None:
-        self.fs = fs
-        self.path = path
+        super().__init__(fs, path)
         self.bucket, self.key, _ = fs.split_path(path)
+
+    @classmethod
+    def for_location(cls, url: str, fs: AbstractFileSystem, path: str) -> LeaseStore:
+        """Best effort (`FsspecStore`) where s3fs or its botocore cannot send conditional
+        writes."""
+        if hasattr(fs, "call_s3") and conditional_writes():
+            return cls(fs, path)
+        log.warning(
+            "%s: this botocore does not know conditional PutObject (IfNoneMatch/IfMatch); "
+            "the output lease is best effort only. Upgrade botocore/s3fs to make it exclusive.",
+            url,
+        )
+        return FsspecStore(fs, path)
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         """One request; a 409 ConditionalRequestConflict (a concurrent conditional write

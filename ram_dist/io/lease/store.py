@@ -8,6 +8,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from fsspec import AbstractFileSystem
+
 from ram_dist.errors import RamDistError
 
 #: Most bytes read from a lease; a longer one is unreadable (an unknown holder).
@@ -87,6 +89,16 @@ def parse(data: bytes) -> Holder | None:
 
 class LeaseStore:
     """The conditional operations a lease needs from one kind of store."""
+
+    def __init__(self, fs: AbstractFileSystem, path: str) -> None:
+        self.fs = fs
+        self.path = path
+
+    @classmethod
+    def for_location(cls, url: str, fs: AbstractFileSystem, path: str) -> LeaseStore:
+        """The store for the lease at `url` (`path` inside `fs`): this kind, unless the
+        client cannot do what it needs."""
+        return cls(fs, path)
 
     def prepare(self) -> None:
         """Make the output location able to hold the lease."""
