@@ -27,7 +27,7 @@ class Backend:
 
     lease: str = "ram_dist.io.lease.best_effort:FsspecStore"
     """The `LeaseStore` class that claims an output location (`for_location` builds it)."""
-    sink: str = "ram_dist.io.sinks:DriverSink"
+    sink: str = "ram_dist.io.sinks.driver:DriverSink"
     """The `OutputSink` class that writes shards there (`choose` builds it)."""
     fs_options: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     """Completes the storage options given for this protocol (S3: botocore's retries)."""
@@ -42,7 +42,9 @@ class Backend:
 
 
 LOCAL = Backend(
-    lease="ram_dist.io.lease.local:LocalStore", sink="ram_dist.io.sinks:FileSink", in_process=True
+    lease="ram_dist.io.lease.local:LocalStore",
+    sink="ram_dist.io.sinks.file:FileSink",
+    in_process=True,
 )
 HTTP = Backend(client_errors=("aiohttp:ClientError",), retried_here=True)
 BACKENDS: dict[str, Backend] = {
@@ -51,7 +53,7 @@ BACKENDS: dict[str, Backend] = {
     "memory": Backend(in_process=True),
     "s3": Backend(
         lease="ram_dist.io.lease.s3:S3Store",
-        sink="ram_dist.io.sinks:S3Sink",
+        sink="ram_dist.io.sinks.s3:S3Sink",
         fs_options=s3.fs_options,
         client_errors=("botocore.exceptions:BotoCoreError", "botocore.exceptions:ClientError"),
     ),
