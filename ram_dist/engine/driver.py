@@ -29,15 +29,17 @@ from ram_dist.config import MergeConfig
 from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
 from ram_dist.engine.blocks import COMPUTE_BLOCK
+from ram_dist.engine.book import ShardBook
 from ram_dist.engine.effective import CONFIG_NAME, render
 from ram_dist.engine.gpu import Devices, job_devices
 from ram_dist.engine.job import Job, gc_paused, prepare
 from ram_dist.engine.output import OutputState, check_writable, clear_published, open_output
-from ram_dist.engine.passes import PassStats, ShardBook, Shipped, map_pass, reduce_pass
+from ram_dist.engine.passes import Shipped, map_pass, reduce_pass
 from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster, ray_session
 from ram_dist.engine.sizing import machine
+from ram_dist.engine.stats import PassStats
 from ram_dist.errors import RamDistError
 from ram_dist.io.files import copy_files, non_weight_files
 from ram_dist.io.json_files import MAX_REPORT_BYTES, read_json
