@@ -23,8 +23,15 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from ram_dist import API
 from ram_dist.errors import RamDistError
-from ram_dist.report.results import MergeReport, PlanReport, ProbeReport, Report, VerifyResult
+from ram_dist.report.results import (  # noqa: F401  (exported: `API`)
+    MergeReport,
+    PlanReport,
+    ProbeReport,
+    Report,
+    VerifyResult,
+)
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -34,21 +41,7 @@ if TYPE_CHECKING:
     ConfigSource: TypeAlias = MergeConfig | Callable[[], MergeConfig]
     """A ready job, or a function that builds it (built, and so checked, while Ray starts)."""
 
-__all__ = [
-    "MergeReport",
-    "PlanReport",
-    "ProbeReport",
-    "Report",
-    "VerifyResult",
-    "job_config",
-    "merge",
-    "plan",
-    "probe",
-    "run_merge",
-    "run_plan",
-    "run_probe",
-    "verify",
-]
+__all__ = list(API)  # the package exports the same names (`ram_dist.API`)
 
 PathLike = str | os.PathLike[str]
 """A local path or a URL, as a string or a path object."""
