@@ -13,24 +13,28 @@ __version__ = "0.1.0"
 
 from ram_dist.errors import RamDistError  # noqa: E402
 
-_API = (
+#: The public API, `ram_dist.api`'s names, loaded on first use.
+API = (
     "MergeReport",
     "PlanReport",
     "ProbeReport",
+    "Report",
     "VerifyResult",
     "job_config",
     "merge",
     "plan",
     "probe",
     "run_merge",
+    "run_plan",
+    "run_probe",
     "verify",
 )
 
-__all__ = ["RamDistError", "__version__", *_API]
+__all__ = ["RamDistError", "__version__", *API]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _API:
+    if name in API:
         from ram_dist import api
 
         return getattr(api, name)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ram_dist.errors import RamDistError
+from ram_dist.io.s3 import MAX_PARTS, MIN_PART_BYTES
 
 
 @dataclass(frozen=True)
@@ -125,12 +126,6 @@ def plan_units(
                 flush()
     flush()
     return units
-
-
-#: S3's limits on a multipart upload: every part but the last at least 5 MiB, at most
-#: 10,000 parts (other S3-compatible stores take the same limits).
-MIN_PART_BYTES = 5 * 2**20
-MAX_PARTS = 10_000
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from s3_server import (
 from ram_dist.cli import main
 from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
+from ram_dist.engine.input_choice import input_cache
 from ram_dist.engine.job import prepare
 from ram_dist.engine.passes import reduce_pass
 from ram_dist.engine.runtime import ray_session
@@ -221,7 +222,7 @@ def test_changed_input_never_hits_a_killed_jobs_cache(models, options, fs, serve
     tasks = [f"s3://{BUCKET}/stale/task{i}" for i in range(3)]
     config = _config(base, tasks, f"s3://{BUCKET}/stale-out", options)
     killed = prepare(config)
-    cache, _ = driver.input_cache(killed)
+    cache, _ = input_cache(killed)
     assert cache is not None
     with ray_session(None, lambda: None) as (cluster, _):
         reduce_pass(killed, cluster, cache=cache)  # then "killed": its cache stays

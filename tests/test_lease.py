@@ -22,6 +22,7 @@ from s3_server import bucket_fs, running_server, storage_options
 from ram_dist.errors import RamDistError
 from ram_dist.io import lease as lease_mod
 from ram_dist.io.lease import LEASE_NAME, Holder, LeaseHeld, OutputLease
+from ram_dist.io.lease.host import machine_id, process_start
 from ram_dist.io.storage import Storage, join
 
 BUCKET = "leases"
@@ -191,10 +192,10 @@ def test_reused_pid_on_this_host_counts_as_gone(tmp_path: Any) -> None:
     with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) as proc:
         try:
             now = time.time()
-            machine = lease_mod._machine_id()
+            machine = machine_id()
             loc.write(Holder("old", HOST, proc.pid, now - 3600, now, machine))
             lease = loc.lease("new")
-            if lease_mod._process_start(proc.pid) is None:
+            if process_start(proc.pid) is None:
                 pytest.skip("no /proc start times here")
             assert "no longer exists" in lease.acquire()
             lease.release()

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
-import shutil
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
@@ -29,21 +27,23 @@ from ram_dist.config import MergeConfig
 from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
 from ram_dist.engine.blocks import COMPUTE_BLOCK
+from ram_dist.engine.book import ShardBook
 from ram_dist.engine.effective import CONFIG_NAME, render
 from ram_dist.engine.gpu import Devices, job_devices
+from ram_dist.engine.input_choice import cache_report, input_cache
 from ram_dist.engine.job import Job, gc_paused, prepare
 from ram_dist.engine.output import OutputState, check_writable, clear_published, open_output
-from ram_dist.engine.passes import PassStats, ShardBook, Shipped, map_pass, reduce_pass
+from ram_dist.engine.passes import Shipped, map_pass, reduce_pass
 from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster, ray_session
 from ram_dist.engine.sizing import machine
+from ram_dist.engine.stats import PassStats
 from ram_dist.errors import RamDistError
 from ram_dist.io.files import copy_files, non_weight_files
 from ram_dist.io.json_files import MAX_REPORT_BYTES, read_json
 from ram_dist.io.lease import OutputLease
 from ram_dist.io.manifest import save_manifest
-from ram_dist.io.range_cache import InputCache, job_key
 from ram_dist.io.sinks import FileSink, OutputSink, choose_sink
 from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
@@ -220,7 +220,7 @@ def _merge_held(
     cleaned = len(on_every_node(cache.remove)) if cache is not None else 0
 
     report = _report(job, method_state, passes, measured, devices)
-    report["input_cache"] = _cache_report(job, cache, cache_note)
+    report["input_cache"] = cache_report(job, cache, cache_note)
     report["input_cache"]["nodes_cleaned"] = cleaned
     report["output"] = {
         "url": job.out,
@@ -266,61 +266,6 @@ def output_sink(job: Job, nodes: int | None = -1) -> tuple[OutputSink, str | Non
     )
     pin = on_ray and isinstance(sink, FileSink) and not shared
     return sink, this_node() if pin else None
-
-
-def input_cache(job: Job) -> tuple[InputCache | None, str]:
-    """The cache a merge keeps pass-1 input ranges in, or None; and why, in words."""
-    mode = job.config.input_cache
-    if mode == "off":
-        return None, "off (--input-cache off)"
-    if job.method.rounds == 0 and job.config.allow_nonfinite:
-        return None, "off: this merge reads its inputs once"
-    if mode == "auto" and all(job.storage.is_local(f) for c in _inputs(job) for f in _files(c)):
-        return None, "off: every input is on a local filesystem (--input-cache on caches those too)"
-    identity = json.dumps({"inputs": job.identity()["inputs"], "out": job.out}, sort_keys=True)
-    cache = InputCache(job_key(identity), local_inputs=mode == "on", base_dir=job.config.cache_dir)
-    scope = "every input" if mode == "on" else "inputs not on a local filesystem"
-    return cache, f"on (--input-cache {mode}): {scope}, while each node's disk has room"
-
-
-def _inputs(job: Job) -> list[Any]:
-    return [job.base, *job.tasks]
-
-
-def _files(ckpt: Any) -> list[str]:
-    return [join(ckpt.url, f) for f in ckpt.files]
-
-
-def _cache_report(job: Job, cache: InputCache | None, note: str) -> dict[str, Any]:
-    """What the cache would keep (at most: the participating ranges of the inputs it covers)
-    and where; free space is this machine's, a hint for the workers' own disks."""
-    out: dict[str, Any] = {"mode": job.config.input_cache, "used": cache is not None, "note": note}
-    if cache is None:
-        return out
-    covered = {f for c in _inputs(job) for f in _files(c) if cache.covers(f, job.storage.is_local)}
-    kept = sum(
-        entry.numel * itemsize(src.dtype)
-        for entry in job.layout.tensors.values()
-        if entry.participating
-        for src in entry.sources
-        if src.file in covered
-    )
-    out.update({"folder": cache.root(), "bytes_kept_at_most": kept})
-    out["free_bytes_here"] = _free_bytes(cache.parent())
-    return out
-
-
-def _free_bytes(folder: str) -> int | None:
-    """Free space on the disk that holds (or would hold) `folder`."""
-    while True:
-        try:
-            return shutil.disk_usage(folder).free
-        except FileNotFoundError:
-            if os.path.dirname(folder) == folder:
-                return None
-            folder = os.path.dirname(folder)
-        except OSError:
-            return None
 
 
 def plan(config: MergeConfig) -> dict[str, Any]:
@@ -393,7 +338,7 @@ def _plan(config: MergeConfig) -> dict[str, Any]:
                 "map": sum(job.unit_bytes(u) for u in job.units),
             },
             "memory_per_worker_bytes": blocks + out_bytes + temporaries,
-            "input_cache": _cache_report(job, *input_cache(job)),
+            "input_cache": cache_report(job, *input_cache(job)),
         }
     )
     return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
-from ram_dist.engine import memory
+from ram_dist.engine.book import ShardBook
 from ram_dist.engine.devices import DeviceChoice
 from ram_dist.engine.gpu import Devices, job_devices
 from ram_dist.engine.job import Job
@@ -29,12 +29,11 @@ from ram_dist.engine.map_step import PartTask, map_part, unit_out_bytes
 from ram_dist.engine.pool import Place, Shared, near, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.reduce_step import add_up, reduce_group
-from ram_dist.engine.results import UnitResult
 from ram_dist.engine.runtime import Cluster
+from ram_dist.engine.stats import PassStats
 from ram_dist.errors import RamDistError
-from ram_dist.io.manifest import Manifest
-from ram_dist.io.range_cache import CacheTraffic, InputCache
-from ram_dist.io.sinks import OpenShard, OutputSink, PartReceipt, shard_digest
+from ram_dist.io.range_cache import InputCache
+from ram_dist.io.sinks import OpenShard, OutputSink
 from ram_dist.io.storage import Storage
 from ram_dist.io.writer import shard_header
 from ram_dist.units import Part, WorkUnit, parts_as_recorded, plan_parts
@@ -42,133 +41,6 @@ from ram_dist.units import Part, WorkUnit, parts_as_recorded, plan_parts
 #: Ray re-runs a unit whose worker or node died this many times; a unit that raised is not
 #: re-run (bad data fails the same way twice).
 SYSTEM_RETRIES = 5
-
-
-@dataclass
-class PassStats:
-    """Counters of one pass, for the report."""
-
-    units: int = 0
-    wall_s: float = 0.0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    max_unit_bytes_read: list[int] = field(default_factory=list)
-    worker_peak_rss_bytes: int = 0
-    worker_peak_private_bytes: int = 0
-    fused_elements: int = 0
-    cache_bytes_read: int = 0
-    cache_bytes_written: int = 0
-    units_per_node: dict[str, int] = field(default_factory=dict)
-    units_sent_back: int = 0
-    """Units sent to the node that read them first (where the cache holds their bytes)."""
-    units_ran_there: int = 0
-    first_node: dict[int, str] = field(default_factory=dict)
-    """Per unit index, the node that first read it (not reported)."""
-    parts: int = 0
-    """Map pass: output parts made (each by one task, of one or more units)."""
-    parts_reused: int = 0
-    """Map pass: parts of resumed shards already in place, not made again."""
-    output_path: str | None = None
-    """Map pass: `direct` (workers write the output) or `through-driver`, and why."""
-    output_path_reason: str = ""
-    bytes_written_by_workers: int = 0
-    bytes_written_by_driver: int = 0
-    tasks: int = 0
-    tasks_retried: int = 0
-    """Tasks Ray ran again after an attempt was lost with its worker or node."""
-    tasks_on_gpu: int = 0
-    """Tasks that ran on a GPU worker (see `engine.devices`)."""
-    units_on_cpu: int = 0
-    units_on_gpu: int = 0
-    gpu_ids: set[str] = field(default_factory=set)
-    workers: set[str] = field(default_factory=set)
-    """The worker processes (`host:pid`) that ran the tasks."""
-    gpu_workers: set[str] = field(default_factory=set)
-    """Those of them that were GPU workers."""
-    gpu_busy_share: float | None = None
-    """The share of the pass's wall time the GPU workers spent on units (None: none ran)."""
-    driver_memory: memory.PeakMemory = field(default_factory=memory.PeakMemory)
-    """The driver's own peak during the pass (the process that receives the results)."""
-
-    def ran(
-        self, indices: Sequence[int], node: str, traffic: CacheTraffic, sent_to: str | None
-    ) -> None:
-        """Where the units of one task ran, and what the task read from and wrote to the
-        cache there."""
-        self.cache_bytes_read += traffic.read
-        self.cache_bytes_written += traffic.written
-        self.units_per_node[node] = self.units_per_node.get(node, 0) + len(indices)
-        for index in indices:
-            self.first_node.setdefault(index, node)
-        if sent_to is not None:
-            self.units_sent_back += len(indices)
-            self.units_ran_there += len(indices) * (node == sent_to)
-
-    def add(self, result: UnitResult, units: int = 1) -> None:
-        bytes_read = result.bytes_read
-        self.units += units
-        self.tasks += 1
-        self.tasks_retried += result.attempt > 0
-        self.tasks_on_gpu += bool(result.gpus)
-        self.gpu_ids.update(result.gpus)
-        if result.gpus:
-            self.units_on_gpu += units
-        else:
-            self.units_on_cpu += units
-        if result.worker:
-            self.workers.add(result.worker)
-            if result.gpus:
-                self.gpu_workers.add(result.worker)
-        self.fused_elements += result.fused_elements
-        self.bytes_read += sum(bytes_read)
-        if not self.max_unit_bytes_read:
-            self.max_unit_bytes_read = [0] * len(bytes_read)
-        self.max_unit_bytes_read = [
-            max(a, b) for a, b in zip(self.max_unit_bytes_read, bytes_read, strict=True)
-        ]
-        self.worker_peak_rss_bytes = max(self.worker_peak_rss_bytes, result.peak_rss_bytes)
-        self.worker_peak_private_bytes = max(
-            self.worker_peak_private_bytes, result.peak_private_bytes
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {
-            "units": self.units,
-            "wall_s": round(self.wall_s, 4),
-            "bytes_read": self.bytes_read,
-            "bytes_written": self.bytes_written,
-            "max_unit_bytes_read_per_input": self.max_unit_bytes_read,
-            "fused_elements": self.fused_elements,
-            "bytes_fetched": self.bytes_read - self.cache_bytes_read,
-            "cache_bytes_read": self.cache_bytes_read,
-            "cache_bytes_written": self.cache_bytes_written,
-            "units_per_node": dict(self.units_per_node),
-            "units_sent_back": self.units_sent_back,
-            "units_ran_there": self.units_ran_there,
-            "tasks": self.tasks,
-            "tasks_retried": self.tasks_retried,
-            "tasks_on_gpu": self.tasks_on_gpu,
-            "gpu_ids": sorted(self.gpu_ids),
-            "worker_processes": len(self.workers),
-            "units_on_cpu": self.units_on_cpu,
-            "units_on_gpu": self.units_on_gpu,
-            "gpu_worker_processes": len(self.gpu_workers),
-            "gpu_busy_share": (
-                None if self.gpu_busy_share is None else round(self.gpu_busy_share, 4)
-            ),
-        }
-        if self.output_path is not None:
-            out.update(
-                {
-                    "parts": self.parts,
-                    "parts_reused": self.parts_reused,
-                    "output_path": self.output_path,
-                    "output_path_reason": self.output_path_reason,
-                    "bytes_written_by_workers": self.bytes_written_by_workers,
-                    "bytes_written_by_driver": self.bytes_written_by_driver,
-                }
-            )
-        return out
 
 
 @dataclass(frozen=True)
@@ -368,61 +240,6 @@ def _nonfinite_error(job: Job, found: dict[str, list[int]]) -> RamDistError:
         f"non-finite values in the inputs: {shown}. Fix the checkpoint, or pass "
         "--allow-nonfinite to merge them as the rule computes them"
     )
-
-
-class ShardBook:
-    """The driver's record of what the map pass has written, kept in the manifest: each
-    shard being written (how it is cut into parts, its upload, the parts already in) and
-    each finished shard with its digest. A part's record is saved at most every
-    `every_s` seconds (a store may hold a part the manifest does not know yet: on S3 a
-    resumed upload lists its parts); a shard opened or finished is saved at once."""
-
-    def __init__(
-        self,
-        manifest: Manifest,
-        save: Callable[[], None],
-        check: Callable[[], None] = lambda: None,
-        every_s: float = 2.0,
-    ) -> None:
-        self.manifest = manifest
-        self._save = save
-        self._check = check
-        """Raises when the job may no longer write (it lost the output's lease)."""
-        self._every_s = every_s
-        self._saved = time.monotonic()
-
-    def save(self, now: bool = True) -> None:
-        self._check()
-        if now or time.monotonic() - self._saved >= self._every_s:
-            self._save()
-            self._saved = time.monotonic()
-
-    def opened(self, shard: OpenShard, plan: list[Part]) -> None:
-        self.manifest.writing[shard.name] = {
-            "plan": [[p.start, p.stop] for p in plan],
-            **shard.resume,
-            "parts": {str(n): r.record() for n, r in sorted(shard.done.items())},
-        }
-        self.save()
-
-    def part_done(self, receipt: PartReceipt) -> None:
-        self.manifest.writing[receipt.shard]["parts"][str(receipt.number)] = receipt.record()
-        self.save(now=False)
-
-    def finished(self, shard: OpenShard) -> str:
-        parts = [shard.done[n] for n in sorted(shard.done)]
-        digest = shard_digest([p.sha256 for p in parts])
-        self.manifest.shards[shard.name] = {
-            "size": shard.size,
-            "digest": digest,
-            "parts": [p.record() for p in parts],
-        }
-        self.manifest.writing.pop(shard.name, None)
-        self.save()
-        return digest
-
-    def dropped(self, shard: str) -> None:
-        self.manifest.writing.pop(shard, None)
 
 
 def map_pass(

@@ -19,6 +19,7 @@ from typing import Any
 from fsspec import AbstractFileSystem
 
 from ram_dist.errors import CheckpointError, RamDistError, StorageError
+from ram_dist.io.backends import backend, backend_of
 from ram_dist.io.failures import classify, is_storage_failure, storage_error
 from ram_dist.io.json_files import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, read_json
 from ram_dist.io.safetensors_header import (
@@ -27,7 +28,7 @@ from ram_dist.io.safetensors_header import (
     header_length,
     parse_header,
 )
-from ram_dist.io.storage import Storage, join, protocol_of
+from ram_dist.io.storage import Storage, join
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -47,15 +48,11 @@ FIRST_READ_BYTES = 256 * 1024
 #: it has cut the headers out), and far more requests than a store runs at once (s3fs keeps
 #: 10 connections unless `config_kwargs.max_pool_connections` says more).
 FIRST_READ_BATCH = 256
-#: Protocols of files read in this process (no round trip to save): their first read is the
-#: 8-byte length alone, then exactly the header, instead of copying tensor bytes along.
-IN_PROCESS_PROTOCOLS = ("file", "local", "memory")
-#: Threads reading headers from a synchronous remote filesystem (`HfFileSystem`).
+#: Threads reading headers from a synchronous remote filesystem safe to call from several
+#: threads (`threaded_reads` in `backends`: `HfFileSystem`). Async filesystems (s3fs, gcsfs)
+#: run a batch on their event loop; local and in-memory files are read one after another (no
+#: round trip to overlap).
 READ_THREADS = 16
-#: Protocols whose filesystem is synchronous but safe to call from several threads. Async
-#: filesystems (s3fs, gcsfs) run a batch on their event loop; local and in-memory files are
-#: read one after another (no round trip to overlap).
-THREADED_PROTOCOLS = ("hf",)
 
 
 @dataclass(frozen=True)
@@ -310,7 +307,10 @@ class _HeaderRead:
 
 
 def _first_read(url: str) -> int:
-    return 8 if protocol_of(url) in IN_PROCESS_PROTOCOLS else FIRST_READ_BYTES
+    """Files read in this process (`in_process` in `backends`: no round trip to save) are
+    first read for the 8-byte length alone, then exactly the header, instead of copying
+    tensor bytes along."""
+    return 8 if backend_of(url).in_process else FIRST_READ_BYTES
 
 
 def _file_info(url: str, storage: Storage, entry: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -355,7 +355,7 @@ def _cat_ranges(
     """`fs.cat_ranges`, errors returned in place; a synchronous remote filesystem's requests
     are spread over threads (`HfFileSystem` would otherwise send them one after another)."""
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    if fs.async_impl or not set(protocols) & set(THREADED_PROTOCOLS):
+    if fs.async_impl or not any(backend(p).threaded_reads for p in protocols):
         return fs.cat_ranges(paths, starts, ends, on_error="return")
 
     def one(path: str, start: int, end: int) -> bytes | BaseException:

@@ -19,23 +19,11 @@ import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from urllib.parse import urlparse
 
 from ram_dist.errors import RamDistError, StorageError
-
-#: S3 error codes, by what they mean here.
-S3_MISSING = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NoSuchVersion", "404",
-                        "NotFound"})  # fmt: skip
-S3_DENIED = frozenset({"AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidPayer",
-                       "InvalidObjectState", "403", "Forbidden"})  # fmt: skip
-S3_CREDENTIALS = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                            "InvalidToken", "TokenRefreshRequired", "RequestTimeTooSkewed",
-                            "AuthorizationHeaderMalformed", "InvalidSecurity", "401"})  # fmt: skip
-S3_THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                          "TooManyRequests", "TooManyRequestsException", "429"})  # fmt: skip
-S3_SERVER = frozenset({"InternalError", "ServiceUnavailable", "RequestTimeout", "500", "502",
-                       "503", "504"})  # fmt: skip
+from ram_dist.io import s3
+from ram_dist.io.backends import client_errors
 
 #: errnos, by what they mean here.
 ERRNO_MISSING = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
@@ -71,15 +59,15 @@ class ChangedError(OSError):
 
 def is_storage_failure(error: BaseException) -> bool:
     """Whether `error` is a store's or disk's failure (not a bug, not our own check)."""
-    return isinstance(error, (OSError, *_client_errors())) and not isinstance(error, RamDistError)
+    return isinstance(error, (OSError, *client_errors())) and not isinstance(error, RamDistError)
 
 
 def classify(error: BaseException) -> Failure:
     """What `error` (or what caused it) means: the most specific answer along its chain,
     the store's error code first, then the HTTP status, then the exception's type and errno."""
-    chain = _chain(error)
+    chain = causes(error)
     for e in chain:
-        code, status = _s3_code(e)
+        code, status = s3.error_code(e) or (None, None)
         if code is not None:
             return _by_code(code, status, e)
     for e in chain:
@@ -91,6 +79,42 @@ def classify(error: BaseException) -> Failure:
         if found is not None:
             return found
     return Failure("other", _words(error))
+
+
+def causes(error: BaseException) -> list[BaseException]:
+    """`error` and what caused it, in order (`__cause__`, else `__context__`), at most 16:
+    a store client's own error often hides behind the builtin one it was translated to."""
+    out: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and e not in out and len(out) < 16:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def conditional(error: BaseException) -> str | None:
+    """What a failed conditional S3 request means: "precondition" (412), "conflict" (409,
+    retry), "missing" (404), "unsupported" (501, or a store refusing the condition), or None.
+    The first S3 response along the chain decides; without one, s3fs's translation does."""
+    for e in causes(error):
+        found = s3.error_code(e)
+        if found is None:
+            continue
+        code, status = found
+        if code in s3.PRECONDITION or status == 412:
+            return "precondition"
+        if code in s3.CONFLICT or status == 409:
+            return "conflict"
+        if code in s3.KEY_MISSING or status == 404:
+            return "missing"
+        if code in s3.UNSUPPORTED or status == 501:
+            return "unsupported"
+        return None
+    if isinstance(error, FileExistsError):
+        return "precondition"
+    if isinstance(error, FileNotFoundError):
+        return "missing"
+    return None
 
 
 def transient(error: BaseException) -> bool:
@@ -168,33 +192,14 @@ def _explain(failure: Failure, url: str | None, action: str) -> str:
     return failure.detail or "failed"
 
 
-def _chain(error: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    e: BaseException | None = error
-    while e is not None and e not in out and len(out) < 16:
-        out.append(e)
-        e = e.__cause__ or e.__context__
-    return out
-
-
-def _s3_code(e: BaseException) -> tuple[str | None, int | None]:
-    """A botocore `ClientError`'s error code and HTTP status."""
-    response = getattr(e, "response", None)
-    if not isinstance(response, dict):
-        return None, None
-    code = (response.get("Error") or {}).get("Code")
-    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-    return (str(code) if code else None), (status if isinstance(status, int) else None)
-
-
 def _by_code(code: str, status: int | None, e: BaseException) -> Failure:
-    message = (getattr(e, "response", {}).get("Error") or {}).get("Message") or ""
+    message = s3.error_message(e)
     detail = f"HTTP {code}" if code.isdigit() else code
     if message and message not in (code, "Forbidden", "Not Found"):
         detail = f"{detail}: {message}"
-    for kind, codes in (("missing", S3_MISSING), ("denied", S3_DENIED),
-                        ("credentials", S3_CREDENTIALS), ("throttled", S3_THROTTLED),
-                        ("server", S3_SERVER)):  # fmt: skip
+    for kind, codes in (("missing", s3.MISSING), ("denied", s3.DENIED),
+                        ("credentials", s3.CREDENTIALS), ("throttled", s3.THROTTLED),
+                        ("server", s3.SERVER)):  # fmt: skip
         if code in codes:
             return Failure(kind, detail, status)
     if status is not None:
@@ -245,52 +250,12 @@ def _by_type(e: BaseException) -> Failure | None:
         return Failure("full", detail)
     if isinstance(e, (ConnectionError, TimeoutError)) or number in ERRNO_UNREACHABLE:
         return Failure("unreachable", detail)
-    kind = _botocore_kind(e)
+    kind = s3.client_failure(e)
     if kind is not None:
         return Failure(kind, _words(e))
     if isinstance(e, OSError) and number is not None:
         return Failure("other", detail)
     return None
-
-
-def _botocore_kind(e: BaseException) -> str | None:
-    """Errors botocore raises without a response: no credentials, no connection."""
-    try:
-        from botocore import exceptions as b
-    except ImportError:
-        return None
-    if isinstance(e, (b.NoCredentialsError, b.PartialCredentialsError,
-                      b.CredentialRetrievalError, b.TokenRetrievalError)):  # fmt: skip
-        return "credentials"
-    if isinstance(e, (b.EndpointConnectionError, b.ConnectTimeoutError, b.ReadTimeoutError,
-                      b.ConnectionClosedError, b.HTTPClientError)):  # fmt: skip
-        return "unreachable"
-    return None
-
-
-@lru_cache(maxsize=1)
-def _client_errors() -> tuple[type[BaseException], ...]:
-    """Store client errors that are no `OSError`, from the clients installed."""
-    found: list[type[BaseException]] = []
-    try:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        found += [BotoCoreError, ClientError]
-    except ImportError:
-        pass
-    try:
-        from aiohttp import ClientError as AiohttpError
-
-        found.append(AiohttpError)
-    except ImportError:
-        pass
-    try:
-        from gcsfs.retry import HttpError
-
-        found.append(HttpError)
-    except ImportError:
-        pass
-    return tuple(found)
 
 
 def _bucket(url: str | None) -> str | None:

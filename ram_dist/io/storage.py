@@ -3,10 +3,10 @@
 Every read and write of ram-dist goes through a `Storage`, which the driver builds once and
 ships to the workers. Reads are byte ranges, cut into requests of at most `REQUEST_BYTES`
 that the filesystem may run concurrently. Retrying a transient failure is the store client's
-job: botocore's own retry mode for S3 (`S3_RETRIES`), gcsfs's and huggingface_hub's own
-retries for gs:// and hf://; only stores whose client has none (`RETRIED_HERE`) are retried
-here, and only for what is transient. A failed read is raised as a one-line `StorageError`
-naming the input file (`failures`).
+job: botocore's own retry mode for S3 (`s3.RETRIES`), gcsfs's and huggingface_hub's own
+retries for gs:// and hf://; only stores whose client has none (`retried_here` in `backends`)
+are retried here, and only for what is transient. A failed read is raised as a one-line
+`StorageError` naming the input file (`failures`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from ram_dist.errors import RamDistError
+from ram_dist.io import s3
+from ram_dist.io.backends import backend, backend_of, protocol_of
 from ram_dist.io.failures import ChangedError, storage_error, transient
 
 if TYPE_CHECKING:
@@ -32,27 +34,15 @@ if TYPE_CHECKING:
 
 #: Largest single range request; a unit's range is cut into requests this size.
 REQUEST_BYTES = 16 * 2**20
-#: botocore's retry configuration for S3, unless the storage options give their own
-#: (`{"s3": {"config_kwargs": {"retries": {...}}}}`): its standard mode retries throttling
-#: (SlowDown, 429), 5xx answers, timeouts and broken connections, with exponential backoff
-#: and jitter, and nothing else (a denied or missing object fails at once). s3fs itself tries
-#: a request that failed with SlowDown or a broken response body up to 5 times more.
-S3_RETRIES = {"mode": "standard", "total_max_attempts": 8}
-#: Protocols whose client retries nothing itself (fsspec's HTTP filesystem): their transient
-#: failures (`failures.transient`) are retried here, `ATTEMPTS` times in all.
-RETRIED_HERE = ("http", "https")
+#: botocore's retry configuration for S3 (see `s3.RETRIES`).
+S3_RETRIES = s3.RETRIES
+#: Stores whose client retries nothing itself (fsspec's HTTP filesystem; `retried_here` in
+#: `backends`): their transient failures (`failures.transient`) are retried here, `ATTEMPTS`
+#: times in all.
 ATTEMPTS = 5
 BACKOFF_S = 0.25
 #: What a range read returns: fetched bytes, or a view of the buffer it was read into.
 Buffer = bytes | memoryview
-#: Protocols that name one another.
-ALIASES = {"s3a": "s3", "gcs": "gs"}
-
-
-def protocol_of(url: str) -> str:
-    """`s3`, `gs`, `hf`, `file`, ... of a URL (a plain path is `file`)."""
-    protocol = fsspec.utils.get_protocol(url)
-    return ALIASES.get(protocol, protocol)
 
 
 @dataclass(frozen=True)
@@ -84,10 +74,9 @@ class Storage:
         """The filesystem and the path inside it (fsspec caches the instances)."""
         protocol = protocol_of(url)
         kwargs = dict(self.options.get(protocol, {}))
-        if protocol == "s3":
-            config = dict(kwargs.get("config_kwargs") or {})
-            config.setdefault("retries", dict(S3_RETRIES))
-            kwargs["config_kwargs"] = config
+        complete = backend(protocol).fs_options
+        if complete is not None:
+            kwargs = complete(kwargs)
         try:
             return fsspec.core.url_to_fs(url, **kwargs)
         except ImportError as e:
@@ -188,7 +177,7 @@ class Storage:
     def _fetch(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
         """One batched `cat_ranges` per filesystem. A request that failed is raised as a
         `StorageError`, unless the failure is transient and its store's client retries
-        nothing itself (`RETRIED_HERE`): then it is tried again alone, with backoff."""
+        nothing itself (`retried_here`): then it is tried again alone, with backoff."""
         out: list[bytes | None] = [None] * len(requests)
         todo = list(range(len(requests)))
         for attempt in range(ATTEMPTS):
@@ -218,7 +207,7 @@ class Storage:
                 return out  # type: ignore[return-value]
             for i, e in errors.items():
                 url = requests[i][0]
-                again = protocol_of(url) in RETRIED_HERE and transient(e)
+                again = backend_of(url).retried_here and transient(e)
                 if not again or attempt == ATTEMPTS - 1:
                     raise storage_error(e, url, "read", "input") from e
             todo = sorted(errors)

@@ -93,8 +93,18 @@ MERGEKIT_TEXT = (
 )
 
 
+class MergekitRule:
+    """What a method computed as mergekit computes it says of itself (`description`)."""
+
+    name: str
+
+    @property
+    def description(self) -> str:
+        return MERGEKIT_TEXT.format(name=self.name)
+
+
 @dataclass(frozen=True)
-class TaskArithmeticFamily:
+class TaskArithmeticFamily(MergekitRule):
     """mergekit's generalized task arithmetic: sparsify (none, magnitude, random), weight,
     optional sign consensus, optional normalize, lambda."""
 
@@ -104,10 +114,6 @@ class TaskArithmeticFamily:
     label: str = ""
     reference: str = ""
     needs_base: bool = True
-
-    @property
-    def description(self) -> str:
-        return MERGEKIT_TEXT.format(name=self.name)
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -402,17 +408,13 @@ def _zeros(n: int, device: torch.device) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class LinearMethod(NoStatistics):
+class LinearMethod(MergekitRule, NoStatistics):
     """mergekit's `linear`: the weighted mean of the task models (the base is not averaged)."""
 
     name: str = "linear"
     label: str = "Linear (weighted average)"
     reference: str = "Wortsman et al. 2022 (model soups)"
     needs_base: bool = False
-
-    @property
-    def description(self) -> str:
-        return MERGEKIT_TEXT.format(name=self.name)
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
