@@ -189,20 +189,6 @@ def _cause(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-@contextlib.contextmanager
-def gpu_workers(choice: DeviceChoice, restarts: int = RESTARTS) -> Iterator[GpuWorkers | None]:
-    """The GPU workers a job's `choice` asks for, for as long as the job runs (None when it
-    uses no GPU)."""
-    if not choice.uses_gpus:
-        yield None
-        return
-    workers = GpuWorkers(choice.gpus, restarts)
-    try:
-        yield workers
-    finally:
-        workers.close()
-
-
 @dataclass
 class Devices:
     """Where a job's tasks run: its device choice, and the GPU workers it asked for."""
@@ -216,6 +202,10 @@ class Devices:
 
 @contextlib.contextmanager
 def job_devices(choice: DeviceChoice, restarts: int = RESTARTS) -> Iterator[Devices]:
-    """`Devices` for a job, its GPU workers (if any) alive until it ends."""
-    with gpu_workers(choice, restarts) as gpu:
+    """`Devices` for a job, its GPU workers (if its `choice` uses GPUs) alive until it ends."""
+    gpu = GpuWorkers(choice.gpus, restarts) if choice.uses_gpus else None
+    try:
         yield Devices(choice, gpu)
+    finally:
+        if gpu is not None:
+            gpu.close()
