@@ -99,6 +99,38 @@ def rl_job(plan: Plan, seed: int, task_name: str, base: str, folder: str) -> dic
     return info
 
 
+def rl_snapshots_job(
+    plan: Plan, seed: int, task_name: str, base: str, lr: float, folders: dict[int, str]
+) -> dict:
+    """One GRPO run of `max(folders)` updates at learning rate `lr`, saving the bf16 agent
+    after each number of updates in `folders` (the regime sweep's agents). The RL seed is
+    `rl_job`'s, so the snapshot at `plan.rl_steps` and `plan.rl_lr` is the main run's agent."""
+    t0 = time.perf_counter()
+    policy = rl_model.load(base)
+    rl_seed = 1000 * (seed + 1) + sorted(TASKS).index(task_name)
+    saved: dict[int, float] = {}
+
+    def snapshot(step: int, model: torch.nn.Module, rewards: list[float]) -> None:
+        if step in folders:
+            meta = {"stage": "grpo", "task": task_name, "seed": seed, "lr": lr, "steps": step}
+            rl_model.save(model, folders[step], {**meta, "train_reward": list(rewards)})
+            saved[step] = time.perf_counter() - t0
+
+    info = grpo(
+        policy,
+        TASKS[task_name],
+        rl_seed,
+        max(folders),
+        plan.rl_prompts,
+        plan.rl_group,
+        lr,
+        _exclude(plan, seed)[task_name],
+        callback=snapshot,
+    )
+    info.update(wall_s=time.perf_counter() - t0, saved_at_s=saved, lr=lr)
+    return info
+
+
 def eval_job(plan: Plan, seed: int, folder: str) -> dict:
     """Scores of the model in `folder` on every task's held-out set (greedy)."""
     t0 = time.perf_counter()

@@ -94,6 +94,7 @@ def grpo(
     lr: float,
     exclude: set[str],
     temperature: float = 1.0,
+    callback=None,
 ) -> dict:
     """On-policy policy gradient with a group baseline (GRPO with one update per batch, so
     the importance ratio is 1 and clipping never acts; no KL term, no supervised target).
@@ -101,7 +102,9 @@ def grpo(
     Weights: an fp32 master copy is what Adam updates; the policy that samples, and through
     which the gradient is taken, holds the master rounded to bf16 (in float32 tensors). The
     saved agent is that bf16 policy. A master change smaller than half a bf16 step never
-    reaches the policy."""
+    reaches the policy. `callback(step, policy, rewards)`, if given, runs after every update
+    (the learning rate is constant, so the policy after n updates is the agent of an n-step
+    run)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     stream = TrainStream(task, seed, exclude)
@@ -110,7 +113,7 @@ def grpo(
     opt = torch.optim.Adam(master, lr=lr, betas=(0.9, 0.99), eps=1e-8)
     rewards_log: list[float] = []
     t0 = time.perf_counter()
-    for _step in range(steps):
+    for step in range(steps):
         examples = stream.batch(prompts_per_step)  # the answers go to the verifier only
         answers = [a for _, a, _ in examples for _ in range(group)]
         prompts = prompt_ids([p for p, _, _ in examples]).repeat_interleave(group, dim=0)
@@ -135,6 +138,8 @@ def grpo(
         with torch.no_grad():
             for p, m in zip(params, master, strict=True):
                 p.copy_(m.to(torch.bfloat16).float())
+        if callback is not None:
+            callback(step + 1, policy, rewards_log)
     policy.eval()
     return {"steps": steps, "train_reward": rewards_log, "wall_s": time.perf_counter() - t0}
 
