@@ -94,13 +94,13 @@ ABLATIONS = tuple(
 
 FULL_SWEEP = Sweep(
     plan=replace(FULL, extra_merges=()),
-    lrs=((1e-6, 160), (3e-6, 160), (1e-5, 160), (3e-5, 120)),
+    lrs=((3e-6, 120), (1e-5, 120), (3e-5, 120)),
     methods=METHODS,
     ablations=ABLATIONS,
 )
 SMOKE_SWEEP = Sweep(
     plan=replace(SMOKE, rl_steps=4),
-    lrs=((1e-4, 8), (1e-3, 8)),
+    lrs=((1e-3, 8),),
     methods=METHODS,
     ablations=ABLATIONS[:1] + ABLATIONS[-1:],
     smoke=True,
