@@ -82,3 +82,71 @@ def test_rl_agents_smoke(tmp_path: Path) -> None:
             assert (folder / "merge_report.json").is_file()
             assert json.loads((folder / "merge_report.json").read_text())["method"] == method
             assert (folder / "model.safetensors").is_file()
+
+
+SWEEP = ROOT / "examples" / "rl-agents" / "sweep.py"
+
+
+def _sweep(out: Path, *extra: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SWEEP), "--smoke", "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_regime_sweep_smoke(tmp_path: Path) -> None:
+    """`sweep.py --smoke`: one point on its own, then the whole sweep in the same folder,
+    which reuses that point's agents and merges and adds the rest and the ablations."""
+    out = tmp_path / "sweep"
+    _sweep(out, "--point", "lr1e-3-all8")
+    one = out / "seed0" / "points" / "lr1e-3-all8" / "merged" / "ram_plus" / "command.json"
+    first = one.stat().st_mtime_ns
+    assert not (out / "seed0" / "points" / "lr1e-3-het").exists()
+    _sweep(out)
+    assert one.stat().st_mtime_ns == first  # the point's merges were reused, not redone
+
+    res = json.loads((out / "sweep.json").read_text())
+    names = [p["name"] for p in res["points"]]
+    assert names == ["lr1e-3-all2", "lr1e-3-all8", "lr1e-3-het"]
+    assert [s["name"] for s in res["summaries"]] == names
+    for point in res["points"]:
+        row = res["point"][point["name"]]["0"]
+        assert set(row["agents"]) == set(TASKS)
+        for t in TASKS:
+            steps = json.loads(
+                (
+                    out
+                    / "seed0"
+                    / "lr0.001"
+                    / f"agent-{t}"
+                    / f"step{point['steps'][t]}"
+                    / "training.json"
+                ).read_text()
+            )
+            assert (
+                steps["steps"] == point["steps"][t] and len(steps["train_reward"]) == steps["steps"]
+            )
+        for t, p in row["probe"].items():
+            assert 0.0 <= p["density"] <= 1.0 and 0.0 <= p["unique_share"] <= 1.0, t
+        assert set(row["scores"]) >= set(METHODS) | {"task_arithmetic@w=0.33"}
+        for method, scores in row["scores"].items():
+            assert set(scores) == set(TASKS)
+            assert all(0.0 <= v <= 1.0 and math.isfinite(v) for v in scores.values()), method
+            command = row["commands"][method]["command"]
+            assert command.startswith("ram-dist merge ") and "--out " in command
+    # The ablations ran at one point, the one the rule picked.
+    ablated = [n for n in names if "ram_plus@r=0" in res["point"][n]["0"]["scores"]]
+    assert len(ablated) == 1
+    assert "ram_plus@eps=1e-4" in res["point"][ablated[0]]["0"]["scores"]
+    md = (out / "SWEEP.md").read_text()
+    assert all(f"| {n} |" in md for n in names) and f"ablations, at {ablated[0]}" in md
+    assert (out / "crossover.png").stat().st_size > 0
+    regime_map = json.loads((out / "regime_map.json").read_text())
+    assert regime_map["smoke"] is True and len(regime_map["points"]) == 3
+    for summary, point in zip(res["summaries"], regime_map["points"], strict=True):
+        assert point["mean_density"] == summary["mean_density"]
+        assert point["ram_plus_minus"]["ties"]["mean"] == summary["delta"]["ties"]["mean"]

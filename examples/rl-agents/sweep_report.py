@@ -50,7 +50,7 @@ def collect(out: str, sweep, points, lay) -> dict:
         if base:
             res["base"][str(s)] = base["scores"]
         if job:
-            res["training"].setdefault(str(s), {})["sft_wall_s"] = job["wall_s"]
+            res["training"][str(s)] = {"sft_wall_s": job["wall_s"], "parameters": job["parameters"]}
     for p in points:
         rows: dict = {}
         for s in sweep.plan.seeds:
@@ -173,13 +173,12 @@ def _pm(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
 def regime_map(res: dict, summaries: list[dict]) -> dict:
     """The measured map from (density, unique share) to RAM+ minus each baseline: the data
     `ram-dist probe` cites (ram_dist/report/regime_map.json is a copy of the full run's)."""
-    plan = res["plan"]
-    size = plan["size"]
+    params = {t["parameters"] for t in res["training"].values()}
     return {
         "source": "examples/rl-agents/sweep.py (RESULTS.md, 'When does RAM help?')",
         "model": (
-            f"Qwen2-shaped, hidden {size['hidden']}, {size['layers']} layers, bf16 weights; "
-            f"3 RL agents (add, kv, tool) from one base; {len(res['seeds'])} seed(s)"
+            f"{'/'.join(f'{p / 1e6:.2g}M' for p in sorted(params))}-parameter Qwen2-shaped "
+            f"agents (add, kv, tool; bf16), {len(res['seeds'])} seed(s)"
         ),
         "smoke": bool(res.get("smoke")),
         "ram_plus": "ram_plus --r 0.1 --alpha 2.0",
