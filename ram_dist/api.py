@@ -259,6 +259,7 @@ def run_probe(
     """`probe` of a ready `MergeConfig`, or of what `config()` builds (see `run_merge`)."""
     from ram_dist.engine import driver
     from ram_dist.engine.runtime import ray_session
+    from ram_dist.report.regime import place as place_on_regime_map
 
     build, address = _source(config, address)
     written = None if json_path is None else os.fspath(json_path)
@@ -271,6 +272,7 @@ def run_probe(
 
     with ray_session(address, checks) as (cluster, (job, planned)):
         report = driver.probe_on(planned, cluster)
+    report["regime"] = place_on_regime_map(report)
     files = write_probe_files(report, written) if written is not None else []
     return ProbeReport.of(report, job, files)
 

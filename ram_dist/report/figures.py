@@ -258,6 +258,8 @@ def markdown_summary(report: Mapping[str, Any]) -> str:
     if copied:
         lines.append(f"- copied from the base though a task changed them: {len(copied)} "
                      "integer or bool tensor(s) (--integers-from-base)")  # fmt: skip
+    if report.get("regime"):
+        lines.append(f"- where your agents stand: {md_cell(report['regime']['sentence'])}")
     for name, p in (report.get("passes") or {}).items():
         if p.get("skipped"):
             lines.append(f"- {name} pass: skipped (statistics reused from the manifest)")

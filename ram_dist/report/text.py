@@ -38,6 +38,8 @@ def format_report(report: dict[str, Any]) -> str:
     for i, t in enumerate(tasks, 1):
         lines.append(f"task {i}: {t['model']}")
     lines += format_lines(report)
+    if report.get("regime"):
+        lines += ["", f"where your agents stand: {report['regime']['sentence']}"]
     return "\n".join(lines)
 
 
