@@ -103,12 +103,18 @@ def test_regime_sweep_smoke(tmp_path: Path) -> None:
     which reuses that point's agents and merges and adds the rest and the ablations."""
     out = tmp_path / "sweep"
     _sweep(out, "--point", "lr1e-3-all8")
-    one = out / "seed0" / "points" / "lr1e-3-all8" / "merged" / "ram_plus" / "command.json"
+    one = out / "seed0" / "points" / "lr1e-3-all8" / "merged" / "ram_plus.command.json"
     first = one.stat().st_mtime_ns
     assert not (out / "seed0" / "points" / "lr1e-3-het").exists()
     _sweep(out)
     assert one.stat().st_mtime_ns == first  # the point's merges were reused, not redone
 
+    # The sweep's records lie beside the models: a merged model holds none (a merge copies
+    # its base's other files, and each merged model was scored, not given the base's score).
+    merged = out / "seed0" / "points" / "lr1e-3-all8" / "merged"
+    assert not list(merged.glob("*/job.json")) and not list(merged.glob("*/scores.json"))
+    scored = json.loads((merged / "ram_plus.scores.json").read_text())
+    assert scored["folder"] == str(merged / "ram_plus")
     res = json.loads((out / "sweep.json").read_text())
     names = [p["name"] for p in res["points"]]
     assert names == ["lr1e-3-all2", "lr1e-3-all8", "lr1e-3-het"]

@@ -31,7 +31,7 @@ sys.path.insert(0, HERE)
 from rl_jobs import Plan, eval_job, init_worker, rl_snapshots_job, sft_job  # noqa: E402
 from rl_tasks import TASK_NAMES  # noqa: E402
 from run import FULL, MAIN_MERGES, SMOKE, SWEEP_MERGES, CliRunner, log, machine  # noqa: E402
-from sweep_report import ablation_point, collect, write_sweep_outputs  # noqa: E402
+from sweep_report import ablation_point, collect, record, write_sweep_outputs  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,8 @@ class Layout:
         return os.path.join(self.point(seed, point), "merged", folder)
 
 
-def done(folder: str, name: str = "job.json") -> bool:
-    return os.path.isfile(os.path.join(folder, name))
+def done(folder: str, kind: str = "job") -> bool:
+    return os.path.isfile(record(folder, kind))
 
 
 def write_json(path: str, data: dict) -> None:
@@ -153,20 +153,20 @@ def merge_point(
     root = lay.point(seed, point.name)
     os.makedirs(root, exist_ok=True)
     probe_json = os.path.join(root, "probe.json")
-    if not done(root, "probe.command.json"):
+    if not done(os.path.join(root, "probe"), "command"):
         rec = cli(["probe", *inputs, "--json", probe_json], f"seed{seed}-{point.name}-probe")
-        write_json(os.path.join(root, "probe.command.json"), rec)
+        write_json(record(os.path.join(root, "probe"), "command"), rec)
     folders = []
     for name, flags in merges:
         folder = lay.merged(seed, point.name, name)
-        if not done(folder, "command.json"):
+        if not done(folder, "command"):
             argv = ["merge", *inputs, "--out", folder, "--overwrite", *flags]
             if "dare" in flags[1]:
                 argv += ["--seed", str(seed)]
             rec = cli(argv, f"seed{seed}-{point.name}-{os.path.basename(folder)}")
-            write_json(os.path.join(folder, "command.json"), rec)
+            write_json(record(folder, "command"), rec)
         folders.append(folder)
-    return [f for f in folders if not done(f, "scores.json")]
+    return [f for f in folders if not done(f, "scores")]
 
 
 def run(sweep: Sweep, out: str, points: list[Point], workers: int, cli_mode: str, ablate: bool):
@@ -195,7 +195,7 @@ def run(sweep: Sweep, out: str, points: list[Point], workers: int, cli_mode: str
             pending[pool.submit(fn, plan, *args)] = (kind, *args)
 
         def score(folder: str, seed: int) -> None:
-            if not done(folder, "scores.json"):
+            if not done(folder, "scores"):
                 submit("eval", seed, folder)
 
         def trajectories(seed: int) -> None:
@@ -243,19 +243,19 @@ def run(sweep: Sweep, out: str, points: list[Point], workers: int, cli_mode: str
                     kind, seed, *rest = pending.pop(fut)
                     res = fut.result()
                     if kind == "sft":
-                        write_json(os.path.join(lay.base(seed), "job.json"), res)
+                        write_json(record(lay.base(seed)), res)
                         log(f"seed {seed}: base trained ({res['wall_s']:.0f} s)", t0)
                         score(lay.base(seed), seed)
                         trajectories(seed)
                     elif kind == "rl":
                         task, _base, lr, folders = rest
                         for n, f in folders.items():
-                            write_json(os.path.join(f, "job.json"), {**res, "steps": n})
+                            write_json(record(f), {**res, "steps": n})
                             score(f, seed)
                         log(f"seed {seed}: {task} at lr {lr:g} ({res['wall_s']:.0f} s)", t0)
                         merge_ready(seed)
                     else:
-                        write_json(os.path.join(rest[0], "scores.json"), res)
+                        write_json(record(rest[0], "scores"), res)
         finally:
             cli.stop()
     results = collect(out, sweep, points, lay)

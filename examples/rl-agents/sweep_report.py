@@ -11,6 +11,14 @@ import statistics
 
 from rl_tasks import TASK_NAMES
 
+
+def record(folder: str, kind: str = "job") -> str:
+    """The file beside a model folder (never inside it) that records a job's result: a
+    merge copies every non-weight file of its base, so a record inside the base would be
+    copied into each merged model."""
+    return f"{folder.rstrip(os.sep)}.{kind}.json"
+
+
 MIN_GAIN = 0.05
 """An agent learned its task when it gained at least 5 points on it over the base (mean over
 seeds), the threshold RESULTS.md already uses for the gain kept."""
@@ -45,8 +53,8 @@ def collect(out: str, sweep, points, lay) -> dict:
         "point": {},
     }
     for s in sweep.plan.seeds:
-        base = _read(os.path.join(lay.base(s), "scores.json"))
-        job = _read(os.path.join(lay.base(s), "job.json"))
+        base = _read(record(lay.base(s), "scores"))
+        job = _read(record(lay.base(s)))
         if base:
             res["base"][str(s)] = base["scores"]
         if job:
@@ -58,8 +66,8 @@ def collect(out: str, sweep, points, lay) -> dict:
             for t in TASK_NAMES:
                 folder = lay.agent(s, p.lr, t, p.updates(t))
                 sc, job = (
-                    _read(os.path.join(folder, "scores.json")),
-                    _read(os.path.join(folder, "job.json")),
+                    _read(record(folder, "scores")),
+                    _read(record(folder)),
                 )
                 if sc and job:
                     rewards = job["train_reward"][: p.updates(t)]
@@ -81,14 +89,14 @@ def collect(out: str, sweep, points, lay) -> dict:
                     for t, r in zip(TASK_NAMES, probe["tasks"], strict=True)
                 }
                 row["commands"]["probe"] = _read(
-                    os.path.join(lay.point(s, p.name), "probe.command.json")
+                    record(os.path.join(lay.point(s, p.name), "probe"), "command")
                 )
             for m in res["methods"] + res["ablations"]:
                 folder = lay.merged(s, p.name, m)
-                sc = _read(os.path.join(folder, "scores.json"))
+                sc = _read(record(folder, "scores"))
                 if sc:
                     row["scores"][m] = sc["scores"]
-                    row["commands"][m] = _read(os.path.join(folder, "command.json"))
+                    row["commands"][m] = _read(record(folder, "command"))
             rows[str(s)] = row
         res["point"][p.name] = rows
     return res
