@@ -17,12 +17,12 @@ from s3_server import (
 
 from ram_dist.engine import driver
 from ram_dist.engine.blocks import stream_blocks
-from ram_dist.engine.layout import build_layout
 from ram_dist.engine.worker import worker_context
 from ram_dist.errors import StorageError
 from ram_dist.io.checkpoint import open_checkpoints
 from ram_dist.io.storage import Storage
-from ram_dist.units import Piece
+from ram_dist.planning.layout import build_layout
+from ram_dist.planning.units import Piece
 
 BUCKET = "ram-dist-test"
 

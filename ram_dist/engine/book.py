@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from ram_dist.io.manifest import Manifest
 from ram_dist.io.sinks import OpenShard, PartReceipt, shard_digest
-from ram_dist.units import Part
+from ram_dist.planning.units import Part
 
 
 class ShardBook:

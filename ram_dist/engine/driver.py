@@ -28,16 +28,11 @@ from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
 from ram_dist.engine.blocks import COMPUTE_BLOCK
 from ram_dist.engine.book import ShardBook
-from ram_dist.engine.effective import CONFIG_NAME, render
 from ram_dist.engine.gpu import Devices, job_devices
-from ram_dist.engine.input_choice import cache_report, input_cache
-from ram_dist.engine.job import Job, gc_paused, prepare
-from ram_dist.engine.output import OutputState, check_writable, clear_published, open_output
 from ram_dist.engine.passes import Shipped, map_pass, reduce_pass
 from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster, ray_session
-from ram_dist.engine.sizing import machine
 from ram_dist.engine.stats import PassStats
 from ram_dist.errors import RamDistError
 from ram_dist.io.files import copy_files, non_weight_files
@@ -48,6 +43,11 @@ from ram_dist.io.sinks import FileSink, OutputSink, choose_sink
 from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
 from ram_dist.methods import get_method
+from ram_dist.planning.effective import CONFIG_NAME, render
+from ram_dist.planning.input_choice import cache_report, input_cache
+from ram_dist.planning.job import Job, gc_paused, prepare
+from ram_dist.planning.output import OutputState, check_writable, clear_published, open_output
+from ram_dist.planning.sizing import machine
 from ram_dist.report.model_card import model_card
 
 REPORT_NAME = "merge_report.json"

@@ -15,7 +15,6 @@ import numpy as np
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
 from ram_dist.engine.blocks import BlockInputs, band_span, input_count, stream_blocks
-from ram_dist.engine.layout import Layout, TensorEntry
 from ram_dist.engine.memory import peak_rss
 from ram_dist.engine.results import UnitResult
 from ram_dist.engine.worker import Fused, TaskScope, device, ran_by, worker_context
@@ -24,7 +23,8 @@ from ram_dist.io.storage import Storage
 from ram_dist.kernels import fp8
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.registry import Chunk, State, TensorParams
-from ram_dist.units import Part, Piece, WorkUnit
+from ram_dist.planning.layout import Layout, TensorEntry
+from ram_dist.planning.units import Part, Piece, WorkUnit
 
 
 def map_unit(

@@ -22,9 +22,7 @@ import torch
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
 from ram_dist.engine.book import ShardBook
-from ram_dist.engine.devices import DeviceChoice
 from ram_dist.engine.gpu import Devices, job_devices
-from ram_dist.engine.job import Job
 from ram_dist.engine.map_step import PartTask, map_part, unit_out_bytes
 from ram_dist.engine.pool import Place, Shared, near, unordered_map
 from ram_dist.engine.progress import Progress
@@ -36,7 +34,9 @@ from ram_dist.io.range_cache import InputCache
 from ram_dist.io.sinks import OpenShard, OutputSink
 from ram_dist.io.storage import Storage
 from ram_dist.io.writer import shard_header
-from ram_dist.units import Part, WorkUnit, parts_as_recorded, plan_parts
+from ram_dist.planning.devices import DeviceChoice
+from ram_dist.planning.job import Job
+from ram_dist.planning.units import Part, WorkUnit, parts_as_recorded, plan_parts
 
 #: Ray re-runs a unit whose worker or node died this many times; a unit that raised is not
 #: re-run (bad data fails the same way twice).

@@ -8,14 +8,14 @@ from collections.abc import Mapping
 import numpy as np
 
 from ram_dist.engine.blocks import BlockInputs, input_count, stream_blocks
-from ram_dist.engine.layout import Layout
 from ram_dist.engine.memory import peak_rss
 from ram_dist.engine.results import Statistics, UnitResult
 from ram_dist.engine.worker import Fused, TaskScope, device, ran_by, worker_context
 from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.registry import Chunk, State, TensorParams
-from ram_dist.units import WorkUnit
+from ram_dist.planning.layout import Layout
+from ram_dist.planning.units import WorkUnit
 
 
 def reduce_unit(

@@ -44,7 +44,7 @@ class PassStats:
     tasks_retried: int = 0
     """Tasks Ray ran again after an attempt was lost with its worker or node."""
     tasks_on_gpu: int = 0
-    """Tasks that ran on a GPU worker (see `engine.devices`)."""
+    """Tasks that ran on a GPU worker (see `planning.devices`)."""
     units_on_cpu: int = 0
     units_on_gpu: int = 0
     gpu_ids: set[str] = field(default_factory=set)

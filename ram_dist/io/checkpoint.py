@@ -385,7 +385,7 @@ def _read_quantization(
     url: str, label: str, storage: Storage, entry: Mapping[str, Any] | None
 ) -> dict[str, Any] | None:
     """The `quantization_config` of the folder's config.json, which says how its weights are
-    stored (`engine.formats`); None when there is no config.json or no such key."""
+    stored (`planning.formats`); None when there is no config.json or no such key."""
     if entry is None:
         return None
     size = entry.get("size")

@@ -38,7 +38,7 @@ def effective_config(
     out_dtype: str | None,
 ) -> dict[str, Any]:
     """mergekit's schema for what ran: `params` holds every participating tensor's resolved
-    parameters (`engine.params.resolve_all`), `out_dtype` the safetensors dtype written (None:
+    parameters (`planning.params.resolve_all`), `out_dtype` the safetensors dtype written (None:
     each base tensor's)."""
     declared = handed(method_parameters.PARAMETERS[method])
     per_task = [p.name for p in declared if p.per_task]

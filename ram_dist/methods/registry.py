@@ -146,7 +146,7 @@ class MergeMethod(Protocol):
     def fuses(self, params: TensorParams) -> bool:
         """Whether `fused_statistics` and `fused_merge` take every chunk of a tensor with
         these parameters (on dtypes the kernels read): asked on the driver, before any work,
-        to choose where the tensor's units run (`engine.devices`: a tensor the fused kernels
+        to choose where the tensor's units run (`planning.devices`: a tensor the fused kernels
         take runs on the CPUs, one that needs the eager rule may go to a GPU)."""
         ...
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ram_dist.engine.job import Job
 from ram_dist.mergekit_config.writing import CONFIG_NAME, effective_config
 from ram_dist.mergekit_config.writing import render as render_config
+from ram_dist.planning.job import Job
 
 __all__ = ["CONFIG_NAME", "render"]
 
