@@ -20,7 +20,7 @@ from ram_dist import kernels
 from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
 from ram_dist.engine.map_step import PartTask
-from ram_dist.engine.passes import _shipped
+from ram_dist.engine.passes import work_flags
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
 
@@ -33,12 +33,14 @@ worker.warm_up()
 out = {}
 for round_ in range(args["method"].rounds):
     r = reduce_step.reduce_group(args["units"], args["layout"], args["storage"],
-                                 args["method"], args["params"], args["state"], round_, True)
+                                 args["method"], args["params"], args["state"], round_, True,
+                                 args["flags"])
     out["stats"] = {k: v.tolist() for k, v in r.stats.items()}
     out["nonfinite"] = r.nonfinite
 for unit in args["units"]:
     r = map_step.map_unit(unit, args["layout"], args["storage"], args["method"],
-                          args["params"], args["final"], reuse_output=False)
+                          args["params"], args["final"], reuse_output=False,
+                          flags=args["flags"])
     out.setdefault("data", []).append(r.data.tobytes())
     out.setdefault("fused", []).append(r.fused_elements)
 out["torch"] = "torch" in sys.modules and sys.modules["torch"] is not None
@@ -76,8 +78,8 @@ def test_fused_ram_plus_worker_runs_without_torch(tmp_path) -> None:
     final = _final_state(job)
     args = {
         "units": tuple(job.units), "layout": job.layout, "storage": job.storage,
-        "method": method, "params": job.params, "state": _shipped(job, state),
-        "final": _shipped(job, final),
+        "method": method, "params": job.params, "state": state, "final": final,
+        "flags": work_flags(job),
     }  # fmt: skip
     got = _run_worker(tmp_path, args)
     assert got["torch"] is False
@@ -98,10 +100,11 @@ def test_fused_ram_plus_worker_runs_without_torch(tmp_path) -> None:
 def test_eager_method_in_the_same_worker_needs_torch(tmp_path) -> None:
     """dare_ties has no fused merge: the same worker fails on `import torch`."""
     job, _, _ = _job(tmp_path, "dare_ties")
-    state = _shipped(job, job.initial_state())
+    state = job.initial_state()
     args = {
         "units": tuple(job.units[:1]), "layout": job.layout, "storage": job.storage,
         "method": job.method, "params": job.params, "state": state, "final": state,
+        "flags": work_flags(job),
     }  # fmt: skip
     (tmp_path / "args.pkl").write_bytes(pickle.dumps(args))
     (tmp_path / "worker.py").write_text(WORKER)

@@ -17,12 +17,20 @@ from ram_dist.dtypes import itemsize
 from ram_dist.engine.blocks import BlockInputs, band_span, input_count, stream_blocks
 from ram_dist.engine.memory import peak_rss
 from ram_dist.engine.results import UnitResult
-from ram_dist.engine.worker import Fused, TaskScope, device, ran_by, worker_context
+from ram_dist.engine.worker import (
+    EAGER,
+    Fused,
+    TaskScope,
+    WorkFlags,
+    device,
+    ran_by,
+    worker_context,
+)
 from ram_dist.io.sinks import ShardTarget
 from ram_dist.io.storage import Storage
 from ram_dist.kernels import fp8
 from ram_dist.methods import MergeMethod
-from ram_dist.methods.registry import Chunk, State, TensorParams
+from ram_dist.methods.protocol import Chunk, State, TensorParams
 from ram_dist.planning.layout import Layout, TensorEntry
 from ram_dist.planning.units import Part, Piece, WorkUnit
 
@@ -35,6 +43,7 @@ def map_unit(
     params: Mapping[str, TensorParams],
     state: State,
     reuse_output: bool = False,
+    flags: WorkFlags = EAGER,
 ) -> UnitResult:
     """Map pass: merged bytes of a unit's pieces, in order, in each tensor's output dtype.
     With `reuse_output`, the bytes live in this process's reused output buffer (see
@@ -44,7 +53,7 @@ def map_unit(
         size = unit_out_bytes(unit, layout)
         data = scope.output.take(size) if reuse_output else np.empty(size, dtype=np.uint8)
         fused_elements = _merge_into(
-            unit, layout, storage, method, params, state, data, bytes_read, scope
+            unit, layout, storage, method, params, state, flags, data, bytes_read, scope
         )  # fmt: skip
         return UnitResult(
             unit.index, None, data, tuple(bytes_read), peak_rss(),
@@ -76,12 +85,13 @@ def map_part(
     method: MergeMethod,
     params: Mapping[str, TensorParams],
     state: State,
+    flags: WorkFlags = EAGER,
 ) -> UnitResult:
     """Map pass: merge a part's units into this process's reused output buffer, hash them
     (in a thread, unit by unit, while the next unit is merged) and hand the part to its
     target, which writes it in place (direct) or sends it back (through the driver)."""
     with worker_context().task() as scope:
-        return _map_part(task, layout, storage, method, params, state, scope)
+        return _map_part(task, layout, storage, method, params, state, flags, scope)
 
 
 #: Bytes of a part made before they are handed, at once, to the thread that hashes (and
@@ -97,6 +107,7 @@ def _map_part(
     method: MergeMethod,
     params: Mapping[str, TensorParams],
     state: State,
+    flags: WorkFlags,
     scope: TaskScope,
 ) -> UnitResult:
     part, target = task.part, task.target
@@ -132,7 +143,7 @@ def _map_part(
             size = unit_out_bytes(unit, layout)
             out = data[at : at + size]
             fused_elements += _merge_into(
-                unit, layout, storage, method, params, state, out, bytes_read, scope,
+                unit, layout, storage, method, params, state, flags, out, bytes_read, scope,
                 on_block=lambda lo, hi, base=at: made(base + hi),
                 scale_rows=scale_rows,
             )  # fmt: skip
@@ -163,6 +174,7 @@ def _merge_into(
     method: MergeMethod,
     params: Mapping[str, TensorParams],
     state: State,
+    flags: WorkFlags,
     data: np.ndarray,
     bytes_read: list[int],
     scope: TaskScope,
@@ -176,7 +188,7 @@ def _merge_into(
     bands a new scale tensor needs and no earlier piece merged are merged first, for their
     scales only."""
     dev = device()
-    fused = Fused.of(state, dev)
+    fused = Fused.of(flags, dev)
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     offsets = list(itertools.accumulate(sizes, initial=0))
     address = data.ctypes.data
@@ -209,7 +221,9 @@ def _merge_into(
             if (
                 view is not None
                 and fused.take(inputs.dtypes, out_dtype)
-                and method.fused_merge(chunk, inputs.arrays(), p, state, view)
+                and method.fused_merge(
+                    chunk, inputs.arrays(), p, state, view, bf16_nan=flags.bf16_nan
+                )
             ):
                 fused_elements += block.hi - block.lo if written is not None else 0
             else:

@@ -29,6 +29,7 @@ from ram_dist.engine.progress import Progress
 from ram_dist.engine.reduce_step import add_up, reduce_group
 from ram_dist.engine.runtime import Cluster
 from ram_dist.engine.stats import PassStats
+from ram_dist.engine.worker import WorkFlags
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import InputCache
 from ram_dist.io.sinks import OpenShard, OutputSink
@@ -190,8 +191,8 @@ def _reduce_pass(
             continue
         totals: dict[str, np.ndarray] = {}
         nonfinite: dict[str, list[int]] = {}
-        shared = (shipped.layout, storage, method, shipped.params, _shipped(job, state), round_,
-                  checking)  # fmt: skip
+        shared = (shipped.layout, storage, method, shipped.params, state, round_, checking,
+                  work_flags(job))  # fmt: skip
         results = unordered_map(
             reduce_group, items, shared, workers, resources, lambda g: near(node_of(g[0])),
             devices.gpu, devices.on_gpu,
@@ -215,17 +216,15 @@ def _reduce_pass(
     return state, stats
 
 
-def _shipped(job: Job, state: dict[str, Any]) -> dict[str, Any]:
-    """The method's state as the workers get it, with the engine's settings for the fused
-    kernels: whether they are on (`--kernels`), and the bits torch gives a NaN cast to
-    bfloat16 on this machine (probed here, so that workers need not import torch)."""
-    fused = job.config.kernels == "auto" and kernels.available()
-    shipped = {**state, "fused": fused}
-    if fused:
-        from ram_dist.kernels.views import torch_bf16_nan
+def work_flags(job: Job) -> WorkFlags:
+    """The engine's settings for the fused kernels, shipped beside the method's state:
+    whether they are on (`--kernels`), and the bits torch gives a NaN cast to bfloat16 on
+    this machine (probed here, so that workers need not import torch)."""
+    if not (job.config.kernels == "auto" and kernels.available()):
+        return WorkFlags()
+    from ram_dist.kernels.views import torch_bf16_nan
 
-        shipped["bf16_nan"] = torch_bf16_nan()
-    return shipped
+    return WorkFlags(fused=True, bf16_nan=torch_bf16_nan())
 
 
 def _nonfinite_error(job: Job, found: dict[str, list[int]]) -> RamDistError:
@@ -290,7 +289,7 @@ def _map_pass(
     storage, node_of = _placement(job.storage, last, first_node or {})
     start = time.perf_counter()
     workers, resources = _cpu_tasks(job, devices.choice)
-    shared = (shipped.layout, storage, job.method, shipped.params, _shipped(job, state))
+    shared = (shipped.layout, storage, job.method, shipped.params, state, work_flags(job))
     units, headers, plan = _parts_of(job, shards, sink.min_part_bytes)
     for name in shards:  # a shard a killed run was writing keeps the parts it recorded
         recorded = (book.manifest.writing.get(name) or {}).get("plan")

@@ -20,7 +20,6 @@ import ray
 from ram_dist import kernels
 from ram_dist.engine.memory import PeakMemory
 from ram_dist.io.range_cache import Traffic
-from ram_dist.methods.registry import State
 
 
 def task_gpus() -> tuple[str, ...] | None:
@@ -239,18 +238,34 @@ def worker_context() -> WorkerContext:
 
 
 @dataclass(frozen=True)
+class WorkFlags:
+    """The engine's own settings for a pass's work, shipped beside the method's state and
+    never inside it (the state is the method's alone, kept in the manifest): whether the
+    fused kernels are on for the job (`--kernels`), and the bits torch gives a NaN cast to
+    bfloat16 (probed on the driver, so that a worker need not import torch; None: the kernel
+    probes where it runs). The default is the eager path."""
+
+    fused: bool = False
+    bf16_nan: int | None = None
+
+
+#: The eager path's flags: fused kernels off.
+EAGER = WorkFlags()
+
+
+@dataclass(frozen=True)
 class Fused:
     """Whether a task's chunks may go to the method's fused kernels: kernels on for the job
-    (`state["fused"]`, from `--kernels`), a CPU task (a GPU worker runs the eager rule, on
+    (`WorkFlags.fused`, from `--kernels`), a CPU task (a GPU worker runs the eager rule, on
     the CPU where CUDA is absent), and numba installed. Per chunk, the inputs' dtypes (and
     the output's) must be ones the kernels handle, and the method may still decline."""
 
     on: bool
 
     @classmethod
-    def of(cls, state: State, dev: str) -> Fused:
+    def of(cls, flags: WorkFlags, dev: str) -> Fused:
         cpu_task = dev == "cpu" and not task_gpus()
-        return cls(bool(state.get("fused")) and cpu_task and kernels.available())
+        return cls(flags.fused and cpu_task and kernels.available())
 
     def take(self, dtypes: Sequence[str], out: str | None = None) -> bool:
         return self.on and _handles(tuple(dtypes), out)

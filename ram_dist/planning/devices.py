@@ -18,7 +18,7 @@ from typing import Any
 from ram_dist import kernels
 from ram_dist.errors import RamDistError
 from ram_dist.methods import MergeMethod
-from ram_dist.methods.registry import TensorParams
+from ram_dist.methods.protocol import TensorParams
 from ram_dist.planning.layout import Layout, TensorEntry
 from ram_dist.planning.units import WorkUnit
 
