@@ -39,21 +39,20 @@ from ram_dist.io.files import copy_files, non_weight_files
 from ram_dist.io.json_files import MAX_REPORT_BYTES, read_json
 from ram_dist.io.lease import OutputLease
 from ram_dist.io.manifest import save_manifest
+from ram_dist.io.names import CARD_NAME, MERGEKIT_CONFIG_NAME, REPORT_NAME
 from ram_dist.io.sinks import FileSink, OutputSink, choose_sink
 from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
 from ram_dist.methods import get_method
-from ram_dist.planning.effective import CONFIG_NAME, render
+from ram_dist.planning.effective import render
 from ram_dist.planning.input_choice import cache_report, input_cache
 from ram_dist.planning.job import Job, gc_paused, prepare
 from ram_dist.planning.output import OutputState, check_writable, clear_published, open_output
 from ram_dist.planning.sizing import machine
 from ram_dist.report.model_card import model_card
 
-REPORT_NAME = "merge_report.json"
 #: What `probe` counts with when the configured method counts no overlap statistics.
 PROBE_METHOD = "ram_plus"
-CARD_NAME = "README.md"
 
 __all__ = ["REPORT_NAME", "merge", "merge_checks", "merge_on", "plan", "prepare", "probe"]
 
@@ -230,7 +229,7 @@ def _merge_held(
         "shards_written": [s for s in manifest.shard_names if s not in done],
     }
     write_json(join(job.out, REPORT_NAME), report, job.storage)
-    with AtomicFile(join(job.out, CONFIG_NAME), job.storage) as f:
+    with AtomicFile(join(job.out, MERGEKIT_CONFIG_NAME), job.storage) as f:
         f.write(render(job).encode())
     card = model_card(
         report, base=config.base, inputs=job.identity()["inputs"], version=__version__

@@ -32,7 +32,7 @@ from ram_dist.engine.stats import PassStats
 from ram_dist.engine.worker import WorkFlags
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import InputCache
-from ram_dist.io.sinks import OpenShard, OutputSink
+from ram_dist.io.sinks import OpenShard, OutputSink, plan_record
 from ram_dist.io.storage import Storage
 from ram_dist.io.writer import shard_header
 from ram_dist.planning.devices import DeviceChoice
@@ -293,7 +293,7 @@ def _map_pass(
     units, headers, plan = _parts_of(job, shards, sink.min_part_bytes)
     for name in shards:  # a shard a killed run was writing keeps the parts it recorded
         recorded = (book.manifest.writing.get(name) or {}).get("plan")
-        if recorded and recorded != [[p.start, p.stop] for p in plan[name]]:
+        if recorded and recorded != plan_record(plan[name]):
             fresh = 1 + max([u.index for u in job.units] + list(units))
             again = parts_as_recorded(
                 name, [units[i] for p in plan[name] for i in p.units],

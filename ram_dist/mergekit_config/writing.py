@@ -18,9 +18,6 @@ from ram_dist.dtypes import dtype_name
 from ram_dist.methods import parameters as method_parameters
 from ram_dist.methods.parameters import handed
 
-#: The file's name in the output folder.
-CONFIG_NAME = "mergekit_config.yml"
-
 
 def _setting(per_tensor: Mapping[str, Any]) -> Any:
     values = list(per_tensor.values())
