@@ -238,6 +238,7 @@ def run_merge(config: ConfigSource, *, address: str | None = None) -> MergeRepor
     while Ray starts, and `address` names the cluster (else a ready config's own)."""
     from ram_dist.engine import driver
     from ram_dist.engine.runtime import ray_session
+    from ram_dist.report.model_card import model_card
 
     build, address = _source(config, address)
 
@@ -249,7 +250,7 @@ def run_merge(config: ConfigSource, *, address: str | None = None) -> MergeRepor
 
     with contextlib.ExitStack() as held:  # this run's lease on the output, released last
         with ray_session(address, partial(checks, held)) as (cluster, (job, claim)):
-            report = driver.merge_on(claim, cluster)
+            report = driver.merge_on(claim, cluster, model_card)
     return MergeReport.of(report, job)
 
 
