@@ -259,7 +259,7 @@ def test_auto_keeps_fused_work_on_the_cpus(inputs, fake_gpus, tmp_path):
     from ram_dist.engine import driver, worker
 
     # called inline (this process is Ray's driver, not a task): CUDA whenever it is there
-    assert worker.task_gpus() is None
+    assert worker.given_gpus() is None
     assert worker.device() == ("cuda" if torch.cuda.is_available() else "cpu")
     schema = json.loads((Path(driver.__file__).parents[1] / "report_schema.json").read_text())
     base, tasks = inputs

@@ -96,7 +96,7 @@ def test_range_read_fetches_only_the_rows_and_the_header(models, options, server
     layout = build_layout(ckpt, [ckpt, ckpt], None)
     rows = Piece(info.name, 10 * 128, 13 * 128)  # rows 10..12
     read = [0, 0, 0]
-    with worker_context().task() as scope:
+    with worker_context().work() as scope:
         blocks = list(stream_blocks((rows,), layout, storage, read, scope))
         assert len(blocks) == 1
         base_rows = bytes(blocks[0][1].raw[0])

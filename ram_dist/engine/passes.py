@@ -23,7 +23,7 @@ from ram_dist import kernels
 from ram_dist.dtypes import itemsize
 from ram_dist.engine.book import ShardBook
 from ram_dist.engine.gpu import Devices, job_devices
-from ram_dist.engine.map_step import PartTask, map_part, unit_out_bytes
+from ram_dist.engine.map_step import PartWork, map_part, unit_out_bytes
 from ram_dist.engine.pool import Place, Shared, near, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.reduce_step import add_up, reduce_group
@@ -58,7 +58,7 @@ class Shipped:
         return cls(Shared(job.layout), Shared(job.params))
 
 
-def _cpu_tasks(job: Job, choice: DeviceChoice) -> tuple[int, dict[str, Any]]:
+def _cpu_work(job: Job, choice: DeviceChoice) -> tuple[int, dict[str, Any]]:
     """CPU tasks in flight, and the Ray options of each. With `--workers`, exactly that many
     run at once; by default twice the CPU slots (`DeviceChoice.cpu_slots`) are submitted,
     Ray runs as many as it has CPUs for, and the rest are queued so that a worker never
@@ -172,7 +172,7 @@ def _reduce_pass(
     storage, node_of = _placement(job.storage, cache, stats.first_node)
     start = time.perf_counter()
     method, state = job.method, job.initial_state()
-    workers, resources = _cpu_tasks(job, devices.choice)
+    workers, resources = _cpu_work(job, devices.choice)
     numel = job.numel()
     check = not job.config.allow_nonfinite
     for round_ in range(max(method.rounds, 1 if check else 0)):
@@ -288,7 +288,7 @@ def _map_pass(
     last = cache.for_last_pass() if cache is not None else None
     storage, node_of = _placement(job.storage, last, first_node or {})
     start = time.perf_counter()
-    workers, resources = _cpu_tasks(job, devices.choice)
+    workers, resources = _cpu_work(job, devices.choice)
     shared = (shipped.layout, storage, job.method, shipped.params, state, work_flags(job))
     units, headers, plan = _parts_of(job, shards, sink.min_part_bytes)
     for name in shards:  # a shard a killed run was writing keeps the parts it recorded
@@ -318,7 +318,7 @@ def _map_pass(
         stats.bytes_written += shard.size
         progress.event("shard_written", shard=shard.name, bytes=shard.size, digest=digest)
 
-    def tasks() -> Iterator[PartTask]:
+    def parts_to_make() -> Iterator[PartWork]:
         for name in shards:
             size = plan[name][-1].stop
             shard = sink.open(name, size, plan[name], book.manifest.writing.get(name))
@@ -331,25 +331,25 @@ def _map_pass(
                     continue
                 part_units = tuple(units[i] for i in part.units)
                 header = headers[name] if part.number == 1 else b""
-                yield PartTask(part, part_units, header, shard.target)
+                yield PartWork(part, part_units, header, shard.target)
             if len(shard.done) == len(plan[name]) and name in opened:
                 complete(shard)  # every part was in already (a resumed shard)
 
-    def placement(task: PartTask) -> Place | None:
+    def placement(work: PartWork) -> Place | None:
         if pin_to is not None:
             return near(pin_to, only=True)
-        return near(node_of(units[task.part.units[0]])) if task.part.units else None
+        return near(node_of(units[work.part.units[0]])) if work.part.units else None
 
     try:
-        for task, node, result in unordered_map(
-            map_part, tasks(), shared, workers, resources, placement,
-            devices.gpu, lambda task: devices.on_gpu(task.units),
+        for work, node, result in unordered_map(
+            map_part, parts_to_make(), shared, workers, resources, placement,
+            devices.gpu, lambda work: devices.on_gpu(work.units),
         ):  # fmt: skip
-            if task.part.units:
-                first = node_of(units[task.part.units[0]])
-                stats.ran(task.part.units, node, result.traffic, first)
+            if work.part.units:
+                first = node_of(units[work.part.units[0]])
+                stats.ran(work.part.units, node, result.traffic, first)
             progress.advance(sum(result.bytes_read))
-            stats.add(result, units=len(task.part.units))
+            stats.add(result, units=len(work.part.units))
             stats.parts += 1
             receipt = result.receipt
             assert receipt is not None

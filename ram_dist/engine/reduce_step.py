@@ -13,8 +13,8 @@ from ram_dist.engine.results import Statistics, UnitResult
 from ram_dist.engine.worker import (
     EAGER,
     Fused,
-    TaskScope,
     WorkFlags,
+    WorkScope,
     device,
     ran_by,
     worker_context,
@@ -35,7 +35,7 @@ def reduce_unit(
     state: State,
     round_: int,
     check_finite: bool,
-    scope: TaskScope,
+    scope: WorkScope,
     flags: WorkFlags = EAGER,
 ) -> UnitResult:
     """One reduce round: the method's statistics of the unit's active pieces, summed by key;
@@ -115,7 +115,7 @@ def reduce_group(
     """`reduce_unit` over units one task reads together (those of one output part, so the
     map pass, which makes the part in one task, finds all their bytes in this node's input
     cache), the results summed."""
-    with worker_context().task() as scope:
+    with worker_context().work() as scope:
         results = [
             reduce_unit(
                 u, layout, storage, method, params, state, round_, check_finite, scope, flags
