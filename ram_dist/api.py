@@ -238,6 +238,7 @@ def run_merge(config: ConfigSource, *, address: str | None = None) -> MergeRepor
     while Ray starts, and `address` names the cluster (else a ready config's own)."""
     from ram_dist.engine import driver
     from ram_dist.engine.runtime import ray_session
+    from ram_dist.report.model_card import model_card
 
     build, address = _source(config, address)
 
@@ -249,7 +250,7 @@ def run_merge(config: ConfigSource, *, address: str | None = None) -> MergeRepor
 
     with contextlib.ExitStack() as held:  # this run's lease on the output, released last
         with ray_session(address, partial(checks, held)) as (cluster, (job, claim)):
-            report = driver.merge_on(claim, cluster)
+            report = driver.merge_on(claim, cluster, model_card)
     return MergeReport.of(report, job)
 
 
@@ -287,13 +288,13 @@ def run_plan(config: ConfigSource) -> PlanReport:
 
 def write_probe_files(report: Mapping[str, Any], json_path: str) -> list[str]:
     """The probe's JSON, and beside it the figures and the per-layer table."""
+    from ram_dist.io.names import probe_files
     from ram_dist.io.writer import json_text
     from ram_dist.report.figures import write_figure2, write_layer_csv, write_layer_heatmap
 
     with open(json_path, "w", encoding="utf-8") as f:
         f.write(json_text(report))
-    stem = json_path[: -len(".json")] if json_path.endswith(".json") else json_path
-    written = [json_path, f"{stem}.figure2.png", f"{stem}.layers.csv", f"{stem}.layers.png"]
+    written = probe_files(json_path)
     write_figure2(report, written[1])
     write_layer_csv(report, written[2])
     write_layer_heatmap(report, written[3])

@@ -16,14 +16,14 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ram_dist import __version__
-from ram_dist.engine.devices import DEVICES
-from ram_dist.engine.sizing import MAX_UNIT_BUDGET
 from ram_dist.errors import RamDistError
 from ram_dist.io.failures import is_storage_failure, storage_error
 from ram_dist.io.range_cache import MODES as CACHE_MODES
 from ram_dist.io.storage import parse_storage_options
 from ram_dist.methods import parameters as method_parameters
 from ram_dist.methods.parameters import cli_parameters
+from ram_dist.planning.devices import DEVICES
+from ram_dist.planning.sizing import MAX_UNIT_BUDGET
 
 if TYPE_CHECKING:  # imported where used: `--help` and `verify` load neither torch nor Ray
     from ram_dist.config import MergeConfig

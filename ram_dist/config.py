@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ram_dist.dtypes import parse_out_dtype
-from ram_dist.engine.devices import DEVICES
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import MODES as CACHE_MODES
 from ram_dist.io.storage import Storage
 from ram_dist.methods import get_method
+from ram_dist.planning.devices import DEVICES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +40,7 @@ class MergeConfig:
     """Safetensors dtype of merged floating tensors; None keeps each base tensor's dtype."""
     unit_budget_bytes: int | None = None
     """Bytes one work unit may read from each input; None: chosen from the cluster's cores
-    and memory (`engine.sizing`, at most 256 MiB)."""
+    and memory (`planning.sizing`, at most 256 MiB)."""
     workers: int | None = None
     """CPU tasks running at once; None uses every CPU the GPU workers leave (the GPU workers
     are one per GPU, whatever this says)."""
@@ -48,7 +48,7 @@ class MergeConfig:
     """`auto`: every CPU with the fused kernels, and, on a cluster with GPUs, the units of
     tensors that need the eager rule on one worker per GPU; `cpu`: every unit on the CPUs;
     `cuda`: every unit on the GPU workers, refusing a cluster without GPUs
-    (`engine.devices`). Never changes a byte."""
+    (`planning.devices`). Never changes a byte."""
     address: str | None = None
     """Ray cluster address; None uses RAY_ADDRESS or starts a local Ray."""
     overwrite: bool = False

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from ram_dist.engine.devices import EagerTensors, choose_device
 from ram_dist.errors import RamDistError
+from ram_dist.planning.devices import EagerTensors, choose_device
 
 CLI = [sys.executable, "-m", "ram_dist.cli"]
 #: Bytes a unit may read from each input: the fixture's model makes about 50 units.
@@ -118,8 +118,8 @@ def test_which_tensors_need_the_eager_rule(inputs, tmp_path):
     import torch
     from builders import save_checkpoint
 
-    from ram_dist.engine.job import prepare
-    from ram_dist.units import Piece, WorkUnit
+    from ram_dist.planning.job import prepare
+    from ram_dist.planning.units import Piece, WorkUnit
 
     def choice(**kw):
         return prepare(_config(inputs, **kw)).device_choice(gpus=2, cpus=8)
@@ -259,7 +259,7 @@ def test_auto_keeps_fused_work_on_the_cpus(inputs, fake_gpus, tmp_path):
     from ram_dist.engine import driver, worker
 
     # called inline (this process is Ray's driver, not a task): CUDA whenever it is there
-    assert worker.task_gpus() is None
+    assert worker.given_gpus() is None
     assert worker.device() == ("cuda" if torch.cuda.is_available() else "cpu")
     schema = json.loads((Path(driver.__file__).parents[1] / "report_schema.json").read_text())
     base, tasks = inputs
@@ -327,7 +327,7 @@ def test_dare_ties_on_the_gpus_starts_two_processes_for_the_whole_job(inputs, fa
 def test_plan_says_the_device(inputs, fake_gpus, tmp_path, capsys):
     from ram_dist.cli import main
     from ram_dist.engine import driver
-    from ram_dist.engine.job import prepare
+    from ram_dist.planning.job import prepare
 
     planned = driver.plan(_config(inputs, tmp_path / "p"))
     choice = prepare(_config(inputs)).device_choice(2, 2)

@@ -21,7 +21,7 @@ pytest.importorskip("numba")
 from ram_dist import kernels  # noqa: E402
 from ram_dist.kernels import primitives, ram_numba, ties_numba  # noqa: E402
 from ram_dist.methods import get_method  # noqa: E402
-from ram_dist.methods.registry import Chunk  # noqa: E402
+from ram_dist.methods.protocol import Chunk  # noqa: E402
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 TILE = ram_numba.TILE

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ram_dist.units import TensorSlot, plan_units
+from ram_dist.planning.units import TensorSlot, plan_units
 
 
 @pytest.mark.parametrize("max_pieces", [1, 3, 1000])

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from ram_dist.methods import dare, get_method, linear, task_arithmetic
-from ram_dist.methods.registry import Chunk, State
+from ram_dist.methods.protocol import Chunk, State
 from ram_dist.methods.topk import LOW_BINS, kept_count
 
 try:
     import mergekit.merge_methods.base as mk_base
     import mergekit.merge_methods.linear as mk_linear
-    import mergekit.merge_methods.registry as mk_registry
+    import mergekit.merge_methods.protocol as mk_registry
     import mergekit.sparsify as mk_sparsify
 except ImportError:  # the chunk-invariance tests still run
     mk_base = mk_linear = mk_registry = mk_sparsify = None

@@ -12,7 +12,6 @@ import yaml
 
 from ram_dist.cli import build_parser, config_from_args
 from ram_dist.config import MergeConfig, load_yaml
-from ram_dist.engine.params import resolve_all
 from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config import (
     REQUIRED,
@@ -27,6 +26,7 @@ from ram_dist.methods import METHODS, get_method
 from ram_dist.methods.layers import layer_index, layer_name
 from ram_dist.methods.parameters import BY_NAME, PARAMETERS, cli_parameters, handed
 from ram_dist.methods.ram import layer_summary
+from ram_dist.planning.params import resolve_all
 from ram_dist.report.model_card import model_card
 
 
@@ -112,7 +112,7 @@ NAMES = [
 
 
 def test_engine_resolves_with_the_readers_precedence(tmp_path: Path) -> None:
-    """`engine.params.resolve_all` (what the merge runs with) and `resolve_parameter` give
+    """`planning.params.resolve_all` (what the merge runs with) and `resolve_parameter` give
     every parameter of every tensor the same value."""
     text = ENGINE_YAML.format(base="/b", a="/a", b="/c")
     path = tmp_path / "job.yaml"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ram_dist.units import (
+from ram_dist.planning.units import (
     MAX_PARTS,
     MIN_PART_BYTES,
     Piece,

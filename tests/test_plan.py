@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ram_dist.errors import RamDistError
-from ram_dist.units import TensorSlot, plan_units
+from ram_dist.planning.units import TensorSlot, plan_units
 
 SLOTS = [
     TensorSlot("embed", "a.safetensors", numel=256 * 64, row=64, max_itemsize=2),
@@ -60,7 +60,7 @@ def test_budget_below_one_element_is_refused():
 def test_default_budget_from_cores_and_memory():
     """8 units per core over the largest input, 1/8 of a core's memory, 16 to 256 MiB,
     whole MiB."""
-    from ram_dist.engine.sizing import MIB, auto_unit_budget
+    from ram_dist.planning.sizing import MIB, auto_unit_budget
 
     # 0.5B bf16 params (940 MiB per input) on 2 cores and 24 GiB: ceil(940 MiB / 16)
     assert auto_unit_budget(940 * MIB, 2, 24 * 1024 * MIB) == 58 * MIB
@@ -106,7 +106,7 @@ def test_an_fp8_weight_that_fits_a_unit_starts_one_rather_than_be_cut():
 def test_planning_pauses_the_garbage_collector_and_restores_it():
     import gc
 
-    from ram_dist.engine.job import gc_paused
+    from ram_dist.planning.job import gc_paused
 
     assert gc.isenabled()
     with gc_paused():

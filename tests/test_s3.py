@@ -17,12 +17,12 @@ from s3_server import (
 
 from ram_dist.engine import driver
 from ram_dist.engine.blocks import stream_blocks
-from ram_dist.engine.layout import build_layout
 from ram_dist.engine.worker import worker_context
 from ram_dist.errors import StorageError
 from ram_dist.io.checkpoint import open_checkpoints
 from ram_dist.io.storage import Storage
-from ram_dist.units import Piece
+from ram_dist.planning.layout import build_layout
+from ram_dist.planning.units import Piece
 
 BUCKET = "ram-dist-test"
 
@@ -96,7 +96,7 @@ def test_range_read_fetches_only_the_rows_and_the_header(models, options, server
     layout = build_layout(ckpt, [ckpt, ckpt], None)
     rows = Piece(info.name, 10 * 128, 13 * 128)  # rows 10..12
     read = [0, 0, 0]
-    with worker_context().task() as scope:
+    with worker_context().work() as scope:
         blocks = list(stream_blocks((rows,), layout, storage, read, scope))
         assert len(blocks) == 1
         base_rows = bytes(blocks[0][1].raw[0])

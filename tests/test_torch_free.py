@@ -19,8 +19,8 @@ from reference import reference_merge
 from ram_dist import kernels
 from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
-from ram_dist.engine.map_step import PartTask
-from ram_dist.engine.passes import _shipped
+from ram_dist.engine.map_step import PartWork
+from ram_dist.engine.passes import work_flags
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
 
@@ -29,17 +29,22 @@ import pickle, sys
 sys.modules["torch"] = None  # `import torch` raises ImportError from here on
 args = pickle.load(open(sys.argv[1], "rb"))
 from ram_dist.engine import map_step, pool, reduce_step, worker  # what a Ray worker imports
+from ram_dist.io.sinks import DriverTarget
+from ram_dist.planning.units import Part
 worker.warm_up()
 out = {}
 for round_ in range(args["method"].rounds):
     r = reduce_step.reduce_group(args["units"], args["layout"], args["storage"],
-                                 args["method"], args["params"], args["state"], round_, True)
+                                 args["method"], args["params"], args["state"], round_, True,
+                                 args["flags"])
     out["stats"] = {k: v.tolist() for k, v in r.stats.items()}
     out["nonfinite"] = r.nonfinite
 for unit in args["units"]:
-    r = map_step.map_unit(unit, args["layout"], args["storage"], args["method"],
-                          args["params"], args["final"], reuse_output=False)
-    out.setdefault("data", []).append(r.data.tobytes())
+    part = Part(unit.shard, 1, (unit.index,), 0, map_step.unit_out_bytes(unit, args["layout"]))
+    work = map_step.PartWork(part, (unit,), b"", DriverTarget("inline"))
+    r = map_step.map_part(work, args["layout"], args["storage"], args["method"],
+                          args["params"], args["final"], args["flags"])
+    out.setdefault("data", []).append(r.receipt.data.tobytes())
     out.setdefault("fused", []).append(r.fused_elements)
 out["torch"] = "torch" in sys.modules and sys.modules["torch"] is not None
 pickle.dump(out, open(sys.argv[2], "wb"))
@@ -76,8 +81,8 @@ def test_fused_ram_plus_worker_runs_without_torch(tmp_path) -> None:
     final = _final_state(job)
     args = {
         "units": tuple(job.units), "layout": job.layout, "storage": job.storage,
-        "method": method, "params": job.params, "state": _shipped(job, state),
-        "final": _shipped(job, final),
+        "method": method, "params": job.params, "state": state, "final": final,
+        "flags": work_flags(job),
     }  # fmt: skip
     got = _run_worker(tmp_path, args)
     assert got["torch"] is False
@@ -98,10 +103,11 @@ def test_fused_ram_plus_worker_runs_without_torch(tmp_path) -> None:
 def test_eager_method_in_the_same_worker_needs_torch(tmp_path) -> None:
     """dare_ties has no fused merge: the same worker fails on `import torch`."""
     job, _, _ = _job(tmp_path, "dare_ties")
-    state = _shipped(job, job.initial_state())
+    state = job.initial_state()
     args = {
         "units": tuple(job.units[:1]), "layout": job.layout, "storage": job.storage,
         "method": job.method, "params": job.params, "state": state, "final": state,
+        "flags": work_flags(job),
     }  # fmt: skip
     (tmp_path / "args.pkl").write_bytes(pickle.dumps(args))
     (tmp_path / "worker.py").write_text(WORKER)
@@ -123,7 +129,7 @@ def _final_state(job) -> dict:
     for round_ in range(job.method.rounds):
         totals: dict[str, np.ndarray] = {}
         for unit in job.units:
-            with worker_context().task() as scope:
+            with worker_context().work() as scope:
                 r = reduce_unit(
                     unit, job.layout, job.storage, job.method, job.params, state, round_, False,
                     scope,
@@ -136,4 +142,4 @@ def _final_state(job) -> dict:
 
 def test_part_task_pickles_without_torch_types() -> None:
     """A map task's own argument holds no torch object either."""
-    assert "torch" not in pickle.dumps(PartTask).decode("latin-1")
+    assert "torch" not in pickle.dumps(PartWork).decode("latin-1")

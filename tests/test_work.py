@@ -10,14 +10,21 @@ from reference import reference_merge, reference_stats
 
 from ram_dist.config import MergeConfig
 from ram_dist.engine import blocks, driver, map_step, reduce_step, results, worker
+from ram_dist.io.sinks import DriverTarget
 from ram_dist.methods import get_method
+from ram_dist.planning.units import Part
 
 
-@pytest.mark.parametrize("reuse_output", [False, True])
+def _map(unit, layout, storage, method, params, state) -> np.ndarray:
+    """A unit's merged bytes as the map pass makes them (`map_part`): the one unit of a part,
+    sent back through the driver. They live in the worker's reused output buffer."""
+    part = Part(unit.shard, 1, (unit.index,), 0, map_step.unit_out_bytes(unit, layout))
+    work = map_step.PartWork(part, (unit,), b"", DriverTarget("inline"))
+    return map_step.map_part(work, layout, storage, method, params, state).receipt.data
+
+
 @pytest.mark.parametrize("block", [7, 1000, 1 << 22])
-def test_units_and_compute_blocks_reassemble_the_reference(
-    tmp_path, monkeypatch, block, reuse_output
-):
+def test_units_and_compute_blocks_reassemble_the_reference(tmp_path, monkeypatch, block):
     monkeypatch.setattr(blocks, "COMPUTE_BLOCK", block)
     base_dir, task_dirs, base, tasks = build_model_set(
         tmp_path, kind="llama", task_dtypes=[torch.float32, None, torch.float16]
@@ -30,7 +37,7 @@ def test_units_and_compute_blocks_reassemble_the_reference(
     args = (job.layout, job.storage, method, job.params)
     totals: dict[str, np.ndarray] = {}
     for unit in job.units:
-        with worker.worker_context().task() as scope:
+        with worker.worker_context().work() as scope:
             result = reduce_step.reduce_unit(unit, *args, state, 0, False, scope)
         reduce_step.add_up(result, totals, {})
     sums = {key: torch.from_numpy(value) for key, value in totals.items()}
@@ -42,9 +49,9 @@ def test_units_and_compute_blocks_reassemble_the_reference(
     blobs: dict[str, list[bytes]] = {}
     previous = None
     for unit in job.units:
-        result = map_step.map_unit(unit, *args, state, reuse_output=reuse_output).data
-        if previous is not None:  # the worker's buffer is used again, or fresh memory is
-            assert np.shares_memory(result, previous) == reuse_output
+        result = _map(unit, *args, state)
+        if previous is not None:  # the worker's output buffer is used again
+            assert np.shares_memory(result, previous)
         previous, data = result, result.tobytes()
         offset = 0
         for piece in unit.pieces:
@@ -81,13 +88,13 @@ def test_small_tensors_are_read_together(tmp_path, monkeypatch, small, group):
     monkeypatch.setattr(type(job.storage), "read_ranges", counting)
     totals: dict[str, np.ndarray] = {}
     for unit in job.units:
-        with worker.worker_context().task() as scope:
+        with worker.worker_context().work() as scope:
             result = reduce_step.reduce_unit(unit, *args, state, 0, False, scope)
         reduce_step.add_up(result, totals, {})
     sums = {key: torch.from_numpy(value) for key, value in totals.items()}
     state = method.finalize(0, sums, job.params, job.numel(), state)
     calls.clear()
-    data = b"".join(map_step.map_unit(unit, *args, state).data.tobytes() for unit in job.units)
+    data = b"".join(_map(unit, *args, state).tobytes() for unit in job.units)
     unit_blocks = [
         [
             blocks.Block(k, lo, hi)

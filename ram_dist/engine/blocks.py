@@ -16,11 +16,11 @@ import numpy as np
 
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
-from ram_dist.engine.layout import Layout, Source, TensorEntry
-from ram_dist.engine.worker import TaskScope
+from ram_dist.engine.worker import WorkScope
 from ram_dist.io.storage import Storage
 from ram_dist.kernels import fp8
-from ram_dist.units import Piece
+from ram_dist.planning.layout import Layout, Source, TensorEntry
+from ram_dist.planning.units import Piece
 
 if TYPE_CHECKING:
     import torch
@@ -151,7 +151,7 @@ def stream_blocks(
     layout: Layout,
     storage: Storage,
     bytes_read: list[int],
-    scope: TaskScope,
+    scope: WorkScope,
     pinned: bool = False,
 ) -> Iterator[tuple[Block, BlockInputs]]:
     """Each compute block of `pieces` with its inputs, in order. A thread reads the next

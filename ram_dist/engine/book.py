@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 
 from ram_dist.io.manifest import Manifest
-from ram_dist.io.sinks import OpenShard, PartReceipt, shard_digest
-from ram_dist.units import Part
+from ram_dist.io.sinks import OpenShard, PartReceipt, plan_record, shard_digest
+from ram_dist.planning.units import Part
 
 
 class ShardBook:
@@ -40,7 +40,7 @@ class ShardBook:
 
     def opened(self, shard: OpenShard, plan: list[Part]) -> None:
         self.manifest.writing[shard.name] = {
-            "plan": [[p.start, p.stop] for p in plan],
+            "plan": plan_record(plan),
             **shard.resume,
             "parts": {str(n): r.record() for n, r in sorted(shard.done.items())},
         }

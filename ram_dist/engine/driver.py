@@ -15,10 +15,10 @@ import contextlib
 import gc
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 
@@ -28,32 +28,30 @@ from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
 from ram_dist.engine.blocks import COMPUTE_BLOCK
 from ram_dist.engine.book import ShardBook
-from ram_dist.engine.effective import CONFIG_NAME, render
 from ram_dist.engine.gpu import Devices, job_devices
-from ram_dist.engine.input_choice import cache_report, input_cache
-from ram_dist.engine.job import Job, gc_paused, prepare
-from ram_dist.engine.output import OutputState, check_writable, clear_published, open_output
 from ram_dist.engine.passes import Shipped, map_pass, reduce_pass
 from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster, ray_session
-from ram_dist.engine.sizing import machine
 from ram_dist.engine.stats import PassStats
 from ram_dist.errors import RamDistError
 from ram_dist.io.files import copy_files, non_weight_files
 from ram_dist.io.json_files import MAX_REPORT_BYTES, read_json
 from ram_dist.io.lease import OutputLease
 from ram_dist.io.manifest import save_manifest
+from ram_dist.io.names import CARD_NAME, MERGEKIT_CONFIG_NAME, REPORT_NAME
 from ram_dist.io.sinks import FileSink, OutputSink, choose_sink
 from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
 from ram_dist.methods import get_method
-from ram_dist.report.model_card import model_card
+from ram_dist.planning.effective import render
+from ram_dist.planning.input_choice import cache_report, input_cache
+from ram_dist.planning.job import Job, gc_paused, prepare
+from ram_dist.planning.output import OutputState, check_writable, clear_published, open_output
+from ram_dist.planning.sizing import machine
 
-REPORT_NAME = "merge_report.json"
 #: What `probe` counts with when the configured method counts no overlap statistics.
 PROBE_METHOD = "ram_plus"
-CARD_NAME = "README.md"
 
 __all__ = ["REPORT_NAME", "merge", "merge_checks", "merge_on", "plan", "prepare", "probe"]
 
@@ -110,6 +108,21 @@ Claim = dict[str, Any] | tuple[Job, OutputState, OutputLease]
 """What `merge_checks` gives: the stored report of a finished output, or what to merge."""
 
 
+class CardWriter(Protocol):
+    """The model card's text from the report (`report.model_card.model_card` is one): the
+    entry point gives it, so that the engine knows nothing of presentation. The driver
+    writes the card, under the output's lease, before it marks the manifest complete."""
+
+    def __call__(
+        self,
+        report: Mapping[str, Any],
+        *,
+        base: str,
+        inputs: Sequence[Mapping[str, Any]],
+        version: str,
+    ) -> str: ...
+
+
 def merge(config: MergeConfig) -> dict[str, Any]:
     """Run (or resume) the whole merge; returns the report also written as merge_report.json.
 
@@ -117,17 +130,19 @@ def merge(config: MergeConfig) -> dict[str, Any]:
     with contextlib.ExitStack() as held:
         checks = partial(merge_checks, config, held)
         with ray_session(config.address, checks) as (cluster, claim):
-            return merge_on(claim, cluster)
+            from ram_dist.report.model_card import model_card  # until `api` is the one entry
+
+            return merge_on(claim, cluster, model_card)
 
 
-def merge_on(claim: Claim, cluster: Cluster) -> dict[str, Any]:
+def merge_on(claim: Claim, cluster: Cluster, card: CardWriter) -> dict[str, Any]:
     """`merge` once Ray is up and `merge_checks` has passed."""
     if isinstance(claim, dict):
         return claim
     with settled():
         job = claim[0]
         with job_devices(job.device_choice(cluster.gpus, cluster.cpus)) as devices:
-            return _merge_held(*claim, cluster, devices)
+            return _merge_held(*claim, cluster, devices, card)
 
 
 def merge_checks(config: MergeConfig, held: contextlib.ExitStack) -> Claim:
@@ -161,7 +176,12 @@ def _remove_if_empty(folder: str) -> None:
 
 
 def _merge_held(
-    job: Job, found: OutputState, lease: OutputLease, cluster: Cluster, devices: Devices
+    job: Job,
+    found: OutputState,
+    lease: OutputLease,
+    cluster: Cluster,
+    devices: Devices,
+    card: CardWriter,
 ) -> dict[str, Any]:
     """The merge, once this run holds the output's lease, on the job's `devices`."""
     config = job.config
@@ -230,13 +250,11 @@ def _merge_held(
         "shards_written": [s for s in manifest.shard_names if s not in done],
     }
     write_json(join(job.out, REPORT_NAME), report, job.storage)
-    with AtomicFile(join(job.out, CONFIG_NAME), job.storage) as f:
+    with AtomicFile(join(job.out, MERGEKIT_CONFIG_NAME), job.storage) as f:
         f.write(render(job).encode())
-    card = model_card(
-        report, base=config.base, inputs=job.identity()["inputs"], version=__version__
-    )
+    text = card(report, base=config.base, inputs=job.identity()["inputs"], version=__version__)
     with AtomicFile(join(job.out, CARD_NAME), job.storage) as f:
-        f.write(card.encode())
+        f.write(text.encode())
     still_ours()
     manifest.complete = True
     save_manifest(job.out, manifest, job.storage)

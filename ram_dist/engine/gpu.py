@@ -24,9 +24,9 @@ from typing import Any
 
 import ray
 
-from ram_dist.engine.devices import GPU_UNITS_AT_ONCE, DeviceChoice
 from ram_dist.engine.pool import Place, get_result, run_item
 from ram_dist.errors import RamDistError
+from ram_dist.planning.devices import GPU_UNITS_AT_ONCE, DeviceChoice
 
 #: Times Ray restarts a GPU worker that died (its units run again each time).
 RESTARTS = 5

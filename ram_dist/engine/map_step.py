@@ -15,42 +15,24 @@ import numpy as np
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
 from ram_dist.engine.blocks import BlockInputs, band_span, input_count, stream_blocks
-from ram_dist.engine.layout import Layout, TensorEntry
 from ram_dist.engine.memory import peak_rss
 from ram_dist.engine.results import UnitResult
-from ram_dist.engine.worker import Fused, TaskScope, device, ran_by, worker_context
+from ram_dist.engine.worker import (
+    EAGER,
+    Fused,
+    WorkFlags,
+    WorkScope,
+    device,
+    ran_by,
+    worker_context,
+)
 from ram_dist.io.sinks import ShardTarget
 from ram_dist.io.storage import Storage
 from ram_dist.kernels import fp8
 from ram_dist.methods import MergeMethod
-from ram_dist.methods.registry import Chunk, State, TensorParams
-from ram_dist.units import Part, Piece, WorkUnit
-
-
-def map_unit(
-    unit: WorkUnit,
-    layout: Layout,
-    storage: Storage,
-    method: MergeMethod,
-    params: Mapping[str, TensorParams],
-    state: State,
-    reuse_output: bool = False,
-) -> UnitResult:
-    """Map pass: merged bytes of a unit's pieces, in order, in each tensor's output dtype.
-    With `reuse_output`, the bytes live in this process's reused output buffer (see
-    `_OutputBuffer`) and are valid until the next such call."""
-    with worker_context().task() as scope:
-        bytes_read = [0] * input_count(layout)
-        size = unit_out_bytes(unit, layout)
-        data = scope.output.take(size) if reuse_output else np.empty(size, dtype=np.uint8)
-        fused_elements = _merge_into(
-            unit, layout, storage, method, params, state, data, bytes_read, scope
-        )  # fmt: skip
-        return UnitResult(
-            unit.index, None, data, tuple(bytes_read), peak_rss(),
-            fused_elements=fused_elements, peak_private_bytes=scope.memory.note(),
-            traffic=scope.traffic.total(),
-        )  # fmt: skip
+from ram_dist.methods.protocol import Chunk, State, TensorParams
+from ram_dist.planning.layout import Layout, TensorEntry
+from ram_dist.planning.units import Part, Piece, WorkUnit
 
 
 def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
@@ -59,7 +41,7 @@ def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
 
 
 @dataclass(frozen=True)
-class PartTask:
+class PartWork:
     """One part of an output shard to make and write: its units, in order, and the shard's
     header when it is part 1."""
 
@@ -70,18 +52,19 @@ class PartTask:
 
 
 def map_part(
-    task: PartTask,
+    work: PartWork,
     layout: Layout,
     storage: Storage,
     method: MergeMethod,
     params: Mapping[str, TensorParams],
     state: State,
+    flags: WorkFlags = EAGER,
 ) -> UnitResult:
     """Map pass: merge a part's units into this process's reused output buffer, hash them
     (in a thread, unit by unit, while the next unit is merged) and hand the part to its
     target, which writes it in place (direct) or sends it back (through the driver)."""
-    with worker_context().task() as scope:
-        return _map_part(task, layout, storage, method, params, state, scope)
+    with worker_context().work() as scope:
+        return _map_part(work, layout, storage, method, params, state, flags, scope)
 
 
 #: Bytes of a part made before they are handed, at once, to the thread that hashes (and
@@ -91,19 +74,20 @@ HAND_OFF_BYTES = 1 << 20
 
 
 def _map_part(
-    task: PartTask,
+    work: PartWork,
     layout: Layout,
     storage: Storage,
     method: MergeMethod,
     params: Mapping[str, TensorParams],
     state: State,
-    scope: TaskScope,
+    flags: WorkFlags,
+    scope: WorkScope,
 ) -> UnitResult:
-    part, target = task.part, task.target
+    part, target = work.part, work.target
     bytes_read = [0] * input_count(layout)
     data = scope.output.take(part.size)
-    at = len(task.header)
-    data[:at] = np.frombuffer(task.header, dtype=np.uint8)
+    at = len(work.header)
+    data[:at] = np.frombuffer(work.header, dtype=np.uint8)
     digest = hashlib.sha256()
     fused_elements = 0
     scale_rows: ScaleRows = {}
@@ -128,11 +112,11 @@ def _map_part(
             handed[0] = hi
 
         made(at)
-        for unit in task.units:
+        for unit in work.units:
             size = unit_out_bytes(unit, layout)
             out = data[at : at + size]
             fused_elements += _merge_into(
-                unit, layout, storage, method, params, state, out, bytes_read, scope,
+                unit, layout, storage, method, params, state, flags, out, bytes_read, scope,
                 on_block=lambda lo, hi, base=at: made(base + hi),
                 scale_rows=scale_rows,
             )  # fmt: skip
@@ -141,7 +125,7 @@ def _map_part(
     for step in queued:
         step.result()
     if at != part.size:
-        raise RuntimeError(f"{task.target.url}: part {part.number} made {at} bytes, "
+        raise RuntimeError(f"{work.target.url}: part {part.number} made {at} bytes, "
                            f"expected {part.size}")  # fmt: skip
     receipt = target.write(part, data, digest.digest())
     return UnitResult(
@@ -163,9 +147,10 @@ def _merge_into(
     method: MergeMethod,
     params: Mapping[str, TensorParams],
     state: State,
+    flags: WorkFlags,
     data: np.ndarray,
     bytes_read: list[int],
-    scope: TaskScope,
+    scope: WorkScope,
     on_block: Callable[[int, int], None] | None = None,
     scale_rows: ScaleRows | None = None,
 ) -> int:
@@ -176,7 +161,7 @@ def _merge_into(
     bands a new scale tensor needs and no earlier piece merged are merged first, for their
     scales only."""
     dev = device()
-    fused = Fused.of(state, dev)
+    fused = Fused.of(flags, dev)
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     offsets = list(itertools.accumulate(sizes, initial=0))
     address = data.ctypes.data
@@ -209,7 +194,9 @@ def _merge_into(
             if (
                 view is not None
                 and fused.take(inputs.dtypes, out_dtype)
-                and method.fused_merge(chunk, inputs.arrays(), p, state, view)
+                and method.fused_merge(
+                    chunk, inputs.arrays(), p, state, view, bf16_nan=flags.bf16_nan
+                )
             ):
                 fused_elements += block.hi - block.lo if written is not None else 0
             else:

@@ -22,21 +22,22 @@ import torch
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
 from ram_dist.engine.book import ShardBook
-from ram_dist.engine.devices import DeviceChoice
 from ram_dist.engine.gpu import Devices, job_devices
-from ram_dist.engine.job import Job
-from ram_dist.engine.map_step import PartTask, map_part, unit_out_bytes
+from ram_dist.engine.map_step import PartWork, map_part, unit_out_bytes
 from ram_dist.engine.pool import Place, Shared, near, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.reduce_step import add_up, reduce_group
 from ram_dist.engine.runtime import Cluster
 from ram_dist.engine.stats import PassStats
+from ram_dist.engine.worker import WorkFlags
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import InputCache
-from ram_dist.io.sinks import OpenShard, OutputSink
+from ram_dist.io.sinks import OpenShard, OutputSink, plan_record
 from ram_dist.io.storage import Storage
 from ram_dist.io.writer import shard_header
-from ram_dist.units import Part, WorkUnit, parts_as_recorded, plan_parts
+from ram_dist.planning.devices import DeviceChoice
+from ram_dist.planning.job import Job
+from ram_dist.planning.units import Part, WorkUnit, parts_as_recorded, plan_parts
 
 #: Ray re-runs a unit whose worker or node died this many times; a unit that raised is not
 #: re-run (bad data fails the same way twice).
@@ -57,7 +58,7 @@ class Shipped:
         return cls(Shared(job.layout), Shared(job.params))
 
 
-def _cpu_tasks(job: Job, choice: DeviceChoice) -> tuple[int, dict[str, Any]]:
+def _cpu_work(job: Job, choice: DeviceChoice) -> tuple[int, dict[str, Any]]:
     """CPU tasks in flight, and the Ray options of each. With `--workers`, exactly that many
     run at once; by default twice the CPU slots (`DeviceChoice.cpu_slots`) are submitted,
     Ray runs as many as it has CPUs for, and the rest are queued so that a worker never
@@ -171,7 +172,7 @@ def _reduce_pass(
     storage, node_of = _placement(job.storage, cache, stats.first_node)
     start = time.perf_counter()
     method, state = job.method, job.initial_state()
-    workers, resources = _cpu_tasks(job, devices.choice)
+    workers, resources = _cpu_work(job, devices.choice)
     numel = job.numel()
     check = not job.config.allow_nonfinite
     for round_ in range(max(method.rounds, 1 if check else 0)):
@@ -190,8 +191,8 @@ def _reduce_pass(
             continue
         totals: dict[str, np.ndarray] = {}
         nonfinite: dict[str, list[int]] = {}
-        shared = (shipped.layout, storage, method, shipped.params, _shipped(job, state), round_,
-                  checking)  # fmt: skip
+        shared = (shipped.layout, storage, method, shipped.params, state, round_, checking,
+                  work_flags(job))  # fmt: skip
         results = unordered_map(
             reduce_group, items, shared, workers, resources, lambda g: near(node_of(g[0])),
             devices.gpu, devices.on_gpu,
@@ -215,17 +216,15 @@ def _reduce_pass(
     return state, stats
 
 
-def _shipped(job: Job, state: dict[str, Any]) -> dict[str, Any]:
-    """The method's state as the workers get it, with the engine's settings for the fused
-    kernels: whether they are on (`--kernels`), and the bits torch gives a NaN cast to
-    bfloat16 on this machine (probed here, so that workers need not import torch)."""
-    fused = job.config.kernels == "auto" and kernels.available()
-    shipped = {**state, "fused": fused}
-    if fused:
-        from ram_dist.kernels.views import torch_bf16_nan
+def work_flags(job: Job) -> WorkFlags:
+    """The engine's settings for the fused kernels, shipped beside the method's state:
+    whether they are on (`--kernels`), and the bits torch gives a NaN cast to bfloat16 on
+    this machine (probed here, so that workers need not import torch)."""
+    if not (job.config.kernels == "auto" and kernels.available()):
+        return WorkFlags()
+    from ram_dist.kernels.views import torch_bf16_nan
 
-        shipped["bf16_nan"] = torch_bf16_nan()
-    return shipped
+    return WorkFlags(fused=True, bf16_nan=torch_bf16_nan())
 
 
 def _nonfinite_error(job: Job, found: dict[str, list[int]]) -> RamDistError:
@@ -289,12 +288,12 @@ def _map_pass(
     last = cache.for_last_pass() if cache is not None else None
     storage, node_of = _placement(job.storage, last, first_node or {})
     start = time.perf_counter()
-    workers, resources = _cpu_tasks(job, devices.choice)
-    shared = (shipped.layout, storage, job.method, shipped.params, _shipped(job, state))
+    workers, resources = _cpu_work(job, devices.choice)
+    shared = (shipped.layout, storage, job.method, shipped.params, state, work_flags(job))
     units, headers, plan = _parts_of(job, shards, sink.min_part_bytes)
     for name in shards:  # a shard a killed run was writing keeps the parts it recorded
         recorded = (book.manifest.writing.get(name) or {}).get("plan")
-        if recorded and recorded != [[p.start, p.stop] for p in plan[name]]:
+        if recorded and recorded != plan_record(plan[name]):
             fresh = 1 + max([u.index for u in job.units] + list(units))
             again = parts_as_recorded(
                 name, [units[i] for p in plan[name] for i in p.units],
@@ -319,7 +318,7 @@ def _map_pass(
         stats.bytes_written += shard.size
         progress.event("shard_written", shard=shard.name, bytes=shard.size, digest=digest)
 
-    def tasks() -> Iterator[PartTask]:
+    def parts_to_make() -> Iterator[PartWork]:
         for name in shards:
             size = plan[name][-1].stop
             shard = sink.open(name, size, plan[name], book.manifest.writing.get(name))
@@ -332,25 +331,25 @@ def _map_pass(
                     continue
                 part_units = tuple(units[i] for i in part.units)
                 header = headers[name] if part.number == 1 else b""
-                yield PartTask(part, part_units, header, shard.target)
+                yield PartWork(part, part_units, header, shard.target)
             if len(shard.done) == len(plan[name]) and name in opened:
                 complete(shard)  # every part was in already (a resumed shard)
 
-    def placement(task: PartTask) -> Place | None:
+    def placement(work: PartWork) -> Place | None:
         if pin_to is not None:
             return near(pin_to, only=True)
-        return near(node_of(units[task.part.units[0]])) if task.part.units else None
+        return near(node_of(units[work.part.units[0]])) if work.part.units else None
 
     try:
-        for task, node, result in unordered_map(
-            map_part, tasks(), shared, workers, resources, placement,
-            devices.gpu, lambda task: devices.on_gpu(task.units),
+        for work, node, result in unordered_map(
+            map_part, parts_to_make(), shared, workers, resources, placement,
+            devices.gpu, lambda work: devices.on_gpu(work.units),
         ):  # fmt: skip
-            if task.part.units:
-                first = node_of(units[task.part.units[0]])
-                stats.ran(task.part.units, node, result.traffic, first)
+            if work.part.units:
+                first = node_of(units[work.part.units[0]])
+                stats.ran(work.part.units, node, result.traffic, first)
             progress.advance(sum(result.bytes_read))
-            stats.add(result, units=len(task.part.units))
+            stats.add(result, units=len(work.part.units))
             stats.parts += 1
             receipt = result.receipt
             assert receipt is not None

@@ -8,14 +8,22 @@ from collections.abc import Mapping
 import numpy as np
 
 from ram_dist.engine.blocks import BlockInputs, input_count, stream_blocks
-from ram_dist.engine.layout import Layout
 from ram_dist.engine.memory import peak_rss
 from ram_dist.engine.results import Statistics, UnitResult
-from ram_dist.engine.worker import Fused, TaskScope, device, ran_by, worker_context
+from ram_dist.engine.worker import (
+    EAGER,
+    Fused,
+    WorkFlags,
+    WorkScope,
+    device,
+    ran_by,
+    worker_context,
+)
 from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod
-from ram_dist.methods.registry import Chunk, State, TensorParams
-from ram_dist.units import WorkUnit
+from ram_dist.methods.protocol import Chunk, State, TensorParams
+from ram_dist.planning.layout import Layout
+from ram_dist.planning.units import WorkUnit
 
 
 def reduce_unit(
@@ -27,7 +35,8 @@ def reduce_unit(
     state: State,
     round_: int,
     check_finite: bool,
-    scope: TaskScope,
+    scope: WorkScope,
+    flags: WorkFlags = EAGER,
 ) -> UnitResult:
     """One reduce round: the method's statistics of the unit's active pieces, summed by key;
     with `check_finite`, also the NaN and Inf count of every input of every piece."""
@@ -40,7 +49,7 @@ def reduce_unit(
     pieces = tuple(p for p in unit.pieces if wanted(p.tensor))
     bytes_read = [0] * input_count(layout)
     dev = device()
-    fused = Fused.of(state, dev)
+    fused = Fused.of(flags, dev)
     totals: dict[str, np.ndarray] = {}
     nonfinite: dict[str, list[int]] = {}
     for block, inputs in stream_blocks(pieces, layout, storage, bytes_read, scope, dev == "cuda"):
@@ -101,13 +110,16 @@ def reduce_group(
     state: State,
     round_: int,
     check_finite: bool,
+    flags: WorkFlags = EAGER,
 ) -> UnitResult:
     """`reduce_unit` over units one task reads together (those of one output part, so the
     map pass, which makes the part in one task, finds all their bytes in this node's input
     cache), the results summed."""
-    with worker_context().task() as scope:
+    with worker_context().work() as scope:
         results = [
-            reduce_unit(u, layout, storage, method, params, state, round_, check_finite, scope)
+            reduce_unit(
+                u, layout, storage, method, params, state, round_, check_finite, scope, flags
+            )
             for u in units
         ]
         totals: dict[str, np.ndarray] = {}

@@ -40,11 +40,13 @@ class PassStats:
     output_path_reason: str = ""
     bytes_written_by_workers: int = 0
     bytes_written_by_driver: int = 0
-    tasks: int = 0
-    tasks_retried: int = 0
-    """Tasks Ray ran again after an attempt was lost with its worker or node."""
-    tasks_on_gpu: int = 0
-    """Tasks that ran on a GPU worker (see `engine.devices`)."""
+    work_items: int = 0
+    """Ray tasks the pass ran (report key `tasks`, kept for the schema's readers)."""
+    work_retried: int = 0
+    """Ray tasks run again after an attempt was lost with its worker or node (report key
+    `tasks_retried`)."""
+    work_on_gpu: int = 0
+    """Ray tasks that ran on a GPU worker, see `planning.devices` (report key `tasks_on_gpu`)."""
     units_on_cpu: int = 0
     units_on_gpu: int = 0
     gpu_ids: set[str] = field(default_factory=set)
@@ -74,9 +76,9 @@ class PassStats:
     def add(self, result: UnitResult, units: int = 1) -> None:
         bytes_read = result.bytes_read
         self.units += units
-        self.tasks += 1
-        self.tasks_retried += result.attempt > 0
-        self.tasks_on_gpu += bool(result.gpus)
+        self.work_items += 1
+        self.work_retried += result.attempt > 0
+        self.work_on_gpu += bool(result.gpus)
         self.gpu_ids.update(result.gpus)
         if result.gpus:
             self.units_on_gpu += units
@@ -112,9 +114,9 @@ class PassStats:
             "units_per_node": dict(self.units_per_node),
             "units_sent_back": self.units_sent_back,
             "units_ran_there": self.units_ran_there,
-            "tasks": self.tasks,
-            "tasks_retried": self.tasks_retried,
-            "tasks_on_gpu": self.tasks_on_gpu,
+            "tasks": self.work_items,
+            "tasks_retried": self.work_retried,
+            "tasks_on_gpu": self.work_on_gpu,
             "gpu_ids": sorted(self.gpu_ids),
             "worker_processes": len(self.workers),
             "units_on_cpu": self.units_on_cpu,

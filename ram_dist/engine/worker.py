@@ -20,11 +20,10 @@ import ray
 from ram_dist import kernels
 from ram_dist.engine.memory import PeakMemory
 from ram_dist.io.range_cache import Traffic
-from ram_dist.methods.registry import State
 
 
-def task_gpus() -> tuple[str, ...] | None:
-    """The GPU ids Ray gave the running task (empty when it gave none); None outside a Ray
+def given_gpus() -> tuple[str, ...] | None:
+    """The GPU ids Ray gave the running Ray task (empty when it gave none); None outside a Ray
     worker process (the driver, or a test calling the work inline)."""
     if not ray.is_initialized():
         return None
@@ -38,7 +37,7 @@ def device() -> str:
     task given no GPU computes on the CPU, with the fused kernels, even where CUDA is
     visible (Ray leaves CUDA_VISIBLE_DEVICES alone for it: `--device cpu` on a GPU node),
     and without importing torch; outside Ray, the GPU whenever torch sees one."""
-    if task_gpus() == ():
+    if given_gpus() == ():
         return "cpu"
     try:
         import torch
@@ -51,7 +50,7 @@ def ran_by() -> dict[str, Any]:
     """What a task's result says of where and how it ran (`UnitResult.gpus`, `worker`,
     `attempt`)."""
     return {
-        "gpus": task_gpus() or (),
+        "gpus": given_gpus() or (),
         "worker": f"{socket.gethostname()}:{os.getpid()}",
         "attempt": _attempt(),
     }
@@ -60,7 +59,7 @@ def ran_by() -> dict[str, Any]:
 def _attempt() -> int:
     """The running task's attempt number (0 outside a Ray task). Ray has no public call for
     it; its core worker does, and 0 is the answer when that ever changes."""
-    if task_gpus() is None:
+    if given_gpus() is None:
         return 0
     core = getattr(ray._private.worker.global_worker, "core_worker", None)
     get = getattr(core, "get_current_task_attempt_number", None)
@@ -152,7 +151,7 @@ class _OutputBuffer:
 
 
 @dataclass
-class TaskScope:
+class WorkScope:
     """What one task uses of its worker's context: the reused buffers, the process's
     peak-memory sampler, and the task's own input-cache traffic counters."""
 
@@ -166,7 +165,7 @@ class WorkerContext:
     """What a worker thread keeps from one task to the next: its read and output buffers
     (reused: fresh memory costs page faults) and its process's peak memory (a unit reports
     the process's peak so far: samples are rate-limited, and a small unit may take none).
-    Each task enters `task()`, which gives it these with fresh traffic counters. A CPU worker
+    Each task enters `work()`, which gives it these with fresh traffic counters. A CPU worker
     runs one task at a time (Ray's default for tasks); a GPU worker runs one per thread
     (`engine.gpu`), each thread with a context of its own. A second task entering the same
     context at once is an error rather than two tasks sharing buffers."""
@@ -178,13 +177,14 @@ class WorkerContext:
         self._busy = threading.Lock()
 
     @contextlib.contextmanager
-    def task(self) -> Iterator[TaskScope]:
-        """The task's scope, with Python's cyclic garbage collector paused (`_collector_paused`)."""
+    def work(self) -> Iterator[WorkScope]:
+        """The Ray task's scope, with Python's cyclic garbage collector paused
+        (`_collector_paused`)."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("a worker context runs one task at a time")
         try:
             with _collector_paused():
-                yield TaskScope(self._reads, self._output, self._memory, Traffic())
+                yield WorkScope(self._reads, self._output, self._memory, Traffic())
         finally:
             self._busy.release()
 
@@ -239,18 +239,34 @@ def worker_context() -> WorkerContext:
 
 
 @dataclass(frozen=True)
+class WorkFlags:
+    """The engine's own settings for a pass's work, shipped beside the method's state and
+    never inside it (the state is the method's alone, kept in the manifest): whether the
+    fused kernels are on for the job (`--kernels`), and the bits torch gives a NaN cast to
+    bfloat16 (probed on the driver, so that a worker need not import torch; None: the kernel
+    probes where it runs). The default is the eager path."""
+
+    fused: bool = False
+    bf16_nan: int | None = None
+
+
+#: The eager path's flags: fused kernels off.
+EAGER = WorkFlags()
+
+
+@dataclass(frozen=True)
 class Fused:
     """Whether a task's chunks may go to the method's fused kernels: kernels on for the job
-    (`state["fused"]`, from `--kernels`), a CPU task (a GPU worker runs the eager rule, on
+    (`WorkFlags.fused`, from `--kernels`), a CPU task (a GPU worker runs the eager rule, on
     the CPU where CUDA is absent), and numba installed. Per chunk, the inputs' dtypes (and
     the output's) must be ones the kernels handle, and the method may still decline."""
 
     on: bool
 
     @classmethod
-    def of(cls, state: State, dev: str) -> Fused:
-        cpu_task = dev == "cpu" and not task_gpus()
-        return cls(bool(state.get("fused")) and cpu_task and kernels.available())
+    def of(cls, flags: WorkFlags, dev: str) -> Fused:
+        cpu_task = dev == "cpu" and not given_gpus()
+        return cls(flags.fused and cpu_task and kernels.available())
 
     def take(self, dtypes: Sequence[str], out: str | None = None) -> bool:
         return self.on and _handles(tuple(dtypes), out)

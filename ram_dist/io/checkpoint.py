@@ -22,6 +22,7 @@ from ram_dist.errors import CheckpointError, RamDistError, StorageError
 from ram_dist.io.backends import backend, backend_of
 from ram_dist.io.failures import classify, is_storage_failure, storage_error
 from ram_dist.io.json_files import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, read_json
+from ram_dist.io.names import INDEX_NAME, MODEL_CONFIG_NAME, SINGLE_NAME
 from ram_dist.io.safetensors_header import (
     FileHeader,
     TensorInfo,
@@ -30,9 +31,6 @@ from ram_dist.io.safetensors_header import (
 )
 from ram_dist.io.storage import Storage, join
 
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
-SINGLE_NAME = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 #: Bytes of the first read of every safetensors file: the 8-byte length and, in the same
@@ -179,7 +177,7 @@ def _list_folder(url: str, label: str, storage: Storage) -> _Folder:
             raise CheckpointError(
                 f"{label} ({url}): the index names shard {file}, which does not exist"
             )
-    quantization = _read_quantization(url, label, storage, listed.get(CONFIG_NAME))
+    quantization = _read_quantization(url, label, storage, listed.get(MODEL_CONFIG_NAME))
     return _Folder(url, label, files, weight_map, listed, quantization)
 
 
@@ -385,12 +383,12 @@ def _read_quantization(
     url: str, label: str, storage: Storage, entry: Mapping[str, Any] | None
 ) -> dict[str, Any] | None:
     """The `quantization_config` of the folder's config.json, which says how its weights are
-    stored (`engine.formats`); None when there is no config.json or no such key."""
+    stored (`planning.formats`); None when there is no config.json or no such key."""
     if entry is None:
         return None
     size = entry.get("size")
     listed = size if isinstance(size, int) and not entry.get("islink") else None
-    config_url = join(url, CONFIG_NAME)
+    config_url = join(url, MODEL_CONFIG_NAME)
     try:
         config = read_json(config_url, storage, MAX_CONFIG_BYTES, "config", "input", listed)
     except FileNotFoundError:

@@ -8,15 +8,16 @@ from __future__ import annotations
 import json
 
 from ram_dist.dtypes import FLOATING, dtype_name
-from ram_dist.io.checkpoint import INDEX_NAME, PICKLE_SUFFIXES
+from ram_dist.io.checkpoint import PICKLE_SUFFIXES
 from ram_dist.io.failures import reported
 from ram_dist.io.json_files import MAX_CONFIG_BYTES, checked_size
+from ram_dist.io.names import CARD_NAME, INDEX_NAME, MODEL_CONFIG_NAME
 from ram_dist.io.storage import Storage, join
 from ram_dist.io.writer import AtomicFile
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".h5", ".msgpack", *PICKLE_SUFFIXES)
 #: Not copied: the base's own model card describes the base, not the merge.
-SKIPPED = frozenset({INDEX_NAME, "README.md"})
+SKIPPED = frozenset({INDEX_NAME, CARD_NAME})
 
 
 def non_weight_files(base_url: str, storage: Storage) -> list[str]:
@@ -46,7 +47,7 @@ def copy_files(
     total = 0
     for name in names:
         url = join(base_url, name)
-        rewrite = name == "config.json" and out_dtype in FLOATING
+        rewrite = name == MODEL_CONFIG_NAME and out_dtype in FLOATING
         if rewrite:  # parsed as JSON: refused over its cap before it is read
             checked_size(url, storage, MAX_CONFIG_BYTES, "config", "input")
         with reported(url, "read", "input"):

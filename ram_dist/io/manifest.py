@@ -12,10 +12,9 @@ from typing import Any
 
 from ram_dist.errors import RamDistError
 from ram_dist.io.json_files import MAX_MANIFEST_BYTES, read_json
+from ram_dist.io.names import MANIFEST_NAME
 from ram_dist.io.storage import Storage, join
 from ram_dist.io.writer import write_json
-
-MANIFEST_NAME = "ram_dist_manifest.json"
 
 
 @dataclass

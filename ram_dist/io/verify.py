@@ -12,10 +12,10 @@ from __future__ import annotations
 import hashlib
 
 from ram_dist.errors import RamDistError, StorageError
-from ram_dist.io.checkpoint import INDEX_NAME
 from ram_dist.io.json_files import MAX_INDEX_BYTES, read_json
 from ram_dist.io.locations import resolve_output
-from ram_dist.io.manifest import MANIFEST_NAME, load_manifest
+from ram_dist.io.manifest import load_manifest
+from ram_dist.io.names import INDEX_NAME, MANIFEST_NAME
 from ram_dist.io.sinks import shard_digest
 from ram_dist.io.storage import Storage, join
 

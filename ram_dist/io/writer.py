@@ -17,11 +17,9 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from ram_dist.dtypes import itemsize
-from ram_dist.io.checkpoint import INDEX_NAME
 from ram_dist.io.failures import reported
+from ram_dist.io.names import INDEX_NAME, PARTIAL_SUFFIX
 from ram_dist.io.storage import Storage, join
-
-PARTIAL_SUFFIX = ".ram-dist-partial"
 
 
 class AtomicFile:

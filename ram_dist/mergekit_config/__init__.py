@@ -39,6 +39,7 @@ that names the key.
 
 from __future__ import annotations
 
+from ram_dist.io.names import MERGEKIT_CONFIG_NAME as CONFIG_NAME
 from ram_dist.mergekit_config.reading import (
     TOP_KEYS,
     load_mergekit_yaml,
@@ -64,7 +65,7 @@ from ram_dist.mergekit_config.spec import (
     ParamValue,
     Scalar,
 )
-from ram_dist.mergekit_config.writing import CONFIG_NAME, effective_config, render
+from ram_dist.mergekit_config.writing import effective_config, render
 from ram_dist.methods.layers import layer_index
 
 __all__ = [

@@ -13,7 +13,6 @@ from typing import Any
 import yaml
 
 from ram_dist.dtypes import OUT_DTYPE_NAMES, dtype_key
-from ram_dist.engine.devices import DEVICES as _DEVICES
 from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config.spec import (
     Filtered,
@@ -28,6 +27,7 @@ from ram_dist.mergekit_config.spec import (
 from ram_dist.methods import get_method
 from ram_dist.methods import parameters as method_parameters
 from ram_dist.methods.parameters import Parameter
+from ram_dist.planning.devices import DEVICES as _DEVICES
 
 TOP_KEYS = (
     "merge_method",

@@ -18,9 +18,6 @@ from ram_dist.dtypes import dtype_name
 from ram_dist.methods import parameters as method_parameters
 from ram_dist.methods.parameters import handed
 
-#: The file's name in the output folder.
-CONFIG_NAME = "mergekit_config.yml"
-
 
 def _setting(per_tensor: Mapping[str, Any]) -> Any:
     values = list(per_tensor.values())
@@ -38,7 +35,7 @@ def effective_config(
     out_dtype: str | None,
 ) -> dict[str, Any]:
     """mergekit's schema for what ran: `params` holds every participating tensor's resolved
-    parameters (`engine.params.resolve_all`), `out_dtype` the safetensors dtype written (None:
+    parameters (`planning.params.resolve_all`), `out_dtype` the safetensors dtype written (None:
     each base tensor's)."""
     declared = handed(method_parameters.PARAMETERS[method])
     per_task = [p.name for p in declared if p.per_task]

@@ -28,7 +28,7 @@ from ram_dist.methods.parameters import (
     Parameter,
     variant,
 )
-from ram_dist.methods.registry import Chunk, NoStatistics, State, TensorParams
+from ram_dist.methods.protocol import Chunk, NoStatistics, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
@@ -351,6 +351,7 @@ class TaskArithmeticFamily(MergekitRule):
         params: TensorParams,
         state: State,
         out: np.ndarray,
+        bf16_nan: int | None = None,
     ) -> bool:
         """`merge_chunk` by a fused kernel, written straight into `out`; False where none
         applies (DARE, L1 rescaling)."""
@@ -378,7 +379,7 @@ class TaskArithmeticFamily(MergekitRule):
             base, tasks, out, weights=weights, keep=keep, cuts=bounds, start=chunk.start,
             consensus=self.consensus, normalize=bool(params["normalize"]),
             divisor=_weight_sum(weights), lambda_=float(params["lambda"]),
-            bf16_nan=state.get("bf16_nan"),
+            bf16_nan=bf16_nan,
         )  # fmt: skip
         return True
 

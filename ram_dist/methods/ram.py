@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ram_dist.errors import RamDistError
 from ram_dist.methods.layers import layer_index, layer_name
 from ram_dist.methods.parameters import ALPHA, EPSILON, SCOPE, Parameter, R, variant
-from ram_dist.methods.registry import Chunk, State, TensorParams
+from ram_dist.methods.protocol import Chunk, State, TensorParams
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -313,14 +313,14 @@ class RamMethod:
         params: TensorParams,
         state: State,
         out: np.ndarray,
+        bf16_nan: int | None = None,
     ) -> bool:
         """The fused kernel's merge, written straight into `out`; it takes every chunk."""
         from ram_dist.kernels import ram_numba
 
         base, *tasks = inputs
         lambdas = self._lambdas(chunk, state)
-        nan = state.get("bf16_nan")
-        ram_numba.merge_ram(base, tasks, params["epsilon"], lambdas, out, bf16_nan=nan)
+        ram_numba.merge_ram(base, tasks, params["epsilon"], lambdas, out, bf16_nan=bf16_nan)
         return True
 
     def fuses(self, params: TensorParams) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 from ram_dist.dtypes import dtype_name
 from ram_dist.errors import RamDistError
-from ram_dist.mergekit_config.writing import CONFIG_NAME
+from ram_dist.io.names import MERGEKIT_CONFIG_NAME, REPORT_NAME, TOKENIZER_FILES
 from ram_dist.methods import MergeMethod, get_method
 from ram_dist.methods import parameters as method_parameters
 from ram_dist.methods.parameters import handed
@@ -32,8 +32,6 @@ __all__ = [
     "ram_task_table",
     "redact_location",
 ]
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<authority>[^/?#]*)(?P<rest>.*)$")
 _SECRET_KEY = re.compile(r"storage_options|secret|token|password|credential", re.IGNORECASE)
@@ -95,7 +93,7 @@ def format_parameters(
                     (
                         name,
                         f"varies by tensor ({len(values)} values over "
-                        f"{len(parameters)} tensors; see {CONFIG_NAME})",
+                        f"{len(parameters)} tensors; see {MERGEKIT_CONFIG_NAME})",
                     )
                 )
         return out
@@ -178,7 +176,7 @@ def model_card(
     lines += _load_snippet(report)
     lines += ["```", ""]
     lines += [
-        f"The exact configuration is in `{CONFIG_NAME}` (running it again with ram-dist "
+        f"The exact configuration is in `{MERGEKIT_CONFIG_NAME}` (running it again with ram-dist "
         "gives the same bytes); the statistics are in `merge_report.json`, and the identity of "
         "every input file in `ram_dist_manifest.json`.",
         "",
@@ -249,7 +247,7 @@ def ram_task_table(report: Mapping[str, Any]) -> list[str]:
             cells.append(f"{applied[i]:.6g}")
         lines.append("| " + " | ".join(cells) + " |")
     if applied is None and "lambda_per_tensor" in report:
-        lines += ["", "`lambda_t` was computed per tensor; see `merge_report.json`."]
+        lines += ["", f"`lambda_t` was computed per tensor; see `{REPORT_NAME}`."]
     el = report.get("elements") or {}
     if el.get("participating") is not None:
         lines += [

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ram_dist.io.checkpoint import INDEX_NAME, SINGLE_NAME
+from ram_dist.io.names import INDEX_NAME, MODEL_CONFIG_NAME, SINGLE_NAME
 from ram_dist.io.writer import OutTensor, shard_header
 from ram_dist.synthetic.llama import LlamaDims
 
@@ -101,7 +101,7 @@ def write_config(folder: str | os.PathLike, dims: LlamaDims, dtype: str = "bfloa
     """`config.json` and `generation_config.json` of a Llama of `dims`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(dims.config(dtype), indent=2) + "\n")
+    (folder / MODEL_CONFIG_NAME).write_text(json.dumps(dims.config(dtype), indent=2) + "\n")
     generation = {"bos_token_id": 1, "eos_token_id": 2}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
@@ -121,7 +121,7 @@ def write_sparse_checkpoint(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if config is not None:
-        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (folder / MODEL_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     weight_map: dict[str, str] = {}
     total = 0
     for k, tensors in enumerate(shards, start=1):

@@ -17,9 +17,9 @@ from ram_dist.io.backends import backend_of, load
 from ram_dist.io.failures import explained, is_storage_failure
 from ram_dist.io.lease.host import machine_id, process_gone
 from ram_dist.io.lease.store import Holder, LeaseHeld, LeaseStore, Seen
+from ram_dist.io.names import LEASE_NAME
 from ram_dist.io.storage import Storage, join
 
-LEASE_NAME = ".ram-dist-lease.json"
 #: A lease not renewed for this long may be taken over.
 STALE_AFTER_S = 120.0
 RENEW_EVERY_S = 20.0

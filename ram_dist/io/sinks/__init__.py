@@ -23,6 +23,7 @@ from ram_dist.io.sinks.base import (
     PartReceipt,
     ShardTarget,
     choose_sink,
+    plan_record,
     shard_digest,
 )
 from ram_dist.io.sinks.driver import DriverSink, DriverTarget
@@ -44,5 +45,6 @@ __all__ = [
     "S3Target",
     "ShardTarget",
     "choose_sink",
+    "plan_record",
     "shard_digest",
 ]

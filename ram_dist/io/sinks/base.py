@@ -21,7 +21,7 @@ THROUGH_DRIVER = "through-driver"
 
 
 class Part(Protocol):
-    """What a sink needs of a part (the planner's `units.Part`): bytes [start, stop) of a
+    """What a sink needs of a part (the planner's `planning.units.Part`): bytes [start, stop) of a
     shard, numbered from 1 within it. A protocol, so io does not import the planner."""
 
     @property

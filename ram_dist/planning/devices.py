@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ram_dist import kernels
-from ram_dist.engine.layout import Layout, TensorEntry
 from ram_dist.errors import RamDistError
 from ram_dist.methods import MergeMethod
-from ram_dist.methods.registry import TensorParams
-from ram_dist.units import WorkUnit
+from ram_dist.methods.protocol import TensorParams
+from ram_dist.planning.layout import Layout, TensorEntry
+from ram_dist.planning.units import WorkUnit
 
 #: What `--device` (and the YAML key `device`) accepts.
 DEVICES = ("auto", "cpu", "cuda")

@@ -4,7 +4,7 @@ Runs on the driver, on headers only, before any tensor byte is read: a task miss
 tensor, holding an extra one, or with another shape stops the job here, naming the model,
 the tensor and the file.
 
-A fine-grained FP8 weight (`engine.formats`) is one tensor here: each input's source says
+A fine-grained FP8 weight (`planning.formats`) is one tensor here: each input's source says
 where its e4m3 bytes and its scales lie, the workers merge its dequantized values, and, when
 the output is FP8 again, its companion scale tensor is an output tensor of its own that
 follows the weight in its shard (`TensorEntry.scale_of`): the same unit can then write both.
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ram_dist.dtypes import FLOATING, dtype_name, itemsize
-from ram_dist.engine.formats import FP8_DTYPE, Format, recognize
 from ram_dist.errors import CheckpointError
 from ram_dist.io.checkpoint import Checkpoint
 from ram_dist.io.safetensors_header import TensorInfo
 from ram_dist.io.storage import join
 from ram_dist.io.writer import OutTensor
-from ram_dist.units import TensorSlot
+from ram_dist.planning.formats import FP8_DTYPE, Format, recognize
+from ram_dist.planning.units import TensorSlot
 
 
 class Scales(NamedTuple):

@@ -9,9 +9,9 @@ import shutil
 from typing import Any
 
 from ram_dist.dtypes import itemsize
-from ram_dist.engine.job import Job
 from ram_dist.io.range_cache import InputCache, job_key
 from ram_dist.io.storage import join
+from ram_dist.planning.job import Job
 
 
 def input_cache(job: Job) -> tuple[InputCache | None, str]:

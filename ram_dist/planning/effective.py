@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ram_dist.engine.job import Job
-from ram_dist.mergekit_config.writing import CONFIG_NAME, effective_config
+from ram_dist.mergekit_config.writing import effective_config
 from ram_dist.mergekit_config.writing import render as render_config
+from ram_dist.planning.job import Job
 
-__all__ = ["CONFIG_NAME", "render"]
+__all__ = ["render"]
 
 
 def render(job: Job) -> str:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ram_dist.engine.job import Job
 from ram_dist.errors import RamDistError
-from ram_dist.io.checkpoint import INDEX_NAME
 from ram_dist.io.failures import explained, is_storage_failure
-from ram_dist.io.lease import LEASE_NAME
-from ram_dist.io.manifest import MANIFEST_NAME, Manifest, differences, load_manifest
+from ram_dist.io.manifest import Manifest, differences, load_manifest
+from ram_dist.io.names import INDEX_NAME, LEASE_NAME, MANIFEST_NAME
 from ram_dist.io.storage import join
+from ram_dist.planning.job import Job
 
 
 @dataclass

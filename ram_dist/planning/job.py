@@ -15,17 +15,17 @@ from typing import Any
 
 from ram_dist.config import MergeConfig
 from ram_dist.dtypes import itemsize
-from ram_dist.engine.devices import DeviceChoice, job_device
-from ram_dist.engine.layout import Layout, build_layout
-from ram_dist.engine.params import resolve_all
-from ram_dist.engine.sizing import auto_unit_budget, machine
 from ram_dist.errors import CheckpointError, RamDistError
 from ram_dist.io.checkpoint import Checkpoint, open_checkpoints
 from ram_dist.io.compare import differing
 from ram_dist.io.locations import resolve_location, resolve_output
 from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod, get_method
-from ram_dist.units import WorkUnit, plan_units
+from ram_dist.planning.devices import DeviceChoice, job_device
+from ram_dist.planning.layout import Layout, build_layout
+from ram_dist.planning.params import resolve_all
+from ram_dist.planning.sizing import auto_unit_budget, machine
+from ram_dist.planning.units import WorkUnit, plan_units
 
 
 @dataclass(frozen=True)

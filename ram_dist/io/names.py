@@ -1,0 +1,30 @@
+"""Every file name ram-dist reads in a checkpoint or writes in an output, in one table, so
+that the writer, the reader, `verify`, the resume check and the model card agree on them."""
+
+from __future__ import annotations
+
+#: A sharded checkpoint's index, and a single-file checkpoint's weights.
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+#: The model's own config (its dtype is rewritten to the output dtype).
+MODEL_CONFIG_NAME = "config.json"
+#: What a merge writes beside the shards: the manifest (resume, verify), the report, the
+#: model card, and the effective mergekit configuration.
+MANIFEST_NAME = "ram_dist_manifest.json"
+REPORT_NAME = "merge_report.json"
+CARD_NAME = "README.md"
+MERGEKIT_CONFIG_NAME = "mergekit_config.yml"
+#: The output's lease (claimed before anything is written), and the suffix of a file being
+#: written (renamed into place when complete).
+LEASE_NAME = ".ram-dist-lease.json"
+PARTIAL_SUFFIX = ".ram-dist-partial"
+#: Files that say a checkpoint carries its tokenizer (the model card mentions it).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+#: What `probe` writes beside its JSON report STEM.json: STEM plus each suffix.
+PROBE_SUFFIXES = (".figure2.png", ".layers.csv", ".layers.png")
+
+
+def probe_files(json_path: str) -> list[str]:
+    """The probe's JSON report and, beside it, its figure, per-layer table and heatmap."""
+    stem = json_path[: -len(".json")] if json_path.endswith(".json") else json_path
+    return [json_path, *(stem + suffix for suffix in PROBE_SUFFIXES)]

@@ -1,0 +1,206 @@
+"""What the engine needs of a merge rule (the `MergeMethod` protocol). The table of methods
+by name is `ram_dist.methods.registry.METHODS`; their parameters are declared in
+`ram_dist.methods.parameters`.
+
+A method is a configured instance (as in mergekit: `ties` and `dare_ties` are one family
+with other settings). The engine drives it through reduce rounds and a map pass:
+
+* `rounds` reduce rounds; in each, `chunk_statistics` runs on workers for every chunk of the
+  tensors `active` in that round and returns int64 tensors keyed by a scope ("" for the whole
+  model, or a tensor name); the driver sums them per key and `finalize` folds the sums into
+  the method's state (plain data: JSON-able, stored in the manifest for resume).
+* `merge_chunk` runs on workers in the map pass with the final state.
+
+Both run eagerly on torch tensors (CPU or GPU). A method with fused CPU kernels also offers
+`fused_statistics` and `fused_merge`, which take the raw numpy arrays the engine read (no
+torch: a CPU worker on the fused path never imports it) and may decline a chunk (None,
+False), which then runs eagerly. The engine calls them only where kernels are on, on the
+CPU, for inputs the kernels read (`ram_dist.kernels.READS`): a method decides only what is
+its own (a statistic its kernel does not compute, a parameter it does not handle), and says
+the same ahead of time in `fuses`.
+
+A method module must not import torch at import time (the engine pickles methods to
+workers): import it inside the eager functions that need it.
+
+Parameters are resolved per tensor on the driver (`TensorParams`: per-task lists and global
+values) and checked before any work starts: each value by its declaration, then by the
+method's `check` for what involves several.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ram_dist.methods.parameters import Parameter
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import numpy as np
+    import torch
+
+#: Resolved parameters of one tensor: per-task parameters as lists (task order), globals as
+#: values.
+TensorParams = Mapping[str, Any]
+State = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Where a chunk lies: its tensor, its first flat index, and the tensor's size.
+
+    A chunk is what a method computes on at once: one compute block of one tensor, cut by the
+    engine from a work unit (the unit's size is the unit budget, `--unit-mb`, a word of the
+    engine's only)."""
+
+    tensor: str
+    start: int
+    numel: int
+
+
+class MergeMethod(Protocol):
+    name: str
+    label: str
+    """How reports and the model card name it, e.g. "RAM+ (clipped linear rescaling, Eq. 6)"."""
+    reference: str
+    """The paper the rule comes from, e.g. "Yadav et al. 2023" ("": none)."""
+    description: str
+    """What the rule does, one paragraph of the model card ("": none)."""
+    needs_base: bool
+    """Whether it reads a base model (mergekit's `linear` averages the inputs without one)."""
+    parameters: tuple[Parameter, ...]
+    """What it takes (`methods.parameters.PARAMETERS[name]`); `check` sees what involves
+    several of them, each value having been checked by its declaration."""
+    rounds: int
+    """Reduce rounds before the map pass (0: a method without statistics)."""
+    rounds_note: str
+    """Why a round may read nothing (plan's report), or ""."""
+    reports_overlap: bool
+    """Whether the reduce pass counts RAM's overlap statistics (what `probe` reports); for a
+    method that does not, `probe` counts them with `ram_plus`'s rule."""
+
+    def check(self, params: TensorParams, where: str) -> None: ...
+
+    def initial_state(
+        self, params: Mapping[str, TensorParams], numel: Mapping[str, int], n_tasks: int
+    ) -> State: ...
+
+    def active(self, round_: int, state: State, tensor: str) -> bool: ...
+
+    def chunk_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> dict[str, torch.Tensor]: ...
+
+    def finalize(
+        self,
+        round_: int,
+        totals: dict[str, torch.Tensor],
+        params: Mapping[str, TensorParams],
+        numel: Mapping[str, int],
+        state: State,
+    ) -> State: ...
+
+    def merge_chunk(
+        self,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> torch.Tensor: ...
+
+    def fused_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        count_nonfinite: bool,
+    ) -> tuple[dict[str, np.ndarray], list[int] | None] | None:
+        """`chunk_statistics` by a fused kernel (int64 arrays) on the inputs' raw arrays
+        (base first), with each input's NaN/Inf count from the same sweep when asked and
+        the kernel has it (else None: the engine counts them); None to decline."""
+        ...
+
+    def fused_merge(
+        self,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        out: np.ndarray,
+        bf16_nan: int | None = None,
+    ) -> bool:
+        """`merge_chunk(...)` cast to the output dtype, by a fused kernel, written into `out`
+        (the output's raw array: bfloat16 as uint16); False to decline. `bf16_nan`: the bits
+        of a NaN cast to bfloat16, as the engine probed them (None: the kernel probes)."""
+        ...
+
+    def fuses(self, params: TensorParams) -> bool:
+        """Whether `fused_statistics` and `fused_merge` take every chunk of a tensor with
+        these parameters (on dtypes the kernels read): asked on the driver, before any work,
+        to choose where the tensor's units run (`planning.devices`: a tensor the fused kernels
+        take runs on the CPUs, one that needs the eager rule may go to a GPU)."""
+        ...
+
+    def report(self, state: State) -> dict[str, Any]: ...
+
+
+class Eager:
+    """What a method without fused kernels says to the engine's fused path: no. Also the
+    defaults of what a method says of itself."""
+
+    rounds_note: str = ""
+    reports_overlap: bool = False
+    reference: str = ""
+    description: str = ""
+    needs_base: bool = True
+
+    @property
+    def label(self) -> str:
+        return str(getattr(self, "name", type(self).__name__))
+
+    def fuses(self, params: TensorParams) -> bool:
+        return False
+
+    def fused_statistics(self, *args: Any) -> None:
+        return None
+
+    def fused_merge(self, *args: Any, **kwargs: Any) -> bool:
+        return False
+
+
+class NoStatistics(Eager):
+    """The rest of the protocol for a method that is a rule of each element alone (no reduce
+    round, no parameter, nothing to report): such a method only names itself and gives
+    `merge_chunk` (see the README's "Adding a method")."""
+
+    parameters: tuple[Parameter, ...] = ()
+    rounds: int = 0
+
+    def check(self, params: TensorParams, where: str) -> None:
+        return None
+
+    def initial_state(self, *args: Any) -> State:
+        return {}
+
+    def active(self, round_: int, state: State, tensor: str) -> bool:
+        return False
+
+    def chunk_statistics(self, *args: Any) -> dict[str, torch.Tensor]:
+        return {}
+
+    def finalize(self, *args: Any) -> State:
+        return args[-1]
+
+    def report(self, state: State) -> dict[str, Any]:
+        return {}
