@@ -20,10 +20,9 @@ from ram_dist.engine.layout import Layout, TensorEntry
 from ram_dist.errors import RamDistError
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.registry import TensorParams
+from ram_dist.settings import DEVICES
 from ram_dist.units import WorkUnit
 
-#: What `--device` (and the YAML key `device`) accepts.
-DEVICES = ("auto", "cpu", "cuda")
 #: Units a GPU worker runs at once, in threads of their own buffers: one reads while the
 #: other computes. The memory plan counts each as a slot.
 GPU_UNITS_AT_ONCE = 2
