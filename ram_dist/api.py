@@ -156,9 +156,9 @@ def job_config(**kwargs: Any) -> MergeConfig:
             raise RamDistError(f"tasks must be a list of checkpoints, got one: {tasks!r}")
         given["tasks"] = tuple(os.fspath(t) for t in tasks)
     if given["parameters"] is not None:
-        given["parameters"] = _settings(given["parameters"]) or None
+        given["parameters"] = _parameter_values(given["parameters"]) or None
     if given["task_parameters"] is not None:
-        given["task_parameters"] = tuple(_settings(p) for p in given["task_parameters"])
+        given["task_parameters"] = tuple(_parameter_values(p) for p in given["task_parameters"])
     if given["storage_options"] is not None:
         given["storage_options"] = dict(given["storage_options"])
     return build(file, {name: _fspath(value) for name, value in given.items()})
@@ -248,7 +248,7 @@ def _source(
     return (lambda: config), address if address is not None else config.address
 
 
-def _settings(given: Mapping[str, Any]) -> dict[str, Any]:
+def _parameter_values(given: Mapping[str, Any]) -> dict[str, Any]:
     """Parameters given in Python: a list (values across the layers, or `{filter, value}`
     entries) or a mapping is read as the YAML reader reads it; a plain value as a flag's."""
     from ram_dist.mergekit_config import parse_setting

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import typing
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -86,10 +87,14 @@ def _add_job_arguments(p: argparse.ArgumentParser, command: str) -> None:
         if s.type is bool:
             kwargs["action"] = "store_true"
         else:
-            kwargs.update(metavar=s.meta.metavar, type=s.meta.parse)
+            kwargs["type"] = s.meta.parse
             if s.meta.choices:
                 kwargs["choices"] = s.meta.choices
-            if s.name == "tasks":
+            else:  # named after the flag, not the field (`--unit-mb UNIT_MB`)
+                kwargs["metavar"] = (
+                    s.meta.metavar or s.meta.flag.lstrip("-").replace("-", "_").upper()
+                )
+            if typing.get_origin(s.type) is tuple:  # a list: the flag once per value
                 kwargs["action"] = "append"
         p.add_argument(s.meta.flag, **kwargs)
         if s.name == "method":

@@ -1,4 +1,5 @@
-"""The merge job's settings, from the command line or a mergekit-style YAML file.
+"""The merge job: the settings declared in `ram_dist.settings`, checked, from the command
+line, the API's keywords or a mergekit-style YAML file (`build`).
 
 Everything is checked here, when the job starts, never in the middle of a merge.
 """
