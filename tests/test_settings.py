@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,19 @@ def _readme_table() -> dict[str, tuple[list[str], str]]:
         flags = [f.replace("[no-]", "") for f in re.findall(r"--[\w\[\]-]+", cells[0])]
         rows[cells[0]] = (flags, cells[1])
     return rows
+
+
+def test_the_readme_example_setting_is_one_field_that_makes_a_flag():
+    """The field "Adding a setting" shows, added to `HowToRun`, is a setting with its flag."""
+    example = re.search(r"<!-- example-setting -->\n```python\n(.*?)```", README.read_text(), re.S)
+    assert example is not None
+    source = "class WithRetries(HowToRun):\n" + textwrap.indent(example.group(1), "    ")
+    namespace = {"HowToRun": settings.HowToRun, "setting": settings.setting}
+    exec(source, namespace)  # noqa: S102  (the README's own code)
+    model = dataclasses.dataclass(frozen=True, kw_only=True)(namespace["WithRetries"])
+    retries = settings._declared(model)[-1]
+    assert (retries.name, retries.meta.flag, retries.default) == ("retries", "--retries", None)
+    assert retries.help_text() == "times a failed unit is run again (default: Ray's default)"
 
 
 def test_the_readme_table_lists_every_flag_with_its_declared_default():
