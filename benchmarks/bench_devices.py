@@ -34,8 +34,8 @@ DEVICES = ("cpu", "auto", "cuda")
 
 
 def merge(folder: Path, out: Path, method: str, device: str) -> dict:
+    from ram_dist.api import run_merge
     from ram_dist.config import MergeConfig
-    from ram_dist.engine import driver
 
     names = model_names()
     params = {"density": 0.5} if method == "dare_ties" else {}
@@ -43,7 +43,7 @@ def merge(folder: Path, out: Path, method: str, device: str) -> dict:
         base=str(folder / names[0]), tasks=tuple(str(folder / n) for n in names[1:]),
         out=str(out), method=method, parameters=params, device=device, overwrite=True,
     )  # fmt: skip
-    report = driver.merge(config)
+    report = run_merge(config).data
     passes = report["passes"]
     digest = hashlib.sha256()
     for shard in sorted(out.glob("*.safetensors")):

@@ -18,12 +18,13 @@ Light to import: torch, Ray and the engine are imported by the calls that need t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ram_dist import API
+from ram_dist import API, settings
 from ram_dist.errors import RamDistError
 from ram_dist.report.results import (  # noqa: F401  (exported: `API`)
     MergeReport,
@@ -43,102 +44,74 @@ if TYPE_CHECKING:
 
 __all__ = list(API)  # the package exports the same names (`ram_dist.API`)
 
-PathLike = str | os.PathLike[str]
-"""A local path or a URL, as a string or a path object."""
+PathLike = settings.PathLike
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 # --------------------------------------------------------------------------------------------
-# The calls
+# The calls. Their keywords are the job's settings (`ram_dist.settings`), each None or off by
+# default (the value then comes from the config file, else the setting's default), made into
+# each call's signature by `_takes_settings`, so that `help()` shows them.
 
 
-def merge(
-    *,
-    out: PathLike,
-    config: PathLike | Mapping[str, Any] | None = None,
-    base: PathLike | None = None,
-    tasks: Sequence[PathLike] | None = None,
-    method: str | None = None,
-    parameters: Mapping[str, Any] | None = None,
-    task_parameters: Sequence[Mapping[str, Any]] | None = None,
-    out_dtype: str | None = None,
-    unit_budget_bytes: int | None = None,
-    workers: int | None = None,
-    device: str | None = None,
-    address: str | None = None,
-    overwrite: bool = False,
-    output_shared: bool = False,
-    kernels: str | None = None,
-    input_cache: str | None = None,
-    cache_dir: PathLike | None = None,
-    log_format: str | None = None,
-    allow_nonfinite: bool = False,
-    integers_from_base: bool = False,
-    storage_options: Mapping[str, Mapping[str, Any]] | None = None,
-) -> MergeReport:
+def _takes_settings(command: str | None, *extra: inspect.Parameter) -> Callable[[F], F]:
+    """Give the decorated call the keywords `config` and `command`'s settings, then `extra`."""
+
+    def wrap(call: F) -> F:
+        def keyword(name: str, kind: Any, default: Any) -> inspect.Parameter:
+            return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                     annotation=kind)  # fmt: skip
+
+        params = [keyword("config", PathLike | Mapping[str, Any] | None, None)]
+        for s in settings.api_settings(command):
+            if s.type is bool:
+                params.append(keyword(s.name, bool, False))
+            elif command == "merge" and s.name == "out":  # merge's output is required
+                params.append(keyword(s.name, s.meta.api_type, inspect.Parameter.empty))
+            else:
+                params.append(keyword(s.name, (s.meta.api_type or s.type) | None, None))
+        call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [*params, *extra], return_annotation=call.__annotations__["return"]
+        )
+        return call
+
+    return wrap
+
+
+def _given(call: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments with its defaults, or the `TypeError` Python would raise."""
+    bound = inspect.signature(call).bind(**kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+@_takes_settings("merge")
+def merge(**kwargs: Any) -> MergeReport:
     """Merge `tasks` into `base`, or run (resume) an unfinished merge into `out`, as
     `ram-dist merge` does; the arguments are `job_config`'s."""
-    settings = dict(locals())  # every argument above, as given
-    return run_merge(partial(job_config, **settings), address=address)
+    given = _given(merge, kwargs)
+    return run_merge(partial(job_config, **given), address=given["address"])
 
 
-def probe(
-    *,
-    config: PathLike | Mapping[str, Any] | None = None,
-    base: PathLike | None = None,
-    tasks: Sequence[PathLike] | None = None,
-    method: str | None = None,
-    parameters: Mapping[str, Any] | None = None,
-    task_parameters: Sequence[Mapping[str, Any]] | None = None,
-    out_dtype: str | None = None,
-    unit_budget_bytes: int | None = None,
-    workers: int | None = None,
-    device: str | None = None,
-    address: str | None = None,
-    kernels: str | None = None,
-    input_cache: str | None = None,
-    cache_dir: PathLike | None = None,
-    log_format: str | None = None,
-    allow_nonfinite: bool = False,
-    integers_from_base: bool = False,
-    storage_options: Mapping[str, Mapping[str, Any]] | None = None,
-    json_path: PathLike | None = None,
-) -> ProbeReport:
+@_takes_settings(
+    "probe", inspect.Parameter("json_path", inspect.Parameter.KEYWORD_ONLY, default=None,
+                               annotation=PathLike | None),
+)  # fmt: skip
+def probe(**kwargs: Any) -> ProbeReport:
     """RAM's first pass only, whatever `method` says (`ram-dist probe`): the statistics of
     the tasks. `json_path`: also write the report there, and beside it STEM.figure2.png,
     STEM.layers.csv and STEM.layers.png. The other arguments are `job_config`'s."""
-    settings = dict(locals())
-    del settings["json_path"]
-    return run_probe(partial(job_config, **settings), address=address, json_path=json_path)
+    given = _given(probe, kwargs)
+    json_path = given.pop("json_path")
+    return run_probe(partial(job_config, **given), address=given["address"], json_path=json_path)
 
 
-def plan(
-    *,
-    config: PathLike | Mapping[str, Any] | None = None,
-    base: PathLike | None = None,
-    tasks: Sequence[PathLike] | None = None,
-    out: PathLike | None = None,
-    method: str | None = None,
-    parameters: Mapping[str, Any] | None = None,
-    task_parameters: Sequence[Mapping[str, Any]] | None = None,
-    out_dtype: str | None = None,
-    unit_budget_bytes: int | None = None,
-    workers: int | None = None,
-    device: str | None = None,
-    address: str | None = None,
-    overwrite: bool = False,
-    output_shared: bool = False,
-    kernels: str | None = None,
-    input_cache: str | None = None,
-    cache_dir: PathLike | None = None,
-    log_format: str | None = None,
-    allow_nonfinite: bool = False,
-    integers_from_base: bool = False,
-    storage_options: Mapping[str, Mapping[str, Any]] | None = None,
-) -> PlanReport:
+@_takes_settings("plan")
+def plan(**kwargs: Any) -> PlanReport:
     """Headers only (`ram-dist plan`): every check that needs no tensor data, then what a
     merge would read, run and write. Writes nothing and starts no Ray. The arguments are
     `job_config`'s."""
-    return run_plan(partial(job_config, **dict(locals())))
+    return run_plan(partial(job_config, **_given(plan, kwargs)))
 
 
 def verify(
@@ -154,30 +127,8 @@ def verify(
     return VerifyResult(out=location, problems=tuple(problems), shards_checked=checked)
 
 
-def job_config(
-    *,
-    config: PathLike | Mapping[str, Any] | None = None,
-    base: PathLike | None = None,
-    tasks: Sequence[PathLike] | None = None,
-    out: PathLike | None = None,
-    method: str | None = None,
-    parameters: Mapping[str, Any] | None = None,
-    task_parameters: Sequence[Mapping[str, Any]] | None = None,
-    out_dtype: str | None = None,
-    unit_budget_bytes: int | None = None,
-    workers: int | None = None,
-    device: str | None = None,
-    address: str | None = None,
-    overwrite: bool = False,
-    output_shared: bool = False,
-    kernels: str | None = None,
-    input_cache: str | None = None,
-    cache_dir: PathLike | None = None,
-    log_format: str | None = None,
-    allow_nonfinite: bool = False,
-    integers_from_base: bool = False,
-    storage_options: Mapping[str, Mapping[str, Any]] | None = None,
-) -> MergeConfig:
+@_takes_settings(None)
+def job_config(**kwargs: Any) -> MergeConfig:
     """The checked job: `config` (a mergekit YAML file's path, or its keys as a mapping),
     then every argument given over it, as the command line's flags go over the file.
 
@@ -189,47 +140,28 @@ def job_config(
     file; they go over the file's key by key. `task_parameters`: one mapping per task
     (`weight`, `density`), over the file's per-model parameters. `unit_budget_bytes`: `--unit-mb`
     in bytes. `storage_options`: fsspec options per protocol. The rest are the flags of the
-    same names; see `MergeConfig` for each one's meaning and default.
+    same names; see `ram_dist.settings` for each one's meaning and default.
     """
-    from ram_dist.config import MergeConfig, load_yaml
+    from ram_dist.config import build, load_yaml
 
+    given = _given(job_config, kwargs)
+    config = given.pop("config")
     if config is None:
-        kwargs: dict[str, Any] = {}
+        file: dict[str, Any] = {}
     else:
-        kwargs = load_yaml(config if isinstance(config, Mapping) else os.fspath(config))
-    if base is not None:
-        kwargs["base"] = os.fspath(base)
+        file = load_yaml(config if isinstance(config, Mapping) else os.fspath(config))
+    tasks = given["tasks"]
     if tasks is not None:
         if isinstance(tasks, (str, os.PathLike)):
             raise RamDistError(f"tasks must be a list of checkpoints, got one: {tasks!r}")
-        kwargs["tasks"] = tuple(os.fspath(t) for t in tasks)
-    if "base" not in kwargs:
-        raise RamDistError("give a base checkpoint: --base PATH (or base_model in a config)")
-    kwargs.setdefault("tasks", ())
-    if parameters:
-        kwargs["parameters"] = {**kwargs.get("parameters", {}), **_settings(parameters)}
-    if task_parameters is not None:
-        given = [_settings(p) for p in task_parameters]
-        from_file = kwargs.get("task_parameters") or ()
-        if len(from_file) == len(given):
-            given = [{**f, **g} for f, g in zip(from_file, given, strict=True)]
-        kwargs["task_parameters"] = tuple(given)
-    flags = {
-        "out": out, "method": method, "out_dtype": out_dtype,
-        "unit_budget_bytes": unit_budget_bytes, "workers": workers, "device": device,
-        "address": address, "kernels": kernels,
-        "input_cache": input_cache, "cache_dir": cache_dir, "log_format": log_format,
-    }  # fmt: skip
-    kwargs.update({k: _fspath(v) for k, v in flags.items() if v is not None})
-    kwargs.update(
-        overwrite=overwrite,
-        output_shared=output_shared,
-        allow_nonfinite=allow_nonfinite,
-        integers_from_base=integers_from_base,
-    )
-    if storage_options is not None:
-        kwargs["storage_options"] = dict(storage_options)
-    return MergeConfig(**kwargs)
+        given["tasks"] = tuple(os.fspath(t) for t in tasks)
+    if given["parameters"] is not None:
+        given["parameters"] = _parameter_values(given["parameters"]) or None
+    if given["task_parameters"] is not None:
+        given["task_parameters"] = tuple(_parameter_values(p) for p in given["task_parameters"])
+    if given["storage_options"] is not None:
+        given["storage_options"] = dict(given["storage_options"])
+    return build(file, {name: _fspath(value) for name, value in given.items()})
 
 
 def run_merge(config: ConfigSource, *, address: str | None = None) -> MergeReport:
@@ -244,8 +176,6 @@ def run_merge(config: ConfigSource, *, address: str | None = None) -> MergeRepor
 
     def checks(held: contextlib.ExitStack) -> tuple[MergeConfig, driver.Claim]:
         job = build()
-        if job.out is None:
-            raise RamDistError("merge needs an output location: --out PATH")
         return job, driver.merge_checks(job, held)
 
     with contextlib.ExitStack() as held:  # this run's lease on the output, released last
@@ -321,7 +251,7 @@ def _source(
     return (lambda: config), address if address is not None else config.address
 
 
-def _settings(given: Mapping[str, Any]) -> dict[str, Any]:
+def _parameter_values(given: Mapping[str, Any]) -> dict[str, Any]:
     """Parameters given in Python: a list (values across the layers, or `{filter, value}`
     entries) or a mapping is read as the YAML reader reads it; a plain value as a flag's."""
     from ram_dist.mergekit_config import parse_setting

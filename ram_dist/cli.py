@@ -12,18 +12,15 @@ import os
 import signal
 import sys
 import threading
+import typing
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from ram_dist import __version__
+from ram_dist import __version__, settings
 from ram_dist.errors import RamDistError
 from ram_dist.io.failures import is_storage_failure, storage_error
-from ram_dist.io.range_cache import MODES as CACHE_MODES
 from ram_dist.io.storage import parse_storage_options
-from ram_dist.methods import parameters as method_parameters
 from ram_dist.methods.parameters import cli_parameters
-from ram_dist.planning.devices import DEVICES
-from ram_dist.planning.sizing import MAX_UNIT_BUDGET
 
 if TYPE_CHECKING:  # imported where used: `--help` and `verify` load neither torch nor Ray
     from ram_dist.config import MergeConfig
@@ -40,11 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     merge = sub.add_parser("merge", help="merge task checkpoints into one model")
-    _add_job_arguments(merge)
-    merge.add_argument("--out", help="output folder (or give it after CONFIG)")
-    merge.add_argument(
-        "--overwrite", action="store_true", help="write into an output folder that holds files"
-    )
+    _add_job_arguments(merge, "merge")
     merge.add_argument(
         "--dry-run", action="store_true", help="check and plan only (as `ram-dist plan`)"
     )
@@ -52,18 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser(
         "plan", help="read headers only: check everything and print what a merge would do"
     )
-    _add_job_arguments(plan)
-    plan.add_argument("--out", help="output folder (or give it after CONFIG)")
-    for p in (merge, plan):
-        p.add_argument(
-            "--output-shared",
-            action="store_true",
-            help="the local output folder is mounted on every node: workers write their parts "
-            "there (default: only on a one-node cluster; else the driver writes)",
-        )
+    _add_job_arguments(plan, "plan")
 
     probe = sub.add_parser("probe", help="reduce pass only: print sparsity and overlap statistics")
-    _add_job_arguments(probe)
+    _add_job_arguments(probe, "probe")
     probe.add_argument(
         "--json",
         dest="json_path",
@@ -92,89 +77,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_job_arguments(p: argparse.ArgumentParser) -> None:
+def _add_job_arguments(p: argparse.ArgumentParser, command: str) -> None:
+    """The job's settings (`ram_dist.settings`) as flags, each method parameter among them
+    after `--method`; each flag's default is None, so a config file's value stands."""
     p.add_argument("config", nargs="?", help="mergekit-style YAML config (instead of flags)")
     p.add_argument("out_positional", nargs="?", metavar="OUT", help=argparse.SUPPRESS)
-    p.add_argument("--base", help="base checkpoint folder the tasks were trained from")
-    p.add_argument(
-        "--task", action="append", default=None, help="task checkpoint folder (repeat, in order)"
-    )
-    p.add_argument(
-        "--method",
-        default=None,
-        help=" | ".join(method_parameters.PARAMETERS) + " (default ram_plus)",
-    )
-    _add_parameter_flags(p)
-    p.add_argument(
-        "--out-dtype", default=None, help="dtype of merged tensors (default: the base's)"
-    )
-    p.add_argument(
-        "--unit-mb",
-        type=float,
-        default=None,
-        help="input MiB one work unit may read, per input (default: from the cluster's cores "
-        f"and memory, at most {MAX_UNIT_BUDGET // 2**20})",
-    )
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        help="CPU tasks at once (default: one per CPU the GPU workers leave, as many queued)",
-    )
-    p.add_argument(
-        "--device",
-        choices=DEVICES,
-        default=None,
-        help="auto (default): every CPU with the fused kernels; the units of tensors that "
-        "need the eager rule (dare_*, L1 rescaling, float64) on one worker per GPU, where the "
-        "cluster has GPUs; cpu: every unit on the CPUs; cuda: every unit on the GPU workers, "
-        "or refuse to start without GPUs",
-    )
-    p.add_argument(
-        "--allow-nonfinite",
-        action="store_true",
-        help="merge inputs that hold NaN or Inf instead of refusing them",
-    )
-    p.add_argument(
-        "--integers-from-base",
-        action="store_true",
-        help="copy the base's integer and bool tensors even where a task changed them (they "
-        "cannot be merged; without it such a task is refused)",
-    )
-    p.add_argument(
-        "--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else a local Ray)"
-    )
-    p.add_argument(
-        "--kernels",
-        choices=("auto", "eager"),
-        default="auto",
-        help="auto: fused CPU kernels where they apply (the same bytes); eager: plain torch",
-    )
-    p.add_argument(
-        "--input-cache",
-        choices=CACHE_MODES,
-        default="auto",
-        help="keep what the first pass fetched on each node's disk, so later passes read it "
-        "there: auto (inputs not on a local filesystem), on (every input), off",
-    )
-    p.add_argument(
-        "--cache-dir",
-        default=None,
-        metavar="DIR",
-        help="node-local folder for --input-cache (default: a private folder in the temp dir)",
-    )
-    p.add_argument(
-        "--log-format",
-        choices=("text", "json"),
-        default="text",
-        help="text: a progress bar on a terminal; json: one JSON object per line on stderr",
-    )
-    p.add_argument(
-        "--storage-options",
-        default=None,
-        metavar="JSON",
-        help='fsspec options per protocol, e.g. \'{"s3": {"endpoint_url": "http://..."}}\'',
-    )
+    for s in settings.flagged(command):
+        kwargs: dict[str, Any] = {"dest": s.name, "default": None, "help": s.help_text()}
+        if s.type is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = s.meta.parse
+            if s.meta.choices:
+                kwargs["choices"] = s.meta.choices
+            else:  # named after the flag, not the field (`--unit-mb UNIT_MB`)
+                kwargs["metavar"] = (
+                    s.meta.metavar or s.meta.flag.lstrip("-").replace("-", "_").upper()
+                )
+            if typing.get_origin(s.type) is tuple:  # a list: the flag once per value
+                kwargs["action"] = "append"
+        p.add_argument(s.meta.flag, **kwargs)
+        if s.name == "method":
+            _add_parameter_flags(p)
 
 
 def _add_parameter_flags(p: argparse.ArgumentParser) -> None:
@@ -194,60 +118,28 @@ def _add_parameter_flags(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> MergeConfig:
     """Flags override the YAML file; the YAML file overrides the defaults."""
-    from ram_dist.config import MergeConfig, load_yaml
+    from ram_dist.config import build, load_yaml
 
-    kwargs: dict[str, Any] = load_yaml(args.config) if args.config else {}
-    if args.base is not None:
-        kwargs["base"] = args.base
-    if args.task:
-        kwargs["tasks"] = tuple(args.task)
-    if "base" not in kwargs:
-        raise RamDistError("give a base checkpoint: --base PATH (or base_model in a config)")
-    kwargs.setdefault("tasks", ())
-    if args.method is not None:
-        kwargs["method"] = args.method
-    params = dict(kwargs.get("parameters", {}))
-    for param, _ in cli_parameters():
-        value = getattr(args, param.cli_dest)
-        if not param.per_task and value is not None:
-            params[param.name] = value
-    kwargs["parameters"] = params
-    per_task = _per_task_flags(args, len(kwargs["tasks"]))
-    if per_task:
-        base_params = kwargs.get("task_parameters") or [{} for _ in kwargs["tasks"]]
-        kwargs["task_parameters"] = tuple(
-            {**given, **flagged} for given, flagged in zip(base_params, per_task, strict=True)
-        )
-    if args.out_dtype is not None:
-        kwargs["out_dtype"] = args.out_dtype
-    if args.unit_mb is not None:
-        if not args.unit_mb > 0:
-            raise RamDistError(f"--unit-mb must be positive, got {args.unit_mb}")
-        kwargs["unit_budget_bytes"] = max(1, int(args.unit_mb * 2**20))
-    kwargs["workers"] = args.workers
-    if args.device is not None:
-        kwargs["device"] = args.device
-    kwargs["allow_nonfinite"] = args.allow_nonfinite
-    kwargs["integers_from_base"] = args.integers_from_base
-    kwargs["log_format"] = args.log_format
-    kwargs["kernels"] = args.kernels
-    kwargs["input_cache"] = args.input_cache
-    kwargs["cache_dir"] = args.cache_dir
-    if args.storage_options is not None:
-        kwargs["storage_options"] = parse_storage_options(args.storage_options)
-    kwargs["address"] = args.address
-    out = getattr(args, "out", None)
-    if args.out_positional is not None:
-        if out is not None and out != args.out_positional:
+    given: dict[str, Any] = {}
+    for s in settings.flagged(args.command):
+        value = getattr(args, s.name)
+        if value is not None and s.meta.convert is not None:
+            value = s.meta.convert(value)
+        given[s.name] = value
+    given["parameters"] = {
+        param.name: getattr(args, param.cli_dest)
+        for param, _ in cli_parameters()
+        if not param.per_task and getattr(args, param.cli_dest) is not None
+    }
+    file = load_yaml(args.config) if args.config else {}
+    n_tasks = len(given["tasks"] or file.get("tasks", ()))
+    given["task_parameters"] = _per_task_flags(args, n_tasks) or None
+    positional = args.out_positional
+    if positional is not None:
+        if given.get("out") is not None and given["out"] != positional:
             raise RamDistError("give the output once: either --out or after CONFIG")
-        out = args.out_positional
-    if out is not None:
-        kwargs["out"] = out
-    if getattr(args, "overwrite", False):
-        kwargs["overwrite"] = True
-    if getattr(args, "output_shared", False):
-        kwargs["output_shared"] = True
-    return MergeConfig(**kwargs)
+        given["out"] = positional
+    return build(file, given)
 
 
 def _per_task_flags(args: argparse.Namespace, n_tasks: int) -> list[dict[str, Any]]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
+from ram_dist.api import run_merge
 from ram_dist.config import MergeConfig
-from ram_dist.engine import driver
 from ram_dist.report.text import format_report
 from ram_dist.synthetic.files import save_checkpoint, write_config
 from ram_dist.synthetic.llama import TINY
@@ -43,7 +43,7 @@ def run_demo(folder: str, address: str | None = None) -> dict:
     config = MergeConfig(
         base=base_dir, tasks=tuple(task_dirs), out=out, address=address, overwrite=True
     )
-    report = driver.merge(config)
+    report = run_merge(config).data
     print(format_report(report))
     print(f"\nmerged model (RAM+, r=0.1, alpha=2.0) written to {out}")
     return report

@@ -17,8 +17,8 @@ import torch
 from builders import build_model_set, load_checkpoint
 
 from ram_dist import methods
+from ram_dist.api import run_merge
 from ram_dist.config import MergeConfig
-from ram_dist.engine import driver
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -56,7 +56,7 @@ def mean_method(tmp_path, monkeypatch):
 def test_readme_example_method_merges_exactly(tmp_path, mean_method, unit_budget_bytes) -> None:
     base_dir, task_dirs, base, tasks = build_model_set(tmp_path / "in", seed=3)
     out = tmp_path / "out"
-    report = driver.merge(
+    report = run_merge(
         MergeConfig(
             base=str(base_dir),
             tasks=tuple(map(str, task_dirs)),
@@ -64,7 +64,7 @@ def test_readme_example_method_merges_exactly(tmp_path, mean_method, unit_budget
             out=str(out),
             unit_budget_bytes=unit_budget_bytes,
         )
-    )
+    ).data
     assert report["method"] == "mean"
     merged = load_checkpoint(out)
     assert merged.keys() == base.keys()

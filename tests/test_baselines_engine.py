@@ -16,8 +16,8 @@ import torch
 import yaml
 from builders import build_model_set, load_checkpoint, save_checkpoint
 
+from ram_dist.api import run_merge
 from ram_dist.config import MergeConfig, load_yaml
-from ram_dist.engine import driver
 
 mergekit = pytest.importorskip("mergekit", reason="mergekit is the oracle of these tests")
 pytestmark = [
@@ -62,7 +62,7 @@ def _ours(config: dict, tmp_path: Path, name: str, **overrides) -> dict[str, tor
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     kwargs = load_yaml(str(path)) | {"out": str(tmp_path / name), "unit_budget_bytes": 3000}
-    driver.merge(MergeConfig(**(kwargs | overrides)))
+    run_merge(MergeConfig(**(kwargs | overrides)))
     return load_checkpoint(tmp_path / name)
 
 
@@ -163,7 +163,7 @@ def test_ties_with_many_equal_magnitudes_matches_a_whole_tensor_reference(tmp_pa
     digests = set()
     for budget, workers in [(64 * 4, 1), (1000, 2), (4096, 2), (2**20, 1)]:
         out = tmp_path / f"out-{budget}-{workers}"
-        report = driver.merge(
+        report = run_merge(
             MergeConfig(
                 base=str(dirs[0]),
                 tasks=tuple(map(str, dirs[1:])),
@@ -175,7 +175,7 @@ def test_ties_with_many_equal_magnitudes_matches_a_whole_tensor_reference(tmp_pa
                 unit_budget_bytes=budget,
                 workers=workers,
             )
-        )
+        ).data
         # tasks 1 and 2 cut through equal magnitudes; task 3 (30 % changed, density 0.8)
         # cuts among its zeros, where the choice changes no byte and no index round runs
         assert report["ties"]["cuts_through_equal_magnitudes"] == 2
@@ -218,7 +218,7 @@ def test_dare_seed_fixes_the_bytes_and_keeps_the_l1_norm(models, tmp_path):
     digests = {}
     for seed, budget, workers in [(0, 3000, 1), (0, 777, 2), (0, 2**20, 2), (1, 3000, 2)]:
         out = tmp_path / f"dare-{seed}-{budget}-{workers}"
-        report = driver.merge(
+        report = run_merge(
             MergeConfig(
                 base=str(base_dir),
                 tasks=tuple(map(str, task_dirs)),
@@ -229,7 +229,7 @@ def test_dare_seed_fixes_the_bytes_and_keeps_the_l1_norm(models, tmp_path):
                 unit_budget_bytes=budget,
                 workers=workers,
             )
-        )
+        ).data
         assert report["dare"]["seed"] == seed
         digests[(seed, budget, workers)] = {
             p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("*.safetensors")

@@ -256,6 +256,7 @@ def test_auto_keeps_fused_work_on_the_cpus(inputs, fake_gpus, tmp_path):
     from builders import load_checkpoint
     from reference import reference_merge
 
+    from ram_dist.api import run_merge
     from ram_dist.engine import driver, worker
 
     # called inline (this process is Ray's driver, not a task): CUDA whenever it is there
@@ -268,7 +269,7 @@ def test_auto_keeps_fused_work_on_the_cpus(inputs, fake_gpus, tmp_path):
     shards, reports = {}, {}
     for device in ("auto", "cpu", "cuda"):
         out = tmp_path / device
-        report = driver.merge(_config(inputs, out, device=device, unit_budget_bytes=UNIT))
+        report = run_merge(_config(inputs, out, device=device, unit_budget_bytes=UNIT)).data
         jsonschema.Draft202012Validator(schema).validate(report)
         merged = load_checkpoint(out)
         assert merged.keys() == expected.keys()
@@ -298,7 +299,7 @@ def test_auto_keeps_fused_work_on_the_cpus(inputs, fake_gpus, tmp_path):
 
 
 def test_dare_ties_on_the_gpus_starts_two_processes_for_the_whole_job(inputs, fake_gpus, tmp_path):
-    from ram_dist.engine import driver
+    from ram_dist.api import run_merge
 
     params = {"density": 0.5}
     shards, reports = {}, {}
@@ -308,7 +309,7 @@ def test_dare_ties_on_the_gpus_starts_two_processes_for_the_whole_job(inputs, fa
             inputs, out, device=device, unit_budget_bytes=UNIT, method="dare_ties",
             parameters=params,
         )  # fmt: skip
-        reports[device] = driver.merge(config)
+        reports[device] = run_merge(config).data
         shards[device] = _merged(out)
     assert shards["cuda"] == shards["auto"] == shards["cpu"]
     for device in ("cuda", "auto"):
@@ -325,11 +326,11 @@ def test_dare_ties_on_the_gpus_starts_two_processes_for_the_whole_job(inputs, fa
 
 
 def test_plan_says_the_device(inputs, fake_gpus, tmp_path, capsys):
+    from ram_dist.api import run_plan
     from ram_dist.cli import main
-    from ram_dist.engine import driver
     from ram_dist.planning.job import prepare
 
-    planned = driver.plan(_config(inputs, tmp_path / "p"))
+    planned = run_plan(_config(inputs, tmp_path / "p")).data
     choice = prepare(_config(inputs)).device_choice(2, 2)
     assert planned["device"] == {
         **choice.as_dict(),

@@ -40,8 +40,8 @@ def test_eager_units_on_the_gpu_the_rest_on_the_cpus(inputs, fake_gpu, tmp_path)
     from builders import load_checkpoint
     from reference import reference_merge
 
+    from ram_dist.api import run_merge
     from ram_dist.config import MergeConfig
-    from ram_dist.engine import driver
 
     base, tasks = inputs
     states = [load_checkpoint(p) for p in [base, *tasks]]
@@ -53,7 +53,7 @@ def test_eager_units_on_the_gpu_the_rest_on_the_cpus(inputs, fake_gpu, tmp_path)
             base=str(base), tasks=tuple(map(str, tasks)), out=str(out), device=device,
             unit_budget_bytes=1024,
         )  # fmt: skip
-        reports[device] = driver.merge(config)
+        reports[device] = run_merge(config).data
         merged = load_checkpoint(out)
         assert all(torch.equal(merged[k], v) for k, v in expected.items())
         shards[device] = (out / "model.safetensors").read_bytes()

@@ -19,8 +19,8 @@ import psutil
 import torch
 from builders import load_checkpoint
 
+from ram_dist.api import run_merge
 from ram_dist.config import MergeConfig
-from ram_dist.engine import driver
 from ram_dist.io.storage import Storage
 from ram_dist.io.verify import verify
 
@@ -129,7 +129,7 @@ def test_three_nodes_upload_parts_and_survive_a_killed_worker(big, options, fs, 
 
     def run() -> None:
         try:
-            reports.append(driver.merge(config))
+            reports.append(run_merge(config).data)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -158,11 +158,11 @@ def test_three_nodes_upload_parts_and_survive_a_killed_worker(big, options, fs, 
         local = {}
         for shared in (False, True):
             out_dir = tmp_path / f"local-{shared}"
-            local[shared] = driver.merge(
+            local[shared] = run_merge(
                 MergeConfig(base=big["s3"][0], tasks=tuple(big["s3"][1]), out=str(out_dir),
                             unit_budget_bytes=2**20, output_shared=shared,
                             storage_options=options, input_cache="off")
-            )["passes"]["map"]  # fmt: skip
+            ).data["passes"]["map"]  # fmt: skip
             merged = load_checkpoint(out_dir)
             assert all(torch.equal(merged[k], v) for k, v in big["expected"].items())
     finally:

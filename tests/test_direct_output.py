@@ -13,8 +13,8 @@ import torch
 from builders import build_model_set, load_checkpoint, merge_config
 from reference import reference_merge
 
+from ram_dist.api import run_merge, run_plan
 from ram_dist.config import MergeConfig
-from ram_dist.engine import driver
 from ram_dist.engine.pool import unordered_map
 from ram_dist.io.sinks import shard_digest
 from ram_dist.io.storage import Storage
@@ -32,7 +32,7 @@ def tiny(tmp_path_factory) -> dict:
 
 
 def _merge(base, tasks, out, options=None, **kw) -> dict:
-    return driver.merge(merge_config(base, tasks, out, options, **kw))
+    return run_merge(merge_config(base, tasks, out, options, **kw)).data
 
 
 def _written_by_this_process() -> int:
@@ -177,11 +177,11 @@ def test_plan_says_which_output_path(tiny, tmp_path, capsys):
         args += ["--task", str(t)]
     assert main(args) == 0
     assert "output path: direct (a local folder on a one-node cluster" in capsys.readouterr().out
-    planned = driver.plan(
+    planned = run_plan(
         MergeConfig(
             base=str(tiny["base"]), tasks=tuple(map(str, tiny["tasks"])), out="memory://x/y"
         )  # fmt: skip
-    )
+    ).data
     assert planned["output"]["path"] == "through-driver"
 
 

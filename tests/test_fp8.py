@@ -18,8 +18,8 @@ from fp8_models import BLOCK, UNTOUCHED, WEIGHTS, build_fp8_set
 from fp8_reference import SCALE, reference_fp8_merge, stored_output, values, write
 
 from ram_dist import api
+from ram_dist.api import run_merge
 from ram_dist.config import MergeConfig
-from ram_dist.engine import driver
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -47,7 +47,7 @@ def _merge(s, out: Path | str, **kw) -> dict:
     config = MergeConfig(
         base=str(s.base_dir), tasks=tuple(str(t) for t in s.task_dirs), out=str(out), **kw
     )
-    return driver.merge(config)
+    return run_merge(config).data
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -133,7 +133,7 @@ def test_every_method_merges_the_dequantized_values(sets, tmp_path, method, para
         out=str(tmp_path / "f32-out"),
         **kw,
     )
-    driver.merge(config)
+    run_merge(config)
     merged = load_checkpoint(tmp_path / "f32-out")
     # The plain bf16 tensors were merged into float32 there; here they stay bf16 as written.
     f32 = {n: v if n in WEIGHTS else v.to(torch.bfloat16) for n, v in merged.items()}
@@ -248,7 +248,7 @@ def test_a_dequantized_tiny_llama_loads_and_runs_in_transformers(tmp_path):
             }  # fmt: skip
         (folder / "config.json").write_text(json.dumps(config))
     out = tmp_path / "out"
-    driver.merge(
+    run_merge(
         MergeConfig(base=str(folders[0]), tasks=(str(folders[1]), str(folders[2])),
                     out=str(out), out_dtype="bfloat16")
     )  # fmt: skip

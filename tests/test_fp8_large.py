@@ -16,8 +16,8 @@ from fp8_reference import reference_fp8_merge
 from test_resume import _env, _kill_after_first_shard, _manifest
 
 from ram_dist import api
+from ram_dist.api import run_merge
 from ram_dist.config import MergeConfig
-from ram_dist.engine import driver
 
 BUCKET = "ram-dist-fp8"
 
@@ -56,7 +56,7 @@ def test_bucket_to_bucket_in_several_parts(large, options, fs, tmp_path):
         storage_options=options,
         unit_budget_bytes=1 << 20,
     )
-    report = driver.merge(config)
+    report = run_merge(config).data
     m = report["passes"]["map"]
     assert m["output_path"] == "direct" and m["bytes_written_by_driver"] == 0
     manifest = json.loads(fs.cat_file(f"{BUCKET}/out/ram_dist_manifest.json"))

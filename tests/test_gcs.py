@@ -15,7 +15,7 @@ from gcs_server import GcsServer, bucket_fs, running_gcs_server, storage_options
 from reference import reference_merge
 from s3_server import LOCATION_DEPENDENT, header_read_bytes
 
-from ram_dist.engine import driver
+from ram_dist.api import run_merge
 from ram_dist.errors import RamDistError
 from ram_dist.io.storage import Storage
 
@@ -67,7 +67,7 @@ def models(tmp_path_factory, fs) -> dict:
 
 def _merge(base, tasks, out, options=None, **kw) -> dict:
     kw.setdefault("unit_budget_bytes", 8192)
-    return driver.merge(merge_config(base, tasks, out, options, **kw))
+    return run_merge(merge_config(base, tasks, out, options, **kw)).data
 
 
 @pytest.mark.usefixtures("ray_gcs")

@@ -38,8 +38,8 @@ def model_sets(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("dtypes", list(DTYPE_SETS))
 @pytest.mark.parametrize(("method", "params"), METHODS)
 def test_the_gpu_gives_the_cpus_bytes(ray_local, model_sets, tmp_path, dtypes, method, params):
+    from ram_dist.api import run_merge
     from ram_dist.config import MergeConfig
-    from ram_dist.engine import driver
 
     base, tasks = model_sets[dtypes][:2]
     shards = {}
@@ -49,7 +49,7 @@ def test_the_gpu_gives_the_cpus_bytes(ray_local, model_sets, tmp_path, dtypes, m
             base=str(base), tasks=tuple(map(str, tasks)), out=str(out), method=method,
             parameters=params, device=device, unit_budget_bytes=64 * 2**10,
         )  # fmt: skip
-        report = driver.merge(config)
+        report = run_merge(config).data
         shards[device] = {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
         on_gpu = report["passes"]["map"]["units_on_gpu"]
         assert on_gpu == (report["passes"]["map"]["units"] if device == "cuda" else 0)

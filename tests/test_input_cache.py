@@ -25,6 +25,7 @@ from s3_server import (
     header_read_bytes,
 )
 
+from ram_dist.api import run_merge
 from ram_dist.cli import main
 from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
@@ -168,9 +169,9 @@ def _same_as_local(fs, prefix: str, local: Path) -> None:
 def test_bucket_merge_fetches_each_input_byte_once(models, options, fs, server, nodes, tmp_path):
     base, tasks = models["s3"]
     tensor_bytes = models["input_bytes"] - models["header_bytes"]  # every tensor is floating
-    driver.merge(_config(*models["local"], tmp_path / "local"))
+    run_merge(_config(*models["local"], tmp_path / "local"))
     server.clear()
-    report = driver.merge(_config(base, tasks, f"s3://{BUCKET}/once", options))
+    report = run_merge(_config(base, tasks, f"s3://{BUCKET}/once", options)).data
     reduce, merged = report["passes"]["reduce"], report["passes"]["map"]
     assert report["input_cache"]["used"] and report["input_cache"]["nodes_cleaned"] == 3
     assert reduce["bytes_read"] == reduce["cache_bytes_written"] == tensor_bytes
@@ -202,9 +203,9 @@ def test_ties_rounds_read_the_cache(models, options, fs, server, tmp_path):
     base, tasks = models["s3"]
     tensor_bytes = models["input_bytes"] - models["header_bytes"]
     ties = {"method": "ties", "parameters": {"density": 0.5, "weight": 1.0}}
-    driver.merge(_config(*models["local"], tmp_path / "local", **ties))
+    run_merge(_config(*models["local"], tmp_path / "local", **ties))
     server.clear()
-    report = driver.merge(_config(base, tasks, f"s3://{BUCKET}/ties", options, **ties))
+    report = run_merge(_config(base, tasks, f"s3://{BUCKET}/ties", options, **ties)).data
     reduce = report["passes"]["reduce"]
     assert reduce["bytes_read"] >= 2 * tensor_bytes  # several rounds
     assert reduce["bytes_fetched"] == reduce["cache_bytes_written"] == tensor_bytes
@@ -234,7 +235,7 @@ def test_changed_input_never_hits_a_killed_jobs_cache(models, options, fs, serve
     save_checkpoint(changed, models["root"] / "changed", max_shard_bytes=70_000)
     for f in (models["root"] / "changed").glob("*.safetensors"):
         fs.put(str(f), f"{BUCKET}/stale/task1/{f.name}")
-    report = driver.merge(config)
+    report = run_merge(config).data
     assert report["passes"]["reduce"]["cache_bytes_read"] == 0
     assert report["passes"]["map"]["cache_bytes_read"] == report["passes"]["reduce"]["bytes_read"]
     fetched = Path(models["root"]) / "stale-fetched"
@@ -248,7 +249,8 @@ def test_changed_input_never_hits_a_killed_jobs_cache(models, options, fs, serve
     for f in Path(models["local"][1][1]).glob("*.safetensors"):  # the same bytes again
         fs.put(str(f), f"{BUCKET}/stale/task1/{f.name}")
     server.clear()
-    again = driver.merge(_config(base, tasks, f"s3://{BUCKET}/stale-out", options, overwrite=True))
+    stale_out = _config(base, tasks, f"s3://{BUCKET}/stale-out", options, overwrite=True)
+    again = run_merge(stale_out).data
     reduce, merged = again["passes"]["reduce"], again["passes"]["map"]
     # A unit that runs where the killed job read it finds its bytes there (which node read
     # what is not known to a new run: the others fetch again); the map pass fetches nothing.
@@ -292,7 +294,7 @@ def test_node_removed_during_map_pass(models, options, fs, nodes, monkeypatch):
         return real_map_pass(job, cluster, state, *args, **kwargs)
 
     monkeypatch.setattr(driver, "map_pass", map_pass_without_the_node)
-    reports = [driver.merge(config)]
+    reports = [run_merge(config).data]
     assert read_there and read_there[0] > 0  # the reduce pass kept units on that node
     merged = reports[0]["passes"]["map"]  # units meant for the lost node ran elsewhere
     assert merged["units_sent_back"] == merged["units"]

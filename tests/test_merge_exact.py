@@ -11,8 +11,8 @@ import torch
 from builders import DTYPE_SETS, build_model_set, load_checkpoint, save_checkpoint
 from reference import reference_merge
 
+from ram_dist.api import run_merge
 from ram_dist.config import MergeConfig
-from ram_dist.engine import driver
 from ram_dist.io.writer import json_text
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -36,7 +36,7 @@ def _no_constant(name: str) -> None:
 
 def _merge(base, tasks, out, **kw) -> dict:
     config = MergeConfig(base=str(base), tasks=tuple(str(t) for t in tasks), out=str(out), **kw)
-    return driver.merge(config)
+    return run_merge(config).data
 
 
 def _assert_same_bytes(actual: dict, expected: dict) -> None:

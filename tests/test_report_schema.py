@@ -29,9 +29,9 @@ def validator() -> jsonschema.Draft202012Validator:
 @pytest.fixture(scope="module")
 def real(ray_local, tmp_path_factory) -> dict:
     """The demo's merge report as written to disk, a probe and a TIES merge of its inputs."""
+    from ram_dist.api import run_merge, run_probe
     from ram_dist.config import MergeConfig
     from ram_dist.demo import run_demo
-    from ram_dist.engine import driver
 
     folder = tmp_path_factory.mktemp("demo")
     run_demo(str(folder))
@@ -40,10 +40,10 @@ def real(ray_local, tmp_path_factory) -> dict:
     with open(folder / "merged" / "ram_dist_manifest.json", encoding="utf-8") as f:
         manifest = json.load(f)
     base, tasks = str(folder / "base"), tuple(str(folder / f"agent{i}") for i in (1, 2, 3))
-    probe = driver.probe(MergeConfig(base=base, tasks=tasks))
-    ties = driver.merge(
+    probe = run_probe(MergeConfig(base=base, tasks=tasks)).data
+    ties = run_merge(
         MergeConfig(base=base, tasks=tasks, out=str(folder / "ties"), method="ties")
-    )
+    ).data
     # what `ram-dist probe --json` writes: the report through JSON
     probe = json.loads(json.dumps(probe))
     ties = json.loads(json.dumps(ties))

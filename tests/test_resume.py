@@ -225,8 +225,8 @@ def test_node_removed_during_map_pass(models, tmp_path):
     import ray
     from ray.cluster_utils import Cluster
 
+    from ram_dist.api import run_merge
     from ram_dist.config import MergeConfig
-    from ram_dist.engine import driver
 
     cluster = Cluster(
         initialize_head=True,
@@ -251,7 +251,7 @@ def test_node_removed_during_map_pass(models, tmp_path):
 
     def run() -> None:
         try:
-            reports.append(driver.merge(config))
+            reports.append(run_merge(config).data)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 

@@ -15,7 +15,7 @@ from s3_server import (
     header_read_bytes,
 )
 
-from ram_dist.engine import driver
+from ram_dist.api import run_merge
 from ram_dist.engine.blocks import stream_blocks
 from ram_dist.engine.worker import worker_context
 from ram_dist.errors import StorageError
@@ -46,7 +46,7 @@ def models(tmp_path_factory, fs) -> dict:
 
 def _merge(base, tasks, out, options=None, **kw) -> dict:
     kw.setdefault("unit_budget_bytes", 8192)
-    return driver.merge(merge_config(base, tasks, out, options, **kw))
+    return run_merge(merge_config(base, tasks, out, options, **kw)).data
 
 
 @pytest.mark.usefixtures("ray_s3")

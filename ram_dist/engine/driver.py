@@ -17,7 +17,6 @@ import os
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
-from functools import partial
 from typing import Any, Protocol
 
 import ray
@@ -32,7 +31,7 @@ from ram_dist.engine.gpu import Devices, job_devices
 from ram_dist.engine.passes import Shipped, map_pass, reduce_pass
 from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
 from ram_dist.engine.progress import Progress
-from ram_dist.engine.runtime import Cluster, ray_session
+from ram_dist.engine.runtime import Cluster
 from ram_dist.engine.stats import PassStats
 from ram_dist.errors import RamDistError
 from ram_dist.io.files import copy_files, non_weight_files
@@ -53,18 +52,14 @@ from ram_dist.planning.sizing import machine
 #: What `probe` counts with when the configured method counts no overlap statistics.
 PROBE_METHOD = "ram_plus"
 
-__all__ = ["REPORT_NAME", "merge", "merge_checks", "merge_on", "plan", "prepare", "probe"]
-
-
-def probe(config: MergeConfig) -> dict[str, Any]:
-    """Run RAM's reduce pass only (whatever the method) and return the statistics report.
-    The checks run while Ray starts."""
-    with ray_session(config.address, partial(probe_checks, config)) as (cluster, job):
-        return probe_on(job, cluster)
+#: What `ram_dist.api` runs: the one entry point, `api.run_merge`/`run_probe`/`run_plan`.
+__all__ = [
+    "REPORT_NAME", "merge_checks", "merge_on", "plan", "prepare", "probe_checks", "probe_on",
+]  # fmt: skip
 
 
 def probe_checks(config: MergeConfig) -> Job:
-    """Everything `probe` does before it needs Ray: the checks and the plan."""
+    """Everything a probe does before it needs Ray: the checks and the plan."""
     if not get_method(config.method).reports_overlap:
         counting = {p.name for p in get_method(PROBE_METHOD).parameters if not p.per_task}
         config = replace(
@@ -81,7 +76,8 @@ def probe_checks(config: MergeConfig) -> Job:
 
 
 def probe_on(job: Job, cluster: Cluster) -> dict[str, Any]:
-    """`probe` once Ray is up and `probe_checks` has passed."""
+    """RAM's reduce pass only (whatever the method): the statistics report, once Ray is up
+    and `probe_checks` has passed (`api.run_probe`)."""
     device = job.device_choice(cluster.gpus, cluster.cpus)
     job = job.replanned(device.slots, cluster.memory)
     with settled(), job_devices(device) as devices:
@@ -123,20 +119,9 @@ class CardWriter(Protocol):
     ) -> str: ...
 
 
-def merge(config: MergeConfig) -> dict[str, Any]:
-    """Run (or resume) the whole merge; returns the report also written as merge_report.json.
-
-    Every check, and the claim on the output, runs while Ray starts."""
-    with contextlib.ExitStack() as held:
-        checks = partial(merge_checks, config, held)
-        with ray_session(config.address, checks) as (cluster, claim):
-            from ram_dist.report.model_card import model_card  # until `api` is the one entry
-
-            return merge_on(claim, cluster, model_card)
-
-
 def merge_on(claim: Claim, cluster: Cluster, card: CardWriter) -> dict[str, Any]:
-    """`merge` once Ray is up and `merge_checks` has passed."""
+    """Run (or resume) the whole merge, once Ray is up and `merge_checks` has passed
+    (`api.run_merge`); returns the report also written as merge_report.json."""
     if isinstance(claim, dict):
         return claim
     with settled():
@@ -146,11 +131,11 @@ def merge_on(claim: Claim, cluster: Cluster, card: CardWriter) -> dict[str, Any]
 
 
 def merge_checks(config: MergeConfig, held: contextlib.ExitStack) -> Claim:
-    """Everything `merge` does before it needs Ray: every up-front check, then this run's
+    """Everything a merge does before it needs Ray: every up-front check, then this run's
     lease on the output (entered into `held`); or the stored report when the output already
     holds this merge."""
     if config.out is None:
-        raise RamDistError("merge needs an output location (--out)")
+        raise RamDistError("merge needs an output location: --out PATH")
     job = prepare(config)
     assert job.out is not None
     found = open_output(job)

@@ -26,9 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-#: `--input-cache` values: `auto` keeps ranges of inputs not on a local filesystem, `on` of
-#: every input (local ones too, e.g. on a network filesystem), `off` none.
-MODES = ("auto", "on", "off")
 #: Free space left alone on the cache's disk: this share of the disk, and at least
 #: `RESERVE_MIN_BYTES`.
 RESERVE_FRACTION = 0.10

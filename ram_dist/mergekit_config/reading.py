@@ -27,18 +27,18 @@ from ram_dist.mergekit_config.spec import (
 from ram_dist.methods import get_method
 from ram_dist.methods import parameters as method_parameters
 from ram_dist.methods.parameters import Parameter
-from ram_dist.planning.devices import DEVICES as _DEVICES
+from ram_dist.settings import DEVICES as _DEVICES
+from ram_dist.settings import YAML_KEYS
 
+#: mergekit's keys, then the job settings a config may set too (`settings.YAML_KEYS`).
 TOP_KEYS = (
     "merge_method",
     "base_model",
     "models",
     "parameters",
     "dtype",
-    "out_dtype",
     "tokenizer_source",
-    "storage_options",
-    "device",
+    *YAML_KEYS,
 )
 #: mergekit keys ram-dist does not implement, and why.
 _UNSUPPORTED_KEYS = {

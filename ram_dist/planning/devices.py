@@ -21,9 +21,8 @@ from ram_dist.methods import MergeMethod
 from ram_dist.methods.protocol import TensorParams
 from ram_dist.planning.layout import Layout, TensorEntry
 from ram_dist.planning.units import WorkUnit
+from ram_dist.settings import DEVICES
 
-#: What `--device` (and the YAML key `device`) accepts.
-DEVICES = ("auto", "cpu", "cuda")
 #: Units a GPU worker runs at once, in threads of their own buffers: one reads while the
 #: other computes. The memory plan counts each as a slot.
 GPU_UNITS_AT_ONCE = 2

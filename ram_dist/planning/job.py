@@ -107,12 +107,11 @@ class Job:
         return self.method.initial_state(self.params, self.numel(), len(self.tasks))
 
     def identity(self) -> dict[str, Any]:
-        """What determines the output bytes: method, parameters, dtype and every input file.
-
-        The unit budget, worker count and cluster do not: they never change a byte.
-        """
+        """What determines the output bytes: the what-to-merge settings (`settings.WHAT`),
+        resolved: the method, its parameters per tensor, the dtype and every input file.
+        The how-to-run settings never change a byte, so are not part of it."""
         inputs = [self.base, *self.tasks]
-        identity = {
+        identity = {  # each key is a `Setting.identity` (tests/test_settings.py)
             "method": self.method.name,
             "parameters": self.effective_parameters(),
             "out_dtype": self.config.out_dtype,

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import os
 
+from ram_dist.settings import MAX_UNIT_BUDGET
+
 MIB = 2**20
-#: The largest default budget; a larger `--unit-mb` only makes fewer, bigger units.
-MAX_UNIT_BUDGET = 256 * MIB
 #: The smallest default budget: below it, per-unit overhead (a Ray task, a result) shows.
 MIN_UNIT_BUDGET = 16 * MIB
 #: Units per core and pass, so that every core stays busy until near the end of a pass.
