@@ -94,7 +94,7 @@ ABLATIONS = tuple(
 
 FULL_SWEEP = Sweep(
     plan=replace(FULL, extra_merges=()),
-    lrs=((3e-6, 120), (1e-5, 120), (3e-5, 120)),
+    lrs=((1e-6, 40), (3e-6, 120), (1e-5, 120), (3e-5, 120)),
     methods=METHODS,
     ablations=ABLATIONS,
 )
