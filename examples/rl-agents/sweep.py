@@ -31,7 +31,13 @@ sys.path.insert(0, HERE)
 from rl_jobs import Plan, eval_job, init_worker, rl_snapshots_job, sft_job  # noqa: E402
 from rl_tasks import TASK_NAMES  # noqa: E402
 from run import FULL, MAIN_MERGES, SMOKE, SWEEP_MERGES, CliRunner, log, machine  # noqa: E402
-from sweep_report import ablation_point, collect, record, write_sweep_outputs  # noqa: E402
+from sweep_report import (  # noqa: E402
+    ablation_point,
+    collect,
+    record,
+    write_into,
+    write_sweep_outputs,
+)
 
 
 @dataclass(frozen=True)
@@ -259,14 +265,22 @@ def run(sweep: Sweep, out: str, points: list[Point], workers: int, cli_mode: str
         finally:
             cli.stop()
     results = collect(out, sweep, points, lay)
-    results.update(
-        wall_s=time.perf_counter() - t0,
-        machine=machine(),
-        command="python examples/rl-agents/sweep.py " + shlex.join(sys.argv[1:]),
-    )
+    command = "python examples/rl-agents/sweep.py " + shlex.join(sys.argv[1:])
+    runs = _runs(out) + [{"command": command, "wall_s": time.perf_counter() - t0}]
+    write_json(os.path.join(out, "runs.json"), {"runs": runs})
+    results.update(runs=runs, machine=machine(), command=command)
     write_sweep_outputs(results, out)
     log(f"done: {out}/SWEEP.md, {out}/sweep.json, {out}/regime_map.json", t0)
     return results
+
+
+def _runs(out: str) -> list[dict]:
+    """Every earlier run in DIR that finished (a run resumes the ones before it)."""
+    path = os.path.join(out, "runs.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)["runs"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="training processes (1 thread each)")
     p.add_argument("--report-only", action="store_true", help="rewrite the outputs from DIR")
     p.add_argument("--cli", choices=("inprocess", "subprocess"), default="inprocess")
+    p.add_argument(
+        "--into", metavar="RESULTS_MD", help="then put SWEEP.md into this file's sweep block"
+    )
     args = p.parse_args(argv)
     sweep = SMOKE_SWEEP if args.smoke else FULL_SWEEP
     if args.list:
@@ -294,11 +311,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown point(s) {unknown}; --list shows them")
     points = [q for q in sweep.points if not args.point or q.name in args.point]
     if args.report_only:
+        previous = os.path.join(out, "sweep.json")
         results = collect(out, sweep, points, Layout(out))
+        if os.path.isfile(previous):  # how the last run was made: its command and machine
+            with open(previous, encoding="utf-8") as f:
+                made = json.load(f)
+            results.update({k: made[k] for k in ("machine", "command") if k in made})
+        results["runs"] = _runs(out)
         write_sweep_outputs(results, out)
-        return 0
-    os.makedirs(out, exist_ok=True)
-    run(sweep, out, points, args.workers, args.cli, ablate=not args.point)
+    else:
+        os.makedirs(out, exist_ok=True)
+        run(sweep, out, points, args.workers, args.cli, ablate=not args.point)
+    if args.into:
+        write_into(out, args.into)
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 
 from rl_tasks import TASK_NAMES
@@ -255,17 +256,46 @@ def write_sweep_outputs(res: dict, out: str) -> None:
         f.write(sweep_markdown(res, summaries))
 
 
+BEGIN, END = "<!-- sweep: made by sweep.py --into -->", "<!-- /sweep -->"
+
+
+def write_into(out: str, results_md: str) -> None:
+    """Put DIR/SWEEP.md between the markers of `results_md` (RESULTS.md beside run.py's
+    tables), and DIR/crossover.png beside it."""
+    with open(os.path.join(out, "SWEEP.md"), encoding="utf-8") as f:
+        section = f.read().strip()
+    with open(results_md, encoding="utf-8") as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{results_md} has no {BEGIN} ... {END} block to fill")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    with open(results_md, "w", encoding="utf-8") as f:
+        f.write(f"{head}{BEGIN}\n{section}\n{END}{tail}")
+    shutil.copyfile(
+        os.path.join(out, "crossover.png"),
+        os.path.join(os.path.dirname(results_md), "crossover.png"),
+    )
+
+
 def sweep_markdown(res: dict, summaries: list[dict]) -> str:
     plan = res["plan"]
+    runs = res.get("runs") or []
+    made = f"Made by `{res.get('command', 'python examples/rl-agents/sweep.py')}`"
+    if runs:
+        total = sum(r["wall_s"] for r in runs) / 60
+        each = ", ".join(f"{r['wall_s'] / 60:.1f}" for r in runs)
+        cpus = res.get("machine", {}).get("cpus", "?")
+        made += (
+            f" in {total:.1f} min on {cpus} CPU cores"
+            if len(runs) == 1
+            else f", in {len(runs)} runs that each resumed the one before, {total:.1f} min in all "
+            f"on {cpus} CPU cores ({each} min)"
+        )
     lines = [
         "## When does RAM help? The regime sweep",
         "",
-        f"Made by `{res.get('command', 'python examples/rl-agents/sweep.py')}`"
-        + (
-            f" in {res['wall_s'] / 60:.1f} min on {res['machine']['cpus']} CPU cores."
-            if "wall_s" in res
-            else "."
-        ),
+        made + ".",
         "",
         f"The bases, tasks, RL batch ({plan['rl_prompts']} prompts x {plan['rl_group']} samples) "
         f"and evaluation ({plan['eval_n']} held-out prompts per task, greedy) are the main run's; "
