@@ -35,7 +35,7 @@ DEVICES = ("cpu", "auto", "cuda")
 
 def merge(folder: Path, out: Path, method: str, device: str) -> dict:
     from ram_dist.api import run_merge
-    from ram_dist.config import MergeConfig
+    from ram_dist.planning.config import MergeConfig
 
     names = model_names()
     params = {"density": 0.5} if method == "dare_ties" else {}

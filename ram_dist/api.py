@@ -37,7 +37,7 @@ from ram_dist.report.results import (  # noqa: F401  (exported: `API`)
 if TYPE_CHECKING:
     from typing import TypeAlias
 
-    from ram_dist.config import MergeConfig
+    from ram_dist.planning.config import MergeConfig
 
     ConfigSource: TypeAlias = MergeConfig | Callable[[], MergeConfig]
     """A ready job, or a function that builds it (built, and so checked, while Ray starts)."""
@@ -142,7 +142,7 @@ def job_config(**kwargs: Any) -> MergeConfig:
     in bytes. `storage_options`: fsspec options per protocol. The rest are the flags of the
     same names; see `ram_dist.settings` for each one's meaning and default.
     """
-    from ram_dist.config import build, load_yaml
+    from ram_dist.planning.config import build, load_yaml
 
     given = _given(job_config, kwargs)
     config = given.pop("config")

@@ -23,7 +23,7 @@ from ram_dist.io.storage import parse_storage_options
 from ram_dist.methods.parameters import cli_parameters
 
 if TYPE_CHECKING:  # imported where used: `--help` and `verify` load neither torch nor Ray
-    from ram_dist.config import MergeConfig
+    from ram_dist.planning.config import MergeConfig
 
 log = logging.getLogger("ram_dist.cli")
 
@@ -118,7 +118,7 @@ def _add_parameter_flags(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> MergeConfig:
     """Flags override the YAML file; the YAML file overrides the defaults."""
-    from ram_dist.config import build, load_yaml
+    from ram_dist.planning.config import build, load_yaml
 
     given: dict[str, Any] = {}
     for s in settings.flagged(args.command):

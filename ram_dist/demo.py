@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ram_dist.api import run_merge
-from ram_dist.config import MergeConfig
+from ram_dist.planning.config import MergeConfig
 from ram_dist.report.text import format_report
 from ram_dist.synthetic.files import save_checkpoint, write_config
 from ram_dist.synthetic.llama import TINY

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from ram_dist.config import MergeConfig
 from ram_dist.io.checkpoint import INDEX_NAME
+from ram_dist.planning.config import MergeConfig
 from ram_dist.synthetic.files import save_checkpoint
 from ram_dist.synthetic.llama import TINY
 from ram_dist.synthetic.weights import AGENT_DENSITIES, State, make_agents, make_task_state

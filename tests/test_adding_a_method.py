@@ -18,7 +18,7 @@ from builders import build_model_set, load_checkpoint
 
 from ram_dist import methods
 from ram_dist.api import run_merge
-from ram_dist.config import MergeConfig
+from ram_dist.planning.config import MergeConfig
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -28,9 +28,9 @@ from reference import reference_merge, reference_stats
 import ram_dist
 from ram_dist.api import MergeReport, PlanReport, ProbeReport, VerifyResult, job_config
 from ram_dist.cli import build_parser, config_from_args, main
-from ram_dist.config import MergeConfig
 from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config import Gradient
+from ram_dist.planning.config import MergeConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TASKS = ("coder", "tool-user", "memory")

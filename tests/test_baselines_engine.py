@@ -17,7 +17,7 @@ import yaml
 from builders import build_model_set, load_checkpoint, save_checkpoint
 
 from ram_dist.api import run_merge
-from ram_dist.config import MergeConfig, load_yaml
+from ram_dist.planning.config import MergeConfig, load_yaml
 
 mergekit = pytest.importorskip("mergekit", reason="mergekit is the oracle of these tests")
 pytestmark = [

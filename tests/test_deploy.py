@@ -34,8 +34,8 @@ from reference import reference_merge
 
 from ram_dist.api import MergeReport
 from ram_dist.cli import build_parser, config_from_args
-from ram_dist.config import MergeConfig, load_yaml
 from ram_dist.errors import RamDistError
+from ram_dist.planning.config import MergeConfig, load_yaml
 
 try:
     import tomllib

@@ -72,7 +72,7 @@ def inputs(tmp_path_factory) -> tuple[Path, list[Path]]:
 
 
 def _config(inputs, out=None, **kw):
-    from ram_dist.config import MergeConfig
+    from ram_dist.planning.config import MergeConfig
 
     base, tasks = inputs
     out = str(out) if out is not None else None
@@ -150,7 +150,7 @@ def test_which_tensors_need_the_eager_rule(inputs, tmp_path):
 
 def test_the_setting_from_flags_yaml_and_config(inputs, tmp_path):
     from ram_dist.cli import build_parser, config_from_args
-    from ram_dist.config import MergeConfig
+    from ram_dist.planning.config import MergeConfig
 
     base, tasks = inputs
     models = "".join(f"  - model: {t}\n" for t in tasks)

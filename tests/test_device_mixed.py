@@ -41,7 +41,7 @@ def test_eager_units_on_the_gpu_the_rest_on_the_cpus(inputs, fake_gpu, tmp_path)
     from reference import reference_merge
 
     from ram_dist.api import run_merge
-    from ram_dist.config import MergeConfig
+    from ram_dist.planning.config import MergeConfig
 
     base, tasks = inputs
     states = [load_checkpoint(p) for p in [base, *tasks]]

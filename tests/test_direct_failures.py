@@ -20,9 +20,9 @@ import torch
 from builders import load_checkpoint
 
 from ram_dist.api import run_merge
-from ram_dist.config import MergeConfig
 from ram_dist.io.storage import Storage
 from ram_dist.io.verify import verify
+from ram_dist.planning.config import MergeConfig
 
 BUCKET = "failures"
 

@@ -14,11 +14,11 @@ from builders import build_model_set, load_checkpoint, merge_config
 from reference import reference_merge
 
 from ram_dist.api import run_merge, run_plan
-from ram_dist.config import MergeConfig
 from ram_dist.engine.pool import unordered_map
 from ram_dist.io.sinks import shard_digest
 from ram_dist.io.storage import Storage
 from ram_dist.io.verify import verify
+from ram_dist.planning.config import MergeConfig
 
 BUCKET = "direct"
 

@@ -19,7 +19,7 @@ from fp8_reference import SCALE, reference_fp8_merge, stored_output, values, wri
 
 from ram_dist import api
 from ram_dist.api import run_merge
-from ram_dist.config import MergeConfig
+from ram_dist.planning.config import MergeConfig
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

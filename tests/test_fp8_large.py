@@ -17,7 +17,7 @@ from test_resume import _env, _kill_after_first_shard, _manifest
 
 from ram_dist import api
 from ram_dist.api import run_merge
-from ram_dist.config import MergeConfig
+from ram_dist.planning.config import MergeConfig
 
 BUCKET = "ram-dist-fp8"
 

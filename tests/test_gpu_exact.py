@@ -39,7 +39,7 @@ def model_sets(tmp_path_factory) -> dict:
 @pytest.mark.parametrize(("method", "params"), METHODS)
 def test_the_gpu_gives_the_cpus_bytes(ray_local, model_sets, tmp_path, dtypes, method, params):
     from ram_dist.api import run_merge
-    from ram_dist.config import MergeConfig
+    from ram_dist.planning.config import MergeConfig
 
     base, tasks = model_sets[dtypes][:2]
     shards = {}

@@ -27,12 +27,12 @@ from s3_server import (
 
 from ram_dist.api import run_merge
 from ram_dist.cli import main
-from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
 from ram_dist.engine.passes import reduce_pass
 from ram_dist.engine.runtime import ray_session
 from ram_dist.io.range_cache import InputCache, Traffic
 from ram_dist.io.storage import Storage
+from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.input_choice import input_cache
 from ram_dist.planning.job import prepare
 

@@ -28,15 +28,28 @@ TABLES = {"errors", "dtypes", "settings"}
 inside the function that parses it; at module level it imports only the other tables."""
 
 
+def _is_module(name: str) -> bool:
+    return (PACKAGE / name).is_dir() or (PACKAGE / f"{name}.py").is_file()
+
+
 def _imports(tree: ast.AST) -> list[tuple[str, bool]]:
-    """(imported ram_dist module, imported at module level) for every import."""
+    """(imported ram_dist module, imported at module level) for every import but those
+    under `if TYPE_CHECKING:`, which only annotations read."""
     top_level = {id(n) for n in getattr(tree, "body", [])}
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for inner in ast.walk(node)
+    }
     found = []
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module]
-            if node.module == "ram_dist":
-                names = [f"ram_dist.{a.name}" for a in node.names]
+            if node.module == "ram_dist":  # modules, not the package's own names
+                names = [f"ram_dist.{a.name}" for a in node.names if _is_module(a.name)]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:

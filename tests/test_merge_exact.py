@@ -12,8 +12,8 @@ from builders import DTYPE_SETS, build_model_set, load_checkpoint, save_checkpoi
 from reference import reference_merge
 
 from ram_dist.api import run_merge
-from ram_dist.config import MergeConfig
 from ram_dist.io.writer import json_text
+from ram_dist.planning.config import MergeConfig
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -11,7 +11,6 @@ import torch
 import yaml
 
 from ram_dist.cli import build_parser, config_from_args
-from ram_dist.config import MergeConfig, load_yaml
 from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config import (
     REQUIRED,
@@ -26,6 +25,7 @@ from ram_dist.methods import METHODS, get_method
 from ram_dist.methods.layers import layer_index, layer_name
 from ram_dist.methods.parameters import BY_NAME, PARAMETERS, cli_parameters, handed
 from ram_dist.methods.ram import layer_summary
+from ram_dist.planning.config import MergeConfig, load_yaml
 from ram_dist.planning.params import resolve_all
 from ram_dist.report.model_card import model_card
 

@@ -226,7 +226,7 @@ def test_node_removed_during_map_pass(models, tmp_path):
     from ray.cluster_utils import Cluster
 
     from ram_dist.api import run_merge
-    from ram_dist.config import MergeConfig
+    from ram_dist.planning.config import MergeConfig
 
     cluster = Cluster(
         initialize_head=True,

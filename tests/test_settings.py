@@ -15,10 +15,10 @@ from builders import build_model_set
 import ram_dist
 from ram_dist import settings
 from ram_dist.cli import build_parser, config_from_args
-from ram_dist.config import MergeConfig
 from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config import TOP_KEYS
 from ram_dist.methods.parameters import cli_parameters
+from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.job import prepare
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -17,10 +17,10 @@ from builders import build_model_set
 from reference import reference_merge
 
 from ram_dist import kernels
-from ram_dist.config import MergeConfig
 from ram_dist.engine import driver
 from ram_dist.engine.map_step import PartWork
 from ram_dist.engine.passes import work_flags
+from ram_dist.planning.config import MergeConfig
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
 

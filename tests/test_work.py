@@ -8,10 +8,10 @@ import torch
 from builders import build_model_set
 from reference import reference_merge, reference_stats
 
-from ram_dist.config import MergeConfig
 from ram_dist.engine import blocks, driver, map_step, reduce_step, results, worker
 from ram_dist.io.sinks import DriverTarget
 from ram_dist.methods import get_method
+from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.units import Part
 
 

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 import ray
 
 from ram_dist import __version__
-from ram_dist.config import MergeConfig
 from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
 from ram_dist.engine.blocks import COMPUTE_BLOCK
@@ -43,6 +42,7 @@ from ram_dist.io.sinks import FileSink, OutputSink, choose_sink
 from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
 from ram_dist.methods import get_method
+from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.effective import render
 from ram_dist.planning.input_choice import cache_report, input_cache
 from ram_dist.planning.job import Job, gc_paused, prepare

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ram_dist.config import MergeConfig
+    from ram_dist.planning.config import MergeConfig
 
 
 @dataclass(frozen=True)
