@@ -89,7 +89,7 @@ def test_a_point_where_agents_did_not_learn_and_a_place_outside_the_map_say_so()
     assert "-1.2 points against TIES" in middle["sentence"]
     far = regime.place(_probe_report([0.99, 0.99], [0.0, 0.0]), HAND_MAP)
     assert far["nearest"]["name"] == "dense" and not far["within_measured_range"]
-    assert "outside the measured range" in far["sentence"]
+    assert "RESULTS.md (your agents lie outside the range it measured) is dense" in far["sentence"]
 
 
 def test_reports_without_rams_statistics_are_not_placed():

@@ -187,7 +187,8 @@ def regime_map(res: dict, summaries: list[dict]) -> dict:
         "source": "examples/rl-agents/sweep.py (RESULTS.md, 'When does RAM help?')",
         "model": (
             f"{'/'.join(f'{p / 1e6:.2g}M' for p in sorted(params))}-parameter Qwen2-shaped "
-            f"agents (add, kv, tool; bf16), {len(res['seeds'])} seed(s)"
+            f"agents (add, kv, tool; bf16), {len(res['seeds'])} "
+            + ("seed" if len(res["seeds"]) == 1 else "seeds")
         ),
         "smoke": bool(res.get("smoke")),
         "ram_plus": "ram_plus --r 0.1 --alpha 2.0",

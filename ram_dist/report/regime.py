@@ -78,7 +78,7 @@ def _sentence(
         if b in deltas
     )
     learned = "" if nearest["learned"] else "; not every agent learned its task there"
-    where = "" if inside else ", outside the measured range, so further from it than it looks"
+    where = "" if inside else " (your agents lie outside the range it measured)"
     return (
         f"Your agents changed {100 * density:.1f}% of the weights on average, "
         f"{100 * unique:.1f}% of each one's changes unique to it; the nearest point of the "
