@@ -14,7 +14,8 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def _pct(values: list[float]) -> str:
+def pct(values: list[float]) -> str:
+    """Mean ± sd over seeds, in percent."""
     m, s = _mean_sd(values)
     return f"{100 * m:.1f} ± {100 * s:.1f}" if len(values) > 1 else f"{100 * m:.1f}"
 
@@ -128,17 +129,17 @@ def write_results_md(results: dict, path: str) -> None:
     for model in ["base", *agents, *main]:
         cells = []
         for t in TASK_NAMES:
-            c = _pct(_scores(results, model, t))
+            c = pct(_scores(results, model, t))
             if model in agents and model == f"agent-{t}":
                 c = f"*{c}*"
             if best.get(t) == model:
                 c = f"**{c}**"
             cells.append(c)
         per_seed = _avg_per_seed(results, model)
-        avg = _pct(per_seed)
+        avg = pct(per_seed)
         cells.append(f"**{avg}**" if best["avg"] == model else avg)
         paired = [m - r for m, r in zip(per_seed, ref, strict=False)]
-        cells.append(_pct(paired) if len(paired) == len(ref) and ref else "")
+        cells.append(pct(paired) if len(paired) == len(ref) and ref else "")
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -189,7 +190,7 @@ def write_results_md(results: dict, path: str) -> None:
     ]
     for t, v in summary.items():
         lines.append(
-            f"| {t} | {_pct(v['density'])} | "
+            f"| {t} | {pct(v['density'])} | "
             + " | ".join(f"{100 * x:.1f}" for x in v["overlap_share"])
             + f" | {_fmt(v['rho'], 2)} | {_fmt(v['lambda_ram_plus'], 3)} | "
             f"{_fmt(v['lambda_ram_plus_soft'], 3)} |"
@@ -208,8 +209,8 @@ def write_results_md(results: dict, path: str) -> None:
             "|---|" + "---:|" * (len(TASK_NAMES) + 1),
         ]
         for model in sorted([*main, *sweep]):
-            cells = [_pct(_scores(results, model, t)) for t in TASK_NAMES]
-            cells.append(_pct(_avg_per_seed(results, model)))
+            cells = [pct(_scores(results, model, t)) for t in TASK_NAMES]
+            cells.append(pct(_avg_per_seed(results, model)))
             lines.append(f"| {model} | " + " | ".join(cells) + " |")
     lines += ["", "## Every score", "", "| model | seed | " + " | ".join(TASK_NAMES) + " |"]
     lines.append("|---|---:|" + "---:|" * len(TASK_NAMES))
@@ -272,8 +273,8 @@ def _rl_section(results: dict) -> str:
             first.append(statistics.fmean(curve[:10]))
             last.append(statistics.fmean(curve[-10:]))
         rows.append(
-            f"| agent-{t} | {_pct(_scores(results, 'base', t))} | "
-            f"{_pct(_scores(results, f'agent-{t}', t))} | {_pct(first)} | {_pct(last)} |"
+            f"| agent-{t} | {pct(_scores(results, 'base', t))} | "
+            f"{pct(_scores(results, f'agent-{t}', t))} | {pct(first)} | {pct(last)} |"
         )
     return "\n".join(rows)
 
@@ -317,7 +318,7 @@ def _summary(results: dict) -> list[str]:
         ]
         weak = [s for s, g in zip(seeds, per, strict=True) if g < MIN_GAIN]
         note = f" (less than {100 * MIN_GAIN:.0f} points in seed {', '.join(weak)})" if weak else ""
-        gains.append(f"{t} {_signed(per)}{note}")
+        gains.append(f"{t} {signed(per)}{note}")
     out.append(
         "- RL: each agent's gain on its own task over the base, in points (mean over seeds): "
         + "; ".join(gains)
@@ -337,17 +338,17 @@ def _summary(results: dict) -> list[str]:
                 continue
             diff = _paired(results, ours, other)
             wins = sum(d > 0 for d in diff)
-            cmp.append(f"{other} {_signed(diff)} ({wins} of {len(diff)} seeds ahead)")
+            cmp.append(f"{other} {signed(diff)} ({wins} of {len(diff)} seeds ahead)")
         head = f"- {ours} minus each baseline, paired by seed, in points: "
         out.append(head + "; ".join(cmp) + ".")
     if "task_arithmetic@w=0.33" in results["scores"]:
         diff = _paired(results, "ram", "task_arithmetic@w=0.33")
         out.append(
             "- ram minus the plain mean of the agents (task_arithmetic at weight 1/3, from the "
-            f"sensitivity grid): {_signed(diff)} points."
+            f"sensitivity grid): {signed(diff)} points."
         )
     diff = _paired(results, "ram_plus", "ram")
-    out.append(f"- ram_plus minus ram: {_signed(diff)} points.")
+    out.append(f"- ram_plus minus ram: {signed(diff)} points.")
     summary = probe_summary(results)
     all3 = statistics.fmean(v["overlap_share"][-1] for v in summary.values())
     out.append(
@@ -358,7 +359,8 @@ def _summary(results: dict) -> list[str]:
     return out
 
 
-def _signed(values: list[float]) -> str:
+def signed(values: list[float]) -> str:
+    """A signed mean ± sd over seeds, in points."""
     if not values:
         return "n/a"
     m, s = _mean_sd([100 * v for v in values])

@@ -153,6 +153,12 @@ def seed_dirs(out: str, seed: int) -> dict[str, str]:
     return dirs
 
 
+def merge_argv(inputs: list[str], folder: str, flags: tuple[str, ...], seed: int) -> list[str]:
+    """One `ram-dist merge` command line; DARE's random masks take the pipeline's seed."""
+    argv = ["merge", *inputs, "--out", folder, "--overwrite", *flags]
+    return argv + (["--seed", str(seed)] if "dare" in flags[1] else [])
+
+
 def merge_seed(
     cli: CliRunner, out: str, seed: int, merges: list[tuple[str, tuple[str, ...]]]
 ) -> tuple[dict, dict]:
@@ -169,9 +175,7 @@ def merge_seed(
     done = {}
     for name, flags in merges:
         folder = os.path.join(d["root"], "merged", name.replace("@", "-").replace("=", ""))
-        argv = ["merge", *inputs, "--out", folder, "--overwrite", *flags]
-        if "dare" in flags[1]:
-            argv += ["--seed", str(seed)]
+        argv = merge_argv(inputs, folder, flags, seed)
         done[name] = {**cli(argv, f"seed{seed}-{os.path.basename(folder)}"), "folder": folder}
     return probe, done
 

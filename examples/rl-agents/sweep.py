@@ -30,7 +30,7 @@ sys.path.insert(0, HERE)
 
 from rl_jobs import Plan, eval_job, init_worker, rl_snapshots_job, sft_job  # noqa: E402
 from rl_tasks import TASK_NAMES  # noqa: E402
-from run import FULL, MAIN_MERGES, SMOKE, SWEEP_MERGES, CliRunner, log, machine  # noqa: E402
+from run import FULL, MAIN_MERGES, SMOKE, SWEEP_MERGES, CliRunner, log, machine, merge_argv  # noqa: E402
 from sweep_report import (  # noqa: E402
     ablation_point,
     collect,
@@ -148,9 +148,7 @@ def write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def merge_point(
-    cli: CliRunner, lay: Layout, seed: int, point: Point, merges: tuple, plan: Plan
-) -> list[str]:
+def merge_point(cli: CliRunner, lay: Layout, seed: int, point: Point, merges: tuple) -> list[str]:
     """`ram-dist probe`, then one `ram-dist merge` per method, for one point and seed; the
     merged folders not yet scored."""
     inputs = ["--base", lay.base(seed)]
@@ -166,10 +164,10 @@ def merge_point(
     for name, flags in merges:
         folder = lay.merged(seed, point.name, name)
         if not done(folder, "command"):
-            argv = ["merge", *inputs, "--out", folder, "--overwrite", *flags]
-            if "dare" in flags[1]:
-                argv += ["--seed", str(seed)]
-            rec = cli(argv, f"seed{seed}-{point.name}-{os.path.basename(folder)}")
+            rec = cli(
+                merge_argv(inputs, folder, flags, seed),
+                f"seed{seed}-{point.name}-{os.path.basename(folder)}",
+            )
             write_json(record(folder, "command"), rec)
         folders.append(folder)
     return [f for f in folders if not done(f, "scores")]
@@ -218,7 +216,7 @@ def run(sweep: Sweep, out: str, points: list[Point], workers: int, cli_mode: str
             for p in points:
                 if (seed, p.name) not in merged and ready(seed, p):
                     merged.add((seed, p.name))
-                    for f in merge_point(cli, lay, seed, p, sweep.methods, plan):
+                    for f in merge_point(cli, lay, seed, p, sweep.methods):
                         score(f, seed)
                     log(f"seed {seed}: {p.name} probed and merged", t0)
 
@@ -241,7 +239,7 @@ def run(sweep: Sweep, out: str, points: list[Point], workers: int, cli_mode: str
                     p = next(q for q in points if q.name == name)
                     log(f"ablations at {name}", t0)
                     for s in seeds:
-                        for f in merge_point(cli, lay, s, p, sweep.ablations, plan):
+                        for f in merge_point(cli, lay, s, p, sweep.ablations):
                             score(f, s)
                     continue
                 finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)

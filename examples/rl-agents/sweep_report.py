@@ -10,6 +10,7 @@ import os
 import shutil
 import statistics
 
+from rl_report import MIN_GAIN, pct, signed
 from rl_tasks import TASK_NAMES
 
 
@@ -20,9 +21,6 @@ def record(folder: str, kind: str = "job") -> str:
     return f"{folder.rstrip(os.sep)}.{kind}.json"
 
 
-MIN_GAIN = 0.05
-"""An agent learned its task when it gained at least 5 points on it over the base (mean over
-seeds), the threshold RESULTS.md already uses for the gain kept."""
 BASELINES = ("task_arithmetic", "task_arithmetic@w=0.33", "ties", "dare_ties", "ram")
 LABELS = {"task_arithmetic@w=0.33": "mean"}
 
@@ -171,12 +169,6 @@ def ablation_point(res: dict) -> str:
     if learned:
         return min(learned, key=lambda r: r["mean_density"])["name"]
     return max(rows, key=lambda r: min(r["gain"].values()))["name"]
-
-
-def _pm(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
-    m = statistics.fmean(values) * scale
-    sd = statistics.stdev(values) * scale if len(values) > 1 else 0.0
-    return f"{m:+.{digits}f} ± {sd:.{digits}f}"
 
 
 def regime_map(res: dict, summaries: list[dict]) -> dict:
@@ -339,10 +331,7 @@ def sweep_markdown(res: dict, summaries: list[dict]) -> str:
             + " | "
             + "/".join(f"{100 * s['unique_share'][t]:.1f}" for t in TASK_NAMES)
             + f" | {gains} | {100 * s['ram_plus_avg']:.1f} | "
-            + " | ".join(
-                f"{_pm(s['delta'][b]['by_seed'])} ({s['delta'][b]['ahead']}/{s['delta'][b]['n']})"
-                for b in BASELINES
-            )
+            + " | ".join(_delta_cell(s["delta"][b]) for b in BASELINES)
             + " |"
         )
     lines += [
@@ -366,6 +355,10 @@ def sweep_markdown(res: dict, summaries: list[dict]) -> str:
         )
     lines += ["", *_ablations(res, summaries), ""]
     return "\n".join(lines)
+
+
+def _delta_cell(d: dict) -> str:
+    return f"{signed(d['by_seed'])} ({d['ahead']}/{d['n']})"
 
 
 def _verdict(summaries: list[dict]) -> list[str]:
@@ -436,14 +429,12 @@ def _ablations(res: dict, summaries: list[dict]) -> list[str]:
     ]
     seeds = res["seeds"]
     ref = [_avg(rows[x]["scores"]["ram_plus"]) for x in seeds]
-    out.append(f"| defaults (r 0.1, eps 1e-5) | {_pm(ref).lstrip('+')} | |")
+    out.append(f"| defaults (r 0.1, eps 1e-5) | {pct(ref)} | |")
     for m in abl:
         if all(m in rows[x]["scores"] for x in seeds):
             v = [_avg(rows[x]["scores"][m]) for x in seeds]
             d = [a - b for a, b in zip(v, ref, strict=True)]
-            out.append(
-                f"| {m.split('@', 1)[1].replace('=', ' ')} | {_pm(v).lstrip('+')} | {_pm(d)} |"
-            )
+            out.append(f"| {m.split('@', 1)[1].replace('=', ' ')} | {pct(v)} | {signed(d)} |")
     if s:
         lam = ", ".join(
             f"{t} rho {statistics.fmean(rows[x]['probe'][t]['rho'] for x in seeds):.2f}"
