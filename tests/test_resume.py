@@ -140,9 +140,10 @@ def test_rerun_after_sigkill_resumes_with_identical_bytes(models, crashed, tmp_p
     assert set(report["output"]["shards_written"]) == set(manifest["shard_names"]) - set(mtimes)
     for name, mtime in mtimes.items():  # finished shards were not rewritten
         assert (out / name).stat().st_mtime_ns == mtime
-    # Inside the shard being written, the recorded parts were not made or written again.
+    # Inside the shards being written, the recorded parts were not made or written again. The
+    # kill waited for finished parts in one of them; the next may have its plan and no part yet.
     recorded = [(w["parts"], w["plan"]) for w in manifest["writing"].values()]
-    assert recorded and all(parts for parts, _ in recorded)
+    assert any(parts for parts, _ in recorded)
     m = report["passes"]["map"]
     assert m["parts_reused"] >= sum(len(parts) for parts, _ in recorded)
     unfinished = sum(plan[-1][1] for _, plan in recorded) + sum(
