@@ -21,14 +21,15 @@ class DType(NamedTuple):
     torch: str  # torch's name (a few only newer torch builds have: `SAFETENSORS_DTYPES`)
     numpy: str  # numpy's type of the stored elements (bfloat16 as its bits, FP8 as bytes)
     short: str = ""  # the short name users type (fp32, bf16), for floating dtypes
+    exponent: int = 0  # the exponent bits (all ones: NaN or Inf), for the IEEE dtypes merged
 
 
 #: Every safetensors dtype, by its header name.
 INFO: dict[str, DType] = {
-    "F64": DType(8, "float64", "float64", "fp64"),
-    "F32": DType(4, "float32", "float32", "fp32"),
-    "F16": DType(2, "float16", "float16", "fp16"),
-    "BF16": DType(2, "bfloat16", "uint16", "bf16"),
+    "F64": DType(8, "float64", "float64", "fp64", 0x7FF0000000000000),
+    "F32": DType(4, "float32", "float32", "fp32", 0x7F800000),
+    "F16": DType(2, "float16", "float16", "fp16", 0x7C00),
+    "BF16": DType(2, "bfloat16", "uint16", "bf16", 0x7F80),
     "I64": DType(8, "int64", "int64"),
     "I32": DType(4, "int32", "int32"),
     "I16": DType(2, "int16", "int16"),

@@ -13,16 +13,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numba import njit
 
-from ram_dist.dtypes import ITEMSIZE
+from ram_dist.dtypes import FLOATING, INFO, ITEMSIZE
 from ram_dist.kernels import use_writable_cache
 
 if TYPE_CHECKING:
     import torch
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
-
-#: Exponent mask of each floating safetensors dtype the engine reads.
-_MASKS = {"F64": 0x7FF0000000000000, "F32": 0x7F800000, "BF16": 0x7F80, "F16": 0x7C00}
 
 
 def _unsigned(dtype: str, mask: int) -> tuple[type, np.unsignedinteger]:
@@ -32,7 +29,7 @@ def _unsigned(dtype: str, mask: int) -> tuple[type, np.unsignedinteger]:
 
 
 #: Raw-bits view and exponent mask of each floating safetensors dtype the engine reads.
-_EXPONENT = {d: _unsigned(d, mask) for d, mask in _MASKS.items()}
+_EXPONENT = {d: _unsigned(d, INFO[d].exponent) for d in sorted(FLOATING)}
 
 
 @njit(cache=True, nogil=True, fastmath=False)
