@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     models = ensure_models(args.workdir, args.params, int(1e9), 0)
-    ray.init(num_cpus=args.cpus, num_gpus=args.fake_gpus, include_dashboard=False,
+    ray.init(address="local", num_cpus=args.cpus, num_gpus=args.fake_gpus, include_dashboard=False,
              log_to_driver=False)  # fmt: skip
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if gpus == 0:

@@ -105,7 +105,8 @@ class CliRunner:
 
             import ray
 
-            ray.init(
+            ray.init(  # its own: not a Ray that another program started on this machine
+                address="local",
                 num_cpus=2,
                 include_dashboard=False,
                 logging_level=logging.WARNING,
