@@ -292,21 +292,24 @@ def _scales_after_weights(names: list[str], tensors: dict[str, TensorEntry]) -> 
     return order
 
 
+def _more(names: list[str]) -> str:
+    """What follows the first of several names an error cites: " (and N more)"."""
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
 def _check_names(base: Checkpoint, base_fmt: Format, task: Checkpoint, fmt: Format) -> None:
     """The same tensors, an FP8 weight's scales not counted as tensors of their own."""
     base_names = set(base.tensors) - base_fmt.companions
     task_names = set(task.tensors) - fmt.companions
     missing = sorted(base_names - task_names)
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(
-            f"{task.label} ({task.url}) has no tensor {missing[0]!r}{more}, which the "
+            f"{task.label} ({task.url}) has no tensor {missing[0]!r}{_more(missing)}, which the "
             f"{base.describe(missing[0])} holds; every task must hold exactly the base's tensors"
         )
     extra = sorted(task_names - base_names)
     if extra:
-        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointError(
-            f"{task.describe(extra[0])} holds tensor {extra[0]!r}{more}, which the "
+            f"{task.describe(extra[0])} holds tensor {extra[0]!r}{_more(extra)}, which the "
             f"{base.label} ({base.url}) does not; every task must hold exactly the base's tensors"
         )
