@@ -33,7 +33,7 @@ from ram_dist.engine.runtime import ray_session
 from ram_dist.io.range_cache import InputCache, Traffic
 from ram_dist.io.storage import Storage
 from ram_dist.planning.config import MergeConfig
-from ram_dist.planning.input_choice import input_cache
+from ram_dist.planning.input_cache import input_cache
 from ram_dist.planning.job import prepare
 
 BUCKET = "ram-dist-cache-test"

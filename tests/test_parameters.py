@@ -22,7 +22,7 @@ from ram_dist.mergekit_config import (
     resolve_tensor,
 )
 from ram_dist.methods import METHODS, get_method
-from ram_dist.methods.layers import layer_index, layer_name
+from ram_dist.methods.decoder_layers import layer_index, layer_name
 from ram_dist.methods.parameters import BY_NAME, PARAMETERS, cli_parameters, handed
 from ram_dist.methods.ram import layer_summary
 from ram_dist.planning.config import MergeConfig, load_yaml
@@ -192,7 +192,7 @@ GPT2 = [
 @pytest.mark.parametrize("names", [GPT2, NAMES], ids=["gpt2", "llama"])
 def test_report_layers_are_the_layers_parameters_vary_across(names: list[str]) -> None:
     """mergekit treats GPT-2's `transformer.h.N` as layer N; so do the parameter gradients
-    and the per-layer report, with one rule (`methods.layers`)."""
+    and the per-layer report, with one rule (`methods.decoder_layers`)."""
     totals = {n: torch.full((3, 3), k + 1, dtype=torch.int64) for k, n in enumerate(names)}
     report = layer_summary(totals)
     groups: dict[str, list[str]] = {}

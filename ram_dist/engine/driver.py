@@ -43,11 +43,11 @@ from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
 from ram_dist.methods import get_method
 from ram_dist.planning.config import MergeConfig
-from ram_dist.planning.effective import render
-from ram_dist.planning.input_choice import cache_report, input_cache
+from ram_dist.planning.input_cache import cache_report, input_cache
 from ram_dist.planning.job import Job, gc_paused, prepare
 from ram_dist.planning.output import OutputState, check_writable, clear_published, open_output
 from ram_dist.planning.sizing import machine
+from ram_dist.planning.written_config import render
 
 #: What `probe` counts with when the configured method counts no overlap statistics.
 PROBE_METHOD = "ram_plus"

@@ -16,7 +16,7 @@ from ram_dist import kernels
 from ram_dist.dtypes import itemsize
 from ram_dist.engine.blocks import BlockInputs, band_span, input_count, stream_blocks
 from ram_dist.engine.memory import peak_rss
-from ram_dist.engine.results import UnitResult
+from ram_dist.engine.unit_results import UnitResult
 from ram_dist.engine.worker import (
     EAGER,
     Fused,

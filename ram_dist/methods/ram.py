@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
-from ram_dist.methods.layers import layer_index, layer_name
+from ram_dist.methods.decoder_layers import layer_index, layer_name
 from ram_dist.methods.parameters import ALPHA, EPSILON, SCOPE, Parameter, R, variant
 from ram_dist.methods.protocol import Chunk, State, TensorParams
 
