@@ -204,3 +204,19 @@ class NoStatistics(Eager):
 
     def report(self, state: State) -> dict[str, Any]:
         return {}
+
+
+#: What the model card says of a method computed as mergekit computes it.
+MERGEKIT_TEXT = (
+    "`{name}`, computed as mergekit computes it (float32), streamed unit by unit on Ray."
+)
+
+
+class MergekitRule:
+    """What a method computed as mergekit computes it says of itself (`description`)."""
+
+    name: str
+
+    @property
+    def description(self) -> str:
+        return MERGEKIT_TEXT.format(name=self.name)
