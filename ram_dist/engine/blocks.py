@@ -20,14 +20,11 @@ from ram_dist.engine.worker import WorkScope
 from ram_dist.io.storage import Storage
 from ram_dist.kernels import fp8
 from ram_dist.planning.layout import Layout, Source, TensorEntry
+from ram_dist.planning.sizing import COMPUTE_BLOCK
 from ram_dist.planning.units import Piece
 
 if TYPE_CHECKING:
     import torch
-
-
-#: Elements computed at once; bounds a worker's float temporaries (about 40 bytes each).
-COMPUTE_BLOCK = 1 << 22
 
 
 def inputs_of(entry: TensorEntry) -> int:

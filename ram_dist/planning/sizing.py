@@ -15,6 +15,9 @@ import os
 from ram_dist.settings import MAX_UNIT_BUDGET
 
 MIB = 2**20
+#: Elements a worker computes at once (a compute block); bounds its read buffers and float
+#: temporaries (about 40 bytes each), whatever the unit size.
+COMPUTE_BLOCK = 1 << 22
 #: The smallest default budget: below it, per-unit overhead (a Ray task, a result) shows.
 MIN_UNIT_BUDGET = 16 * MIB
 #: Units per core and pass, so that every core stays busy until near the end of a pass.
