@@ -235,7 +235,7 @@ def _dequantized(
             q, fp8.scale_values(s_raw, scales.dtype), scales.cols, scales.block,
             floats(i, q.size),
         )  # fmt: skip
-        raw[i], dtypes[i], kept[i] = values.view(np.uint8), "F32", (q, s_raw)
+        raw[i], dtypes[i], kept[i] = values.view(np.uint8), sources[i].values_dtype, (q, s_raw)
     return BlockInputs(tuple(raw), tuple(dtypes), tuple(kept))
 
 

@@ -186,7 +186,7 @@ def _merge_into(
         else:
             chunk = Chunk(piece.tensor, piece.start + block.lo, entry.numel)
             p = params[piece.tensor]
-            out_dtype = "F32" if entry.fp8_out is not None else entry.out_dtype
+            out_dtype = entry.merged_dtype
             merged = scope.reads.floats((-1, 0), block.hi - block.lo) if entry.fp8_out else target
             assert merged is not None
             raw = merged.view(np.uint8)

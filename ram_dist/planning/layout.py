@@ -26,6 +26,10 @@ from ram_dist.io.writer import OutTensor
 from ram_dist.planning.formats import FP8_DTYPE, Format, recognize
 from ram_dist.planning.units import TensorSlot
 
+#: The dtype an FP8 weight's values are merged in: its FP8 inputs are dequantized to it, and
+#: its merged values are quantized from it when it is written as FP8 again.
+FP8_VALUES_DTYPE = "F32"
+
 
 class Scales(NamedTuple):
     """Where an FP8 source's scales lie: one per `block` of its `cols`-wide rows (a named
@@ -51,6 +55,12 @@ class Source(NamedTuple):
     dtype: str
     scales: Scales | None = None
 
+    @property
+    def values_dtype(self) -> str:
+        """The dtype a worker merges this input's values in: its own, or `FP8_VALUES_DTYPE`
+        for an FP8 input (dequantized)."""
+        return FP8_VALUES_DTYPE if self.scales is not None else self.dtype
+
 
 @dataclass(frozen=True)
 class Fp8Out:
@@ -75,6 +85,12 @@ class TensorEntry:
     scale_of: str | None = None
     """This output tensor is the new scales of that FP8 weight: it reads no input of its
     own; the weight's bands, merged, give it."""
+
+    @property
+    def merged_dtype(self) -> str:
+        """The dtype the merge rule writes: the output dtype, or `FP8_VALUES_DTYPE` for a
+        weight written as FP8 (quantized afterwards)."""
+        return FP8_VALUES_DTYPE if self.fp8_out is not None else self.out_dtype
 
     @property
     def numel(self) -> int:

@@ -103,7 +103,7 @@ def worker_memory(job: Job) -> int:
     )  # fmt: skip
     largest = max((job.unit_bytes(u) for u in units), default=0)
     widest = max(
-        (itemsize(s.dtype) + (4 if s.scales else 0)
+        (itemsize(s.dtype) + (itemsize(s.values_dtype) if s.scales else 0)
          for e in job.layout.tensors.values() for s in e.sources), default=1,
     )  # fmt: skip
     blocks = min(2 * COMPUTE_BLOCK * widest * (len(job.tasks) + 1), 2 * largest)
