@@ -14,12 +14,13 @@ import os
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
+from fractions import Fraction
 from typing import Any
 
 from ram_dist.errors import RamDistError
 
 #: `--device`: `auto` (fused CPU kernels on every CPU; eager units on the GPUs, if any),
-#: `cpu`, `cuda` (`engine.devices`).
+#: `cpu`, `cuda` (`planning.devices`).
 DEVICES = ("auto", "cpu", "cuda")
 #: `--kernels`: fused CPU kernels where they apply, or plain torch.
 KERNELS = ("auto", "eager")
@@ -28,9 +29,18 @@ LOG_FORMATS = ("text", "json")
 #: `--input-cache`: `auto` keeps ranges of inputs not on a local filesystem, `on` of every
 #: input (local ones too, e.g. on a network filesystem), `off` none.
 INPUT_CACHES = ("auto", "on", "off")
-#: The largest unit budget chosen from the cluster (`planning.sizing`); a larger `--unit-mb`
-#: only makes fewer, bigger units.
+#: The default unit budget (`--unit-mb`), as `planning.sizing.auto_unit_budget` chooses it
+#: from the cluster: at least `UNITS_PER_SLOT` units per core over the largest input, at most
+#: `MEMORY_SHARE` of a core's memory, within [`MIN_UNIT_BUDGET`, `MAX_UNIT_BUDGET`] bytes.
+#: Below the smallest, per-unit overhead (a Ray task, a result) shows; a `--unit-mb` above
+#: the largest only makes fewer, bigger units.
+MIN_UNIT_BUDGET = 16 * 2**20
 MAX_UNIT_BUDGET = 256 * 2**20
+#: Units per core and pass, so that every core stays busy until near the end of a pass.
+UNITS_PER_SLOT = 8
+#: Share of a core's memory the merged bytes of its units may take (a unit's output is in
+#: the worker, then in the object store, and twice the cores' units are in flight).
+MEMORY_SHARE = 0.125
 #: The commands that run a job.
 COMMANDS = ("merge", "plan", "probe")
 PathLike = str | os.PathLike[str]
@@ -158,8 +168,9 @@ class HowToRun:
     unit_budget_bytes: int | None = setting(
         help="input MiB one work unit may read, per input (it sets how finely work is spread, "
         "not the read buffers)", flag="--unit-mb", parse=float, convert=_mib,
-        default_text="from the cluster: 8 units per core over the largest input, at most 1/8 "
-        f"of a core's memory, 16 to {MAX_UNIT_BUDGET // 2**20}",
+        default_text=f"from the cluster: {UNITS_PER_SLOT} units per core over the largest "
+        f"input, at most {Fraction(MEMORY_SHARE)} of a core's memory, "
+        f"{MIN_UNIT_BUDGET // 2**20} to {MAX_UNIT_BUDGET // 2**20}",
     )  # fmt: skip
     workers: int | None = setting(
         help="CPU tasks running at once (GPU workers: one per GPU)", flag="--workers",
