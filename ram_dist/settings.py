@@ -84,6 +84,12 @@ def setting(default: Any = None, *, factory: Callable[[], Any] | None = None, **
     return field(default=default, metadata={"setting": Setting(**meta)})
 
 
+def ray_address(given: str | None) -> str | None:
+    """The Ray cluster a job runs on when this process is connected to none: `given`
+    (`--address`), else `RAY_ADDRESS`; None: a local Ray, started for the job."""
+    return given or os.environ.get("RAY_ADDRESS") or None
+
+
 def _method_help() -> str:
     from ram_dist.methods.parameters import PARAMETERS
 

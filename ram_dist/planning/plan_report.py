@@ -9,7 +9,6 @@ an embedded Ray there, else not known until a merge connects to it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +17,7 @@ from ram_dist.planning.input_cache import cache_report, input_cache
 from ram_dist.planning.job import Job
 from ram_dist.planning.output import check_writable, open_output, output_sink_for
 from ram_dist.planning.sizing import COMPUTE_BLOCK, machine
+from ram_dist.settings import ray_address
 
 #: How `plan` says what `--device` would do on a cluster it cannot see.
 UNKNOWN_CLUSTER_DEVICE = {
@@ -140,4 +140,4 @@ def planned_device(
 
 def _embedded(job: Job) -> bool:
     """Whether a merge of the job starts an embedded Ray (no address given)."""
-    return not (job.config.address or os.environ.get("RAY_ADDRESS"))
+    return ray_address(job.config.address) is None
