@@ -31,13 +31,8 @@ from ram_dist.io.storage import Storage
 from ram_dist.kernels import fp8
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.protocol import Chunk, State, TensorParams
-from ram_dist.planning.layout import Layout, TensorEntry
+from ram_dist.planning.layout import Layout, TensorEntry, unit_out_bytes
 from ram_dist.planning.units import Part, Piece, WorkUnit
-
-
-def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
-    """Bytes a unit's merged pieces take in the output shard."""
-    return sum(p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces)
 
 
 @dataclass(frozen=True)

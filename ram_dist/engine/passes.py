@@ -23,7 +23,7 @@ from ram_dist import kernels
 from ram_dist.dtypes import itemsize
 from ram_dist.engine.book import ShardBook
 from ram_dist.engine.gpu import Devices, job_devices
-from ram_dist.engine.map_step import PartWork, map_part, unit_out_bytes
+from ram_dist.engine.map_step import PartWork, map_part
 from ram_dist.engine.pool import Place, Shared, near, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.reduce_step import add_up, reduce_group
@@ -37,6 +37,7 @@ from ram_dist.io.storage import Storage
 from ram_dist.io.writer import shard_header
 from ram_dist.planning.devices import DeviceChoice
 from ram_dist.planning.job import Job
+from ram_dist.planning.layout import unit_out_bytes
 from ram_dist.planning.units import Part, WorkUnit, parts_as_recorded, plan_parts
 
 #: Ray re-runs a unit whose worker or node died this many times; a unit that raised is not

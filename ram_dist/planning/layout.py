@@ -24,7 +24,7 @@ from ram_dist.io.safetensors_header import TensorInfo
 from ram_dist.io.storage import join
 from ram_dist.io.writer import OutTensor
 from ram_dist.planning.formats import FP8_DTYPE, Format, recognize
-from ram_dist.planning.units import TensorSlot
+from ram_dist.planning.units import TensorSlot, WorkUnit
 
 #: The dtype an FP8 weight's values are merged in: its FP8 inputs are dequantized to it, and
 #: its merged values are quantized from it when it is written as FP8 again.
@@ -197,6 +197,11 @@ class Layout:
             return numel * per * sum(itemsize(s.dtype) for s in w.sources)
         sources = e.sources if e.participating else e.sources[:1]
         return numel * sum(itemsize(s.dtype) for s in sources)
+
+
+def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
+    """Bytes a unit's merged pieces take in the output shard."""
+    return sum(p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces)
 
 
 def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | None) -> Layout:

@@ -15,6 +15,7 @@ from typing import Any
 from ram_dist.dtypes import itemsize
 from ram_dist.planning.input_cache import cache_report, input_cache
 from ram_dist.planning.job import Job
+from ram_dist.planning.layout import unit_out_bytes
 from ram_dist.planning.output import check_writable, open_output, output_sink_for
 from ram_dist.planning.sizing import COMPUTE_BLOCK, machine
 from ram_dist.settings import ray_address
@@ -97,10 +98,7 @@ def worker_memory(job: Job) -> int:
     elements of every input, an FP8 input's also dequantized), its unit's merged bytes, and
     float temporaries of one block on the eager path."""
     units = job.units
-    out_bytes = max(
-        (sum(p.numel * itemsize(job.layout.tensors[p.tensor].out_dtype) for p in u.pieces)
-         for u in units), default=0,
-    )  # fmt: skip
+    out_bytes = max((unit_out_bytes(u, job.layout) for u in units), default=0)
     largest = max((job.unit_bytes(u) for u in units), default=0)
     widest = max(
         (itemsize(s.dtype) + (itemsize(s.values_dtype) if s.scales else 0)
