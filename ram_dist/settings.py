@@ -4,8 +4,8 @@ config may set (`mergekit_config`) and `MergeConfig` (`config`) are made from he
 
 Two models, as mergekit's `MergeConfiguration` and `MergeOptions`: `WhatToMerge` decides the
 output's bytes (and so the job's identity, which a resumed run must match); `HowToRun` never
-changes a byte. Adding a setting is one field in one of them (see the README, "Adding a
-setting"). Pure Python and light: `ram-dist --help` reads it without torch or Ray.
+changes a byte. Adding a setting is one field in one of them (see `docs/extending.md`).
+Pure Python and light: `ram-dist --help` reads it without torch or Ray.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ MIN_UNIT_BUDGET = 16 * 2**20
 MAX_UNIT_BUDGET = 256 * 2**20
 #: Units per core and pass, so that every core stays busy until near the end of a pass.
 UNITS_PER_SLOT = 8
-#: Share of a core's memory the merged bytes of its units may take (a unit's output is in
-#: the worker, then in the object store, and twice the cores' units are in flight).
+#: Share of a core's memory the merged bytes of its units may take (a unit's output is held
+#: by its worker, and by Ray's object store where it goes through the driver; twice the
+#: cores' units are in flight).
 MEMORY_SHARE = 0.125
 #: The commands that run a job.
 COMMANDS = ("merge", "plan", "probe")
@@ -54,7 +55,7 @@ class Setting:
     help: str | Callable[[], str]
     """What it does, for `--help` (a function where it names what is known only later)."""
     default_text: str = ""
-    """The default in words, for `--help` and the README's table; "": the default itself."""
+    """The default in words, for `--help` and `docs/cli.md`'s table; "": the default itself."""
     flag: str | None = None
     """The command-line flag; None: set from Python or YAML only."""
     metavar: str | None = None
@@ -224,7 +225,7 @@ class Declared:
 
     @property
     def shown_default(self) -> str:
-        """The default in words: the README's table and `--help` show the same."""
+        """The default in words: `docs/cli.md`'s table and `--help` show the same."""
         if self.meta.default_text:
             return self.meta.default_text
         if isinstance(self.default, bool):

@@ -182,7 +182,7 @@ class Eager:
 class NoStatistics(Eager):
     """The rest of the protocol for a method that is a rule of each element alone (no reduce
     round, no parameter, nothing to report): such a method only names itself and gives
-    `merge_chunk` (see the README's "Adding a method")."""
+    `merge_chunk` (see `docs/extending.md`)."""
 
     parameters: tuple[Parameter, ...] = ()
     rounds: int = 0

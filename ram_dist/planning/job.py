@@ -117,8 +117,8 @@ class Job:
             "out_dtype": self.config.out_dtype,
             "inputs": [{"role": c.label, "location": c.url, "files": c.identity} for c in inputs],
         }
-        if self.layout.fp8_inputs:  # an output of these inputs made before FP8 was read as
-            identity["formats"] = list(self.layout.formats)  # values is not resumed
+        if self.layout.fp8_inputs:  # how FP8 inputs are read decides the bytes
+            identity["formats"] = list(self.layout.formats)
         return identity
 
     def formats(self) -> dict[str, Any]:

@@ -2,9 +2,10 @@
 
 A worker streams its unit through two read buffers of one compute block per input (about
 `COMPUTE_BLOCK` elements each, whatever the unit size), so the unit size bounds only the
-merged bytes it returns (held by the worker, then by Ray's object store until the driver
-writes them) and sets how finely the work is spread: units much larger than a model's
-share per core leave cores idle at the end of each pass.
+merged bytes a worker holds (in its output buffer until it writes them to the output; where
+the output takes no parts from workers, in Ray's object store until the driver writes them)
+and sets how finely the work is spread: units much larger than a model's share per core
+leave cores idle at the end of each pass.
 """
 
 from __future__ import annotations
