@@ -26,7 +26,7 @@ from ram_dist.methods.decoder_layers import layer_index, layer_name
 from ram_dist.methods.parameters import BY_NAME, PARAMETERS, cli_parameters, handed
 from ram_dist.methods.ram import layer_summary
 from ram_dist.planning.config import MergeConfig, load_yaml
-from ram_dist.planning.params import resolve_all
+from ram_dist.planning.tensor_params import resolve_all
 from ram_dist.report.model_card import model_card
 
 

@@ -23,27 +23,27 @@ import ray
 
 from ram_dist import __version__
 from ram_dist.engine import memory
-from ram_dist.engine.book import ShardBook
 from ram_dist.engine.gpu import Devices, job_devices
+from ram_dist.engine.pass_stats import PassStats
 from ram_dist.engine.passes import Shipped, map_pass, reduce_pass
 from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster
-from ram_dist.engine.stats import PassStats
+from ram_dist.engine.shard_book import ShardBook
 from ram_dist.errors import RamDistError
-from ram_dist.io.files import copy_files, non_weight_files
 from ram_dist.io.json_files import MAX_REPORT_BYTES, read_json
 from ram_dist.io.lease import OutputLease
 from ram_dist.io.manifest import save_manifest
 from ram_dist.io.names import CARD_NAME, MERGEKIT_CONFIG_NAME, REPORT_NAME
+from ram_dist.io.non_weight_files import copy_files, non_weight_files
 from ram_dist.io.sinks import FileSink, OutputSink
 from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
 from ram_dist.methods import get_method
 from ram_dist.planning.config import MergeConfig
-from ram_dist.planning.input_cache import cache_report, input_cache
+from ram_dist.planning.input_cache import cache_report, choose_input_cache
 from ram_dist.planning.job import Job, gc_paused, prepare
-from ram_dist.planning.output import (
+from ram_dist.planning.output_state import (
     OutputState,
     check_writable,
     clear_published,
@@ -192,7 +192,7 @@ def _merge_held(
         "job_start", command="merge", method=job.method.name, output=job.out,
         units=len(job.units), resumed=found.resumed,
     )  # fmt: skip
-    cache, cache_note = input_cache(job)
+    cache, cache_note = choose_input_cache(job)
     first_node: dict[int, str] = {}
     job = job.replanned(device.slots, cluster.memory)
     sink, pin_to = output_sink(job)

@@ -21,14 +21,14 @@ import torch
 
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
-from ram_dist.engine.book import ShardBook
 from ram_dist.engine.gpu import Devices, job_devices
 from ram_dist.engine.map_step import PartWork, map_part
+from ram_dist.engine.pass_stats import PassStats
 from ram_dist.engine.pool import Place, Shared, near, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.reduce_step import add_up, reduce_group
 from ram_dist.engine.runtime import Cluster
-from ram_dist.engine.stats import PassStats
+from ram_dist.engine.shard_book import ShardBook
 from ram_dist.engine.worker import WorkFlags
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import InputCache

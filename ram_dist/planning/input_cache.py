@@ -14,7 +14,7 @@ from ram_dist.io.storage import join
 from ram_dist.planning.job import Job
 
 
-def input_cache(job: Job) -> tuple[InputCache | None, str]:
+def choose_input_cache(job: Job) -> tuple[InputCache | None, str]:
     """The cache a merge keeps pass-1 input ranges in, or None; and why, in words."""
     mode = job.config.input_cache
     if mode == "off":

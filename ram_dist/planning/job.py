@@ -16,15 +16,15 @@ from typing import Any
 from ram_dist.dtypes import itemsize
 from ram_dist.errors import CheckpointError, RamDistError
 from ram_dist.io.checkpoint import Checkpoint, open_checkpoints
-from ram_dist.io.compare import differing
 from ram_dist.io.locations import resolve_location, resolve_output
+from ram_dist.io.same_bytes import differing
 from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod, get_method
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.devices import DeviceChoice, job_device
 from ram_dist.planning.layout import Layout, build_layout
-from ram_dist.planning.params import resolve_all
 from ram_dist.planning.sizing import auto_unit_budget, machine
+from ram_dist.planning.tensor_params import resolve_all
 from ram_dist.planning.units import WorkUnit, plan_units
 
 

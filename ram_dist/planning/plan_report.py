@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ram_dist.dtypes import itemsize
-from ram_dist.planning.input_cache import cache_report, input_cache
+from ram_dist.planning.input_cache import cache_report, choose_input_cache
 from ram_dist.planning.job import Job
 from ram_dist.planning.layout import unit_out_bytes
-from ram_dist.planning.output import check_writable, open_output, output_sink_for
+from ram_dist.planning.output_state import check_writable, open_output, output_sink_for
 from ram_dist.planning.sizing import COMPUTE_BLOCK, machine
 from ram_dist.settings import ray_address
 
@@ -87,7 +87,7 @@ def plan_report(job: Job, connected: ConnectedCluster | None) -> dict[str, Any]:
                 "map": sum(job.unit_bytes(u) for u in job.units),
             },
             "memory_per_worker_bytes": worker_memory(job),
-            "input_cache": cache_report(job, *input_cache(job)),
+            "input_cache": cache_report(job, *choose_input_cache(job)),
         }
     )
     return out
