@@ -176,7 +176,7 @@ def _reduce_pass(
     workers, resources = _cpu_work(job, devices.choice)
     numel = job.numel()
     check = not job.config.allow_nonfinite
-    for round_ in range(max(method.rounds, 1 if check else 0)):
+    for round_ in range(job.reduce_rounds):
         checking = check and round_ == 0
         active = {
             n for n in job.params if round_ < method.rounds and method.active(round_, state, n)

@@ -78,6 +78,12 @@ class Job:
     def method(self) -> MergeMethod:
         return get_method(self.config.method)
 
+    @property
+    def reduce_rounds(self) -> int:
+        """Reduce rounds the job runs: the method's; a method without any gets one that only
+        checks the inputs for NaN and Inf, unless `allow_nonfinite`."""
+        return max(self.method.rounds, 0 if self.config.allow_nonfinite else 1)
+
     def numel(self) -> dict[str, int]:
         return {name: self.layout.tensors[name].numel for name in self.params}
 

@@ -62,7 +62,6 @@ def plan_report(job: Job, connected: ConnectedCluster | None) -> dict[str, Any]:
     participating = [n for n, e in job.layout.tensors.items() if e.participating]
     merging = set(participating)
     merge_bytes = sum(job.unit_bytes(u, merging) for u in job.units)
-    rounds = job.method.rounds + (1 if job.method.rounds == 0 and not config.allow_nonfinite else 0)
     out.update(
         {
             "method": job.method.name,
@@ -82,7 +81,7 @@ def plan_report(job: Job, connected: ConnectedCluster | None) -> dict[str, Any]:
             "unit_budget_bytes": job.unit_budget_bytes,
             "bytes_per_pass": {
                 "reduce_round": merge_bytes,
-                "reduce_rounds": rounds,
+                "reduce_rounds": job.reduce_rounds,
                 "reduce_rounds_note": job.method.rounds_note,
                 "map": sum(job.unit_bytes(u) for u in job.units),
             },
