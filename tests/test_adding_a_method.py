@@ -1,4 +1,4 @@
-"""The README's "Adding a method" example, run as written: its module, registered as its
+"""docs/extending.md's "Adding a method" example, run as written: its module, registered as its
 one table line would register it, merged by the engine on a real Ray (reduce and map passes,
 any chunking) with no engine change, and its bytes checked against the rule computed here
 independently."""
@@ -20,15 +20,16 @@ from ram_dist import methods
 from ram_dist.api import run_merge
 from ram_dist.planning.config import MergeConfig
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+EXTENDING = ROOT / "docs" / "extending.md"
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
 def _example_source() -> str:
-    text = README.read_text()
+    text = EXTENDING.read_text()
     match = re.search(r"<!-- example-method -->\n```python\n(.*?)```", text, re.S)
-    assert match, "README lost its example method"
+    assert match, "docs/extending.md lost its example method"
     return match.group(1)
 
 

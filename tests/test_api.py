@@ -32,7 +32,8 @@ from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config import Gradient
 from ram_dist.planning.config import MergeConfig
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+README = ROOT / "README.md"
 TASKS = ("coder", "tool-user", "memory")
 
 
@@ -45,12 +46,14 @@ def _readme_example() -> str:
 
 
 def _readme_usage_command() -> list[str]:
-    """The first command of the README's Usage block, as argv (without `ram-dist`)."""
-    usage = README.read_text().split("## Usage", 1)[1]
-    block = usage.split("```bash\n", 1)[1].split("```", 1)[0]
-    first = block.replace("\\\n", " ").splitlines()[0]
+    """The merge of the README's Quick start (its first `ram-dist merge` command), as argv
+    (without `ram-dist`)."""
+    quick_start = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", quick_start, re.S)
+    commands = [line for b in blocks for line in b.replace("\\\n", " ").splitlines()]
+    first = next((c for c in commands if c.startswith("ram-dist merge ")), None)
+    assert first, "the README's Quick start lost its `ram-dist merge` command"
     words = shlex.split(first)
-    assert words[:2] == ["ram-dist", "merge"], first
     return words[1:]
 
 

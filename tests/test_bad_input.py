@@ -1,5 +1,5 @@
 """The bad-input catalogue: each case stops the CLI with exit 2, a message naming what is
-wrong and where, and nothing at the output location. The README's table lists the same."""
+wrong and where, and nothing at the output location. docs/troubleshooting.md lists the same."""
 
 from __future__ import annotations
 

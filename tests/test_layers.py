@@ -1,4 +1,4 @@
-"""The package's layers, as the README's "Where the code lives" names them: a module imports
+"""The package's layers, as docs/architecture.md's "Package layers" names them: a module imports
 only from layers below its own, never sideways into another package of its layer, and the
 tables every layer uses (errors, dtypes, settings) import no layer at module level.
 
@@ -9,11 +9,14 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ram_dist"
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+PACKAGE = ROOT / "ram_dist"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 RANK = {
     "cli": 6,
     "api": 6,
     "demo": 6,
+    "flag_table": 6,
     "engine": 5,
     "planning": 4,
     "report": 3,
@@ -75,7 +78,7 @@ def _violations() -> list[str]:
                     bad.append(f"{where}: a table imports no layer at module level")
                 continue
             if target not in RANK:
-                bad.append(f"{where}: not a layer of the README's table")
+                bad.append(f"{where}: not a layer of docs/architecture.md's table")
             elif RANK[target] >= RANK[home] and RANK[home] != RANK["cli"]:
                 bad.append(f"{where}: {target} is not below {home}")
     return bad
@@ -90,11 +93,12 @@ def test_every_module_is_in_a_named_layer():
     assert homes - {"__init__"} <= set(RANK) | TABLES
 
 
-def test_the_readme_names_the_layers():
-    readme = (PACKAGE.parent / "README.md").read_text().split("### Where the code lives", 1)[1]
-    table = readme.split("\n\n", 2)[2]
+def test_the_architecture_doc_names_the_layers():
+    section = ARCHITECTURE.read_text().split("\n## Package layers\n", 1)[1].split("\n## ", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    assert table, "docs/architecture.md lost its table of layers"
     for name in RANK:
         layer = f"`{name}/`" if (PACKAGE / name).is_dir() else f"`{name}.py`"
         assert layer in table, name
     for name in TABLES:
-        assert f"`{name}`" in readme.split("|", 1)[0], name
+        assert f"`{name}`" in section.split("|", 1)[0], name

@@ -1,5 +1,5 @@
 """Each job setting is declared once (`ram_dist.settings`): the flags and their help, the
-API's keywords, the YAML keys, the README's table and the job's identity all follow it."""
+API's keywords, the YAML keys, docs/cli.md's flag table and the job's identity all follow it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from builders import build_model_set
 
 import ram_dist
-from ram_dist import settings
+from ram_dist import flag_table, settings
 from ram_dist.cli import build_parser, config_from_args
 from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config import TOP_KEYS
@@ -21,47 +21,71 @@ from ram_dist.methods.parameters import cli_parameters
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.job import prepare
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-#: Flags of a command, not of the job.
-COMMAND_FLAGS = {"--dry-run"}
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+CLI_DOC = ROOT / "docs" / "cli.md"
+EXTENDING = ROOT / "docs" / "extending.md"
 
 
-def _readme_table() -> dict[str, tuple[list[str], str]]:
-    """The Usage section's flag table: per row, its flags and its default cell."""
-    usage = README.read_text().split("## Usage", 1)[1].split("\n## ", 1)[0]
+def _table_rows() -> dict[str, tuple[list[str], str]]:
+    """The generated flag table: per row, its flags and its default cell."""
     rows = {}
-    for line in usage.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 3 or not cells[0].startswith("`--"):
+    for line in flag_table.render().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) != 4 or not cells[0].startswith("`--"):
             continue
         flags = [f.replace("[no-]", "") for f in re.findall(r"--[\w\[\]-]+", cells[0])]
-        rows[cells[0]] = (flags, cells[1])
+        rows[cells[0]] = (flags, cells[2])
     return rows
 
 
-def test_the_readme_example_setting_is_one_field_that_makes_a_flag():
-    """The field "Adding a setting" shows, added to `HowToRun`, is a setting with its flag."""
-    example = re.search(r"<!-- example-setting -->\n```python\n(.*?)```", README.read_text(), re.S)
-    assert example is not None
+def test_the_example_setting_is_one_field_that_makes_a_flag():
+    """The field docs/extending.md's "Adding a setting" shows, added to `HowToRun`, is a
+    setting with its flag."""
+    example = re.search(
+        r"<!-- example-setting -->\n```python\n(.*?)```", EXTENDING.read_text(), re.S
+    )
+    assert example is not None, "docs/extending.md lost its example setting"
     source = "class WithRetries(HowToRun):\n" + textwrap.indent(example.group(1), "    ")
     namespace = {"HowToRun": settings.HowToRun, "setting": settings.setting}
-    exec(source, namespace)  # noqa: S102  (the README's own code)
+    exec(source, namespace)  # noqa: S102  (the documentation's own code)
     model = dataclasses.dataclass(frozen=True, kw_only=True)(namespace["WithRetries"])
     retries = settings._declared(model)[-1]
     assert (retries.name, retries.meta.flag, retries.default) == ("retries", "--retries", None)
     assert retries.help_text() == "times a failed unit is run again (default: Ray's default)"
 
 
-def test_the_readme_table_lists_every_flag_with_its_declared_default():
-    rows = _readme_table().values()
+def test_the_flag_table_lists_every_flag_with_its_declared_default():
+    rows = _table_rows().values()
     listed = [f for flags, _ in rows for f in flags]
     declared = {s.meta.flag for s in settings.SETTINGS if s.meta.flag}
     parameters = {p.cli_flag for p, _ in cli_parameters()}
-    assert sorted(listed) == sorted(declared | parameters | COMMAND_FLAGS)
-    defaults = {flags[0]: default for flags, default in rows if len(flags) == 1}
+    assert sorted(listed) == sorted(declared | parameters)
+    defaults = {flags[0]: default for flags, default in rows}
     for s in settings.SETTINGS:
         if s.meta.flag:
             assert defaults[s.meta.flag] == s.shown_default, s.name
+
+
+def test_docs_cli_holds_the_flag_table_the_declarations_make():
+    text = CLI_DOC.read_text()
+    assert flag_table.rewrite(text) == text, (
+        "docs/cli.md's flag table differs from the declarations: "
+        "run `python -m ram_dist.flag_table` to regenerate it"
+    )
+
+
+def test_docs_cli_names_every_flag_of_every_command():
+    """The flags the table does not list (a command's own: `--dry-run`, `--json`, ...) are
+    described in docs/cli.md's sections on the commands."""
+    text = CLI_DOC.read_text()
+    named = set(re.findall(r"--[a-z][\w-]*", text))
+    for name in re.findall(r"--\[no-\]([\w-]+)", text):
+        named |= {f"--{name}", f"--no-{name}"}
+    parser = build_parser()
+    for command, sub in parser._subparsers._group_actions[0].choices.items():  # type: ignore[union-attr]
+        assert f"\n### {command}\n" in text, command
+        flags = {f for a in sub._actions for f in a.option_strings} - {"-h", "--help"}
+        assert flags <= named, (command, sorted(flags - named))
 
 
 @pytest.mark.parametrize("command", settings.COMMANDS)
