@@ -12,7 +12,7 @@ from importlib import resources
 
 import jsonschema
 import pytest
-from test_figures import hand_report  # the hand-written probe report (tests/ is on sys.path)
+from test_figures import hand_report  # the hand-written probe report (a test of this folder)
 
 from ram_dist.report import figures
 from ram_dist.report.model_card import model_card

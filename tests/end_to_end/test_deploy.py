@@ -42,10 +42,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 JOBS = REPO / "jobs"
 K8S = REPO / "k8s"
-CRD_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "k8s-crds"
+CRD_DIR = REPO.parent / "shared" / "k8s-crds"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
 #: Kubernetes versions the built-in kinds must validate against: the oldest we document

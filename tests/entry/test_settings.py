@@ -21,7 +21,8 @@ from ram_dist.methods.parameters import cli_parameters
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.job import prepare
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+README = ROOT / "README.md"
 #: Flags of a command, not of the job.
 COMMAND_FLAGS = {"--dry-run"}
 

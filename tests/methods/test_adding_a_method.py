@@ -20,7 +20,8 @@ from ram_dist import methods
 from ram_dist.api import run_merge
 from ram_dist.planning.config import MergeConfig
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+README = ROOT / "README.md"
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ram_dist"
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+PACKAGE = ROOT / "ram_dist"
 RANK = {
     "cli": 6,
     "api": 6,

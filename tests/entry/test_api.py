@@ -32,7 +32,8 @@ from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config import Gradient
 from ram_dist.planning.config import MergeConfig
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+README = ROOT / "README.md"
 TASKS = ("coder", "tool-user", "memory")
 
 
