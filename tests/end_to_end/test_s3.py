@@ -68,7 +68,7 @@ def test_bucket_to_bucket_equals_local_merge(models, options, fs, server, tmp_pa
     assert all(torch.equal(load_checkpoint(out)[k], v) for k, v in expected.items())
 
     # Server side: what the passes fetched (not read from the input cache), plus each header
-    # once; tests/test_input_cache.py checks the cache's share of it.
+    # once; tests/end_to_end/test_input_cache.py checks the cache's share of it.
     gets = [s for s in server.object_gets(f"{BUCKET}/in/") if s.path.endswith(".safetensors")]
     assert all(s.range is not None for s in gets)  # range requests only
     headers = models["header_reads"]

@@ -155,9 +155,9 @@ def test_statistic_shapes_and_errors() -> None:
     keys = magnitude_keys(torch.randn(10))
     assert high_histogram(keys).shape == (HIGH_BINS,) and high_histogram(keys).dtype == torch.int64
     assert low_histogram(keys, 0).shape == (LOW_BINS,)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^cannot keep 11 elements of a histogram of 10$"):
         find_high_bin(high_histogram(keys), 11)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^k must be >= 1, got 0$"):
         find_high_bin(high_histogram(keys), 0)
 
 
@@ -170,17 +170,19 @@ def test_index_statistics_shapes_and_errors() -> None:
     low = index_low_histogram(keys, t, 3 * LOW_BINS - 2, 3)
     assert low.shape == (LOW_BINS,) and low.dtype == torch.int64
     assert torch.nonzero(low).reshape(-1).tolist() == [0, 2] and int(low.sum()) == 2
-    with pytest.raises(ValueError):  # the chunk ends past the tensor
+    past = rf"^chunk \[{3 * LOW_BINS}, {3 * LOW_BINS + 5}\) outside a tensor of {3 * LOW_BINS + 3}$"
+    with pytest.raises(ValueError, match=past):  # the chunk ends past the tensor
         index_high_histogram(keys, t, 3 * LOW_BINS, 3 * LOW_BINS + 3)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^chunk \[-1, 4\) outside a tensor of 100$"):
         index_high_histogram(keys, t, -1, 100)
     found = find_index_bin(high, 2)
     assert (found.index_bin, found.need_in_bin) == (3, 1)
     assert find_index_cut(low, found) == 3 * LOW_BINS + 1
-    for need in (0, 4):
-        with pytest.raises(ValueError):
+    for need, message in [(0, "need_at_threshold must be >= 1, got 0"),
+                          (4, "cannot keep 4 elements of a histogram of 3")]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{message}$"):
             find_index_bin(high, need)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^cannot keep 3 elements of a histogram of 2$"):
         find_index_cut(low, type(found)(3, 3))
     # without an index cut every T-equal key is kept; with one, only those below it
     assert keep_mask(keys, t, 0, None).tolist() == [True, True, True, False, True]

@@ -1,4 +1,4 @@
-"""Hand-checked tests of the oracle (tests/reference.py) and of the checkpoint builders.
+"""Hand-checked tests of the oracle (tests/support/reference.py) and of the checkpoint builders.
 
 Expected values are worked out by hand in the comments; powers of two keep them exact.
 """

@@ -99,7 +99,9 @@ def test_yaml_merge_and_probe_json(inputs, tmp_path):
     assert struct.unpack(">II", figure[16:24]) == (1000, 400)
     rows = list(csv.DictReader((tmp_path / "stats" / "probe.layers.csv").open()))
     assert {r["layer"] for r in rows} == {layer["layer"] for layer in probe["layers"]}
-    assert (tmp_path / "stats" / "probe.layers.png").read_bytes()[:4] == b"\x89PNG"
+    heatmap = (tmp_path / "stats" / "probe.layers.png").read_bytes()
+    assert heatmap[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", heatmap[16:24]) == (800, 600)
     for line in ("overlap histogram", "density", "rho"):
         assert line in done.stdout
     # The embedded Ray starts quietly: not its token-authentication notice on every run.
@@ -118,7 +120,16 @@ def test_demo_command_merges_its_generated_agents(tmp_path):
     densities = [u + s for u, s in zip(ref["unique"], ref["shared"], strict=True)]
     assert [x / ref["d"] for x in densities] == pytest.approx([0.03, 0.46, 0.54], abs=0.02)
     assert "overlap histogram" in done.stdout
-    assert (demo / "merged" / "model.safetensors.index.json").exists()
+    assert done.stdout.endswith(
+        f"merged model (RAM+, r=0.1, alpha=2.0) written to {demo / 'merged'}\n"
+    )
+    # The merged model's index maps every tensor to the shard the base keeps it in.
+    index = json.loads((demo / "merged" / "model.safetensors.index.json").read_text())
+    given = json.loads((demo / "base" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == given["weight_map"] and set(index["weight_map"]) == set(merged)
+    assert index["metadata"]["total_size"] == sum(
+        v.numel() * v.element_size() for v in merged.values()
+    )
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -134,9 +145,30 @@ def test_merge_prints_a_summary_for_every_method(inputs, tmp_path, capsys, metho
     assert main([str(a) for a in [*argv, "--method", method, *extra]]) == 0
     printed = capsys.readouterr().out
     assert f"method: {method}" in printed and f"merged model written to {out}" in printed
+    report = json.loads((out / "merge_report.json").read_text())
+    assert report["method"] == method and "tasks" not in report  # no overlap statistics
     if method == "ties":
-        assert "ties cuts through equal magnitudes: " in printed
-    assert (out / "model.safetensors").exists()
+        cuts = report["ties"]["cuts_through_equal_magnitudes"]
+        assert f"ties cuts through equal magnitudes: {cuts}\n" in printed
+    if method == "dare_ties":
+        assert f"dare seed: {report['dare']['seed']}\n" in printed
+    for i, task in enumerate(tasks, 1):
+        assert f"task {i}: {task}\n" in printed
+    # The file holds the merge the flags asked for: the Python API's bytes for the same job,
+    # computed on the eager path with one unit per tensor (tests/methods/ and
+    # tests/exactness/ hold that path to mergekit).
+    import ram_dist
+
+    params = {"density": 0.5} if extra else None
+    again = tmp_path / f"{method}-api"
+    ram_dist.merge(base=base, tasks=tasks, out=again, method=method, parameters=params,
+                   kernels="eager", unit_budget_bytes=1 << 20)  # fmt: skip
+    merged, want, given = load_checkpoint(out), load_checkpoint(again), load_checkpoint(base)
+    assert merged.keys() == want.keys() == given.keys()
+    for name, tensor in want.items():
+        assert merged[name].dtype == tensor.dtype == given[name].dtype, name
+        assert merged[name].view(torch.uint8).equal(tensor.view(torch.uint8)), name
+    assert any(not merged[n].equal(given[n]) for n in given)  # the tasks changed the base
 
 
 _LOADED = """

@@ -1,8 +1,8 @@
 """On a machine with CUDA: every method gives the same bytes on the GPU workers
 (`--device cuda`, the eager rule on the GPU) as on the CPUs (`--device cpu`, the fused
 kernels where they apply), for bf16, fp16, fp32 and mixed inputs. Skipped without CUDA: the
-scheduling is tested with fake GPUs in `test_device.py`, where the GPU workers compute on the
-CPU and so cannot tell whether CUDA rounds as the CPU does.
+scheduling is tested with fake GPUs in `tests/engine/test_devices.py`, where the GPU workers
+compute on the CPU and so cannot tell whether CUDA rounds as the CPU does.
 """
 
 from __future__ import annotations

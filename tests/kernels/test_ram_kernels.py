@@ -373,15 +373,15 @@ def test_unsupported_and_invalid() -> None:
     assert not kernels.supports([F64, F32])
     assert not kernels.supports([BF16], torch.int8)
     x = torch.zeros(4, dtype=BF16)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"^fused RAM kernels do not handle torch.float64$"):
         kernels.overlap_counts(torch.zeros(4, dtype=F64), [x, x], EPS)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^base and tasks differ in length: \[4, 5\]$"):
         kernels.overlap_counts(x, [torch.zeros(5, dtype=BF16)], EPS)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^1 lambdas for 2 tasks$"):
         kernels.merge_ram(x, [x, x], EPS, [1.0], torch.empty(4, dtype=BF16))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^the output of a fused RAM kernel must be contiguous$"):
         kernels.merge_ram(x, [x], EPS, [1.0], torch.empty(8, dtype=BF16)[::2])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^out has 5 elements, the inputs 4$"):
         kernels.merge_ram(x, [x], EPS, [1.0], torch.empty(5, dtype=BF16))
 
 

@@ -12,7 +12,7 @@ from importlib import resources
 
 import jsonschema
 import pytest
-from test_figures import hand_report  # the hand-written probe report (tests/ is on sys.path)
+from test_figures import hand_report, png_size  # a test of this folder
 
 from ram_dist.report import figures
 from ram_dist.report.model_card import model_card
@@ -50,8 +50,30 @@ def real(ray_local, tmp_path_factory) -> dict:
     return {"merge": merged, "probe": probe, "ties": ties, "manifest": manifest}
 
 
-def errors(validator: jsonschema.Draft202012Validator, report: dict) -> list[str]:
-    return [e.message for e in validator.iter_errors(report)]
+def errors(validator: jsonschema.Draft202012Validator, report: dict) -> list[tuple]:
+    """Each error as (where in the report, which validator of the schema, its message); an
+    `anyOf` error as (where, "anyOf", the messages of its alternatives)."""
+    return [
+        (tuple(e.absolute_path), e.validator, [c.message for c in e.context])
+        if e.validator == "anyOf"
+        else (tuple(e.absolute_path), e.validator, e.message)
+        for e in validator.iter_errors(report)
+    ]
+
+
+def missing(*path) -> list[tuple]:
+    """The one error of a report that lacks the key at `path`."""
+    return [(tuple(path[:-1]), "required", f"{path[-1]!r} is a required property")]
+
+
+#: RAM's report needs its lambdas in one of two forms.
+NO_LAMBDAS = [
+    (
+        (),
+        "anyOf",
+        [f"{k!r} is a required property" for k in ("lambda_applied", "lambda_per_tensor")],
+    )
+]
 
 
 @pytest.mark.parametrize("kind", ["merge", "probe", "ties"])
@@ -76,7 +98,12 @@ def test_real_reports_feed_the_figures_and_the_card(real, tmp_path) -> None:
     assert len(rows) == len(probe["layers"]) * 3
     figures.write_figure2(probe, tmp_path / "f.png")
     figures.write_layer_heatmap(probe, tmp_path / "h.png")
-    assert figures.markdown_summary(real["merge"])
+    assert png_size((tmp_path / "f.png").read_bytes()) == (1000, 400)
+    assert png_size((tmp_path / "h.png").read_bytes()) == (800, 600)
+    summary = figures.markdown_summary(real["merge"])
+    assert f"`{real['merge']['method']}`" in summary
+    for i, task in enumerate(real["merge"]["tasks"], 1):
+        assert f"| {i} | `{task['model']}` | {task['changed']} | " in summary
     inputs = real["manifest"]["identity"]["inputs"]
     card = model_card(real["merge"], base=real["merge"]["base"], inputs=inputs, version="0.1.0")
     assert real["merge"]["base"] in card
@@ -124,7 +151,8 @@ def rename(report: dict, path: tuple, new: str) -> dict:
     ],
 )
 def test_a_renamed_key_is_rejected(validator, path: tuple, new: str) -> None:
-    assert errors(validator, rename(hand_report(), path, new))
+    want = NO_LAMBDAS if path == ("lambda_applied",) else missing(*path)
+    assert errors(validator, rename(hand_report(), path, new)) == want
 
 
 def test_a_merge_report_needs_its_map_pass_and_output_fields(validator) -> None:
@@ -135,51 +163,56 @@ def test_a_merge_report_needs_its_map_pass_and_output_fields(validator) -> None:
         "shards_reused": [],
         "shards_written": ["model.safetensors"],
     }
-    assert errors(validator, report)  # output but no map pass
+    assert errors(validator, report) == missing("passes", "map")  # output but no map pass
     report["passes"]["map"] = dict(report["passes"]["reduce"], bytes_written=10)
     assert errors(validator, report) == []
-    assert errors(validator, rename(report, ("output", "url"), "location"))
+    assert errors(validator, rename(report, ("output", "url"), "location")) == missing(
+        "output", "url"
+    )
     skipped = copy.deepcopy(report)  # a resumed merge reuses the reduce statistics
     skipped["passes"]["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
     assert errors(validator, skipped) == []
 
 
+NONE_OF = "is not valid under any of the given schemas"
+
+
 @pytest.mark.parametrize(
-    ("change", "value"),
+    ("change", "value", "rule", "message"),
     [
-        (("tasks", 0, "rho"), "infinity"),
-        (("tasks", 0, "rho"), -1.0),
-        (("tasks", 0, "changed"), 40.5),
-        (("tasks", 0, "density"), "4%"),
-        (("elements", "participating"), -1),
-        (("out_dtype",), 16),
-        (("notes",), "none"),
-        (("method",), ""),
+        (("tasks", 0, "rho"), "infinity", "oneOf", f"'infinity' {NONE_OF}"),
+        (("tasks", 0, "rho"), -1.0, "oneOf", f"-1.0 {NONE_OF}"),
+        (("tasks", 0, "changed"), 40.5, "type", "40.5 is not of type 'integer'"),
+        (("tasks", 0, "density"), "4%", "type", "'4%' is not of type 'number'"),
+        (("elements", "participating"), -1, "minimum", "-1 is less than the minimum of 0"),
+        (("out_dtype",), 16, "type", "16 is not of type 'string', 'null'"),
+        (("notes",), "none", "type", "'none' is not of type 'array'"),
+        (("method",), "", "minLength", "'' should be non-empty"),
     ],
-)
-def test_a_wrong_type_is_rejected(validator, change: tuple, value) -> None:
+)  # fmt: skip
+def test_a_wrong_type_is_rejected(validator, change: tuple, value, rule: str, message: str) -> None:
     report = hand_report()
     node = report
     for key in change[:-1]:
         node = node[key]
     node[change[-1]] = value
-    assert errors(validator, report)
+    assert errors(validator, report) == [(change, rule, message)]
 
 
 def test_method_specific_keys_are_required(validator) -> None:
     report = hand_report()
     del report["lambda_applied"]
-    assert errors(validator, report)  # RAM needs lambda_applied (or lambda_per_tensor)
+    assert errors(validator, report) == NO_LAMBDAS  # RAM needs lambda_applied or ..._per_tensor
     report["lambda_per_tensor"] = {"model.embed_tokens.weight": [1.02, 1.0, 1.02]}
     assert errors(validator, report) == []  # ramplus_tl's form
     ties = {k: v for k, v in report.items() if k not in ("tasks", "elements", "layers")}
     ties["method"] = "ties"
-    assert errors(validator, ties)
+    assert errors(validator, ties) == missing("ties")
     ties["ties"] = {"cuts_through_equal_magnitudes": 0}
     assert errors(validator, ties) == []
     dare = dict(ties, method="dare_ties")
     del dare["ties"]
-    assert errors(validator, dare)
+    assert errors(validator, dare) == missing("dare")
     assert errors(validator, dict(dare, dare={"seed": 7})) == []
     extra = dict(hand_report(), something_new={"any": "shape"})  # extras are allowed
     assert errors(validator, extra) == []

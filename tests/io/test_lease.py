@@ -153,7 +153,8 @@ def test_local_acquire_creates_the_output_folder(tmp_path: Any) -> None:
     out = tmp_path / "a" / "b"
     lease = OutputLease(str(out), Storage(), "job")
     assert lease.acquire() is None
-    assert (out / LEASE_NAME).is_file()
+    holder = Holder.from_json((out / LEASE_NAME).read_text())
+    assert (holder.job, holder.host, holder.pid) == ("job", HOST, os.getpid())
     lease.release()
     assert out.is_dir() and not (out / LEASE_NAME).exists()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 SCRIPT = ROOT / "examples" / "rl-agents" / "run.py"
 TASKS = ("add", "kv", "tool")
 METHODS = ("task_arithmetic", "ties", "dare_ties", "ram", "ram_plus", "ram_plus_soft")

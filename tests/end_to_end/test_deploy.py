@@ -12,6 +12,7 @@ import copy
 import datetime as dt
 import importlib.util
 import io
+import json
 import os
 import re
 import secrets
@@ -42,10 +43,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 JOBS = REPO / "jobs"
 K8S = REPO / "k8s"
-CRD_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "k8s-crds"
+CRD_DIR = REPO.parent / "shared" / "k8s-crds"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
 #: Kubernetes versions the built-in kinds must validate against: the oldest we document
@@ -1009,9 +1010,12 @@ def cli_job_output(ray_head, models, tmp_path_factory) -> Path:
 
 
 def test_submitted_merge_equals_the_reference(cli_job_output, models):
-    _, _, merged = models
+    base_dir, task_dirs, merged = models
     _assert_bytes_equal(cli_job_output, merged)
-    assert (cli_job_output / "merge_report.json").is_file()
+    report = json.loads((cli_job_output / "merge_report.json").read_text())
+    assert report["method"] == "ram_plus" and report["base"] == str(base_dir)
+    assert report["tasks_given"] == [str(t) for t in task_dirs]
+    assert report["output"]["url"] == str(cli_job_output)
 
 
 def test_submitted_nightly_merges_publishes_latest_and_skips_a_rerun(

@@ -19,7 +19,7 @@ from ram_dist.report import regime
 from ram_dist.report.figures import markdown_summary
 from ram_dist.report.text import format_report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 EXAMPLE_MAP = ROOT / "examples" / "rl-agents" / "regime_map.json"
 SCHEMA = json.loads((ROOT / "ram_dist" / "report_schema.json").read_text())
 

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("numba")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 TESTS = Path(__file__).resolve().parent
 WARM = [sys.executable, "-m", "ram_dist.kernels.warm"]
 SMALL = ["--tasks", "2", "--dtype", "bf16", "--out-dtype", "bf16"]
@@ -39,7 +39,7 @@ JOB = f"""
 import json, sys
 import torch
 sys.path.insert(0, {str(TESTS)!r})
-from test_kernels_ties import run, sparse_inputs, ties_params
+from test_ties_kernels import run, sparse_inputs, ties_params
 from ram_dist.kernels import ram_numba, scan_numba, warm
 
 def counts():
