@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-# The test helpers (builders, reference) live beside the tests.
-sys.path.insert(0, os.path.dirname(__file__))
+# The test helpers (builders, reference, the servers) live in tests/support.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,152 @@
+"""The fused kernels' disk cache: `python -m ram_dist.kernels.warm` fills numba's cache, a
+later process running the methods as a job does loads every kernel from it instead of
+compiling, the command fails loudly, and the kernels import (and cache) even where neither
+the package's directory nor the user's cache directory can be written.
+
+Every case runs in subprocesses with a cache directory of its own (numba reads
+`NUMBA_CACHE_DIR` once, at import); a small subset is warmed (bfloat16, 1 and 2 tasks,
+bfloat16 out: 11 specializations) to keep this fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+TESTS = Path(__file__).resolve().parent
+WARM = [sys.executable, "-m", "ram_dist.kernels.warm"]
+SMALL = ["--tasks", "2", "--dtype", "bf16", "--out-dtype", "bf16"]
+KERNELS = (
+    "ram_numba._count_kernel", "ram_numba._merge_kernel",
+    "ties_numba._stats_kernel", "ties_numba._merge_kernel", "scan_numba._count",
+)  # fmt: skip
+
+#: RAM and TIES on base + 2 bfloat16 tasks into bfloat16, through the methods as the engine
+#: calls them, and the finiteness scan; then numba's counts of cache hits and misses per
+#: kernel; then the same for a signature that was not warmed (3 tasks).
+JOB = f"""
+import json, sys
+import torch
+sys.path.insert(0, {str(TESTS)!r})
+from test_ties_kernels import run, sparse_inputs, ties_params
+from ram_dist.kernels import ram_numba, scan_numba, warm
+
+def counts():
+    return {{name: [sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values())]
+            for name, k in warm.dispatchers().items()}}
+
+base, tasks = sparse_inputs(5000, (torch.bfloat16,) * 3, seed=0)
+ram = {{"r": 0.1, "alpha": 0.2, "epsilon": 1e-5, "scope": "model"}}
+run("ram", ram, base, tasks, [0, 1000, 5000], True, torch.bfloat16)
+run("ties", ties_params(2), base, tasks, [0, 5000], True, torch.bfloat16)
+scan_numba.nonfinite_count(base)
+print(json.dumps(counts()))
+ram_numba.overlap_counts(base, [*tasks, base], 1e-5)
+print(json.dumps(counts()))
+"""
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path = REPO) -> subprocess.CompletedProcess:
+    unset = ("NUMBA_CACHE_DIR", "PYTHONPATH", "XDG_CACHE_HOME")
+    environ = {k: v for k, v in os.environ.items() if k not in unset}
+    return subprocess.run(
+        args, env={**environ, **env}, cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def summary(stdout: str) -> dict[str, tuple[int, int]]:
+    """{kernel: (compiled, loaded)} from the warm command's output."""
+    rows = re.findall(r"^(\S+)\s+(\d+) compiled\s+(\d+) loaded", stdout, re.MULTILINE)
+    return {name: (int(compiled), int(loaded)) for name, compiled, loaded in rows}
+
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    cache = tmp_path_factory.mktemp("numba-cache")
+    return cache, run([*WARM, *SMALL, "--cache-dir", str(cache)], {})
+
+
+def test_warm_compiles_into_the_cache_dir(warmed):
+    cache, result = warmed
+    assert result.returncode == 0, result.stderr
+    assert f"numba cache: {cache}" in result.stdout
+    # 1 and 2 tasks of each kernel; the scan's three widths (16, 32, 64 bits).
+    assert summary(result.stdout) == {k: (3 if k == "scan_numba._count" else 2, 0) for k in KERNELS}
+    assert "11 specializations" in result.stdout and "0 failed" in result.stdout
+    for kernel in KERNELS:
+        assert list(cache.glob(f"*/{kernel}-*.nbi")), kernel
+        assert list(cache.glob(f"*/{kernel}-*.nbc")), kernel
+
+
+def test_a_later_job_loads_the_warmed_kernels_instead_of_compiling(warmed):
+    cache, first = warmed
+    assert first.returncode == 0, first.stderr
+    result = run([sys.executable, "-c", JOB], {"NUMBA_CACHE_DIR": str(cache)})
+    assert result.returncode == 0, result.stderr
+    job, after = (json.loads(line) for line in result.stdout.splitlines()[-2:])
+    # Each kernel was called with one signature, found in the cache: no compilation.
+    assert job == {kernel: [1, 0] for kernel in KERNELS}
+    # A signature that was not warmed is compiled (the counts do tell the two apart).
+    assert after["ram_numba._count_kernel"] == [1, 1]
+
+
+def test_warm_exits_non_zero_when_it_cannot_cache(warmed, tmp_path):
+    cache, first = warmed
+    assert first.returncode == 0, first.stderr
+    # A cache directory numba cannot use: refused before compiling anything.
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    result = run([*WARM, *SMALL, "--cache-dir", str(not_a_dir)], {})
+    assert result.returncode == 2 and "numba cannot cache into" in result.stderr
+    assert "compiled" not in result.stdout
+    # A corrupt index: that kernel's calls fail and are reported; the others load.
+    broken = tmp_path / "broken"
+    shutil.copytree(cache, broken)
+    (index,) = broken.glob("*/ram_numba._count_kernel-*.nbi")
+    index.write_bytes(b"not a numba index")
+    result = run([*WARM, *SMALL, "--cache-dir", str(broken)], {})
+    assert result.returncode == 1
+    assert result.stderr.count("FAILED ram_numba._count_kernel") == 2, result.stderr
+    assert "2 failed" in result.stdout
+    assert summary(result.stdout)["ram_numba._merge_kernel"] == (0, 2)
+
+
+def test_kernels_cache_in_the_temp_dir_when_nothing_else_is_writable(tmp_path):
+    """numba refuses to import a `cache=True` module when neither the package's __pycache__
+    nor ~/.cache/numba can be written; `use_writable_cache` falls back to the temp dir, and a
+    later process loads from there. (Unwritable here: a file where the directory would be.)"""
+    package = tmp_path / "site" / "ram_dist"
+    shutil.copytree(REPO / "ram_dist", package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "kernels" / "__pycache__").write_text("")
+    (tmp_path / "home").write_text("")
+    (tmp_path / "tmp").mkdir()
+    code = textwrap.dedent("""
+        import torch
+        import ram_dist
+        from ram_dist.kernels import scan_numba
+        assert scan_numba.nonfinite_count(torch.tensor([1.0, float("inf")])) == 1
+        s = scan_numba._count.stats
+        print(ram_dist.__file__, s.cache_path, len(s.cache_hits), len(s.cache_misses))
+    """)
+    env = {"PYTHONPATH": str(tmp_path / "site"), "HOME": str(tmp_path / "home")}
+    env |= {"TMPDIR": str(tmp_path / "tmp"), "PYTHONDONTWRITEBYTECODE": "1"}
+    outputs = []
+    for _ in range(2):
+        result = run([sys.executable, "-c", code], env, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        outputs.append(result.stdout.split())
+    (where, path, hits, misses), second = outputs
+    assert Path(where).is_relative_to(package)
+    assert Path(path).parent == tmp_path / "tmp" / f"numba-cache-{os.getuid()}"
+    assert (hits, misses) == ("0", "1") and second[2:] == ["1", "0"]

@@ -1,0 +1,70 @@
+"""tests/README.md's table lists every test file once, and names no file that does not
+exist; no two test files share a name (pytest imports each by its bare name); every
+`tests/....py` path the repository's text names is a file."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+ROOT = next(p for p in TESTS.parents if (p / "pyproject.toml").exists())
+TEXT = {".md", ".py", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".sh"}
+NAMED = re.compile(r"\btests/[\w/]+\.py\b")
+ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+) \| ([^|]+) \|$")
+
+
+def _rows() -> list[tuple[str, str, str]]:
+    text = (TESTS / "README.md").read_text(encoding="utf-8")
+    return [m.groups() for line in text.splitlines() if (m := ROW.match(line))]
+
+
+def _test_files() -> list[str]:
+    return sorted(p.relative_to(TESTS).as_posix() for p in TESTS.rglob("test_*.py"))
+
+
+def test_every_test_file_has_one_row_and_every_row_a_file() -> None:
+    listed = [path for path, _, _ in _rows()]
+    assert [p for p, n in Counter(listed).items() if n > 1] == []
+    assert sorted(set(_test_files()) - set(listed)) == []  # files the table lacks
+    assert sorted(set(listed) - set(_test_files())) == []  # rows naming no test file
+
+
+def test_every_row_says_what_the_file_covers_and_starts() -> None:
+    rows = _rows()
+    assert len(rows) == len(_test_files())
+    for path, covers, starts in rows:
+        assert covers.strip() and starts.strip(), path
+
+
+def test_test_file_names_are_unique() -> None:
+    names = Counter(Path(p).name for p in _test_files())
+    assert [name for name, n in names.items() if n > 1] == []
+
+
+def _text_files() -> list[Path]:
+    """The repository's text files, without hidden folders, virtual environments and
+    build outputs."""
+    skip = {"__pycache__", "build", "dist", "node_modules"}
+    return [
+        p
+        for p in ROOT.rglob("*")
+        if p.suffix in TEXT
+        and p.is_file()
+        and not any(
+            part.startswith(".") or part in skip or part.endswith(".egg-info")
+            for part in p.relative_to(ROOT).parts[:-1]
+        )
+    ]
+
+
+def test_every_test_path_the_repository_names_exists() -> None:
+    stale = [
+        f"{p.relative_to(ROOT)}:{n}: {name}"
+        for p in _text_files()
+        for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+        for name in NAMED.findall(line)
+        if not (ROOT / name).is_file()
+    ]
+    assert stale == [], "\n".join(stale)
