@@ -117,7 +117,7 @@ class Job:
         resolved: the method, its parameters per tensor, the dtype and every input file.
         The how-to-run settings never change a byte, so are not part of it."""
         inputs = [self.base, *self.tasks]
-        identity = {  # each key is a `Setting.identity` (tests/test_settings.py)
+        identity = {  # each key is a `Setting.identity` (tests/entry/test_settings.py)
             "method": self.method.name,
             "parameters": self.effective_parameters(),
             "out_dtype": self.config.out_dtype,

@@ -496,7 +496,8 @@ def test_resolve_parameter_precedence_by_hand() -> None:
 
 
 def _resolved(spec: JobSpec, names: list[str]) -> dict[str, dict]:
-    """Every tensor's parameters as the engine resolves them (`planning.params.resolve_all`)."""
+    """Every tensor's parameters as the engine resolves them
+    (`planning.tensor_params.resolve_all`)."""
     handed_ = handed(PARAMETERS[spec.merge_method])
     per_task = [m.parameters for m in spec.models]
     layers = num_layers(names)

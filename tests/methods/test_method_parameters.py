@@ -112,8 +112,8 @@ NAMES = [
 
 
 def test_engine_resolves_with_the_readers_precedence(tmp_path: Path) -> None:
-    """`planning.params.resolve_all` (what the merge runs with) and `resolve_parameter` give
-    every parameter of every tensor the same value."""
+    """`planning.tensor_params.resolve_all` (what the merge runs with) and
+    `resolve_parameter` give every parameter of every tensor the same value."""
     text = ENGINE_YAML.format(base="/b", a="/a", b="/c")
     path = tmp_path / "job.yaml"
     path.write_text(text)
