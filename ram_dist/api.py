@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ram_dist import API, settings
 from ram_dist.errors import RamDistError
-from ram_dist.report.results import (  # noqa: F401  (exported: `API`)
+from ram_dist.report.api_reports import (  # noqa: F401  (exported: `API`)
     MergeReport,
     PlanReport,
     ProbeReport,

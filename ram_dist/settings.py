@@ -4,8 +4,8 @@ config may set (`mergekit_config`) and `MergeConfig` (`config`) are made from he
 
 Two models, as mergekit's `MergeConfiguration` and `MergeOptions`: `WhatToMerge` decides the
 output's bytes (and so the job's identity, which a resumed run must match); `HowToRun` never
-changes a byte. Adding a setting is one field in one of them (see the README, "Adding a
-setting"). Pure Python and light: `ram-dist --help` reads it without torch or Ray.
+changes a byte. Adding a setting is one field in one of them (see `docs/extending.md`).
+Pure Python and light: `ram-dist --help` reads it without torch or Ray.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import os
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
+from fractions import Fraction
 from typing import Any
 
 from ram_dist.errors import RamDistError
 
 #: `--device`: `auto` (fused CPU kernels on every CPU; eager units on the GPUs, if any),
-#: `cpu`, `cuda` (`engine.devices`).
+#: `cpu`, `cuda` (`planning.devices`).
 DEVICES = ("auto", "cpu", "cuda")
 #: `--kernels`: fused CPU kernels where they apply, or plain torch.
 KERNELS = ("auto", "eager")
@@ -28,9 +29,19 @@ LOG_FORMATS = ("text", "json")
 #: `--input-cache`: `auto` keeps ranges of inputs not on a local filesystem, `on` of every
 #: input (local ones too, e.g. on a network filesystem), `off` none.
 INPUT_CACHES = ("auto", "on", "off")
-#: The largest unit budget chosen from the cluster (`planning.sizing`); a larger `--unit-mb`
-#: only makes fewer, bigger units.
+#: The default unit budget (`--unit-mb`), as `planning.sizing.auto_unit_budget` chooses it
+#: from the cluster: at least `UNITS_PER_SLOT` units per core over the largest input, at most
+#: `MEMORY_SHARE` of a core's memory, within [`MIN_UNIT_BUDGET`, `MAX_UNIT_BUDGET`] bytes.
+#: Below the smallest, per-unit overhead (a Ray task, a result) shows; a `--unit-mb` above
+#: the largest only makes fewer, bigger units.
+MIN_UNIT_BUDGET = 16 * 2**20
 MAX_UNIT_BUDGET = 256 * 2**20
+#: Units per core and pass, so that every core stays busy until near the end of a pass.
+UNITS_PER_SLOT = 8
+#: Share of a core's memory the merged bytes of its units may take (a unit's output is held
+#: by its worker, and by Ray's object store where it goes through the driver; twice the
+#: cores' units are in flight).
+MEMORY_SHARE = 0.125
 #: The commands that run a job.
 COMMANDS = ("merge", "plan", "probe")
 PathLike = str | os.PathLike[str]
@@ -44,7 +55,7 @@ class Setting:
     help: str | Callable[[], str]
     """What it does, for `--help` (a function where it names what is known only later)."""
     default_text: str = ""
-    """The default in words, for `--help` and the README's table; "": the default itself."""
+    """The default in words, for `--help` and `docs/cli.md`'s table; "": the default itself."""
     flag: str | None = None
     """The command-line flag; None: set from Python or YAML only."""
     metavar: str | None = None
@@ -72,6 +83,12 @@ def setting(default: Any = None, *, factory: Callable[[], Any] | None = None, **
     if factory is not None:
         return field(default_factory=factory, metadata={"setting": Setting(**meta)})
     return field(default=default, metadata={"setting": Setting(**meta)})
+
+
+def ray_address(given: str | None) -> str | None:
+    """The Ray cluster a job runs on when this process is connected to none: `given`
+    (`--address`), else `RAY_ADDRESS`; None: a local Ray, started for the job."""
+    return given or os.environ.get("RAY_ADDRESS") or None
 
 
 def _method_help() -> str:
@@ -158,8 +175,9 @@ class HowToRun:
     unit_budget_bytes: int | None = setting(
         help="input MiB one work unit may read, per input (it sets how finely work is spread, "
         "not the read buffers)", flag="--unit-mb", parse=float, convert=_mib,
-        default_text="from the cluster: 8 units per core over the largest input, at most 1/8 "
-        f"of a core's memory, 16 to {MAX_UNIT_BUDGET // 2**20}",
+        default_text=f"from the cluster: {UNITS_PER_SLOT} units per core over the largest "
+        f"input, at most {Fraction(MEMORY_SHARE)} of a core's memory, "
+        f"{MIN_UNIT_BUDGET // 2**20} to {MAX_UNIT_BUDGET // 2**20}",
     )  # fmt: skip
     workers: int | None = setting(
         help="CPU tasks running at once (GPU workers: one per GPU)", flag="--workers",
@@ -207,7 +225,7 @@ class Declared:
 
     @property
     def shown_default(self) -> str:
-        """The default in words: the README's table and `--help` show the same."""
+        """The default in words: `docs/cli.md`'s table and `--help` show the same."""
         if self.meta.default_text:
             return self.meta.default_text
         if isinstance(self.default, bool):

@@ -20,14 +20,11 @@ from ram_dist.engine.worker import WorkScope
 from ram_dist.io.storage import Storage
 from ram_dist.kernels import fp8
 from ram_dist.planning.layout import Layout, Source, TensorEntry
+from ram_dist.planning.sizing import COMPUTE_BLOCK
 from ram_dist.planning.units import Piece
 
 if TYPE_CHECKING:
     import torch
-
-
-#: Elements computed at once; bounds a worker's float temporaries (about 40 bytes each).
-COMPUTE_BLOCK = 1 << 22
 
 
 def inputs_of(entry: TensorEntry) -> int:
@@ -238,7 +235,7 @@ def _dequantized(
             q, fp8.scale_values(s_raw, scales.dtype), scales.cols, scales.block,
             floats(i, q.size),
         )  # fmt: skip
-        raw[i], dtypes[i], kept[i] = values.view(np.uint8), "F32", (q, s_raw)
+        raw[i], dtypes[i], kept[i] = values.view(np.uint8), sources[i].values_dtype, (q, s_raw)
     return BlockInputs(tuple(raw), tuple(dtypes), tuple(kept))
 
 

@@ -22,32 +22,36 @@ from typing import Any, Protocol
 import ray
 
 from ram_dist import __version__
-from ram_dist.dtypes import itemsize
 from ram_dist.engine import memory
-from ram_dist.engine.blocks import COMPUTE_BLOCK
-from ram_dist.engine.book import ShardBook
 from ram_dist.engine.gpu import Devices, job_devices
+from ram_dist.engine.pass_stats import PassStats
 from ram_dist.engine.passes import Shipped, map_pass, reduce_pass
 from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster
-from ram_dist.engine.stats import PassStats
+from ram_dist.engine.shard_book import ShardBook
 from ram_dist.errors import RamDistError
-from ram_dist.io.files import copy_files, non_weight_files
 from ram_dist.io.json_files import MAX_REPORT_BYTES, read_json
 from ram_dist.io.lease import OutputLease
 from ram_dist.io.manifest import save_manifest
 from ram_dist.io.names import CARD_NAME, MERGEKIT_CONFIG_NAME, REPORT_NAME
-from ram_dist.io.sinks import FileSink, OutputSink, choose_sink
+from ram_dist.io.non_weight_files import copy_files, non_weight_files
+from ram_dist.io.sinks import FileSink, OutputSink
 from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
 from ram_dist.methods import get_method
 from ram_dist.planning.config import MergeConfig
-from ram_dist.planning.effective import render
-from ram_dist.planning.input_choice import cache_report, input_cache
+from ram_dist.planning.input_cache import cache_report, choose_input_cache
 from ram_dist.planning.job import Job, gc_paused, prepare
-from ram_dist.planning.output import OutputState, check_writable, clear_published, open_output
-from ram_dist.planning.sizing import machine
+from ram_dist.planning.output_state import (
+    OutputState,
+    check_writable,
+    clear_published,
+    open_output,
+    output_sink_for,
+)
+from ram_dist.planning.plan_report import ConnectedCluster, plan_report
+from ram_dist.planning.written_config import render
 
 #: What `probe` counts with when the configured method counts no overlap statistics.
 PROBE_METHOD = "ram_plus"
@@ -188,7 +192,7 @@ def _merge_held(
         "job_start", command="merge", method=job.method.name, output=job.out,
         units=len(job.units), resumed=found.resumed,
     )  # fmt: skip
-    cache, cache_note = input_cache(job)
+    cache, cache_note = choose_input_cache(job)
     first_node: dict[int, str] = {}
     job = job.replanned(device.slots, cluster.memory)
     sink, pin_to = output_sink(job)
@@ -255,130 +259,34 @@ def _merge_held(
     return report
 
 
-def output_sink(job: Job, nodes: int | None = -1) -> tuple[OutputSink, str | None]:
+def output_sink(job: Job) -> tuple[OutputSink, str | None]:
     """The sink the map pass writes through, and the node every part must run on when the
-    output is a local folder only the driver's node sees (None: anywhere). `nodes` is the
-    cluster's node count (-1: ask Ray; None: not known, as in `ram-dist plan`)."""
-    assert job.out is not None
-    on_ray = nodes == -1
-    if on_ray:
-        nodes = alive_nodes()
-    shared = job.config.output_shared
-    sink = choose_sink(
-        job.out, job.storage, shared=shared, single_node=None if nodes is None else nodes == 1
-    )
-    pin = on_ray and isinstance(sink, FileSink) and not shared
+    output is a local folder only the driver's node sees (None: anywhere)."""
+    sink = output_sink_for(job, alive_nodes())
+    pin = isinstance(sink, FileSink) and not job.config.output_shared
     return sink, this_node() if pin else None
 
 
 def plan(config: MergeConfig) -> dict[str, Any]:
-    """Headers only: every up-front check, then what the job would read, run and write.
+    """Headers only: every up-front check, then what the job would read, run and write
+    (`planning.plan_report`), on the Ray this process is connected to, if any.
 
-    Writes nothing anywhere (a remote output's writability is not probed by a dry run).
     The garbage collector stays paused until the job is freed: the collection that turning it
     back on starts then finds the few objects of the report, not every tensor's.
     """
     with gc_paused():
-        return _plan(config)
+        job = prepare(config)
+        return plan_report(job, _connected_cluster())
 
 
-def _plan(config: MergeConfig) -> dict[str, Any]:
-    job = prepare(config)
-    device, cluster = _planned_device(job)
-    if cluster is not None:
-        job = job.replanned(*cluster)
-    out: dict[str, Any] = {"output": None, "device": device}
-    if job.out is not None:
-        found = open_output(job)
-        if job.storage.is_local(job.out):
-            check_writable(job)
-        out["output"] = {
-            "url": job.out,
-            "state": "complete" if found.finished else "resume" if found.resumed else "new",
-            "shards": list(job.layout.shards),
-            "shards_finished": sorted(found.manifest.shards) if found.resumed else [],
-        }
-        embedded = not (config.address or os.environ.get("RAY_ADDRESS"))
-        sink, _ = output_sink(job, nodes=1 if embedded else None)
-        out["output"].update({"path": sink.path, "path_reason": sink.reason})
-    participating = [n for n, e in job.layout.tensors.items() if e.participating]
-    merging = set(participating)
-    merge_bytes = sum(job.unit_bytes(u, merging) for u in job.units)
-    rounds = job.method.rounds + (1 if job.method.rounds == 0 and not config.allow_nonfinite else 0)
-    out_bytes = max(
-        (sum(p.numel * itemsize(job.layout.tensors[p.tensor].out_dtype) for p in u.pieces)
-         for u in job.units), default=0,
-    )  # fmt: skip
-    # A worker holds two read blocks (at most COMPUTE_BLOCK elements of every input), its
-    # unit's merged bytes, and float temporaries of one block on the eager path.
-    largest = max((job.unit_bytes(u) for u in job.units), default=0)
-    # An FP8 input's block is also held dequantized (4 bytes an element).
-    widest = max((itemsize(s.dtype) + (4 if s.scales else 0)
-                  for e in job.layout.tensors.values() for s in e.sources), default=1)  # fmt: skip
-    blocks = min(2 * COMPUTE_BLOCK * widest * (len(job.tasks) + 1), 2 * largest)
-    temporaries = min(COMPUTE_BLOCK, largest) * 8 * (len(job.tasks) + 4)
-    out.update(
-        {
-            "method": job.method.name,
-            "parameters": job.effective_parameters(),
-            "inputs": job.identity()["inputs"],
-            "formats": job.formats(),
-            "integers_from_base": {
-                "allowed": config.integers_from_base,
-                "copied_though_changed": list(job.integers_changed),
-            },
-            "tensors": {
-                "merged": len(participating),
-                "copied": len(job.layout.tensors) - len(participating),
-                "elements_merged": sum(job.layout.tensors[n].numel for n in participating),
-            },
-            "work_units": len(job.units),
-            "unit_budget_bytes": job.unit_budget_bytes,
-            "bytes_per_pass": {
-                "reduce_round": merge_bytes,
-                "reduce_rounds": rounds,
-                "reduce_rounds_note": job.method.rounds_note,
-                "map": sum(job.unit_bytes(u) for u in job.units),
-            },
-            "memory_per_worker_bytes": blocks + out_bytes + temporaries,
-            "input_cache": cache_report(job, *input_cache(job)),
-        }
+def _connected_cluster() -> ConnectedCluster | None:
+    """The size of the Ray this process is connected to; None when it is connected to none."""
+    if not ray.is_initialized():
+        return None
+    res = ray.cluster_resources()
+    return ConnectedCluster(
+        gpus=int(res.get("GPU", 0)), cpus=int(res.get("CPU", 1)), memory=int(res.get("memory", 0))
     )
-    return out
-
-
-def _planned_device(job: Job) -> tuple[dict[str, Any], tuple[int, int] | None]:
-    """The device a merge would choose (`Job.device_choice`) and why, for `plan`, with the slots
-    and memory to plan units for; None for those where the cluster is not known without
-    connecting to it. The cluster is the Ray this process is connected to, else, with no
-    address, this machine (where a merge starts an embedded Ray)."""
-    config = job.config
-    if ray.is_initialized():
-        res = ray.cluster_resources()
-        gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 1))
-        memory = int(res.get("memory", 0))
-        where = "the Ray this process is connected to"
-    elif not (config.address or os.environ.get("RAY_ADDRESS")):
-        import torch
-
-        (cpus, memory), gpus = machine(), torch.cuda.device_count()
-        where = "this machine (a merge starts an embedded Ray)"
-    else:
-        how = {
-            "auto": "every CPU with the fused kernels; on a cluster with GPUs, the units of "
-            "tensors that need the eager rule on one worker per GPU: known once a merge "
-            "connects to it",
-            "cpu": "one unit per CPU of the cluster",
-            "cuda": "every unit on one worker per GPU; a cluster without GPUs is refused when "
-            "a merge connects",
-        }[config.device]
-        device = None if config.device == "auto" else config.device
-        return {
-            "requested": config.device, "device": device, "gpus": None, "cpu_slots": None,
-            "slots": None, "reason": f"--device {config.device}: {how}", "cluster": None,
-        }, None  # fmt: skip
-    choice = job.device_choice(gpus, cpus)  # cuda without GPUs: refused here too
-    return {**choice.as_dict(), "cluster": where}, (choice.slots, memory)
 
 
 def _device_report(devices: Devices) -> dict[str, Any]:

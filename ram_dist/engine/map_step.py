@@ -16,7 +16,7 @@ from ram_dist import kernels
 from ram_dist.dtypes import itemsize
 from ram_dist.engine.blocks import BlockInputs, band_span, input_count, stream_blocks
 from ram_dist.engine.memory import peak_rss
-from ram_dist.engine.results import UnitResult
+from ram_dist.engine.unit_results import UnitResult
 from ram_dist.engine.worker import (
     EAGER,
     Fused,
@@ -31,13 +31,8 @@ from ram_dist.io.storage import Storage
 from ram_dist.kernels import fp8
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.protocol import Chunk, State, TensorParams
-from ram_dist.planning.layout import Layout, TensorEntry
+from ram_dist.planning.layout import Layout, TensorEntry, unit_out_bytes
 from ram_dist.planning.units import Part, Piece, WorkUnit
-
-
-def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
-    """Bytes a unit's merged pieces take in the output shard."""
-    return sum(p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces)
 
 
 @dataclass(frozen=True)
@@ -186,7 +181,7 @@ def _merge_into(
         else:
             chunk = Chunk(piece.tensor, piece.start + block.lo, entry.numel)
             p = params[piece.tensor]
-            out_dtype = "F32" if entry.fp8_out is not None else entry.out_dtype
+            out_dtype = entry.merged_dtype
             merged = scope.reads.floats((-1, 0), block.hi - block.lo) if entry.fp8_out else target
             assert merged is not None
             raw = merged.view(np.uint8)

@@ -21,14 +21,14 @@ import torch
 
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
-from ram_dist.engine.book import ShardBook
 from ram_dist.engine.gpu import Devices, job_devices
-from ram_dist.engine.map_step import PartWork, map_part, unit_out_bytes
+from ram_dist.engine.map_step import PartWork, map_part
+from ram_dist.engine.pass_stats import PassStats
 from ram_dist.engine.pool import Place, Shared, near, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.reduce_step import add_up, reduce_group
 from ram_dist.engine.runtime import Cluster
-from ram_dist.engine.stats import PassStats
+from ram_dist.engine.shard_book import ShardBook
 from ram_dist.engine.worker import WorkFlags
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import InputCache
@@ -37,6 +37,7 @@ from ram_dist.io.storage import Storage
 from ram_dist.io.writer import shard_header
 from ram_dist.planning.devices import DeviceChoice
 from ram_dist.planning.job import Job
+from ram_dist.planning.layout import unit_out_bytes
 from ram_dist.planning.units import Part, WorkUnit, parts_as_recorded, plan_parts
 
 #: Ray re-runs a unit whose worker or node died this many times; a unit that raised is not
@@ -175,7 +176,7 @@ def _reduce_pass(
     workers, resources = _cpu_work(job, devices.choice)
     numel = job.numel()
     check = not job.config.allow_nonfinite
-    for round_ in range(max(method.rounds, 1 if check else 0)):
+    for round_ in range(job.reduce_rounds):
         checking = check and round_ == 0
         active = {
             n for n in job.params if round_ < method.rounds and method.active(round_, state, n)

@@ -9,7 +9,7 @@ import numpy as np
 
 from ram_dist.engine.blocks import BlockInputs, input_count, stream_blocks
 from ram_dist.engine.memory import peak_rss
-from ram_dist.engine.results import Statistics, UnitResult
+from ram_dist.engine.unit_results import Statistics, UnitResult
 from ram_dist.engine.worker import (
     EAGER,
     Fused,

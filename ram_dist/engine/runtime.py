@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import subprocess
 import threading
@@ -23,6 +22,8 @@ from typing import Any, TypeVar
 
 import psutil
 import ray
+
+from ram_dist.settings import ray_address
 
 T = TypeVar("T")
 
@@ -54,7 +55,7 @@ def ray_session(address: str | None, checks: Callable[[], T]) -> Iterator[tuple[
         yield _cluster(embedded=False), checked
         return
     # "local" always starts a new instance, never a `ray start` cluster found on disk.
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = ray_address(address)
     result: dict[str, Any] = {}
 
     def run_checks() -> None:

@@ -109,8 +109,8 @@ def shard_header(tensors: list[OutTensor]) -> bytes:
 
     The JSON is `json.dumps(header, separators=(",", ":"))` of `{"__metadata__": {"format":
     "pt"}, name: {"dtype", "shape", "data_offsets"}, ...}`, written entry by entry (a third of
-    the time for a shard of 100k tensors; `tests/test_many_tensors.py` checks the bytes against
-    `json.dumps`)."""
+    the time for a shard of 100k tensors; `tests/planning/test_many_small_tensors.py` checks
+    the bytes against `json.dumps`)."""
     parts = ['{"__metadata__":{"format":"pt"}']
     offset = 0
     for t in tensors:

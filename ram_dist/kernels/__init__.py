@@ -1,7 +1,9 @@
-"""Fused CPU kernels for the hot element-wise passes (optional: they need numba).
+"""Fused CPU kernels for the hot element-wise passes, compiled by numba (a dependency of
+the package).
 
-Import `ram_dist.kernels.ram_numba` only when `available()`; the eager torch methods give
-the same bytes and remain the fallback (and the only path for float64 tensors).
+Import `ram_dist.kernels.ram_numba` only when `available()` (numba can be imported); where
+it cannot, the eager torch methods run instead and give the same bytes. The eager path is
+also the only one for float64 tensors and for what a kernel does not handle.
 
 The kernels read and write numpy arrays of the stored elements (`READS`, `WRITES`: bfloat16
 as its uint16 bits), so a CPU worker on the fused path never imports torch; torch tensors

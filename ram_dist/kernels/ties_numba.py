@@ -7,11 +7,13 @@ These kernels read each input element once per round in its stored dtype (the ti
 loaders of `primitives`), keep everything else in registers or an L2-sized tile, and write
 the output dtype directly.
 
+Names in backquotes are modules of `ram_dist.methods.generalized_task_arithmetic`.
+
 - Statistics (`topk.py`'s four histograms): the key of a task's element is the bits of
   `|float32(x_t) - float32(b)|` (`bits & 0x7FFFFFFF`, what `abs` does to any float, NaN
   included); the rounds count `key >> 16`, `key & 0xFFFF` within a high bin, and flat
   indices (`>> 16`, `& 0xFFFF`) of keys equal to the cut, exactly as `topk` does.
-- Merge: `task_arithmetic.combine` op for op in float32, with TIES's keep rule
+- Merge: `combine.combine` op for op in float32, with TIES's keep rule
   (`topk.keep_mask`) and `dare.sparsify` without a rescale factor (`delta * 1.0` or
   `delta * 0.0`); sums run in task order from +0; no fastmath, so no multiply-add is
   contracted into an FMA (checked like `ram_numba`'s kernels).
@@ -215,7 +217,7 @@ def merge(
     lambda_: float,
     bf16_nan: int | None = None,
 ) -> None:
-    """Write `task_arithmetic.combine` of the (TIES-sparsified) task vectors into `out`.
+    """Write `combine.combine` of the (TIES-sparsified) task vectors into `out`.
 
     `weights` and `divisor` (the plain weight sum, 1 where mergekit treats it as zero) are
     float32 values; `lambda_` is applied (rounded to float32) unless it is 1."""

@@ -66,7 +66,7 @@ from ram_dist.mergekit_config.spec import (
     Scalar,
 )
 from ram_dist.mergekit_config.writing import effective_config, render
-from ram_dist.methods.layers import layer_index
+from ram_dist.methods.decoder_layers import layer_index
 
 __all__ = [
     "CONFIG_NAME",

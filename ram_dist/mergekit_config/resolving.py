@@ -19,10 +19,10 @@ engine runs for every tensor before any work starts). The rules are mergekit's
   that yields a value wins (a task's filter list without a matching entry falls through to
   the top-level one). A global parameter (`normalize`, `lambda`, `r`, ...) is read only from
   the top-level settings.
-* Position `t`: tensors of decoder layer `i` of `n` (`methods.layers`) have `t = i / (n - 1)`
-  (`t = 1` when `n == 1`); every other tensor (embeddings, the final norm, `lm_head`,
-  anything outside the layers) has `t = 0`: mergekit plans them with a reader at `t = 0`, the
-  post-layer weights included, not at `t = 1`.
+* Position `t`: tensors of decoder layer `i` of `n` (`methods.decoder_layers`) have
+  `t = i / (n - 1)` (`t = 1` when `n == 1`); every other tensor (embeddings, the final norm,
+  `lm_head`, anything outside the layers) has `t = 0`: mergekit plans them with a reader at
+  `t = 0`, the post-layer weights included, not at `t = 1`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config.spec import Filtered, Gradient, JobSpec, ParamValue, Scalar
-from ram_dist.methods.layers import layer_index
+from ram_dist.methods.decoder_layers import layer_index
 from ram_dist.methods.parameters import Parameter
 
 Settings = Mapping[str, Any]

@@ -35,8 +35,8 @@ def effective_config(
     out_dtype: str | None,
 ) -> dict[str, Any]:
     """mergekit's schema for what ran: `params` holds every participating tensor's resolved
-    parameters (`planning.params.resolve_all`), `out_dtype` the safetensors dtype written (None:
-    each base tensor's)."""
+    parameters (`planning.tensor_params.resolve_all`), `out_dtype` the safetensors dtype
+    written (None: each base tensor's)."""
     declared = handed(method_parameters.PARAMETERS[method])
     per_task = [p.name for p in declared if p.per_task]
     shared = [p.name for p in declared if not p.per_task]

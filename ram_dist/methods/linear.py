@@ -1,4 +1,5 @@
-"""Linear merge: the weighted mean `sum_t w_t theta_t / sum_t w_t` of whole checkpoints.
+"""mergekit's `linear` (`LinearMethod`, listed in `METHODS`): the weighted mean
+`sum_t w_t theta_t / sum_t w_t` of whole checkpoints.
 
 No base is needed and no statistics: the rule is element-wise, so any chunking gives the same
 bytes. It follows mergekit's `linear_merge` in float32 (weights rounded to float32, a zero
@@ -14,9 +15,13 @@ beyond that its order, and so the last bit of the divisor, may differ from ours.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ram_dist.methods.task_arithmetic import ordered_sum
+from ram_dist.errors import RamDistError
+from ram_dist.methods.generalized_task_arithmetic.combine import ordered_sum
+from ram_dist.methods.parameters import NORMALIZE, WEIGHT, Parameter, variant
+from ram_dist.methods.protocol import Chunk, MergekitRule, NoStatistics, State, TensorParams
 
 if TYPE_CHECKING:
     import torch
@@ -40,3 +45,37 @@ def merge_chunk(
     if normalize:
         result.div_(ordered_sum(list(w)))
     return result
+
+
+@dataclass(frozen=True)
+class LinearMethod(MergekitRule, NoStatistics):
+    """mergekit's `linear`: the weighted mean of the task models (the base is not averaged)."""
+
+    name: str = "linear"
+    label: str = "Linear (weighted average)"
+    reference: str = "Wortsman et al. 2022 (model soups)"
+    needs_base: bool = False
+
+    @property
+    def parameters(self) -> tuple[Parameter, ...]:
+        return (WEIGHT, variant(NORMALIZE, True))
+
+    def check(self, params: TensorParams, where: str) -> None:
+        """What the parameters' own checks cannot see: a weight sum to normalize by."""
+        if params["normalize"] and sum(params["weight"]) == 0:
+            raise RamDistError(f"{where}: the weights sum to 0; linear cannot normalize by it")
+
+    def merge_chunk(
+        self,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> torch.Tensor:
+        weights = [float(w) for w in params["weight"]]
+        return merge_chunk(tasks, weights, normalize=bool(params["normalize"]))
+
+
+#: `linear`, as `ram_dist.methods.METHODS` lists it.
+METHODS = (LinearMethod(),)

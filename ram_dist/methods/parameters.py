@@ -6,8 +6,8 @@ parameter's name (mergekit's key under `parameters:`, and the name in the report
 `mergekit_config.yml`), its default, whether it is set per task (mergekit's per-model
 parameters) or once, how a YAML value is read, the CLI flag and its help. `PARAMETERS[method]`
 collects them from `ram_dist.methods.METHODS`; the YAML reader and writer
-(`ram_dist.mergekit_config`), the resolution per tensor (`planning.params`), the CLI flags and
-the model card all read it from there.
+(`ram_dist.mergekit_config`), the resolution per tensor (`planning.tensor_params`), the CLI
+flags and the model card all read it from there.
 
 Pure Python, no torch (the method modules import it only where they compute): `ram-dist
 --help` builds its flags from this table.

@@ -182,7 +182,7 @@ class Eager:
 class NoStatistics(Eager):
     """The rest of the protocol for a method that is a rule of each element alone (no reduce
     round, no parameter, nothing to report): such a method only names itself and gives
-    `merge_chunk` (see the README's "Adding a method")."""
+    `merge_chunk` (see `docs/extending.md`)."""
 
     parameters: tuple[Parameter, ...] = ()
     rounds: int = 0
@@ -204,3 +204,19 @@ class NoStatistics(Eager):
 
     def report(self, state: State) -> dict[str, Any]:
         return {}
+
+
+#: What the model card says of a method computed as mergekit computes it.
+MERGEKIT_TEXT = (
+    "`{name}`, computed as mergekit computes it (float32), streamed unit by unit on Ray."
+)
+
+
+class MergekitRule:
+    """What a method computed as mergekit computes it says of itself (`description`)."""
+
+    name: str
+
+    @property
+    def description(self) -> str:
+        return MERGEKIT_TEXT.format(name=self.name)

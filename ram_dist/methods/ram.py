@@ -1,4 +1,4 @@
-"""RAM, RAM+ and RAM+s (Yuan et al. 2026), exactly as `shared/spec/ram.md` fixes them.
+"""RAM, RAM+ and RAM+s (Yuan et al. 2026), exactly as `docs/exactness.md` fixes them.
 
 Per element: average the task vectors where two or more tasks changed the weight, keep
 (times lambda_t) the update where only one task did, keep the base where none did. lambda_t
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
-from ram_dist.methods.layers import layer_index, layer_name
+from ram_dist.methods.decoder_layers import layer_index, layer_name
 from ram_dist.methods.parameters import ALPHA, EPSILON, SCOPE, Parameter, R, variant
 from ram_dist.methods.protocol import Chunk, State, TensorParams
 
@@ -177,7 +177,7 @@ def merge_ram(
     return torch.where(count == 0, b, b + merged)
 
 
-#: The paper of the RAM family (`../shared/reference/ram-paper.md` in the project).
+#: The paper of the RAM family.
 RAM_PAPER = "Yuan et al. 2026, Behavior Knowledge Merge in Reinforced Agentic Models"
 
 

@@ -73,8 +73,8 @@ def _eager_cause(
         return "--kernels eager"
     if not kernels.available():
         return "numba is not installed"
-    read = ["F32" if s.scales is not None else s.dtype for s in entry.sources]
-    out = "F32" if entry.fp8_out is not None else entry.out_dtype
+    read = [s.values_dtype for s in entry.sources]
+    out = entry.merged_dtype
     if not kernels.handle(read, out):
         odd = sorted({d for d in read if d not in kernels.READS} or {out})
         return f"{', '.join(odd)} tensors"

@@ -1,8 +1,8 @@
 """What each input stores its weights as: floating point, or fine-grained FP8 blocks.
 
 Recognised per checkpoint, from its `config.json`'s `quantization_config` and its headers,
-on the driver before any tensor byte is read (`../shared/spec/ram.md`, "FP8 block-quantized
-checkpoints"). An FP8 weight `W` (F8_E4M3, [R, C]) and its companion `W_scale_inv` (F32 or
+on the driver before any tensor byte is read (`docs/exactness.md` and `docs/fp8.md` give
+the rule). An FP8 weight `W` (F8_E4M3, [R, C]) and its companion `W_scale_inv` (F32 or
 BF16, [ceil(R/bm), ceil(C/bn)]) are one tensor to the merge: its values are the dequantized
 ones, and the companion never takes part on its own. Every other quantized or packed format
 is refused here, naming the checkpoint, the file, the tensor and the format: merging its

@@ -16,15 +16,15 @@ from typing import Any
 from ram_dist.dtypes import itemsize
 from ram_dist.errors import CheckpointError, RamDistError
 from ram_dist.io.checkpoint import Checkpoint, open_checkpoints
-from ram_dist.io.compare import differing
 from ram_dist.io.locations import resolve_location, resolve_output
+from ram_dist.io.same_bytes import differing
 from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod, get_method
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.devices import DeviceChoice, job_device
 from ram_dist.planning.layout import Layout, build_layout
-from ram_dist.planning.params import resolve_all
 from ram_dist.planning.sizing import auto_unit_budget, machine
+from ram_dist.planning.tensor_params import resolve_all
 from ram_dist.planning.units import WorkUnit, plan_units
 
 
@@ -78,6 +78,12 @@ class Job:
     def method(self) -> MergeMethod:
         return get_method(self.config.method)
 
+    @property
+    def reduce_rounds(self) -> int:
+        """Reduce rounds the job runs: the method's; a method without any gets one that only
+        checks the inputs for NaN and Inf, unless `allow_nonfinite`."""
+        return max(self.method.rounds, 0 if self.config.allow_nonfinite else 1)
+
     def numel(self) -> dict[str, int]:
         return {name: self.layout.tensors[name].numel for name in self.params}
 
@@ -111,14 +117,14 @@ class Job:
         resolved: the method, its parameters per tensor, the dtype and every input file.
         The how-to-run settings never change a byte, so are not part of it."""
         inputs = [self.base, *self.tasks]
-        identity = {  # each key is a `Setting.identity` (tests/test_settings.py)
+        identity = {  # each key is a `Setting.identity` (tests/entry/test_settings.py)
             "method": self.method.name,
             "parameters": self.effective_parameters(),
             "out_dtype": self.config.out_dtype,
             "inputs": [{"role": c.label, "location": c.url, "files": c.identity} for c in inputs],
         }
-        if self.layout.fp8_inputs:  # an output of these inputs made before FP8 was read as
-            identity["formats"] = list(self.layout.formats)  # values is not resumed
+        if self.layout.fp8_inputs:  # how FP8 inputs are read decides the bytes
+            identity["formats"] = list(self.layout.formats)
         return identity
 
     def formats(self) -> dict[str, Any]:

@@ -24,7 +24,11 @@ from ram_dist.io.safetensors_header import TensorInfo
 from ram_dist.io.storage import join
 from ram_dist.io.writer import OutTensor
 from ram_dist.planning.formats import FP8_DTYPE, Format, recognize
-from ram_dist.planning.units import TensorSlot
+from ram_dist.planning.units import TensorSlot, WorkUnit
+
+#: The dtype an FP8 weight's values are merged in: its FP8 inputs are dequantized to it, and
+#: its merged values are quantized from it when it is written as FP8 again.
+FP8_VALUES_DTYPE = "F32"
 
 
 class Scales(NamedTuple):
@@ -51,6 +55,12 @@ class Source(NamedTuple):
     dtype: str
     scales: Scales | None = None
 
+    @property
+    def values_dtype(self) -> str:
+        """The dtype a worker merges this input's values in: its own, or `FP8_VALUES_DTYPE`
+        for an FP8 input (dequantized)."""
+        return FP8_VALUES_DTYPE if self.scales is not None else self.dtype
+
 
 @dataclass(frozen=True)
 class Fp8Out:
@@ -75,6 +85,12 @@ class TensorEntry:
     scale_of: str | None = None
     """This output tensor is the new scales of that FP8 weight: it reads no input of its
     own; the weight's bands, merged, give it."""
+
+    @property
+    def merged_dtype(self) -> str:
+        """The dtype the merge rule writes: the output dtype, or `FP8_VALUES_DTYPE` for a
+        weight written as FP8 (quantized afterwards)."""
+        return FP8_VALUES_DTYPE if self.fp8_out is not None else self.out_dtype
 
     @property
     def numel(self) -> int:
@@ -181,6 +197,11 @@ class Layout:
             return numel * per * sum(itemsize(s.dtype) for s in w.sources)
         sources = e.sources if e.participating else e.sources[:1]
         return numel * sum(itemsize(s.dtype) for s in sources)
+
+
+def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
+    """Bytes a unit's merged pieces take in the output shard."""
+    return sum(p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces)
 
 
 def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | None) -> Layout:

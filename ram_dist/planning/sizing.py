@@ -2,9 +2,10 @@
 
 A worker streams its unit through two read buffers of one compute block per input (about
 `COMPUTE_BLOCK` elements each, whatever the unit size), so the unit size bounds only the
-merged bytes it returns (held by the worker, then by Ray's object store until the driver
-writes them) and sets how finely the work is spread: units much larger than a model's
-share per core leave cores idle at the end of each pass.
+merged bytes a worker holds (in its output buffer until it writes them to the output; where
+the output takes no parts from workers, in Ray's object store until the driver writes them)
+and sets how finely the work is spread: units much larger than a model's share per core
+leave cores idle at the end of each pass.
 """
 
 from __future__ import annotations
@@ -12,16 +13,12 @@ from __future__ import annotations
 import math
 import os
 
-from ram_dist.settings import MAX_UNIT_BUDGET
+from ram_dist.settings import MAX_UNIT_BUDGET, MEMORY_SHARE, MIN_UNIT_BUDGET, UNITS_PER_SLOT
 
 MIB = 2**20
-#: The smallest default budget: below it, per-unit overhead (a Ray task, a result) shows.
-MIN_UNIT_BUDGET = 16 * MIB
-#: Units per core and pass, so that every core stays busy until near the end of a pass.
-UNITS_PER_SLOT = 8
-#: Share of a core's memory the merged bytes of its units may take (a unit's output is in
-#: the worker, then in the object store, and twice the cores' units are in flight).
-MEMORY_SHARE = 0.125
+#: Elements a worker computes at once (a compute block); bounds its read buffers and float
+#: temporaries (about 40 bytes each), whatever the unit size.
+COMPUTE_BLOCK = 1 << 22
 
 
 def machine() -> tuple[int, int]:
@@ -33,8 +30,9 @@ def machine() -> tuple[int, int]:
 
 def auto_unit_budget(largest_input_bytes: int, slots: int, memory_bytes: int) -> int:
     """The budget per input of one unit: at least `UNITS_PER_SLOT` units per core over the
-    largest input, at most `MEMORY_SHARE` of a core's memory, within [16, 256] MiB, in
-    whole MiB."""
+    largest input, at most `MEMORY_SHARE` of a core's memory, within [`MIN_UNIT_BUDGET`,
+    `MAX_UNIT_BUDGET`], in whole MiB (the bounds and shares are `settings`', where the
+    `--unit-mb` help states them)."""
     slots = max(1, slots)
     by_units = math.ceil(largest_input_bytes / (UNITS_PER_SLOT * slots))
     by_memory = int(memory_bytes / slots * MEMORY_SHARE)

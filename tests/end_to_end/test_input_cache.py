@@ -33,7 +33,7 @@ from ram_dist.engine.runtime import ray_session
 from ram_dist.io.range_cache import InputCache, Traffic
 from ram_dist.io.storage import Storage
 from ram_dist.planning.config import MergeConfig
-from ram_dist.planning.input_choice import input_cache
+from ram_dist.planning.input_cache import choose_input_cache
 from ram_dist.planning.job import prepare
 
 BUCKET = "ram-dist-cache-test"
@@ -223,7 +223,7 @@ def test_changed_input_never_hits_a_killed_jobs_cache(models, options, fs, serve
     tasks = [f"s3://{BUCKET}/stale/task{i}" for i in range(3)]
     config = _config(base, tasks, f"s3://{BUCKET}/stale-out", options)
     killed = prepare(config)
-    cache, _ = input_cache(killed)
+    cache, _ = choose_input_cache(killed)
     assert cache is not None
     with ray_session(None, lambda: None) as (cluster, _):
         reduce_pass(killed, cluster, cache=cache)  # then "killed": its cache stays

@@ -8,7 +8,7 @@ import torch
 from builders import build_model_set
 from reference import reference_merge, reference_stats
 
-from ram_dist.engine import blocks, driver, map_step, reduce_step, results, worker
+from ram_dist.engine import blocks, driver, map_step, reduce_step, unit_results, worker
 from ram_dist.io.sinks import DriverTarget
 from ram_dist.methods import get_method
 from ram_dist.planning.config import MergeConfig
@@ -127,14 +127,14 @@ def test_reduce_statistics_pickle_as_a_few_stacked_arrays():
     which holds one array per shape and dtype (not one per key)."""
     import pickle
 
-    stats = results.Statistics(
+    stats = unit_results.Statistics(
         {f"t{i}": np.full((3, 3), i, np.int64) for i in range(1000)}
         | {"scalar": np.array(5, np.int64), "row": np.arange(4), "last": np.ones((3, 3), int)}
     )
     _, (keys, which, stacks) = stats.__reduce__()
     assert keys == list(stats) and len(which) == len(stats) and len(stacks) == 3
     back = pickle.loads(pickle.dumps(stats))
-    assert isinstance(back, results.Statistics) and list(back) == list(stats)
+    assert isinstance(back, unit_results.Statistics) and list(back) == list(stats)
     for key, value in stats.items():
         assert isinstance(back[key], np.ndarray) and back[key].dtype == value.dtype
         assert back[key].shape == value.shape and np.array_equal(back[key], value)

@@ -496,7 +496,8 @@ def test_resolve_parameter_precedence_by_hand() -> None:
 
 
 def _resolved(spec: JobSpec, names: list[str]) -> dict[str, dict]:
-    """Every tensor's parameters as the engine resolves them (`planning.params.resolve_all`)."""
+    """Every tensor's parameters as the engine resolves them
+    (`planning.tensor_params.resolve_all`)."""
     handed_ = handed(PARAMETERS[spec.merge_method])
     per_task = [m.parameters for m in spec.models]
     layers = num_layers(names)
@@ -543,9 +544,9 @@ def test_written_config_resolves_every_tensor_as_the_run_did(method: str) -> Non
 def test_package_is_plain_python_without_asserts() -> None:
     """No assert on user input, no torch: the reader, the resolution and the writer, and the
     tables they read."""
-    from ram_dist.methods import layers, parameters
+    from ram_dist.methods import decoder_layers, parameters
 
-    files = [*Path(mc.__file__).parent.glob("*.py"), Path(layers.__file__)]
+    files = [*Path(mc.__file__).parent.glob("*.py"), Path(decoder_layers.__file__)]
     trees = [ast.parse(f.read_text()) for f in [*files, Path(parameters.__file__)]]
     assert len(files) == 6
     assert not [n for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Assert)]

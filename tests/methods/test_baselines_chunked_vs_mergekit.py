@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from ram_dist.methods import dare, get_method, linear, task_arithmetic
+from ram_dist.methods import get_method, linear
+from ram_dist.methods.generalized_task_arithmetic import combine, dare
+from ram_dist.methods.generalized_task_arithmetic.topk import LOW_BINS, kept_count
 from ram_dist.methods.protocol import Chunk, State
-from ram_dist.methods.topk import LOW_BINS, kept_count
 
 try:
     import mergekit.merge_methods.base as mk_base
@@ -89,7 +90,7 @@ def total(stats: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def run_ta(base, tasks, bounds, **kw) -> torch.Tensor:
-    parts = [task_arithmetic.merge_chunk(b, ts, **kw) for _, b, ts in split(base, tasks, bounds)]
+    parts = [combine.merge_chunk(b, ts, **kw) for _, b, ts in split(base, tasks, bounds)]
     return torch.cat(parts).reshape(base.shape)
 
 
@@ -135,7 +136,7 @@ def run_ties(base, tasks, bounds, weights, densities, rescale=False, name="w", *
 
 def reference_ties(base, tasks, weights, densities, normalize=True, lambda_=1.0) -> torch.Tensor:
     """TIES on whole tensors with the spec's cut: a stable sort by (-|delta|, flat index)."""
-    b, deltas = task_arithmetic.task_vectors(base, tasks)
+    b, deltas = combine.task_vectors(base, tasks)
     sparse = []
     for d, density in zip(deltas, densities, strict=True):
         if density >= 1:
@@ -145,7 +146,7 @@ def reference_ties(base, tasks, weights, densities, normalize=True, lambda_=1.0)
         keep = torch.zeros(d.numel(), dtype=torch.bool)
         keep[order[: kept_count(density, d.numel())]] = True
         sparse.append(dare.sparsify(d, keep, None))
-    merged = task_arithmetic.combine(
+    merged = combine.combine(
         b, sparse, weights, consensus=True, normalize=normalize, lambda_=lambda_
     )
     return merged.reshape(base.shape)
@@ -230,7 +231,7 @@ def test_task_arithmetic_zero_weight_sum_is_not_divided() -> None:
     base, tasks = make_inputs(2)
     w = [0.5, -0.5]
     ref = mergekit_gta("task_arithmetic", base, tasks, w, normalize=True)
-    assert same_bytes(task_arithmetic.merge_chunk(base, tasks, w, normalize=True), ref)
+    assert same_bytes(combine.merge_chunk(base, tasks, w, normalize=True), ref)
 
 
 @needs_mergekit
@@ -239,7 +240,7 @@ def test_five_tasks_agree_within_sum_rounding() -> None:
     base, tasks = make_inputs(5, seed=9)
     w = [*WEIGHTS, 0.3]
     ref = mergekit_gta("task_arithmetic", base, tasks, w)
-    ours = task_arithmetic.merge_chunk(base, tasks, w)
+    ours = combine.merge_chunk(base, tasks, w)
     scale = sum(abs(wt) * (t - base).abs() for wt, t in zip(w, tasks, strict=True)) + base.abs()
     assert bool(((ours - ref).abs() <= 4 * 2.0**-24 * scale).all())
 

@@ -22,11 +22,11 @@ from ram_dist.mergekit_config import (
     resolve_tensor,
 )
 from ram_dist.methods import METHODS, get_method
-from ram_dist.methods.layers import layer_index, layer_name
+from ram_dist.methods.decoder_layers import layer_index, layer_name
 from ram_dist.methods.parameters import BY_NAME, PARAMETERS, cli_parameters, handed
 from ram_dist.methods.ram import layer_summary
 from ram_dist.planning.config import MergeConfig, load_yaml
-from ram_dist.planning.params import resolve_all
+from ram_dist.planning.tensor_params import resolve_all
 from ram_dist.report.model_card import model_card
 
 
@@ -112,8 +112,8 @@ NAMES = [
 
 
 def test_engine_resolves_with_the_readers_precedence(tmp_path: Path) -> None:
-    """`planning.params.resolve_all` (what the merge runs with) and `resolve_parameter` give
-    every parameter of every tensor the same value."""
+    """`planning.tensor_params.resolve_all` (what the merge runs with) and
+    `resolve_parameter` give every parameter of every tensor the same value."""
     text = ENGINE_YAML.format(base="/b", a="/a", b="/c")
     path = tmp_path / "job.yaml"
     path.write_text(text)
@@ -192,7 +192,7 @@ GPT2 = [
 @pytest.mark.parametrize("names", [GPT2, NAMES], ids=["gpt2", "llama"])
 def test_report_layers_are_the_layers_parameters_vary_across(names: list[str]) -> None:
     """mergekit treats GPT-2's `transformer.h.N` as layer N; so do the parameter gradients
-    and the per-layer report, with one rule (`methods.layers`)."""
+    and the per-layer report, with one rule (`methods.decoder_layers`)."""
     totals = {n: torch.full((3, 3), k + 1, dtype=torch.int64) for k, n in enumerate(names)}
     report = layer_summary(totals)
     groups: dict[str, list[str]] = {}

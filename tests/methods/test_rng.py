@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ram_dist.methods.rng import BITS, mix64, random_bits, stream_key, uniform
+from ram_dist.methods.generalized_task_arithmetic.rng import (
+    BITS,
+    mix64,
+    random_bits,
+    stream_key,
+    uniform,
+)
 
 _GOLDEN = 0x9E3779B97F4A7C15
 

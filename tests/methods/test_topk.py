@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import pytest
 import torch
 
-from ram_dist.methods.topk import (
+from ram_dist.methods.generalized_task_arithmetic.topk import (
     HIGH_BINS,
     LOW_BINS,
     find_cut,

@@ -14,6 +14,7 @@ from ram_dist.errors import RamDistError
 from ram_dist.io.failures import explained, is_storage_failure
 from ram_dist.io.manifest import Manifest, differences, load_manifest
 from ram_dist.io.names import INDEX_NAME, LEASE_NAME, MANIFEST_NAME
+from ram_dist.io.sinks import OutputSink, choose_sink
 from ram_dist.io.storage import join
 from ram_dist.planning.job import Job
 
@@ -102,6 +103,16 @@ def open_output(job: Job) -> OutputState:
 def _is_lease(path: str) -> bool:
     """The output's lease (and its short-lived helper files), which is no output file."""
     return path.rstrip("/").rsplit("/", 1)[-1].startswith(LEASE_NAME)
+
+
+def output_sink_for(job: Job, nodes: int | None) -> OutputSink:
+    """The sink the map pass writes the output through on a cluster of `nodes` nodes (None:
+    not known, as in `ram-dist plan`)."""
+    assert job.out is not None
+    single_node = None if nodes is None else nodes == 1
+    return choose_sink(
+        job.out, job.storage, shared=job.config.output_shared, single_node=single_node
+    )
 
 
 def clear_published(job: Job) -> None:

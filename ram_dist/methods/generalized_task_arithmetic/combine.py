@@ -1,4 +1,5 @@
-"""Task Arithmetic, and the weighted combine step that TIES and DARE share with it.
+"""The weighted combine step every member of the family ends with; `task_arithmetic` is this
+step alone (`merge_chunk`).
 
 `combine` follows mergekit's generalized task arithmetic tail
 (`GeneralizedTaskArithmeticMerge.merge_group`) operation for operation, in float32:

@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from ram_dist.methods.rng import BITS, random_bits
-from ram_dist.methods.task_arithmetic import combine, task_vectors
+from ram_dist.methods.generalized_task_arithmetic.combine import combine, task_vectors
+from ram_dist.methods.generalized_task_arithmetic.rng import BITS, random_bits
 
 if TYPE_CHECKING:
     import torch

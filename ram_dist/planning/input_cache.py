@@ -14,12 +14,12 @@ from ram_dist.io.storage import join
 from ram_dist.planning.job import Job
 
 
-def input_cache(job: Job) -> tuple[InputCache | None, str]:
+def choose_input_cache(job: Job) -> tuple[InputCache | None, str]:
     """The cache a merge keeps pass-1 input ranges in, or None; and why, in words."""
     mode = job.config.input_cache
     if mode == "off":
         return None, "off (--input-cache off)"
-    if job.method.rounds == 0 and job.config.allow_nonfinite:
+    if job.reduce_rounds == 0:
         return None, "off: this merge reads its inputs once"
     if mode == "auto" and all(job.storage.is_local(f) for c in _inputs(job) for f in _files(c)):
         return None, "off: every input is on a local filesystem (--input-cache on caches those too)"

@@ -16,7 +16,7 @@ from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config.resolving import num_layers, resolve_tensor
 from ram_dist.mergekit_config.spec import Filtered, Gradient
 from ram_dist.methods import MergeMethod
-from ram_dist.methods.layers import layer_index
+from ram_dist.methods.decoder_layers import layer_index
 from ram_dist.methods.parameters import handed
 from ram_dist.planning.config import MergeConfig
 

@@ -1,12 +1,14 @@
-"""The baselines the paper compares against, with mergekit's names, parameters and defaults.
+"""mergekit's generalized task arithmetic family as one configured method class,
+`TaskArithmeticFamily`, and its four members (`METHODS`): `task_arithmetic`, `ties`,
+`dare_linear` and `dare_ties`, with mergekit's names, parameters and defaults. A member is
+an optional sparsification (by magnitude: TIES; at random: DARE), then the weighted combine
+step with optional sign consensus.
 
-Configured instances of two families: the generalized task arithmetic family
-(`task_arithmetic`, `ties`, `dare_linear`, `dare_ties`: optional sparsification by magnitude
-or at random, optional sign consensus) and `linear`. Whole-tensor quantities are reduce
-rounds: TIES's exact top-k cut (`topk.py`: rounds 0-1 magnitude histograms, then, when the
-cut splits a group of equal magnitudes, rounds 2-3 histograms of their flat indices, so the
-kept set is a rule of each element) and the L1 norms of the rescale rule
-(`dare.l1_statistic`, exact integer sums; for TIES the kept L1 is summed in round 2).
+Whole-tensor quantities are reduce rounds: TIES's exact top-k cut (`topk`: rounds 0-1
+magnitude histograms, then, when the cut splits a group of equal magnitudes, rounds 2-3
+histograms of their flat indices, so the kept set is a rule of each element) and the L1
+norms of the rescale rule (`dare.l1_statistic`, exact integer sums; for TIES the kept L1 is
+summed in round 2).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
-from ram_dist.methods import dare, linear, task_arithmetic, ties, topk
+from ram_dist.methods.generalized_task_arithmetic import combine, dare, ties, topk
 from ram_dist.methods.parameters import (
     DENSITY,
     INT8_MASK,
@@ -28,7 +30,7 @@ from ram_dist.methods.parameters import (
     Parameter,
     variant,
 )
-from ram_dist.methods.protocol import Chunk, NoStatistics, State, TensorParams
+from ram_dist.methods.protocol import Chunk, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
@@ -69,14 +71,14 @@ def _fused_statistics(
 
 
 def _weight_sum(weights: Sequence[float]) -> float:
-    """The float32 sum of the weights in task order (`task_arithmetic.ordered_sum`), or 1
+    """The float32 sum of the weights in task order (`combine.ordered_sum`), or 1
     where mergekit takes it as zero: what `normalize` divides by."""
     import numpy as np
 
     total = np.float32(0.0)
     for w in weights:
         total = np.float32(total + np.float32(w))
-    return 1.0 if abs(total) < np.float32(task_arithmetic.WEIGHT_SUM_EPS) else float(total)
+    return 1.0 if abs(total) < np.float32(combine.WEIGHT_SUM_EPS) else float(total)
 
 
 def _densities(params: TensorParams) -> list[float]:
@@ -85,22 +87,6 @@ def _densities(params: TensorParams) -> list[float]:
 
 def _weights(params: TensorParams) -> list[float]:
     return [float(w) for w in params["weight"]]
-
-
-#: What the model card says of a method computed as mergekit computes it.
-MERGEKIT_TEXT = (
-    "`{name}`, computed as mergekit computes it (float32), streamed unit by unit on Ray."
-)
-
-
-class MergekitRule:
-    """What a method computed as mergekit computes it says of itself (`description`)."""
-
-    name: str
-
-    @property
-    def description(self) -> str:
-        return MERGEKIT_TEXT.format(name=self.name)
 
 
 @dataclass(frozen=True)
@@ -204,7 +190,7 @@ class TaskArithmeticFamily(MergekitRule):
             )  # fmt: skip
             return {chunk.tensor: stats}
         info = state["tensors"][chunk.tensor]
-        _, deltas = task_arithmetic.task_vectors(base, tasks)
+        _, deltas = combine.task_vectors(base, tasks)
         keys = [topk.magnitude_keys(d) for d in deltas]
         if round_ == 0:
             out = {chunk.tensor: torch.stack([topk.high_histogram(k) for k in keys])}
@@ -302,9 +288,7 @@ class TaskArithmeticFamily(MergekitRule):
         lam = float(params["lambda"])
         normalize = bool(params["normalize"])
         if self.sparsify is None:
-            return task_arithmetic.merge_chunk(
-                base, tasks, weights, normalize=normalize, lambda_=lam
-            )
+            return combine.merge_chunk(base, tasks, weights, normalize=normalize, lambda_=lam)
         info = state["tensors"][chunk.tensor]
         if self.sparsify == "random":
             factors = info.get("factors") or [None] * len(tasks)
@@ -313,7 +297,7 @@ class TaskArithmeticFamily(MergekitRule):
                 densities=_densities(params), factors=factors, consensus=self.consensus,
                 normalize=normalize, lambda_=lam,
             )  # fmt: skip
-        b, deltas = task_arithmetic.task_vectors(base, tasks)
+        b, deltas = combine.task_vectors(base, tasks)
         sparse = []
         for d, density, c in zip(deltas, _densities(params), info["cuts"], strict=True):
             if c is None:  # density >= 1: untouched; density <= 0: zeros (as in mergekit)
@@ -322,7 +306,7 @@ class TaskArithmeticFamily(MergekitRule):
             keys = topk.magnitude_keys(d)
             keep = topk.keep_mask(keys, c["threshold"], chunk.start, c.get("index_cut"))
             sparse.append(dare.sparsify(d, keep, c.get("factor")))
-        return task_arithmetic.combine(
+        return combine.combine(
             b, sparse, weights, consensus=self.consensus, normalize=normalize, lambda_=lam
         )
 
@@ -408,40 +392,10 @@ def _zeros(n: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=device)
 
 
-@dataclass(frozen=True)
-class LinearMethod(MergekitRule, NoStatistics):
-    """mergekit's `linear`: the weighted mean of the task models (the base is not averaged)."""
-
-    name: str = "linear"
-    label: str = "Linear (weighted average)"
-    reference: str = "Wortsman et al. 2022 (model soups)"
-    needs_base: bool = False
-
-    @property
-    def parameters(self) -> tuple[Parameter, ...]:
-        return (WEIGHT, variant(NORMALIZE, True))
-
-    def check(self, params: TensorParams, where: str) -> None:
-        """What the parameters' own checks cannot see: a weight sum to normalize by."""
-        if params["normalize"] and sum(params["weight"]) == 0:
-            raise RamDistError(f"{where}: the weights sum to 0; linear cannot normalize by it")
-
-    def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
-    ) -> torch.Tensor:
-        return linear.merge_chunk(tasks, _weights(params), normalize=bool(params["normalize"]))
-
-
-#: mergekit's baselines, as `ram_dist.methods.METHODS` lists them.
+#: The family's members, with mergekit's names, as `ram_dist.methods.METHODS` lists them.
 METHODS = (
     TaskArithmeticFamily("task_arithmetic", None, False, "Task Arithmetic", "Ilharco et al. 2023"),
     TaskArithmeticFamily("ties", "magnitude", True, "TIES", "Yadav et al. 2023"),
     TaskArithmeticFamily("dare_linear", "random", False, "DARE (linear)", "Yu et al. 2024"),
     TaskArithmeticFamily("dare_ties", "random", True, "DARE (TIES)", "Yu et al. 2024"),
-    LinearMethod(),
 )

@@ -1,11 +1,11 @@
 """TIES: magnitude sparsification per task, sign election, disjoint mean.
 
 Per tensor and task, keep the k = max(1, int(density * numel)) largest |delta| (ties at the
-cut: lowest flat index first), then `task_arithmetic.combine` with the sign election and
+cut: lowest flat index first), then `combine.combine` with the sign election and
 (default) normalization by the kept weights. mergekit's special cases are kept: density >= 1
 leaves the delta untouched, density <= 0 gives zeros.
 
-The engine runs it as `baselines.TaskArithmeticFamily` ("ties"): the cut's reduce rounds and
+The engine runs it as `family.TaskArithmeticFamily` ("ties"): the cut's reduce rounds and
 its per-element keep rule are `topk.py`'s. With `rescale` (mergekit's L1 rule, off by default
 for TIES) round 0 also yields the L1 statistic of delta (`dare.l1_statistic`) and round 2 that
 of the keys above the cut; the kept keys equal to the cut all have the same value, so
@@ -14,7 +14,7 @@ of the keys above the cut; the kept keys equal to the cut all have the same valu
 Byte identity with mergekit holds unless the cut splits a group of equal non-zero
 magnitudes (mergekit's unstable argsort picks arbitrarily among them; for zeros the choice
 changes no byte, as a kept or dropped zero delta is the same zero) and, as for every
-combine, for N <= 4 tasks (see `task_arithmetic`). With `rescale` the L1 factor may differ
+combine, for N <= 4 tasks (see `combine`). With `rescale` the L1 factor may differ
 by an ulp (see `dare`).
 """
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ram_dist.methods.dare import l1_statistic
-from ram_dist.methods.topk import Cut
+from ram_dist.methods.generalized_task_arithmetic.dare import l1_statistic
+from ram_dist.methods.generalized_task_arithmetic.topk import Cut
 
 if TYPE_CHECKING:
     import torch

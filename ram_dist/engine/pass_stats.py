@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ram_dist.engine import memory
-from ram_dist.engine.results import UnitResult
+from ram_dist.engine.unit_results import UnitResult
 from ram_dist.io.range_cache import CacheTraffic
 
 

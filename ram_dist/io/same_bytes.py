@@ -1,6 +1,6 @@
 """Whether tensors hold the same bytes in every input: read on the driver, before any work.
 
-Integer and bool tensors are copied from the base, not merged (`../shared/spec/ram.md`); a
+Integer and bool tensors are copied from the base, not merged (`docs/exactness.md`); a
 task whose bytes differ there would lose its change without a word, so the job asks first.
 They are few and small in the checkpoints ram-dist merges (none, or a buffer or two), and
 they are compared in batches of bounded size whatever their number.

@@ -1,0 +1,20 @@
+"""mergekit's generalized task arithmetic family: `task_arithmetic`, `ties`, `dare_linear`
+and `dare_ties`, one method class configured four ways (`family.TaskArithmeticFamily`,
+listed in `METHODS`). Each member takes the task vectors `delta_t = theta_t - theta_B`,
+sparsifies them or not, and combines them with the weights.
+
+The rules, one module each:
+
+* `combine`: the weighted combine step every member ends with, with optional sign consensus
+  and normalization; `task_arithmetic` is this step alone.
+* `topk`: TIES's exact magnitude cut over a whole tensor, from histograms summed over chunks.
+* `ties`: what TIES adds to the cut (which tasks are cut, the kept L1 norm).
+* `dare`: DARE's random drop and the L1 rescale rule, with exact integer L1 sums.
+* `rng`: the counter-based random numbers behind DARE's masks.
+"""
+
+from __future__ import annotations
+
+from ram_dist.methods.generalized_task_arithmetic.family import METHODS, TaskArithmeticFamily
+
+__all__ = ["METHODS", "TaskArithmeticFamily"]
