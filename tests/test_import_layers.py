@@ -102,3 +102,33 @@ def test_the_architecture_doc_names_the_layers():
         assert layer in table, name
     for name in TABLES:
         assert f"`{name}`" in section.split("|", 1)[0], name
+
+
+def _modules_of(layer: str) -> set[str]:
+    """The modules and sub-packages of one package of the package (`engine`: its files)."""
+    found = set()
+    for path in (PACKAGE / layer).iterdir():
+        if path.is_dir() and (path / "__init__.py").is_file():
+            found.add(f"{path.name}/")
+        elif path.suffix == ".py" and path.stem != "__init__":
+            found.add(path.stem)
+    return found
+
+
+def test_the_architecture_table_lists_each_packages_modules_exactly():
+    """Each package's row names every module it holds and no module it does not hold, so a
+    rename that forgets the doc fails here."""
+    import re
+
+    section = ARCHITECTURE.read_text().split("\n## Package layers\n", 1)[1].split("\n## ", 1)[0]
+    checked = set()
+    for row in (line for line in section.splitlines() if line.startswith("| `")):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        layers = [n for n in re.findall(r"`([a-z_]+)/`", cells[0]) if (PACKAGE / n).is_dir()]
+        if not layers:
+            continue
+        listed = set(re.findall(r"`([a-z_0-9]+/?)`", re.sub(r"\([^)]*\)", "", cells[1])))
+        held = set().union(*(_modules_of(layer) for layer in layers))
+        assert listed == held, (layers, sorted(listed - held), sorted(held - listed))
+        checked.update(layers)
+    assert checked == {n for n in RANK if (PACKAGE / n).is_dir()}
