@@ -21,6 +21,7 @@ from ram_dist.dtypes import FLOATING, dtype_name
 from ram_dist.errors import CheckpointError
 from ram_dist.io.checkpoint import Checkpoint
 from ram_dist.io.safetensors_header import TensorInfo
+from ram_dist.planning.sources import Fp8Source, Source, TensorSource
 
 FP8_DTYPE = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
@@ -66,6 +67,22 @@ class Format:
         if self.fp8 is None:
             return frozenset()
         return frozenset(n + SCALE_SUFFIX for n in self.fp8.scales)
+
+    @property
+    def decodes(self) -> bool:
+        """Whether some tensor's values are decoded from what the checkpoint stores."""
+        return self.fp8 is not None
+
+    def source(self, info: TensorInfo) -> TensorSource:
+        """Where and how this checkpoint stores tensor `info` (`planning.sources`): the one
+        place that says which implementation a tensor's format is."""
+        if self.fp8 is None or info.name not in self.fp8.scales:
+            return Source(info.file, info.start, info.dtype)
+        scale = self.fp8.scales[info.name]
+        return Fp8Source(
+            info.file, info.start, info.dtype, scale.file, scale.start, scale.dtype,
+            self.fp8.block, info.shape[1],
+        )  # fmt: skip
 
     def describe(self, ckpt: Checkpoint) -> str:
         """In words, for `plan`, the report and the model card."""
