@@ -188,18 +188,20 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
         if name in companions:
             continue
         infos = [b] + [t.tensors[name] for t in tasks]
-        for task, info in zip(tasks, infos[1:], strict=True):
+        sources = tuple(fmt.source(info) for info, fmt in zip(infos, formats, strict=True))
+        merged = [_merged(src) for src in sources]
+        for task, info, merges in zip(tasks, infos[1:], merged[1:], strict=True):
             if info.shape != b.shape:
                 raise CheckpointError(
                     f"tensor {name!r}: shape {list(info.shape)} in {task.describe(name)} "
                     f"differs from {list(b.shape)} in {base.describe(name)}"
                 )
-            if _floating(info) != _floating(b):
+            if merges != merged[0]:
                 raise CheckpointError(
                     f"tensor {name!r}: dtype {info.dtype} in {task.describe(name)} and "
                     f"{b.dtype} in {base.describe(name)} are not both floating point"
                 )
-        participating = _floating(b)
+        participating = merged[0]
         fp8_out = None
         if b.dtype == FP8_DTYPE and out_dtype is None:
             assert base_fp8 is not None
@@ -210,7 +212,7 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
             shape=b.shape,
             participating=participating,
             out_dtype=_out_dtype(b, participating, fp8_out, out_dtype),
-            sources=tuple(fmt.source(info) for info, fmt in zip(infos, formats, strict=True)),
+            sources=sources,
             fp8_out=fp8_out,
         )
         if fp8_out is not None:
@@ -250,10 +252,10 @@ def _out_dtype(
     return FP8_DTYPE if fp8_out is not None else out_dtype or base.dtype
 
 
-def _floating(info: TensorInfo) -> bool:
-    """Whether a tensor takes part in the merge: a floating one, or an FP8 weight (a lone
-    F8 tensor is refused by `formats.recognize` before this is asked)."""
-    return info.dtype in FLOATING or info.dtype == FP8_DTYPE
+def _merged(src: TensorSource) -> bool:
+    """Whether an input's tensor takes part in the merge: its values are floating point (an
+    FP8 weight's are float32; a lone F8 tensor is refused by `formats.recognize` first)."""
+    return src.values_dtype in FLOATING
 
 
 def _scales_after_weights(names: list[str], tensors: dict[str, TensorEntry]) -> list[str]:
