@@ -57,7 +57,10 @@ class Fp8Blocks:
 
 @dataclass(frozen=True)
 class Format:
-    """How one checkpoint stores its weights."""
+    """How one checkpoint stores its weights. The rest of the package asks it only for each
+    tensor's source (`source`), the tensors that are part of another's (`companions`),
+    whether any values are decoded (`decodes`) and its words (`describe`): `fp8` is read
+    here alone."""
 
     fp8: Fp8Blocks | None
 

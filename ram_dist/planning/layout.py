@@ -24,8 +24,8 @@ from ram_dist.io.checkpoint import Checkpoint
 from ram_dist.io.safetensors_header import TensorInfo
 from ram_dist.io.storage import join
 from ram_dist.io.writer import OutTensor
-from ram_dist.planning.formats import FP8_DTYPE, Format, recognize
-from ram_dist.planning.sources import FP8_VALUES_DTYPE, Source, TensorSource
+from ram_dist.planning.formats import FP8_DTYPE, SCALE_SUFFIX, Format, recognize
+from ram_dist.planning.sources import FP8_VALUES_DTYPE, Fp8Source, Source, TensorSource
 from ram_dist.planning.units import TensorSlot, WorkUnit
 
 
@@ -181,7 +181,6 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
     formats = [recognize(c) for c in (base, *tasks)]
     for task, fmt in zip(tasks, formats[1:], strict=True):
         _check_names(base, formats[0], task, fmt)
-    base_fp8 = formats[0].fp8
     companions = formats[0].companions
     tensors: dict[str, TensorEntry] = {}
     for name, b in base.tensors.items():
@@ -203,10 +202,8 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
                 )
         participating = merged[0]
         fp8_out = None
-        if b.dtype == FP8_DTYPE and out_dtype is None:
-            assert base_fp8 is not None
-            scale = base_fp8.scales[name]
-            fp8_out = Fp8Out(base_fp8.block, scale.name, scale.dtype)
+        if isinstance(sources[0], Fp8Source) and out_dtype is None:  # written as the base is
+            fp8_out = Fp8Out(sources[0].block, name + SCALE_SUFFIX, sources[0].scale_dtype)
         tensors[name] = TensorEntry(
             name=name,
             shape=b.shape,
