@@ -193,7 +193,9 @@ def stream_blocks(
         for block in (blocks[k] for k in groups[g]):
             piece = pieces[block.piece]
             entry = layout.tensors[piece.tensor]
-            requests += _ranges(entry, piece.start + block.lo, piece.start + block.hi)[0]
+            lo, hi = piece.start + block.lo, piece.start + block.hi
+            # a small tensor's inputs are plain (`_groupable`): one range each, in order
+            requests += [src.ranges(lo, hi)[0] for src in entry.sources[: inputs_of(entry)]]
             dtypes.append(tuple(s.dtype for s in entry.sources[: inputs_of(entry)]))
         arrays = scope.reads.views(g % 2, [end - start for _, start, end in requests], pinned)
         storage.read_ranges(requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic)
