@@ -1,12 +1,14 @@
 """Reading a unit's inputs, block by block: the byte ranges of every input a piece needs,
 read into reused buffers by a thread while the caller computes the block before (small
-tensors grouped into one request), FP8 blocks dequantized on the way. Runs on Ray workers.
+tensors grouped into one request), each input's values decoded on the way as its source
+says (`planning.sources`: FP8 blocks dequantized). Runs on Ray workers.
 
 A CPU worker on the fused path never imports torch: the kernels read the numpy arrays;
 torch is loaded where the eager rule or a GPU runs, the first time it does."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,12 +17,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ram_dist import kernels
-from ram_dist.dtypes import itemsize
 from ram_dist.engine.worker import WorkScope
 from ram_dist.io.storage import Storage
-from ram_dist.kernels import fp8
-from ram_dist.planning.layout import Layout, Source, TensorEntry
+from ram_dist.planning.layout import Layout, TensorEntry
 from ram_dist.planning.sizing import COMPUTE_BLOCK
+from ram_dist.planning.sources import Range, TensorSource
 from ram_dist.planning.units import Piece
 
 if TYPE_CHECKING:
@@ -34,26 +35,26 @@ def inputs_of(entry: TensorEntry) -> int:
     return len(entry.sources) if entry.participating else 1
 
 
-def _ranges(entry: TensorEntry, start: int, stop: int) -> list[tuple[str, int, int]]:
+def _ranges(entry: TensorEntry, start: int, stop: int) -> tuple[list[Range], list[int]]:
     """The byte ranges of elements [start, stop) of a tensor in every input it needs (base
-    first; only the base for a tensor that is copied), then the scale rows of the bands
-    they cover in each FP8 input (elements [start, stop) are whole bands there)."""
-    sources = entry.sources[: inputs_of(entry)]
-    out = []
-    for src in sources:
-        size = itemsize(src.dtype)
-        out.append((src.file, src.start + start * size, src.start + stop * size))
-    for src in sources:
-        if src.scales is not None:
-            first, last = band_span(entry, start, stop)
-            width, per = itemsize(src.scales.dtype), src.scales.per_band
-            lo, hi = src.scales.start + first * per * width, src.scales.start + last * per * width
-            out.append((src.scales.file, lo, hi))
-    return out
+    first; only the base for a tensor that is copied), and the input each belongs to: each
+    source's first range (its stored elements) in input order, then each one's second (an
+    FP8 input's scale rows), and so on, so that the stored elements lead as they always
+    have. Elements [start, stop) are whole atomic rows of every source."""
+    per = [src.ranges(start, stop) for src in entry.sources[: inputs_of(entry)]]
+    out = [r[0] for r in per]
+    owner = list(range(len(per)))
+    for k in range(1, max(map(len, per), default=1)):
+        for i, r in enumerate(per):
+            if k < len(r):
+                out.append(r[k])
+                owner.append(i)
+    return out, owner
 
 
 def band_span(entry: TensorEntry, start: int, stop: int) -> tuple[int, int]:
-    """The bands [first, last) that elements [start, stop) of an FP8 weight cover."""
+    """The bands [first, last) (runs of atomic rows, `TensorEntry.band`) that elements
+    [start, stop) of a tensor cover, such as an FP8 weight's."""
     band = entry.band
     assert band is not None and start % band == 0, f"{entry.name}: not cut at a band"
     return start // band, -(-stop // band)
@@ -80,9 +81,10 @@ class BlockInputs:
 
     raw: tuple[np.ndarray, ...]
     dtypes: tuple[str, ...]
-    fp8: tuple[tuple[np.ndarray, np.ndarray] | None, ...] = ()
-    """Per input read as FP8: its e4m3 bytes and raw scale bytes (`raw` holds its values,
-    dequantized to float32); None for any other input."""
+    stored: tuple[tuple[np.ndarray, ...] | None, ...] = ()
+    """Per input whose values were decoded (`TensorSource.decoded`): the arrays read for it
+    (an FP8 input's e4m3 bytes and raw scale bytes), `raw` holding its values; None for any
+    other input."""
 
     def arrays(self) -> list[np.ndarray]:
         """The inputs as the fused kernels read them (`ram_dist.kernels.READS`)."""
@@ -111,11 +113,13 @@ def _groupable(entry: TensorEntry) -> bool:
     """Whether a tensor's blocks may be read together with their neighbours' (one
     `read_ranges` call for the group): a small tensor, at most `SMALL_BYTES` from each input.
     A block of a tensor that is not is read on its own, and so is every block of a weight in
-    FP8 blocks (its scales are read with it, its values dequantized) and of new FP8 scales
-    (made from their weight's bands)."""
+    atomic rows or with a decoded input (an FP8 weight: its scales are read with it, its
+    values dequantized) and of new FP8 scales (made from their weight's bands)."""
     if entry.scale_of is not None or entry.band is not None:
         return False
-    return all(entry.numel * itemsize(s.dtype) <= SMALL_BYTES for s in entry.sources)
+    if any(s.decoded for s in entry.sources):
+        return False
+    return all(entry.numel * s.itemsize <= SMALL_BYTES for s in entry.sources)
 
 
 def _groups(blocks: list[Block], pieces: tuple[Piece, ...], layout: Layout) -> list[range]:
@@ -130,9 +134,8 @@ def _groups(blocks: list[Block], pieces: tuple[Piece, ...], layout: Layout) -> l
             groups.append(range(k, k + 1))
             first, size, small = k + 1, 0, False
             continue
-        nbytes = (block.hi - block.lo) * sum(
-            itemsize(src.dtype) for src in entry.sources[: inputs_of(entry)]
-        )
+        width = sum(src.itemsize for src in entry.sources[: inputs_of(entry)])
+        nbytes = (block.hi - block.lo) * width
         if small and (k - first >= GROUP_BLOCKS or size + nbytes > GROUP_BYTES):
             groups.append(range(first, k))
             first, size = k, 0
@@ -164,7 +167,7 @@ def stream_blocks(
     groups = _groups(blocks, pieces, layout)
 
     def read_one(k: int, slot: int) -> BlockInputs:
-        """A block read on its own, an FP8 one dequantized."""
+        """A block read on its own, its inputs decoded where their sources say so."""
         block = blocks[k]
         piece = pieces[block.piece]
         entry = layout.tensors[piece.tensor]
@@ -172,15 +175,15 @@ def stream_blocks(
         if not sources:  # new FP8 scales: made from their weight's bands, read nothing
             return BlockInputs((), ())
         start, stop = piece.start + block.lo, piece.start + block.hi
-        requests = _ranges(entry, start, stop)
+        requests, owner = _ranges(entry, start, stop)
         arrays = scope.reads.views(slot, [end - start for _, start, end in requests], pinned)
         storage.read_ranges(requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic)
-        scaled = [i for i, s in enumerate(sources) if s.scales is not None]
-        for i, a in enumerate(arrays):
-            bytes_read[i if i < len(sources) else scaled[i - len(sources)]] += a.size
-        if not scaled:
+        for i, a in zip(owner, arrays, strict=True):
+            bytes_read[i] += a.size
+        if not any(s.decoded for s in sources):
             return BlockInputs(tuple(arrays), tuple(s.dtype for s in sources))
-        return _dequantized(sources, arrays, scaled, lambda i, n: scope.reads.floats((slot, i), n))
+        floats = lambda i, n: scope.reads.floats((slot, i), n)  # noqa: E731
+        return _decoded(sources, start, stop, arrays, owner, floats)
 
     def read(g: int) -> list[BlockInputs]:
         if len(groups[g]) == 1:
@@ -190,7 +193,9 @@ def stream_blocks(
         for block in (blocks[k] for k in groups[g]):
             piece = pieces[block.piece]
             entry = layout.tensors[piece.tensor]
-            requests += _ranges(entry, piece.start + block.lo, piece.start + block.hi)
+            lo, hi = piece.start + block.lo, piece.start + block.hi
+            # a small tensor's inputs are plain (`_groupable`): one range each, in order
+            requests += [src.ranges(lo, hi)[0] for src in entry.sources[: inputs_of(entry)]]
             dtypes.append(tuple(s.dtype for s in entry.sources[: inputs_of(entry)]))
         arrays = scope.reads.views(g % 2, [end - start for _, start, end in requests], pinned)
         storage.read_ranges(requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic)
@@ -216,27 +221,30 @@ def stream_blocks(
                 yield blocks[k], block_inputs
 
 
-def _dequantized(
-    sources: Sequence[Source],
+def _decoded(
+    sources: Sequence[TensorSource],
+    start: int,
+    stop: int,
     arrays: list[np.ndarray],
-    scaled: list[int],
+    owner: list[int],
     floats: Callable[[int, int], np.ndarray],
 ) -> BlockInputs:
-    """A block's inputs with each FP8 one's values dequantized to float32 (the spec's one
-    multiplication per element), its bytes and scales kept beside them."""
-    raw: list[np.ndarray] = list(arrays[: len(sources)])
-    dtypes = [s.dtype for s in sources]
-    kept: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(sources)
-    for j, i in enumerate(scaled):
-        scales = sources[i].scales
-        assert scales is not None
-        q, s_raw = arrays[i], arrays[len(sources) + j]
-        values = fp8.dequantize(
-            q, fp8.scale_values(s_raw, scales.dtype), scales.cols, scales.block,
-            floats(i, q.size),
-        )  # fmt: skip
-        raw[i], dtypes[i], kept[i] = values.view(np.uint8), sources[i].values_dtype, (q, s_raw)
-    return BlockInputs(tuple(raw), tuple(dtypes), tuple(kept))
+    """A block's inputs with each decoded one's values made from what was read for it
+    (`TensorSource.decode`: an FP8 input's, the spec's one multiplication per element), the
+    arrays read for it kept beside them."""
+    read: list[list[np.ndarray]] = [[] for _ in sources]
+    for i, a in zip(owner, arrays, strict=True):
+        read[i].append(a)
+    raw: list[np.ndarray] = []
+    kept: list[tuple[np.ndarray, ...] | None] = []
+    for i, (src, got) in enumerate(zip(sources, read, strict=True)):
+        if src.decoded:
+            raw.append(src.decode(start, stop, got, functools.partial(floats, i)))
+            kept.append(tuple(got))
+        else:
+            raw.append(got[0])
+            kept.append(None)
+    return BlockInputs(tuple(raw), tuple(s.values_dtype for s in sources), tuple(kept))
 
 
 def tensor_from_bytes(raw: np.ndarray, dtype: str) -> torch.Tensor:

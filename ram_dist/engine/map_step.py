@@ -260,7 +260,7 @@ def _requantized(
     the scales only), and their new scale rows into `rows`."""
     fp8_out = entry.fp8_out
     assert fp8_out is not None and entry.band is not None
-    base = inputs.fp8[0] if inputs.fp8 else None
+    base = inputs.stored[0] if inputs.stored else None
     assert base is not None, f"{entry.name}: an FP8 output needs an FP8 base"
     cols = entry.shape[1]
     stored = fp8.requantize(

@@ -21,6 +21,7 @@ from ram_dist.dtypes import FLOATING, dtype_name
 from ram_dist.errors import CheckpointError
 from ram_dist.io.checkpoint import Checkpoint
 from ram_dist.io.safetensors_header import TensorInfo
+from ram_dist.planning.sources import Fp8Source, Source, TensorSource
 
 FP8_DTYPE = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
@@ -56,7 +57,10 @@ class Fp8Blocks:
 
 @dataclass(frozen=True)
 class Format:
-    """How one checkpoint stores its weights."""
+    """How one checkpoint stores its weights. The rest of the package asks it only for each
+    tensor's source (`source`), the tensors that are part of another's (`companions`),
+    whether any values are decoded (`decodes`) and its words (`describe`): `fp8` is read
+    here alone."""
 
     fp8: Fp8Blocks | None
 
@@ -66,6 +70,22 @@ class Format:
         if self.fp8 is None:
             return frozenset()
         return frozenset(n + SCALE_SUFFIX for n in self.fp8.scales)
+
+    @property
+    def decodes(self) -> bool:
+        """Whether some tensor's values are decoded from what the checkpoint stores."""
+        return self.fp8 is not None
+
+    def source(self, info: TensorInfo) -> TensorSource:
+        """Where and how this checkpoint stores tensor `info` (`planning.sources`): the one
+        place that says which implementation a tensor's format is."""
+        if self.fp8 is None or info.name not in self.fp8.scales:
+            return Source(info.file, info.start, info.dtype)
+        scale = self.fp8.scales[info.name]
+        return Fp8Source(
+            info.file, info.start, info.dtype, scale.file, scale.start, scale.dtype,
+            self.fp8.block, info.shape[1],
+        )  # fmt: skip
 
     def describe(self, ckpt: Checkpoint) -> str:
         """In words, for `plan`, the report and the model card."""

@@ -8,7 +8,6 @@ import os
 import shutil
 from typing import Any
 
-from ram_dist.dtypes import itemsize
 from ram_dist.io.range_cache import InputCache, job_key
 from ram_dist.io.storage import join
 from ram_dist.planning.job import Job
@@ -45,7 +44,7 @@ def cache_report(job: Job, cache: InputCache | None, note: str) -> dict[str, Any
         return out
     covered = {f for c in _inputs(job) for f in _files(c) if cache.covers(f, job.storage.is_local)}
     kept = sum(
-        entry.numel * itemsize(src.dtype)
+        entry.numel * src.itemsize
         for entry in job.layout.tensors.values()
         if entry.participating
         for src in entry.sources

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ram_dist.dtypes import itemsize
 from ram_dist.errors import CheckpointError, RamDistError
 from ram_dist.io.checkpoint import Checkpoint, open_checkpoints
 from ram_dist.io.locations import resolve_location, resolve_output
@@ -71,7 +70,7 @@ class Job:
         per_input = [0] * (len(self.tasks) + 1)
         for entry in self.layout.tensors.values():
             for i, src in enumerate(entry.sources):
-                per_input[i] += entry.numel * itemsize(src.dtype)
+                per_input[i] += entry.numel * src.itemsize
         return max(per_input)
 
     @property
@@ -123,7 +122,7 @@ class Job:
             "out_dtype": self.config.out_dtype,
             "inputs": [{"role": c.label, "location": c.url, "files": c.identity} for c in inputs],
         }
-        if self.layout.fp8_inputs:  # how FP8 inputs are read decides the bytes
+        if self.layout.decoded_inputs:  # how FP8 inputs are decoded decides the bytes
             identity["formats"] = list(self.layout.formats)
         return identity
 
@@ -191,7 +190,7 @@ def _changed_integers(
     """The copied (integer or bool) tensors whose bytes some task changed: refused, naming
     the first, unless the config says to copy the base's anyway."""
     copied = {
-        name: [(s.file, s.start, s.start + e.numel * itemsize(s.dtype)) for s in e.sources]
+        name: [(s.file, s.start, s.start + e.numel * s.itemsize) for s in e.sources]
         for name, e in layout.tensors.items()
         if not e.participating and e.scale_of is None and len(e.sources) > 1
     }

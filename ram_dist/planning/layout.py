@@ -4,8 +4,10 @@ Runs on the driver, on headers only, before any tensor byte is read: a task miss
 tensor, holding an extra one, or with another shape stops the job here, naming the model,
 the tensor and the file.
 
-A fine-grained FP8 weight (`planning.formats`) is one tensor here: each input's source says
-where its e4m3 bytes and its scales lie, the workers merge its dequantized values, and, when
+Each input's stored form of a tensor is a source (`planning.sources`): it says what a unit
+reads and how the bytes read become the values merged, whatever the input's format. A
+fine-grained FP8 weight (`planning.formats`) is one tensor here: its sources say where its
+e4m3 bytes and its scales lie, the workers merge its dequantized values, and, when
 the output is FP8 again, its companion scale tensor is an output tensor of its own that
 follows the weight in its shard (`TensorEntry.scale_of`): the same unit can then write both.
 Work units cut such a weight only at whole bands of `bm` rows, the blocks' height.
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from ram_dist.dtypes import FLOATING, dtype_name, itemsize
 from ram_dist.errors import CheckpointError
@@ -23,43 +24,9 @@ from ram_dist.io.checkpoint import Checkpoint
 from ram_dist.io.safetensors_header import TensorInfo
 from ram_dist.io.storage import join
 from ram_dist.io.writer import OutTensor
-from ram_dist.planning.formats import FP8_DTYPE, Format, recognize
+from ram_dist.planning.formats import FP8_DTYPE, SCALE_SUFFIX, Format, recognize
+from ram_dist.planning.sources import FP8_VALUES_DTYPE, Fp8Source, Source, TensorSource
 from ram_dist.planning.units import TensorSlot, WorkUnit
-
-#: The dtype an FP8 weight's values are merged in: its FP8 inputs are dequantized to it, and
-#: its merged values are quantized from it when it is written as FP8 again.
-FP8_VALUES_DTYPE = "F32"
-
-
-class Scales(NamedTuple):
-    """Where an FP8 source's scales lie: one per `block` of its `cols`-wide rows (a named
-    tuple: a DeepSeek-V3 job makes 180,000, and a frozen dataclass is slow to make)."""
-
-    file: str
-    start: int
-    dtype: str
-    block: tuple[int, int]
-    cols: int
-
-    @property
-    def per_band(self) -> int:
-        """Scales per band of `block[0]` rows."""
-        return -(-self.cols // self.block[1])
-
-
-class Source(NamedTuple):
-    """Where one input's bytes of a tensor start, and their dtype; an FP8 source's scales."""
-
-    file: str
-    start: int
-    dtype: str
-    scales: Scales | None = None
-
-    @property
-    def values_dtype(self) -> str:
-        """The dtype a worker merges this input's values in: its own, or `FP8_VALUES_DTYPE`
-        for an FP8 input (dequantized)."""
-        return FP8_VALUES_DTYPE if self.scales is not None else self.dtype
 
 
 @dataclass(frozen=True)
@@ -79,7 +46,8 @@ class TensorEntry:
     shape: tuple[int, ...]
     participating: bool
     out_dtype: str
-    sources: tuple[Source, ...]
+    sources: tuple[TensorSource, ...]
+    """Each input's stored form of the tensor (`planning.sources`), base first."""
     fp8_out: Fp8Out | None = None
     """Written as FP8 blocks again (and its companion `fp8_out.scale_name` with it)."""
     scale_of: str | None = None
@@ -98,19 +66,20 @@ class TensorEntry:
 
     @property
     def band(self) -> int | None:
-        """Elements of one band (`bm` whole rows) of a weight with an FP8 input or output:
-        units and compute blocks cut it only there. None for any other tensor."""
-        block = self.block
-        return block[0] * self.shape[1] if block is not None else None
+        """Elements of the rows units and compute blocks cut only between (`atomic_rows`
+        whole rows: an FP8 band); None for a tensor that may be cut anywhere."""
+        rows = self.atomic_rows
+        return rows * math.prod(self.shape[1:]) if rows is not None else None
 
     @property
-    def block(self) -> tuple[int, int] | None:
-        """The FP8 block size this weight is read or written in (None: no FP8 involved)."""
+    def atomic_rows(self) -> int | None:
+        """Rows cut only together: the output's FP8 blocks' height when it is written as FP8,
+        else the first input's that has any (`TensorSource.atomic_rows`)."""
         if self.fp8_out is not None:
-            return self.fp8_out.block
+            return self.fp8_out.block[0]
         for src in self.sources:
-            if src.scales is not None:
-                return src.scales.block
+            if src.atomic_rows is not None:
+                return src.atomic_rows
         return None
 
 
@@ -123,8 +92,9 @@ class Layout:
     sharded: bool
     formats: tuple[str, ...] = ()
     """Each input's storage format in words (`formats.Format.describe`), base first."""
-    fp8_inputs: bool = False
-    """Whether any input holds FP8 weights (part of the job's identity then)."""
+    decoded_inputs: bool = False
+    """Whether any input's values are decoded from what it stores (FP8 weights): how they
+    are decoded decides the bytes, so the formats are part of the job's identity then."""
 
     def output_format(self) -> str:
         """The output's storage format in words, as `formats` says the inputs'."""
@@ -158,13 +128,13 @@ class Layout:
                     w = self.tensors[e.scale_of]
                     assert w.fp8_out is not None
                     bm, bn = w.fp8_out.block
-                    cost = bm * bn * max(itemsize(s.dtype) for s in w.sources)
+                    cost = bm * bn * max(s.itemsize for s in w.sources)
                     row = -(-w.shape[1] // bn)
                     slots.append(TensorSlot(n, shard, e.numel, row, cost, True, e.scale_of))
                     continue
                 used = e.sources if e.participating else e.sources[:1]
                 row = math.prod(e.shape[1:]) if len(e.shape) > 1 else 1
-                widest = max(itemsize(s.dtype) for s in used)
+                widest = max(s.itemsize for s in used)
                 band = e.band
                 if band is not None:
                     slots.append(TensorSlot(n, shard, e.numel, band, widest, True))
@@ -194,9 +164,9 @@ class Layout:
             assert w.fp8_out is not None
             bm, bn = w.fp8_out.block
             per = min(bm * bn, w.numel)
-            return numel * per * sum(itemsize(s.dtype) for s in w.sources)
+            return numel * per * sum(s.itemsize for s in w.sources)
         sources = e.sources if e.participating else e.sources[:1]
-        return numel * sum(itemsize(s.dtype) for s in sources)
+        return numel * sum(s.itemsize for s in sources)
 
 
 def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
@@ -211,36 +181,35 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
     formats = [recognize(c) for c in (base, *tasks)]
     for task, fmt in zip(tasks, formats[1:], strict=True):
         _check_names(base, formats[0], task, fmt)
-    base_fp8 = formats[0].fp8
     companions = formats[0].companions
     tensors: dict[str, TensorEntry] = {}
     for name, b in base.tensors.items():
         if name in companions:
             continue
         infos = [b] + [t.tensors[name] for t in tasks]
-        for task, info in zip(tasks, infos[1:], strict=True):
+        sources = tuple(fmt.source(info) for info, fmt in zip(infos, formats, strict=True))
+        merged = [_merged(src) for src in sources]
+        for task, info, merges in zip(tasks, infos[1:], merged[1:], strict=True):
             if info.shape != b.shape:
                 raise CheckpointError(
                     f"tensor {name!r}: shape {list(info.shape)} in {task.describe(name)} "
                     f"differs from {list(b.shape)} in {base.describe(name)}"
                 )
-            if _floating(info) != _floating(b):
+            if merges != merged[0]:
                 raise CheckpointError(
                     f"tensor {name!r}: dtype {info.dtype} in {task.describe(name)} and "
                     f"{b.dtype} in {base.describe(name)} are not both floating point"
                 )
-        participating = _floating(b)
+        participating = merged[0]
         fp8_out = None
-        if b.dtype == FP8_DTYPE and out_dtype is None:
-            assert base_fp8 is not None
-            scale = base_fp8.scales[name]
-            fp8_out = Fp8Out(base_fp8.block, scale.name, scale.dtype)
+        if isinstance(sources[0], Fp8Source) and out_dtype is None:  # written as the base is
+            fp8_out = Fp8Out(sources[0].block, name + SCALE_SUFFIX, sources[0].scale_dtype)
         tensors[name] = TensorEntry(
             name=name,
             shape=b.shape,
             participating=participating,
             out_dtype=_out_dtype(b, participating, fp8_out, out_dtype),
-            sources=tuple(_source(info, fmt) for info, fmt in zip(infos, formats, strict=True)),
+            sources=sources,
             fp8_out=fp8_out,
         )
         if fp8_out is not None:
@@ -266,7 +235,7 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
         shards={f: n for f, n in shards.items() if n},
         sharded=base.sharded,
         formats=tuple(f.describe(c) for f, c in zip(formats, (base, *tasks), strict=True)),
-        fp8_inputs=any(f.fp8 is not None for f in formats),
+        decoded_inputs=any(f.decodes for f in formats),
     )
 
 
@@ -280,18 +249,10 @@ def _out_dtype(
     return FP8_DTYPE if fp8_out is not None else out_dtype or base.dtype
 
 
-def _floating(info: TensorInfo) -> bool:
-    """Whether a tensor takes part in the merge: a floating one, or an FP8 weight (a lone
-    F8 tensor is refused by `formats.recognize` before this is asked)."""
-    return info.dtype in FLOATING or info.dtype == FP8_DTYPE
-
-
-def _source(info: TensorInfo, fmt: Format) -> Source:
-    if fmt.fp8 is None or info.name not in fmt.fp8.scales:
-        return Source(info.file, info.start, info.dtype)
-    scale = fmt.fp8.scales[info.name]
-    scales = Scales(scale.file, scale.start, scale.dtype, fmt.fp8.block, info.shape[1])
-    return Source(info.file, info.start, info.dtype, scales)
+def _merged(src: TensorSource) -> bool:
+    """Whether an input's tensor takes part in the merge: its values are floating point (an
+    FP8 weight's are float32; a lone F8 tensor is refused by `formats.recognize` first)."""
+    return src.values_dtype in FLOATING
 
 
 def _scales_after_weights(names: list[str], tensors: dict[str, TensorEntry]) -> list[str]:

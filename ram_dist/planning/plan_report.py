@@ -100,7 +100,7 @@ def worker_memory(job: Job) -> int:
     out_bytes = max((unit_out_bytes(u, job.layout) for u in units), default=0)
     largest = max((job.unit_bytes(u) for u in units), default=0)
     widest = max(
-        (itemsize(s.dtype) + (itemsize(s.values_dtype) if s.scales else 0)
+        (s.itemsize + (itemsize(s.values_dtype) if s.decoded else 0)
          for e in job.layout.tensors.values() for s in e.sources), default=1,
     )  # fmt: skip
     blocks = min(2 * COMPUTE_BLOCK * widest * (len(job.tasks) + 1), 2 * largest)
