@@ -66,6 +66,9 @@ class Checkpoint:
     """Per file: size, sha256 of the header, and the store's version (ETag, blob id, mtime)."""
     quantization: dict[str, Any] | None = None
     """`quantization_config` of the folder's `config.json` (None: no such key, or no file)."""
+    ties_embeddings: bool = False
+    """Whether the folder's `config.json` sets `tie_word_embeddings` to true (the lm_head is
+    the embedding matrix, not a tensor of its own); False without the key or the file."""
 
     def describe(self, name: str | None = None) -> str:
         """`label (url)` plus the file that holds `name`, for error messages."""
@@ -129,6 +132,7 @@ class _Folder:
     listed: dict[str, Mapping[str, Any]]
     """The listing's entry of each file in the folder, by file name."""
     quantization: dict[str, Any] | None
+    ties_embeddings: bool
 
 
 def _list_folder(url: str, label: str, storage: Storage) -> _Folder:
@@ -177,8 +181,8 @@ def _list_folder(url: str, label: str, storage: Storage) -> _Folder:
             raise CheckpointError(
                 f"{label} ({url}): the index names shard {file}, which does not exist"
             )
-    quantization = _read_quantization(url, label, storage, listed.get(MODEL_CONFIG_NAME))
-    return _Folder(url, label, files, weight_map, listed, quantization)
+    quantization, ties = _read_config(url, label, storage, listed.get(MODEL_CONFIG_NAME))
+    return _Folder(url, label, files, weight_map, listed, quantization, ties)
 
 
 def _assemble(
@@ -221,6 +225,7 @@ def _assemble(
         sharded=weight_map is not None,
         identity=identity,
         quantization=folder.quantization,
+        ties_embeddings=folder.ties_embeddings,
     )
 
 
@@ -379,31 +384,34 @@ def _read_error(url: str, error: BaseException) -> BaseException:
     return wrapped
 
 
-def _read_quantization(
+def _read_config(
     url: str, label: str, storage: Storage, entry: Mapping[str, Any] | None
-) -> dict[str, Any] | None:
-    """The `quantization_config` of the folder's config.json, which says how its weights are
-    stored (`planning.formats`); None when there is no config.json or no such key."""
+) -> tuple[dict[str, Any] | None, bool]:
+    """What the folder's config.json says of the weights: its `quantization_config`, which
+    says how they are stored (`planning.formats`; None when there is no config.json or no
+    such key), and whether `tie_word_embeddings` is true (`planning.layout` names a tied
+    lm_head a task wrote out)."""
     if entry is None:
-        return None
+        return None, False
     size = entry.get("size")
     listed = size if isinstance(size, int) and not entry.get("islink") else None
     config_url = join(url, MODEL_CONFIG_NAME)
     try:
         config = read_json(config_url, storage, MAX_CONFIG_BYTES, "config", "input", listed)
     except FileNotFoundError:
-        return None
+        return None, False
     except StorageError as e:
         raise StorageError(f"{label}: {e}", e.exit_status) from e
     except RamDistError as e:
         raise CheckpointError(f"{label}: {e}") from e
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
-    if quant is None:
-        return None
-    if not isinstance(quant, dict):
+    if not isinstance(config, dict):
+        return None, False
+    ties = config.get("tie_word_embeddings") is True
+    quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
         raise CheckpointError(f"{label}: {config_url} has a quantization_config that is not "
                               "an object")  # fmt: skip
-    return quant
+    return quant, ties
 
 
 def _read_weight_map(
