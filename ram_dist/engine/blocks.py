@@ -182,8 +182,7 @@ def stream_blocks(
             bytes_read[i] += a.size
         if not any(s.decoded for s in sources):
             return BlockInputs(tuple(arrays), tuple(s.dtype for s in sources))
-        floats = lambda i, n: scope.reads.floats((slot, i), n)  # noqa: E731
-        return _decoded(sources, start, stop, arrays, owner, floats)
+        return _decoded(sources, start, stop, arrays, owner, scope.reads.floats, slot)
 
     def read(g: int) -> list[BlockInputs]:
         if len(groups[g]) == 1:
@@ -227,7 +226,8 @@ def _decoded(
     stop: int,
     arrays: list[np.ndarray],
     owner: list[int],
-    floats: Callable[[int, int], np.ndarray],
+    floats: Callable[[tuple[int, int], int], np.ndarray],
+    slot: int,
 ) -> BlockInputs:
     """A block's inputs with each decoded one's values made from what was read for it
     (`TensorSource.decode`: an FP8 input's, the spec's one multiplication per element), the
@@ -239,7 +239,7 @@ def _decoded(
     kept: list[tuple[np.ndarray, ...] | None] = []
     for i, (src, got) in enumerate(zip(sources, read, strict=True)):
         if src.decoded:
-            raw.append(src.decode(start, stop, got, functools.partial(floats, i)))
+            raw.append(src.decode(start, stop, got, functools.partial(floats, (slot, i))))
             kept.append(tuple(got))
         else:
             raw.append(got[0])
