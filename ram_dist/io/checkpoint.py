@@ -11,6 +11,7 @@ read only for the rare header longer than the first read.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -434,6 +435,24 @@ def _read_config(
     """The folder's config.json (None when there is none, or it is not an object)."""
     return _read_json_object(url, MODEL_CONFIG_NAME, label, storage, {MODEL_CONFIG_NAME: entry}
                              if entry is not None else {})  # fmt: skip
+
+
+def trained_on_config(named: Any, base_url: str, storage: Storage) -> dict[str, Any] | None:
+    """The config.json of the model an adapter names as its base (`base_model_name_or_path`)
+    where it is a folder on this machine other than the base, else None: a Hub id is not
+    fetched (no network is assumed), and an unreadable one is not an error, only a check
+    left undone."""
+    if not isinstance(named, str) or not named or "://" in named:
+        return None
+    if not os.path.isdir(named) or os.path.realpath(named) == os.path.realpath(base_url):
+        return None
+    try:
+        config = read_json(
+            os.path.join(named, MODEL_CONFIG_NAME), storage, MAX_CONFIG_BYTES, "config", "input"
+        )
+    except (OSError, RamDistError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _read_json_object(

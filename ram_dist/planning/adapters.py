@@ -330,3 +330,35 @@ def _dtypes(base: TensorSource, theta: Source | None) -> tuple[str, str]:
     if base.decoded:
         return base.values_dtype, FP8_TASK_DTYPE
     return base.values_dtype, base.values_dtype
+
+
+#: config.json keys whose values say which model an adapter was trained on: the
+#: architecture and its sizes (Llama/Qwen-style names, and GPT-2's).
+MODEL_KEYS = (
+    "model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "vocab_size", "n_embd", "n_layer", "n_head",
+)  # fmt: skip
+
+
+def check_trained_on(
+    adapter: Checkpoint, trained_on: dict[str, Any] | None, base: Checkpoint
+) -> None:
+    """Refuse an adapter whose `base_model_name_or_path` is clearly another model: its
+    config.json (`trained_on`, where it could be read) differs from the base's in the
+    architecture or its sizes."""
+    if trained_on is None or base.model_config is None:
+        return
+    differ = [
+        k for k in MODEL_KEYS
+        if k in trained_on and k in base.model_config and trained_on[k] != base.model_config[k]
+    ]  # fmt: skip
+    if differ:
+        named = (adapter.adapter or {}).get("base_model_name_or_path")
+        what = ", ".join(
+            f"{k} {trained_on[k]!r} there, {base.model_config[k]!r} in the base" for k in differ
+        )
+        raise CheckpointError(
+            f"{adapter.label} ({adapter.url}) was trained on {named!r} (base_model_name_or_path "
+            f"in adapter_config.json), another model than the {base.label} ({base.url}): "
+            f"{what}; give the base it was trained on"
+        )

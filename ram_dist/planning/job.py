@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ram_dist.errors import CheckpointError, RamDistError
-from ram_dist.io.checkpoint import Checkpoint, open_checkpoints
+from ram_dist.io.checkpoint import Checkpoint, open_checkpoints, trained_on_config
 from ram_dist.io.locations import resolve_location, resolve_output
 from ram_dist.io.same_bytes import differing
 from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod, get_method
+from ram_dist.planning.adapters import check_trained_on
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.devices import DeviceChoice, job_device
 from ram_dist.planning.layout import Layout, TensorEntry, build_layout
@@ -172,6 +173,11 @@ def _prepare(config: MergeConfig) -> Job:
     _check_distinct(base_url, task_urls, config.method)
     labelled = [(url, f"task {i + 1}") for i, url in enumerate(task_urls)]
     base, *tasks = open_checkpoints([(base_url, "base model"), *labelled], storage)
+    for task in tasks:
+        if task.adapter is not None and base.adapter is None:
+            named = task.adapter.get("base_model_name_or_path")
+            trained_on = trained_on_config(named, base_url, storage)
+            check_trained_on(task, trained_on, base)
     layout = build_layout(base, tasks, config.out_dtype)
     integers_changed = _changed_integers(layout, storage, base, tasks, config)
     merging = [name for name, e in layout.tensors.items() if e.participating]
