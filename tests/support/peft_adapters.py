@@ -175,13 +175,16 @@ def merge_with_peft(
     out_dir: str | os.PathLike,
     *,
     safe_merge: bool = False,
-    autocast_adapter_dtype: bool = False,
+    autocast_adapter_dtype: bool = True,
 ) -> Path:
     """The adapter merged by PEFT's own `merge_and_unload()`, saved by transformers as a full
     checkpoint folder (`save_pretrained`) with the base's tokenizer files.
 
-    `autocast_adapter_dtype=False` keeps a bf16/fp16 adapter in its stored dtype, so PEFT
-    merges it as saved (on CPU: delta in float32, rounded to the adapter's dtype, then added).
+    PEFT's default `autocast_adapter_dtype=True` gives the LoRA layers float32 (a bf16/fp16
+    adapter is upcast, exactly). With `False` the LoRA layers take the BASE's dtype: a
+    float32 adapter on a bf16 base is then ROUNDED to bf16 as it loads (not the adapter as
+    saved); a bf16 adapter on a bf16 base stays as saved, and PEFT merges it on CPU as the
+    spec says (B @ A in float32, rounded to bf16, then added: two roundings).
     """
     from peft import PeftModel
 
