@@ -1,0 +1,179 @@
+"""PEFT LoRA adapters as tasks (issue 33), end to end on a real local Ray.
+
+Adapters written by PEFT itself (`peft_adapters.py`) are given to ram-dist as tasks, mixed
+with a full checkpoint. Each merge's bytes must equal the same merge with every adapter
+replaced by its full checkpoint as the spec defines it (base + delta, rounded to the base's
+dtype), written by the independent reference (`lora_reference.materialize`); and, for RAM,
+RAM+ and RAM+s, the whole-tensor reference merge (`reference.reference_merge`) of the
+reference's task states. Every method, unit budgets from a few rows to whole tensors, the
+fused and the eager path; every adapter form PEFT writes; a merged output that transformers
+loads and runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from builders import build_tiny_base, load_checkpoint, make_task_state, save_checkpoint
+from lora_reference import adapter_task_state, materialize
+from peft_adapters import ADAPTER_FORMS, build_adapter, build_tiny_gpt2
+from reference import reference_merge
+
+from ram_dist.api import run_merge
+from ram_dist.methods.registry import METHODS
+from ram_dist.planning.config import MergeConfig
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+RAM_METHODS = ["ram", "ram_plus", "ram_plus_soft"]
+#: Parameters that make each baseline select or draw (density < 1), so that a unit cut or a
+#: task order that differs would show.
+PARAMETERS = {
+    "ties": {"density": 0.5},
+    "dare_ties": {"density": 0.5, "seed": 3},
+    "dare_linear": {"density": 0.5, "seed": 3},
+    "task_arithmetic": {"lambda": 0.8},
+}
+#: Two bf16 rows of 64 per unit (about 800 units), 8 rows, whole tensors.
+BUDGETS = [300, 1024, 256 * 2**20]
+
+
+def _merge(base, tasks, out, **kw) -> dict:
+    config = MergeConfig(base=str(base), tasks=tuple(str(t) for t in tasks), out=str(out), **kw)
+    return run_merge(config).data
+
+
+def _assert_same_bytes(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        a, b = got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ"
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+        if p.suffix == ".safetensors" or p.name.endswith("index.json")
+    }
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> dict:
+    """A tiny bf16 Llama base (sharded by transformers), two PEFT adapters (q/v at r 4;
+    an embedding, MLP and modules_to_save adapter at r 8, rank and alpha patterns), one full
+    checkpoint agent, and the reference's full checkpoints of the two adapters."""
+    root = tmp_path_factory.mktemp("lora")
+    base_dir = root / "base"
+    base = build_tiny_base(base_dir, kind="llama", dtype=torch.bfloat16, max_shard_size="100KB")
+    adapters = [
+        build_adapter(base_dir, root / "adapter0", r=4, lora_alpha=8,
+                      target_modules=("q_proj", "v_proj"), seed=1),
+        build_adapter(base_dir, root / "adapter1", r=8, lora_alpha=16,
+                      target_modules=("embed_tokens", "q_proj", "up_proj", "down_proj"),
+                      rank_pattern={"down_proj": 2}, alpha_pattern={"q_proj": 4},
+                      modules_to_save=("lm_head",), seed=2),
+    ]  # fmt: skip
+    full = make_task_state(base, 0.3, seed=7)
+    save_checkpoint(full, root / "full", copy_from=base_dir)
+    materialized = [
+        materialize(base_dir, a, root / f"materialized{i}") for i, a in enumerate(adapters)
+    ]
+    return {
+        "base_dir": base_dir,
+        "base": base,
+        "adapter_tasks": [*adapters, root / "full"],
+        "full_tasks": [root / "materialized0", root / "materialized1", root / "full"],
+        "states": [*materialized, full],
+        "expected": {},  # method -> digest of the merge of the full checkpoints
+    }
+
+
+def _expected_digest(job: dict, method: str, tmp_path: Path) -> dict[str, str]:
+    """The merge of the reference's full checkpoints, once per method."""
+    if method not in job["expected"]:
+        out = tmp_path / "full-merge"
+        _merge(job["base_dir"], job["full_tasks"], out, method=method,
+               parameters=PARAMETERS.get(method, {}))  # fmt: skip
+        job["expected"][method] = _digest(out)
+        if method in RAM_METHODS:
+            expected, _ = reference_merge(job["base"], job["states"], method)
+            _assert_same_bytes(load_checkpoint(out), expected)
+    return job["expected"][method]
+
+
+def test_reference_states_are_the_adapters_merged(job):
+    """The materialized checkpoints are what adapter_task_state gives, and they changed."""
+    base = job["base"]
+    for adapter, state in zip(job["adapter_tasks"][:2], job["states"][:2], strict=True):
+        _assert_same_bytes(state, adapter_task_state(base, adapter))
+        changed = [n for n in base if not torch.equal(state[n], base[n])]
+        assert len(changed) >= 4
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_merges_adapters_as_their_full_checkpoints(job, tmp_path, method):
+    out = tmp_path / "out"
+    _merge(job["base_dir"], job["adapter_tasks"], out, method=method,
+           parameters=PARAMETERS.get(method, {}), unit_budget_bytes=4096)  # fmt: skip
+    assert _digest(out) == _expected_digest(job, method, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("method", "budget", "kernels"),
+    [("ram_plus", b, k) for b in BUDGETS for k in ("auto", "eager")]
+    + [("ties", b, k) for b in BUDGETS[1:] for k in ("auto", "eager")],
+)
+def test_budgets_and_paths_do_not_change_bytes(job, tmp_path, method, budget, kernels):
+    out = tmp_path / "out"
+    report = _merge(job["base_dir"], job["adapter_tasks"], out, method=method,
+                    parameters=PARAMETERS.get(method, {}), unit_budget_bytes=budget,
+                    kernels=kernels)  # fmt: skip
+    assert _digest(out) == _expected_digest(job, method, tmp_path)
+    if kernels == "eager":
+        assert report["passes"]["map"]["fused_elements"] == 0
+
+
+@pytest.fixture(scope="module")
+def form_bases(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("form-bases")
+    for kind in ("llama", "qwen2"):
+        build_tiny_base(root / kind, kind=kind, dtype=torch.bfloat16)
+    build_tiny_gpt2(root / "gpt2")
+    return {kind: root / kind for kind in ("llama", "qwen2", "gpt2")}
+
+
+@pytest.mark.parametrize("form", list(ADAPTER_FORMS))
+def test_every_adapter_form_against_the_reference(form_bases, tmp_path, form):
+    """Each form PEFT writes (ranks, alphas, rslora, patterns, an embedding, modules_to_save,
+    lora_bias, fan_in_fan_out on GPT-2's Conv1D, a bf16 adapter), two of it beside a full
+    checkpoint, merged by RAM+ in units of a few rows: the reference merge's bytes."""
+    kind, kwargs = ADAPTER_FORMS[form]
+    base_dir = form_bases[kind]
+    base = load_checkpoint(base_dir)
+    adapters = [build_adapter(base_dir, tmp_path / f"a{i}", **kwargs, seed=i) for i in (1, 2)]
+    full = make_task_state(base, 0.3, seed=7)
+    save_checkpoint(full, tmp_path / "full", copy_from=base_dir)
+    states = [adapter_task_state(base, a) for a in adapters] + [full]
+    _merge(base_dir, [*adapters, tmp_path / "full"], tmp_path / "out", method="ram_plus",
+           unit_budget_bytes=1024)  # fmt: skip
+    expected, _ = reference_merge(base, states, "ram_plus")
+    _assert_same_bytes(load_checkpoint(tmp_path / "out"), expected)
+
+
+def test_merged_output_loads_and_runs_in_transformers(job, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    _merge(job["base_dir"], job["adapter_tasks"], out, method="ram_plus")
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = torch.tensor([[1, 17, 42, 99]])
+    with torch.no_grad():
+        generated = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 8)
+    assert torch.isfinite(model(ids).logits).all()
