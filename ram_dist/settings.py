@@ -168,6 +168,11 @@ class HowToRun:
         "(they cannot be merged; without it such a task is refused)",
         flag="--integers-from-base",
     )  # fmt: skip
+    drop_extra_tensors: bool = setting(
+        False, help="leave out the tensors a task holds that the base does not (a value head; "
+        "an lm_head the base ties to its embeddings) instead of refusing the task; the report "
+        "and the model card list them", flag="--drop-extra-tensors",
+    )  # fmt: skip
     allow_nonfinite: bool = setting(
         False, help="merge inputs that hold NaN or Inf instead of refusing them",
         flag="--allow-nonfinite",

@@ -129,6 +129,11 @@ class Job:
             identity["formats"] = list(self.layout.formats)
         return identity
 
+    def extra_tensors(self) -> dict[str, Any]:
+        """`--drop-extra-tensors` and what it left out, per task (plan, report, card)."""
+        dropped = {label: list(names) for label, names in self.layout.dropped.items()}
+        return {"allowed": self.config.drop_extra_tensors, "dropped": dropped}
+
     def formats(self) -> dict[str, Any]:
         """Each input's storage format and the output's, in words (plan, report, card)."""
         inputs = [self.base, *self.tasks]
@@ -178,7 +183,7 @@ def _prepare(config: MergeConfig) -> Job:
             named = task.adapter.get("base_model_name_or_path")
             trained_on = trained_on_config(named, base_url, storage)
             check_trained_on(task, trained_on, base)
-    layout = build_layout(base, tasks, config.out_dtype)
+    layout = build_layout(base, tasks, config.out_dtype, config.drop_extra_tensors)
     integers_changed = _changed_integers(layout, storage, base, tasks, config)
     merging = [name for name, e in layout.tensors.items() if e.participating]
     params = resolve_all(config, get_method(config.method), merging)

@@ -16,7 +16,7 @@ Work units cut such a weight only at whole bands of `bm` rows, the blocks' heigh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ram_dist.dtypes import FLOATING, dtype_name, itemsize
 from ram_dist.errors import CheckpointError
@@ -102,6 +102,9 @@ class Layout:
     decoded_inputs: bool = False
     """Whether any input's values are decoded from what it stores (FP8 weights): how they
     are decoded decides the bytes, so the formats are part of the job's identity then."""
+    dropped: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per task (by label), the tensors it holds that the base does not, left out as asked
+    (`--drop-extra-tensors`)."""
 
     def output_format(self) -> str:
         """The output's storage format in words, as `formats` says the inputs'."""
@@ -182,12 +185,15 @@ def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
     return sum(p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces)
 
 
-def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | None) -> Layout:
+def build_layout(
+    base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | None, drop_extra: bool = False
+) -> Layout:
     """Validate names, shapes and dtype kinds of all inputs against the base. An FP8 weight
     with its scales counts as one floating tensor of its checkpoint: the base and each task
     may store it in FP8 or not, each on its own. A task given as a LoRA adapter
     (`planning.adapters`) has a source for every base tensor: a product, its own copy, or
-    the base's."""
+    the base's. `drop_extra`: a task's tensors the base lacks are left out (and listed in
+    `Layout.dropped`) instead of refused."""
     if base.adapter is not None:
         raise CheckpointError(
             f"the {base.label} ({base.url}) is a PEFT adapter folder: give the model it was "
@@ -199,6 +205,7 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
     formats: list[Format | None] = [base_fmt]
     words = [base_fmt.describe(base)]
     adapted: list[dict[str, TensorSource] | None] = []
+    dropped: dict[str, tuple[str, ...]] = {}
     for task in tasks:
         if task.adapter is not None:
             config = lora_config(task)
@@ -207,7 +214,9 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
             words.append(config.describe())
             continue
         fmt = recognize(task)
-        _check_names(base, base_fmt, task, fmt)
+        extra = _check_names(base, base_fmt, task, fmt, drop_extra)
+        if extra:
+            dropped[task.label] = extra
         adapted.append(None)
         formats.append(fmt)
         words.append(fmt.describe(task))
@@ -272,6 +281,7 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
         sharded=base.sharded,
         formats=tuple(words),
         decoded_inputs=any(f is None or f.decodes for f in formats),
+        dropped=dropped,
     )
 
 
@@ -315,12 +325,17 @@ def _more(names: list[str]) -> str:
     return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
-def _check_names(base: Checkpoint, base_fmt: Format, task: Checkpoint, fmt: Format) -> None:
-    """The same tensors, an FP8 weight's scales not counted as tensors of their own."""
+def _check_names(
+    base: Checkpoint, base_fmt: Format, task: Checkpoint, fmt: Format, drop_extra: bool
+) -> tuple[str, ...]:
+    """The same tensors, an FP8 weight's scales not counted as tensors of their own; with
+    `drop_extra`, the task's tensors the base lacks are returned (left out), not refused."""
     base_names = set(base.tensors) - base_fmt.companions
     task_names = set(task.tensors) - fmt.companions
     if task_names == base_names:
-        return
+        return ()
+    if drop_extra and base_names < task_names:
+        return tuple(sorted(task_names - base_names))
     _check_trainer_names(base, base_names, task, task_names)
     missing = sorted(base_names - task_names)
     if missing:
@@ -332,10 +347,14 @@ def _check_names(base: Checkpoint, base_fmt: Format, task: Checkpoint, fmt: Form
     if extra:
         raise CheckpointError(
             f"{task.describe(extra[0])} holds tensor {extra[0]!r}{_more(extra)}, which the "
-            f"{base.label} ({base.url}) does not; every task must hold exactly the base's tensors"
+            f"{base.label} ({base.url}) does not; every task must hold exactly the base's tensors "
+            f"(or pass {DROP_EXTRA} to leave such tensors out)"
         )
+    return ()
 
 
+#: The flag that leaves out a task's tensors the base lacks, as the messages name it.
+DROP_EXTRA = "--drop-extra-tensors"
 #: What a training wrapper adds before every name, by the wrapper's attribute.
 WRAPPERS = {
     "module": "DistributedDataParallel's (or DataParallel's)",
@@ -385,14 +404,15 @@ def _check_trainer_names(
             f"embedding matrix, and the task wrote it out as a tensor of its own. Save the task "
             f"with tied weights (tie_word_embeddings true in its config.json, so that "
             f"save_pretrained leaves {LM_HEAD} out), or drop {LM_HEAD} from its state dict "
-            f"where it equals the embeddings"
+            f"where it equals the embeddings; or pass {DROP_EXTRA} to leave it out"
         )
     if all(VALUE_HEAD_PARTS & set(n.split(".")) for n in extra):
         raise CheckpointError(
             f"{said}: besides the base's tensors the task holds a value head, as a PPO or "
             f"reward-model trainer saves beside the policy. Save the policy alone (with TRL's "
             f"value-head model, `model.pretrained_model.save_pretrained(dir)`; otherwise the "
-            f"state dict without these tensors) and merge that"
+            f"state dict without these tensors) and merge that, or pass {DROP_EXTRA} to leave "
+            f"them out"
         )
 
 
