@@ -108,7 +108,7 @@ class LoraConfig:
             words.append("fan_in_fan_out")
         if self.lora_bias:
             words.append("lora_bias")
-        words.append("target_modules=" + ",".join(self.target_modules))
+        words.append("target_modules=" + ",".join(sorted(self.target_modules)))
         if self.modules_to_save:
             words.append("modules_to_save=" + ",".join(self.modules_to_save))
         return "PEFT LoRA adapter (" + ", ".join(words) + ")"
