@@ -80,14 +80,14 @@ class TensorEntry:
 
     @property
     def atomic_rows(self) -> int | None:
-        """Rows cut only together: the output's FP8 blocks' height when it is written as FP8,
-        else the first input's that has any (`TensorSource.atomic_rows`)."""
+        """Rows cut only together: the least common multiple of the output's FP8 blocks'
+        height, when it is written as FP8, and every input's (`TensorSource.atomic_rows`),
+        so that a cut is at a band of each (a base and a task with FP8 blocks of other
+        heights); None when nothing is cut only at some rows."""
+        rows = [s.atomic_rows for s in self.sources if s.atomic_rows is not None]
         if self.fp8_out is not None:
-            return self.fp8_out.block[0]
-        for src in self.sources:
-            if src.atomic_rows is not None:
-                return src.atomic_rows
-        return None
+            rows.append(self.fp8_out.block[0])
+        return math.lcm(*rows) if rows else None
 
 
 @dataclass(frozen=True)
@@ -249,6 +249,7 @@ def build_layout(
         fp8_out = None
         if isinstance(sources[0], Fp8Source) and out_dtype is None:  # written as the base is
             fp8_out = Fp8Out(sources[0].block, name + SCALE_SUFFIX, sources[0].scale_dtype)
+            _check_band_heights(name, base, tasks, sources, fp8_out)
         tensors[name] = TensorEntry(
             name=name,
             shape=b.shape,
@@ -283,6 +284,27 @@ def build_layout(
         decoded_inputs=any(f is None or f.decodes for f in formats),
         dropped=dropped,
     )
+
+
+def _check_band_heights(
+    name: str,
+    base: Checkpoint,
+    tasks: list[Checkpoint],
+    sources: tuple[TensorSource, ...],
+    fp8_out: Fp8Out,
+) -> None:
+    """An FP8 weight written as FP8 again is cut at its output blocks' rows, so every FP8
+    input's blocks must fit in them: a task's block height must divide the base's."""
+    height = fp8_out.block[0]
+    for task, src in zip(tasks, sources[1:], strict=True):
+        rows = src.atomic_rows
+        if rows is not None and height % rows:
+            raise CheckpointError(
+                f"tensor {name!r}: FP8 blocks of {rows} rows in {task.describe(name)} do not "
+                f"fit the {height}-row blocks of the {base.describe(name)}, which the output "
+                "keeps; pass --out-dtype bfloat16 (then any block sizes merge), or dequantize "
+                "the task"
+            )
 
 
 def _out_dtype(
