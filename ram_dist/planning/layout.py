@@ -405,10 +405,17 @@ def _check_trainer_names(
             " and ".join(WRAPPERS[p] for p in parts) if all(p in WRAPPERS for p in parts)
             else "a wrapper's"
         )  # fmt: skip
+        stripped = {n[len(prefix) :] for n in task_names}
+        extra = sorted(stripped - base_names)
+        match = (
+            f"the names match the {base.label}'s once it is stripped" if not extra
+            else f"once it is stripped, the names hold the {base.label}'s and {len(extra)} more "
+            f"(e.g. {extra[0]!r}: see the messages for a value head)"
+        )  # fmt: skip
         raise CheckpointError(
             f"{task.label} ({task.url}) names every tensor with the prefix {prefix!r} (e.g. "
-            f"{first!r}), {whose} prefix added in training: the names match the {base.label}'s "
-            f"once it is stripped. Save the task without it: unwrap the model before "
+            f"{first!r}), {whose} prefix added in training: {match}. Save the task without "
+            f"it: unwrap the model before "
             f"save_pretrained (`model.module` under DDP, `model._orig_mod` after torch.compile), "
             f"or re-save the state dict as `{{k.removeprefix({prefix!r}): v for k, v in "
             f"state_dict.items()}}`"
@@ -440,16 +447,15 @@ def _check_trainer_names(
 
 def _common_prefix(base_names: set[str], task_names: set[str]) -> str | None:
     """The one dotted prefix (`module.`, `_orig_mod.`, `module._orig_mod.`, ...) that every
-    task name carries before a base name, where the names are the base's once it is
-    stripped; None where there is none."""
-    if not task_names or len(task_names) != len(base_names):
+    task name carries, where the names hold every base name once it is stripped (and maybe
+    more: a value head); None where there is none."""
+    if not task_names or len(task_names) < len(base_names):
         return None
-    first = min(task_names)
-    parts = first.split(".")
+    parts = min(task_names).split(".")
     for k in range(1, len(parts)):
         prefix = ".".join(parts[:k]) + "."
-        if first[len(prefix) :] not in base_names:
-            continue
-        if all(n.startswith(prefix) and n[len(prefix) :] in base_names for n in task_names):
+        if not all(n.startswith(prefix) for n in task_names):
+            break
+        if base_names <= {n[len(prefix) :] for n in task_names}:
             return prefix
     return None

@@ -185,3 +185,16 @@ def test_drop_extra_tensors_leaves_a_value_head_out_and_says_so(models, tmp_path
     card = (outs["dropped"] / "README.md").read_text()
     assert "**Left out:** 2 tensor(s) that task 1 holds and the base does not" in card
     assert "`v_head.summary.bias`, `v_head.summary.weight`" in card
+
+
+def test_a_prefix_and_a_value_head_together_name_the_prefix(models, tmp_path, capsys):
+    """DDP's prefix on a policy with a value head: the prefix first, and the head said."""
+    base, tasks, _, states = models
+    wrapped = tmp_path / "wrapped"
+    head = {"v_head.summary.weight": torch.ones(1, 64), "v_head.summary.bias": torch.ones(1)}
+    save_checkpoint({"module." + k: v for k, v in (states[1] | head).items()}, wrapped,
+                    copy_from=base)  # fmt: skip
+    err = _merge(capsys, base, [tasks[0], wrapped], tmp_path / "out")
+    assert err.startswith(f"task 2 ({wrapped}) names every tensor with the prefix 'module.'")
+    assert "once it is stripped, the names hold the base model's and 2 more (e.g. " in err
+    assert "'v_head.summary.bias': see the messages for a value head)" in err
