@@ -118,7 +118,8 @@ class WhatToMerge:
         metavar="PATH", default_text="required", api_type=PathLike, identity="inputs",
     )  # fmt: skip
     tasks: tuple[str, ...] = setting(
-        REQUIRED, help="task checkpoint folder (repeat, in order)", flag="--task",
+        REQUIRED, help="task checkpoint folder, or PEFT LoRA adapter folder (repeat, in order)",
+        flag="--task",
         metavar="PATH", convert=tuple, default_text="required, 2 or more",
         api_type=Sequence[PathLike], identity="inputs",
     )  # fmt: skip
