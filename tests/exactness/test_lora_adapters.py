@@ -287,3 +287,23 @@ def test_adapters_on_an_fp8_base(fp8_job, tmp_path, method, budget):
         expected, _ = reference_fp8_merge(fp8_job["base"], fp8_job["states"], method,
                                           fp8_job["block"])  # fmt: skip
         _assert_same_bytes(load_state(tmp_path / "out"), expected)
+
+
+def test_mergekit_yaml_base_plus_adapter(job, tmp_path, monkeypatch):
+    """mergekit's `model: ./base+./adapter` (the part before `+` the job's base model), with
+    relative paths as mergekit writes them: the same bytes as the full checkpoints' merge."""
+    from ram_dist.api import merge
+
+    root = job["base_dir"].parent
+    monkeypatch.chdir(root)
+    config = tmp_path / "merge.yaml"
+    config.write_text(
+        "merge_method: ram_plus\n"
+        "base_model: ./base\n"
+        "models:\n"
+        "  - model: ./base+./adapter0\n"
+        "  - model: ./base+./adapter1\n"
+        "  - model: ./full\n"
+    )
+    merge(config=config, out=tmp_path / "out")
+    assert _digest(tmp_path / "out") == _expected_digest(job, "ram_plus", tmp_path)
