@@ -24,8 +24,15 @@ from ram_dist.io.checkpoint import Checkpoint
 from ram_dist.io.safetensors_header import TensorInfo
 from ram_dist.io.storage import join
 from ram_dist.io.writer import OutTensor
+from ram_dist.planning.adapters import adapter_sources, lora_config
 from ram_dist.planning.formats import FP8_DTYPE, SCALE_SUFFIX, Format, recognize
-from ram_dist.planning.sources import FP8_VALUES_DTYPE, Fp8Source, Source, TensorSource
+from ram_dist.planning.sources import (
+    FP8_VALUES_DTYPE,
+    Fp8Source,
+    Source,
+    TensorSource,
+    same_as_base,
+)
 from ram_dist.planning.units import TensorSlot, WorkUnit
 
 
@@ -134,7 +141,7 @@ class Layout:
                     continue
                 used = e.sources if e.participating else e.sources[:1]
                 row = math.prod(e.shape[1:]) if len(e.shape) > 1 else 1
-                widest = max(s.itemsize for s in used)
+                widest = max(s.itemsize for s in used)  # a task reading the base's: as much
                 band = e.band
                 if band is not None:
                     slots.append(TensorSlot(n, shard, e.numel, band, widest, True))
@@ -166,7 +173,8 @@ class Layout:
             per = min(bm * bn, w.numel)
             return numel * per * sum(s.itemsize for s in w.sources)
         sources = e.sources if e.participating else e.sources[:1]
-        return numel * sum(s.itemsize for s in sources)
+        same = same_as_base(sources)
+        return numel * sum(s.itemsize for i, s in enumerate(sources) if not same[i])
 
 
 def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
@@ -177,27 +185,55 @@ def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
 def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | None) -> Layout:
     """Validate names, shapes and dtype kinds of all inputs against the base. An FP8 weight
     with its scales counts as one floating tensor of its checkpoint: the base and each task
-    may store it in FP8 or not, each on its own."""
-    formats = [recognize(c) for c in (base, *tasks)]
-    for task, fmt in zip(tasks, formats[1:], strict=True):
-        _check_names(base, formats[0], task, fmt)
-    companions = formats[0].companions
+    may store it in FP8 or not, each on its own. A task given as a LoRA adapter
+    (`planning.adapters`) has a source for every base tensor: a product, its own copy, or
+    the base's."""
+    if base.adapter is not None:
+        raise CheckpointError(
+            f"the {base.label} ({base.url}) is a PEFT adapter folder: give the model it was "
+            "trained on as the base, and the adapter as a task"
+        )
+    base_fmt = recognize(base)
+    companions = base_fmt.companions
+    base_sources = {n: base_fmt.source(i) for n, i in base.tensors.items() if n not in companions}
+    formats: list[Format | None] = [base_fmt]
+    words = [base_fmt.describe(base)]
+    adapted: list[dict[str, TensorSource] | None] = []
+    for task in tasks:
+        if task.adapter is not None:
+            config = lora_config(task)
+            adapted.append(adapter_sources(base, base_sources, task, config))
+            formats.append(None)
+            words.append(config.describe())
+            continue
+        fmt = recognize(task)
+        _check_names(base, base_fmt, task, fmt)
+        adapted.append(None)
+        formats.append(fmt)
+        words.append(fmt.describe(task))
     tensors: dict[str, TensorEntry] = {}
     for name, b in base.tensors.items():
         if name in companions:
             continue
-        infos = [b] + [t.tensors[name] for t in tasks]
-        sources = tuple(fmt.source(info) for info, fmt in zip(infos, formats, strict=True))
+        sources = (
+            (base_sources[name],)
+            + tuple(
+                own[name] if own is not None else fmt.source(task.tensors[name])  # type: ignore[union-attr]
+                for task, own, fmt in zip(tasks, adapted, formats[1:], strict=True)
+            )
+        )
         merged = [_merged(src) for src in sources]
-        for task, info, merges in zip(tasks, infos[1:], merged[1:], strict=True):
-            if info.shape != b.shape:
+        for task, own, src, merges in zip(tasks, adapted, sources[1:], merged[1:], strict=True):
+            info = task.tensors[name] if own is None else None
+            if info is not None and info.shape != b.shape:
                 raise CheckpointError(
                     f"tensor {name!r}: shape {list(info.shape)} in {task.describe(name)} "
                     f"differs from {list(b.shape)} in {base.describe(name)}"
                 )
             if merges != merged[0]:
                 raise CheckpointError(
-                    f"tensor {name!r}: dtype {info.dtype} in {task.describe(name)} and "
+                    f"tensor {name!r}: dtype {info.dtype if info else src.values_dtype} in "
+                    f"{task.describe(name)} and "
                     f"{b.dtype} in {base.describe(name)} are not both floating point"
                 )
         participating = merged[0]
@@ -234,8 +270,8 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
         tensors=tensors,
         shards={f: n for f, n in shards.items() if n},
         sharded=base.sharded,
-        formats=tuple(f.describe(c) for f, c in zip(formats, (base, *tasks), strict=True)),
-        decoded_inputs=any(f.decodes for f in formats),
+        formats=tuple(words),
+        decoded_inputs=any(f is None or f.decodes for f in formats),
     )
 
 
