@@ -139,7 +139,7 @@ def test_every_method_merges_adapters_as_their_full_checkpoints(job, tmp_path, m
         ("ram_plus", BUDGETS[1], "auto"),
         ("ram_plus", BUDGETS[1], "eager"),
         ("ram_plus", BUDGETS[2], "eager"),
-        ("ties", BUDGETS[1], "eager"),
+        ("ties", 4096, "eager"),
         ("ties", BUDGETS[2], "auto"),
     ],
 )
