@@ -307,3 +307,32 @@ def test_mergekit_yaml_base_plus_adapter(job, tmp_path, monkeypatch):
     )
     merge(config=config, out=tmp_path / "out")
     assert _digest(tmp_path / "out") == _expected_digest(job, "ram_plus", tmp_path)
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("llama", torch.float32), ("qwen2", torch.float16)])
+def test_float32_and_float16_bases_pin_the_fixed_order(tmp_path, monkeypatch, kind, dtype):
+    """On a float32 base every float32 rounding of the delta shows in the output: rank-16
+    adapters merged in units of a few rows equal the reference's fixed k-ascending order,
+    and a matrix multiply's order (`B @ A`) would give other bytes."""
+    import lora_reference
+
+    base_dir = tmp_path / "base"
+    base = build_tiny_base(base_dir, kind=kind, dtype=dtype)
+    targets = ("q_proj", "down_proj", "embed_tokens")
+    adapters = [
+        build_adapter(base_dir, tmp_path / f"a{i}", r=16, lora_alpha=24, target_modules=targets,
+                      seed=i)
+        for i in (1, 2)
+    ]  # fmt: skip
+    full = make_task_state(base, 0.3, seed=7)
+    save_checkpoint(full, tmp_path / "full", copy_from=base_dir)
+    _merge(base_dir, [*adapters, tmp_path / "full"], tmp_path / "out", method="ram_plus",
+           unit_budget_bytes=2048)  # fmt: skip
+    merged = load_checkpoint(tmp_path / "out")
+    states = [adapter_task_state(base, a) for a in adapters]
+    expected, _ = reference_merge(base, [*states, full], "ram_plus")
+    _assert_same_bytes(merged, expected)
+    monkeypatch.setattr(lora_reference, "fixed_order_product", lambda b, a: b.float() @ a.float())
+    matmul_states = [adapter_task_state(base, a) for a in adapters]
+    other, _ = reference_merge(base, [*matmul_states, full], "ram_plus")
+    assert any(not torch.equal(other[n], merged[n]) for n in merged)
