@@ -7,7 +7,8 @@ PEFT: the adapter's files are read here, and PEFT's one rule we follow, the matc
 
 `adapter_task_state(base, adapter_dir)` is the task's full state: every base tensor, those
 the adapter does not touch equal to the base. `materialize` writes it as a full checkpoint
-folder, to be given to ram-dist as an ordinary task.
+folder, to be given to ram-dist as an ordinary task. An FP8 base's weights are dequantized by
+`fp8_reference.dequantize` (the spec's FP8 rule, also independent of ram_dist).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from fp8_reference import FP8, SCALE, dequantize
 from safetensors.torch import load_file, save_file
 
 State = dict[str, torch.Tensor]
@@ -176,23 +178,51 @@ def adapter_deltas(base: State, adapter_dir: str | os.PathLike) -> tuple[State, 
     return deltas, starts, outright
 
 
-def adapter_task_state(base: State, adapter_dir: str | os.PathLike) -> State:
+def adapter_task_state(
+    base: State, adapter_dir: str | os.PathLike, fp8_block: tuple[int, int] | None = None
+) -> State:
     """The task's full state: the base with the adapter merged in, in the base's dtypes.
 
     Spec: "The task's value": `theta_t = cast(float32(theta_B) + delta, dtype of theta_B)`
     (RNE); `bias_t = cast(float32(bias_B) + float32(s) * float32(lora_B.bias), dtype)`; a
     modules_to_save tensor is the task's value outright; `<module>.base_layer.weight` is the
     value of that base tensor before the delta is added; an untouched tensor is the base's.
+    "For an FP8 base weight, theta_B is its dequantized value and theta_t is rounded to
+    bfloat16": such a weight (with `fp8_block`, the base's block size) is stored here as that
+    bf16 tensor, without its `_scale_inv` companion; an FP8 weight the adapter does not touch
+    stays the base's FP8 bytes and scale.
     """
     deltas, starts, outright = adapter_deltas(base, adapter_dir)
     out: State = dict(base)
     for name, value in starts.items():
+        if base[name].dtype == FP8:
+            raise AdapterRefused(f"{name}: a base_layer.weight for an FP8 weight")
         out[name] = value.to(base[name].dtype)
     for name, delta in deltas.items():
-        out[name] = (out[name].to(torch.float32) + delta).to(base[name].dtype)
+        if base[name].dtype == FP8:
+            if fp8_block is None:
+                raise ValueError(f"{name} is FP8: give the base's block size")
+            scale = base[name + SCALE]
+            theta_b = dequantize(base[name], scale, fp8_block)  # float32
+            out[name] = (theta_b + delta).to(torch.bfloat16)
+            del out[name + SCALE]
+        else:
+            out[name] = (out[name].to(torch.float32) + delta).to(base[name].dtype)
     for name, value in outright.items():
         out[name] = value.clone()
     return out
+
+
+def fp8_block_of(folder: str | os.PathLike) -> tuple[int, int] | None:
+    """The block size a checkpoint's config.json declares for fine-grained FP8, if any."""
+    config_file = Path(folder) / "config.json"
+    if not config_file.is_file():
+        return None
+    quant = json.loads(config_file.read_text()).get("quantization_config") or {}
+    if quant.get("quant_method") != "fp8":
+        return None
+    bm, bn = quant["weight_block_size"]
+    return (bm, bn)
 
 
 def load_state(folder: str | os.PathLike) -> State:
@@ -207,8 +237,10 @@ def materialize(
     base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: str | os.PathLike
 ) -> State:
     """Write the task's state as a full checkpoint folder: one `model.safetensors`, the base's
-    `config.json` (and its other non-tensor files). Returns the state written."""
-    state = adapter_task_state(load_state(base_dir), adapter_dir)
+    `config.json` (and its other non-tensor files). Returns the state written. On an FP8
+    base the folder mixes the untouched FP8 weights (with their scales) and the adapted bf16
+    ones, under the base's `quantization_config`."""
+    state = adapter_task_state(load_state(base_dir), adapter_dir, fp8_block_of(base_dir))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),

@@ -199,6 +199,29 @@ def test_task_state_by_hand(tmp_path):
     )
 
 
+def test_task_state_on_an_fp8_base(tmp_path):
+    """An FP8 weight: theta_B is its dequantized value, theta_t is rounded to bf16 (and its
+    scale is gone); an FP8 weight the adapter does not touch keeps its bytes and scale."""
+    from fp8_reference import dequantize, quantize
+
+    g = torch.Generator().manual_seed(4)
+    block = (2, 3)
+    base = {}
+    for name in ("w.weight", "u.weight"):
+        base[name], base[name + "_scale_inv"] = quantize(torch.randn(5, 7, generator=g), block)
+    a, b = torch.randn(2, 7, generator=g), torch.randn(5, 2, generator=g)
+    folder = _write_adapter(tmp_path / "a", {}, {"w.lora_A.weight": a, "w.lora_B.weight": b})
+    with pytest.raises(ValueError, match="block"):
+        adapter_task_state(base, folder)
+    state = adapter_task_state(base, folder, fp8_block=block)
+    theta_b = dequantize(base["w.weight"], base["w.weight_scale_inv"], block)
+    delta = torch.tensor(f32(3 / 2)) * fixed_order_product(b, a)
+    assert torch.equal(state["w.weight"], (theta_b + delta).to(torch.bfloat16))
+    assert "w.weight_scale_inv" not in state
+    assert state["u.weight"] is base["u.weight"]
+    assert state["u.weight_scale_inv"] is base["u.weight_scale_inv"]
+
+
 def test_reference_refusals(tmp_path):
     base = {"lin.weight": torch.zeros(3, 4), "lin2.weight": torch.zeros(3, 4)}
     ok = {"lin.lora_A.weight": torch.ones(2, 4), "lin.lora_B.weight": torch.ones(3, 2)}
