@@ -103,3 +103,20 @@ def test_the_cast_rounds_to_nearest_even(dtype):
     torch_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dtype]
     want = torch.from_numpy(values).to(torch_dtype).view(torch.uint8).numpy()
     assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize(("start", "stop"), [(0, 9 * 300), (300, 9 * 300), (299, 2401), (601, 899)])
+def test_wide_rows_four_at_a_time_and_in_tiles(start, stop):
+    """Rows wider than the kernel's tile, whole rows four at a time and partial rows alone:
+    the same bytes as the numpy rule (which computes whole rows at once)."""
+    rng = np.random.default_rng(11)
+    rows, cols, r = 9, 300, 5
+    coef = rng.standard_normal((rows, r)).astype(np.float32)
+    basis = rng.standard_normal((r, cols)).astype(np.float32)
+    theta = _stored(rng.standard_normal(rows * cols), "BF16")[start * 2 : stop * 2]
+    got = [
+        lora.values(theta, "BF16", coef[start // cols :], basis, np.float32(1.5), start, "BF16",
+                    np.empty((stop - start) * 4, np.uint8), fast=fast).tobytes()
+        for fast in (True, False)
+    ]  # fmt: skip
+    assert got[0] == got[1]
