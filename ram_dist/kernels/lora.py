@@ -20,20 +20,11 @@ from ram_dist.kernels import fp8
 
 
 def _numba() -> Any:
-    """The numba kernel (`lora_numba`), or None where numba is not installed: the numpy
-    rule below gives the same bytes."""
-    if not _KERNELS:
-        from ram_dist import kernels
+    """The numba kernels (`lora_numba`), or None where numba is not installed: the numpy
+    rule here gives the same bytes."""
+    from ram_dist.kernels import numba_module
 
-        _KERNELS.append(None)
-        if kernels.available():
-            from ram_dist.kernels import lora_numba
-
-            _KERNELS[0] = lora_numba
-    return _KERNELS[0]
-
-
-_KERNELS: list[Any] = []
+    return numba_module("lora_numba")
 
 
 def as_float32(raw: np.ndarray, dtype: str) -> np.ndarray:

@@ -336,9 +336,7 @@ class LoraSource(NamedTuple):
         base: np.ndarray,
     ) -> np.ndarray:
         """`cast(float32(theta) + float32(s) * P)`, P in the spec's fixed order."""
-        theta, theta_dtype = base, self.theta_dtype
-        if self.theta is not None:
-            theta, read = read[0], read[1:]
+        theta, read = _theta(self.theta, read, base)
         first, last = self._rows(start, stop)
         if not self.transposed:
             coef = lora.as_float32(read[0], self.dtype).reshape(last - first, self.rank)
@@ -350,7 +348,9 @@ class LoraSource(NamedTuple):
             basis = np.ascontiguousarray(basis.T)
         out = floats(stop - start).view(np.uint8)
         scale = np.float32(self.scale)
-        return lora.values(theta, theta_dtype, coef, basis, scale, start, self.values_dtype, out)
+        return lora.values(
+            theta, self.theta_dtype, coef, basis, scale, start, self.values_dtype, out
+        )
 
 
 class LoraBiasSource(NamedTuple):
@@ -394,9 +394,15 @@ class LoraBiasSource(NamedTuple):
         floats: Callable[[int], np.ndarray],
         base: np.ndarray,
     ) -> np.ndarray:
-        theta, theta_dtype = base, self.theta_dtype
-        if self.theta is not None:
-            theta, read = read[0], read[1:]
+        theta, read = _theta(self.theta, read, base)
         delta = np.float32(self.scale) * lora.as_float32(read[0], self.dtype)
-        value = lora.as_float32(theta, theta_dtype) + delta
+        value = lora.as_float32(theta, self.theta_dtype) + delta
         return lora.cast(value, self.values_dtype, floats(stop - start).view(np.uint8))
+
+
+def _theta(
+    own: Source | None, read: Sequence[np.ndarray], base: np.ndarray
+) -> tuple[np.ndarray, Sequence[np.ndarray]]:
+    """The base values a LoRA source adds to (the adapter's own copy, read first, or the
+    base input's), and the rest of what was read."""
+    return (read[0], read[1:]) if own is not None else (base, read)

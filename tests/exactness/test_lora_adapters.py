@@ -18,11 +18,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import build_tiny_base, load_checkpoint, make_task_state, save_checkpoint
+from builders import (
+    assert_same_bytes,
+    build_tiny_base,
+    load_checkpoint,
+    make_task_state,
+    save_checkpoint,
+)
 from fp8_models import quantize_checkpoint
 from fp8_reference import FP8, SCALE, quantize, reference_fp8_merge, values
 from lora_reference import adapter_task_state, load_state, materialize
-from peft_adapters import ADAPTER_FORMS, build_adapter, build_tiny_gpt2, merge_with_peft
+from peft_adapters import (
+    ADAPTER_FORMS,
+    build_adapter,
+    build_tiny_bases,
+    merge_with_peft,
+)
 from reference import reference_merge
 from safetensors.torch import save_file
 
@@ -48,15 +59,6 @@ BUDGETS = [300, 1024, 256 * 2**20]
 def _merge(base, tasks, out, **kw) -> dict:
     config = MergeConfig(base=str(base), tasks=tuple(str(t) for t in tasks), out=str(out), **kw)
     return run_merge(config).data
-
-
-def _assert_same_bytes(actual: dict, expected: dict) -> None:
-    assert actual.keys() == expected.keys()
-    for name, want in expected.items():
-        got = actual[name]
-        assert got.dtype == want.dtype and got.shape == want.shape, name
-        a, b = got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
-        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ"
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -111,7 +113,7 @@ def _expected_digest(job: dict, method: str, tmp_path: Path) -> dict[str, str]:
         job["expected"][method] = _digest(out)
         if method in RAM_METHODS:
             expected, _ = reference_merge(job["base"], job["states"], method)
-            _assert_same_bytes(load_checkpoint(out), expected)
+            assert_same_bytes(load_checkpoint(out), expected)
     return job["expected"][method]
 
 
@@ -119,7 +121,7 @@ def test_reference_states_are_the_adapters_merged(job):
     """The materialized checkpoints are what adapter_task_state gives, and they changed."""
     base = job["base"]
     for adapter, state in zip(job["adapter_tasks"][:2], job["states"][:2], strict=True):
-        _assert_same_bytes(state, adapter_task_state(base, adapter))
+        assert_same_bytes(state, adapter_task_state(base, adapter))
         changed = [n for n in base if not torch.equal(state[n], base[n])]
         assert len(changed) >= 4
 
@@ -155,11 +157,7 @@ def test_budgets_and_paths_do_not_change_bytes(job, tmp_path, method, budget, ke
 
 @pytest.fixture(scope="module")
 def form_bases(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("form-bases")
-    for kind in ("llama", "qwen2"):
-        build_tiny_base(root / kind, kind=kind, dtype=torch.bfloat16)
-    build_tiny_gpt2(root / "gpt2")
-    return {kind: root / kind for kind in ("llama", "qwen2", "gpt2")}
+    return build_tiny_bases(tmp_path_factory.mktemp("form-bases"))
 
 
 @pytest.mark.parametrize("form", list(ADAPTER_FORMS))
@@ -177,7 +175,7 @@ def test_every_adapter_form_against_the_reference(form_bases, tmp_path, form):
     _merge(base_dir, [*adapters, tmp_path / "full"], tmp_path / "out", method="ram_plus",
            unit_budget_bytes=2048)  # fmt: skip
     expected, _ = reference_merge(base, states, "ram_plus")
-    _assert_same_bytes(load_checkpoint(tmp_path / "out"), expected)
+    assert_same_bytes(load_checkpoint(tmp_path / "out"), expected)
 
 
 def test_merged_output_loads_and_runs_in_transformers(job, tmp_path):
@@ -286,7 +284,7 @@ def test_adapters_on_an_fp8_base(fp8_job, tmp_path, method, budget):
     if method in RAM_METHODS:
         expected, _ = reference_fp8_merge(fp8_job["base"], fp8_job["states"], method,
                                           fp8_job["block"])  # fmt: skip
-        _assert_same_bytes(load_state(tmp_path / "out"), expected)
+        assert_same_bytes(load_state(tmp_path / "out"), expected)
 
 
 def test_mergekit_yaml_base_plus_adapter(job, tmp_path, monkeypatch):
@@ -331,7 +329,7 @@ def test_float32_and_float16_bases_pin_the_fixed_order(tmp_path, monkeypatch, ki
     merged = load_checkpoint(tmp_path / "out")
     states = [adapter_task_state(base, a) for a in adapters]
     expected, _ = reference_merge(base, [*states, full], "ram_plus")
-    _assert_same_bytes(merged, expected)
+    assert_same_bytes(merged, expected)
     monkeypatch.setattr(lora_reference, "fixed_order_product", lambda b, a: b.float() @ a.float())
     matmul_states = [adapter_task_state(base, a) for a in adapters]
     other, _ = reference_merge(base, [*matmul_states, full], "ram_plus")

@@ -7,7 +7,6 @@ leave them."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from peft_adapters import (
     build_loha_adapter,
     build_pickle_adapter,
 )
+from refusals import merge_refused
 from safetensors.torch import load_file, save_file
 
 from ram_dist.cli import main
@@ -42,17 +42,7 @@ def good(bases) -> Path:
 
 def _error(capsys, base: Path, tasks: list[Path], out: Path) -> str:
     """The error line of a merge of `tasks` (the refused one second, after a good one)."""
-    argv = ["merge", "--base", str(base), "--out", str(out)]
-    for t in tasks:
-        argv += ["--task", str(t)]
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err
-    if out.exists():
-        names = os.listdir(out)
-        assert not [n for n in names if n.endswith((".safetensors", "index.json"))], names
-    return err[err.index("ram-dist: error: ") :].splitlines()[0]
+    return "ram-dist: error: " + merge_refused(capsys, base, tasks, out)
 
 
 def _edited(good: Path, to: Path, tensors=None, config=None) -> Path:

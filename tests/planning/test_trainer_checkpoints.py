@@ -7,12 +7,12 @@ difference of names that is none of these keeps the plain messages."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from builders import build_model_set, save_checkpoint
+from refusals import merge_refused
 
 from ram_dist.cli import main
 
@@ -29,19 +29,7 @@ def models(tmp_path_factory) -> tuple[Path, list[Path], dict, list[dict]]:
 
 
 def _merge(capsys, base: Path, tasks: list[Path], out: Path) -> str:
-    """`ram-dist merge`'s error line, after checking exit 2 and that nothing was published."""
-    argv = ["merge", "--base", str(base), "--out", str(out)]
-    for t in tasks:
-        argv += ["--task", str(t)]
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err
-    if out.exists():
-        names = os.listdir(out)
-        assert not [n for n in names if n.endswith((".safetensors", "index.json"))], names
-    line = err[err.index("ram-dist: error: ") :].splitlines()[0]
-    return line.removeprefix("ram-dist: error: ")
+    return merge_refused(capsys, base, tasks, out)
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,18 @@ def build_tiny_gpt2(
     return Path(folder)
 
 
+def build_tiny_bases(root: str | os.PathLike) -> dict[str, Path]:
+    """A tiny bf16 Llama, Qwen2 and GPT-2 under `root`, by kind: the bases of every adapter
+    form (`ADAPTER_FORMS` names the kind of each)."""
+    from builders import build_tiny_base
+
+    root = Path(root)
+    for kind in ("llama", "qwen2"):
+        build_tiny_base(root / kind, kind=kind, dtype=torch.bfloat16)
+    build_tiny_gpt2(root / "gpt2")
+    return {kind: root / kind for kind in ("llama", "qwen2", "gpt2")}
+
+
 def _load_base(base_dir: str | os.PathLike):
     from transformers import AutoModelForCausalLM
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import build_tiny_base
 from lora_reference import (
     AdapterRefused,
     adapter_deltas,
@@ -29,7 +28,7 @@ from peft_adapters import (
     build_dora_adapter,
     build_loha_adapter,
     build_pickle_adapter,
-    build_tiny_gpt2,
+    build_tiny_bases,
     merge_with_peft,
 )
 from safetensors.torch import load_file, save_file
@@ -258,11 +257,7 @@ def test_reference_refusals(tmp_path):
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("bases")
-    for kind in ("llama", "qwen2"):
-        build_tiny_base(root / kind, kind=kind, dtype=torch.bfloat16)
-    build_tiny_gpt2(root / "gpt2")
-    return {kind: root / kind for kind in ("llama", "qwen2", "gpt2")}
+    return build_tiny_bases(tmp_path_factory.mktemp("bases"))
 
 
 def _compare_with_peft(base_dir: Path, adapter_dir: Path, merged_dir: Path) -> dict[str, int]:
