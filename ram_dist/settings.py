@@ -118,7 +118,8 @@ class WhatToMerge:
         metavar="PATH", default_text="required", api_type=PathLike, identity="inputs",
     )  # fmt: skip
     tasks: tuple[str, ...] = setting(
-        REQUIRED, help="task checkpoint folder (repeat, in order)", flag="--task",
+        REQUIRED, help="task checkpoint folder, or PEFT LoRA adapter folder (repeat, in order)",
+        flag="--task",
         metavar="PATH", convert=tuple, default_text="required, 2 or more",
         api_type=Sequence[PathLike], identity="inputs",
     )  # fmt: skip
@@ -167,6 +168,11 @@ class HowToRun:
         False, help="copy the base's integer and bool tensors even where a task changed them "
         "(they cannot be merged; without it such a task is refused)",
         flag="--integers-from-base",
+    )  # fmt: skip
+    drop_extra_tensors: bool = setting(
+        False, help="leave out the tensors a task holds that the base does not (a value head; "
+        "an lm_head the base ties to its embeddings) instead of refusing the task; the report "
+        "and the model card list them", flag="--drop-extra-tensors",
     )  # fmt: skip
     allow_nonfinite: bool = setting(
         False, help="merge inputs that hold NaN or Inf instead of refusing them",

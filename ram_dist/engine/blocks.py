@@ -21,7 +21,7 @@ from ram_dist.engine.worker import WorkScope
 from ram_dist.io.storage import Storage
 from ram_dist.planning.layout import Layout, TensorEntry
 from ram_dist.planning.sizing import COMPUTE_BLOCK
-from ram_dist.planning.sources import Range, TensorSource
+from ram_dist.planning.sources import Range, TensorSource, same_as_base
 from ram_dist.planning.units import Piece
 
 if TYPE_CHECKING:
@@ -40,11 +40,14 @@ def _ranges(entry: TensorEntry, start: int, stop: int) -> tuple[list[Range], lis
     first; only the base for a tensor that is copied), and the input each belongs to: each
     source's first range (its stored elements) in input order, then each one's second (an
     FP8 input's scale rows), and so on, so that the stored elements lead as they always
-    have. Elements [start, stop) are whole atomic rows of every source."""
-    per = [src.ranges(start, stop) for src in entry.sources[: inputs_of(entry)]]
-    out = [r[0] for r in per]
-    owner = list(range(len(per)))
-    for k in range(1, max(map(len, per), default=1)):
+    have. A task whose source is the base's own reads nothing (`same_as_base`). Elements
+    [start, stop) are whole atomic rows of every source."""
+    sources = entry.sources[: inputs_of(entry)]
+    same = same_as_base(sources)
+    per = [[] if same[i] else src.ranges(start, stop) for i, src in enumerate(sources)]
+    out: list[Range] = []
+    owner: list[int] = []
+    for k in range(max(map(len, per), default=0)):
         for i, r in enumerate(per):
             if k < len(r):
                 out.append(r[k])
@@ -117,7 +120,8 @@ def _groupable(entry: TensorEntry) -> bool:
     values dequantized) and of new FP8 scales (made from their weight's bands)."""
     if entry.scale_of is not None or entry.band is not None:
         return False
-    if any(s.decoded for s in entry.sources):
+    same = same_as_base(entry.sources)
+    if any(s.decoded and not same[i] for i, s in enumerate(entry.sources)):
         return False
     return all(entry.numel * s.itemsize <= SMALL_BYTES for s in entry.sources)
 
@@ -166,6 +170,25 @@ def stream_blocks(
     ]
     groups = _groups(blocks, pieces, layout)
 
+    shared: dict[tuple[str, int], list[np.ndarray]] = {}
+
+    def unit_arrays(tensor: str, i: int, src: TensorSource) -> list[np.ndarray]:
+        """What input i's source needs of `tensor` whatever the elements (a LoRA factor),
+        read once per unit: kept until the stream moves to another tensor."""
+        key = (tensor, i)
+        if key not in shared:
+            if any(t != tensor for t, _ in shared):
+                shared.clear()
+            requests = src.unit_ranges()
+            arrays = [np.empty(end - start, dtype=np.uint8) for _, start, end in requests]
+            if requests:
+                storage.read_ranges(
+                    requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic
+                )
+            bytes_read[i] += sum(a.size for a in arrays)
+            shared[key] = arrays
+        return shared[key]
+
     def read_one(k: int, slot: int) -> BlockInputs:
         """A block read on its own, its inputs decoded where their sources say so."""
         block = blocks[k]
@@ -180,9 +203,13 @@ def stream_blocks(
         storage.read_ranges(requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic)
         for i, a in zip(owner, arrays, strict=True):
             bytes_read[i] += a.size
-        if not any(s.decoded for s in sources):
-            return BlockInputs(tuple(arrays), tuple(s.dtype for s in sources))
-        return _decoded(sources, start, stop, arrays, owner, scope.reads.floats, slot)
+        read: list[list[np.ndarray]] = [[] for _ in sources]
+        for i, a in zip(owner, arrays, strict=True):
+            read[i].append(a)
+        for i, src in enumerate(sources):
+            if src.decoded:
+                read[i] += unit_arrays(piece.tensor, i, src)
+        return _decoded(sources, start, stop, read, scope.reads.floats, slot)
 
     def read(g: int) -> list[BlockInputs]:
         if len(groups[g]) == 1:
@@ -193,18 +220,25 @@ def stream_blocks(
             piece = pieces[block.piece]
             entry = layout.tensors[piece.tensor]
             lo, hi = piece.start + block.lo, piece.start + block.hi
-            # a small tensor's inputs are plain (`_groupable`): one range each, in order
-            requests += [src.ranges(lo, hi)[0] for src in entry.sources[: inputs_of(entry)]]
-            dtypes.append(tuple(s.dtype for s in entry.sources[: inputs_of(entry)]))
+            # a small tensor's inputs are plain (`_groupable`): one range each, in order,
+            # none for a task whose source is the base's own
+            sources = entry.sources[: inputs_of(entry)]
+            same = same_as_base(sources)
+            requests += [s.ranges(lo, hi)[0] for i, s in enumerate(sources) if not same[i]]
+            dtypes.append((tuple(s.dtype for s in sources), tuple(same)))
         arrays = scope.reads.views(g % 2, [end - start for _, start, end in requests], pinned)
         storage.read_ranges(requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic)
         out, at = [], 0
-        for types in dtypes:
-            raw = tuple(arrays[at : at + len(types)])
-            for i, a in enumerate(raw):
-                bytes_read[i] += a.size
-            out.append(BlockInputs(raw, types))
-            at += len(types)
+        for types, same in dtypes:
+            raw: list[np.ndarray] = []
+            for i, is_base in enumerate(same):
+                if is_base:
+                    raw.append(raw[0])
+                    continue
+                raw.append(arrays[at])
+                bytes_read[i] += arrays[at].size
+                at += 1
+            out.append(BlockInputs(tuple(raw), types))
         return out
 
     if not blocks:
@@ -224,26 +258,31 @@ def _decoded(
     sources: Sequence[TensorSource],
     start: int,
     stop: int,
-    arrays: list[np.ndarray],
-    owner: list[int],
+    read: list[list[np.ndarray]],
     floats: Callable[[tuple[int, int], int], np.ndarray],
     slot: int,
 ) -> BlockInputs:
-    """A block's inputs with each decoded one's values made from what was read for it
-    (`TensorSource.decode`: an FP8 input's, the spec's one multiplication per element), the
-    arrays read for it kept beside them."""
-    read: list[list[np.ndarray]] = [[] for _ in sources]
-    for i, a in zip(owner, arrays, strict=True):
-        read[i].append(a)
+    """A block's inputs from what was read for each (`read[i]`: the block's ranges, then the
+    unit's), each decoded one's values made from it (`TensorSource.decode`: an FP8 input's,
+    the spec's one multiplication per element; a LoRA task's, from the base's values), and
+    a task whose source is the base's own given the base's values."""
+    same = same_as_base(sources)
     raw: list[np.ndarray] = []
     kept: list[tuple[np.ndarray, ...] | None] = []
     for i, (src, got) in enumerate(zip(sources, read, strict=True)):
-        if src.decoded:
-            raw.append(src.decode(start, stop, got, functools.partial(floats, (slot, i))))
+        if same[i]:
+            raw.append(raw[0])
+            kept.append(None)
+        elif src.decoded:
+            part = functools.partial(floats, (slot, i))
+            base = raw[0] if raw else got[0]
+            raw.append(src.decode(start, stop, got, part, base))
             kept.append(tuple(got))
         else:
             raw.append(got[0])
             kept.append(None)
+    if not any(s.decoded for s in sources):
+        kept = []
     return BlockInputs(tuple(raw), tuple(s.values_dtype for s in sources), tuple(kept))
 
 

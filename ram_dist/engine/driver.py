@@ -346,6 +346,7 @@ def _report(
             "allowed": config.integers_from_base,
             "copied_though_changed": list(job.integers_changed),
         },
+        "extra_tensors": job.extra_tensors(),
     }
     report.update(job.method.report(method_state))
     for url, t in zip(config.tasks, report.get("tasks", []), strict=False):

@@ -11,6 +11,7 @@ read only for the rare header longer than the first read.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +23,14 @@ from ram_dist.errors import CheckpointError, RamDistError, StorageError
 from ram_dist.io.backends import backend, backend_of
 from ram_dist.io.failures import classify, is_storage_failure, storage_error
 from ram_dist.io.json_files import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, read_json
-from ram_dist.io.names import INDEX_NAME, MODEL_CONFIG_NAME, SINGLE_NAME
+from ram_dist.io.names import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_PICKLE_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    INDEX_NAME,
+    MODEL_CONFIG_NAME,
+    SINGLE_NAME,
+)
 from ram_dist.io.safetensors_header import (
     FileHeader,
     TensorInfo,
@@ -69,6 +77,12 @@ class Checkpoint:
     ties_embeddings: bool = False
     """Whether the folder's `config.json` sets `tie_word_embeddings` to true (the lm_head is
     the embedding matrix, not a tensor of its own); False without the key or the file."""
+    adapter: dict[str, Any] | None = None
+    """A PEFT adapter folder's `adapter_config.json` (`planning.adapters` reads it); None for
+    a checkpoint of whole tensors. An adapter's `tensors` are the adapter's own."""
+    model_config: dict[str, Any] | None = None
+    """The folder's `config.json` (None: no such file): what an adapter's base is checked
+    against."""
 
     def describe(self, name: str | None = None) -> str:
         """`label (url)` plus the file that holds `name`, for error messages."""
@@ -133,6 +147,8 @@ class _Folder:
     """The listing's entry of each file in the folder, by file name."""
     quantization: dict[str, Any] | None
     ties_embeddings: bool
+    adapter: dict[str, Any] | None = None
+    model_config: dict[str, Any] | None = None
 
 
 def _list_folder(url: str, label: str, storage: Storage) -> _Folder:
@@ -156,6 +172,8 @@ def _list_folder(url: str, label: str, storage: Storage) -> _Folder:
         raise
     listed = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries}
     weight_map: dict[str, str] | None = None
+    if ADAPTER_CONFIG_NAME in listed and not {INDEX_NAME, SINGLE_NAME} & set(listed):
+        return _adapter_folder(url, label, storage, listed)
     if INDEX_NAME in listed:
         weight_map = _read_weight_map(join(url, INDEX_NAME), label, storage, listed[INDEX_NAME])
         files = tuple(dict.fromkeys(weight_map.values()))
@@ -181,8 +199,33 @@ def _list_folder(url: str, label: str, storage: Storage) -> _Folder:
             raise CheckpointError(
                 f"{label} ({url}): the index names shard {file}, which does not exist"
             )
-    quantization, ties = _read_config(url, label, storage, listed.get(MODEL_CONFIG_NAME))
-    return _Folder(url, label, files, weight_map, listed, quantization, ties)
+    config = _read_config(url, label, storage, listed.get(MODEL_CONFIG_NAME))
+    quantization, ties = _weights_config(config, label, join(url, MODEL_CONFIG_NAME))
+    return _Folder(url, label, files, weight_map, listed, quantization, ties, None, config)
+
+
+def _adapter_folder(
+    url: str, label: str, storage: Storage, listed: dict[str, Mapping[str, Any]]
+) -> _Folder:
+    """A PEFT adapter folder: its config, and its weights in safetensors (a pickle only is
+    refused by name, never opened)."""
+    if ADAPTER_WEIGHTS_NAME not in listed:
+        held = (
+            f"its weights only as {ADAPTER_PICKLE_NAME}, a pickle, which ram-dist never opens "
+            "(loading one can run arbitrary code): save the adapter again with "
+            "`model.save_pretrained(dir)` (safetensors is PEFT's default)"
+            if ADAPTER_PICKLE_NAME in listed
+            else f"no {ADAPTER_WEIGHTS_NAME}: save the adapter with `model.save_pretrained(dir)`"
+        )
+        raise CheckpointError(f"{label} ({url}) is a PEFT adapter folder with {held}")
+    config = _read_json_object(url, ADAPTER_CONFIG_NAME, label, storage, listed)
+    if config is None:
+        raise CheckpointError(
+            f"{label} ({url}): {ADAPTER_CONFIG_NAME} is not a JSON object; save the adapter "
+            "with PEFT's `save_pretrained`"
+        )
+    files = (ADAPTER_WEIGHTS_NAME,)
+    return _Folder(url, label, files, None, listed, None, False, config, None)
 
 
 def _assemble(
@@ -226,6 +269,8 @@ def _assemble(
         identity=identity,
         quantization=folder.quantization,
         ties_embeddings=folder.ties_embeddings,
+        adapter=folder.adapter,
+        model_config=folder.model_config,
     )
 
 
@@ -386,25 +431,57 @@ def _read_error(url: str, error: BaseException) -> BaseException:
 
 def _read_config(
     url: str, label: str, storage: Storage, entry: Mapping[str, Any] | None
-) -> tuple[dict[str, Any] | None, bool]:
-    """What the folder's config.json says of the weights: its `quantization_config`, which
-    says how they are stored (`planning.formats`; None when there is no config.json or no
-    such key), and whether `tie_word_embeddings` is true (`planning.layout` names a tied
-    lm_head a task wrote out)."""
-    if entry is None:
-        return None, False
-    size = entry.get("size")
-    listed = size if isinstance(size, int) and not entry.get("islink") else None
-    config_url = join(url, MODEL_CONFIG_NAME)
+) -> dict[str, Any] | None:
+    """The folder's config.json (None when there is none, or it is not an object)."""
+    return _read_json_object(url, MODEL_CONFIG_NAME, label, storage, {MODEL_CONFIG_NAME: entry}
+                             if entry is not None else {})  # fmt: skip
+
+
+def trained_on_config(named: Any, base_url: str, storage: Storage) -> dict[str, Any] | None:
+    """The config.json of the model an adapter names as its base (`base_model_name_or_path`)
+    where it is a folder on this machine other than the base, else None: a Hub id is not
+    fetched (no network is assumed), and an unreadable one is not an error, only a check
+    left undone."""
+    if not isinstance(named, str) or not named or "://" in named:
+        return None
+    if not os.path.isdir(named) or os.path.realpath(named) == os.path.realpath(base_url):
+        return None
     try:
-        config = read_json(config_url, storage, MAX_CONFIG_BYTES, "config", "input", listed)
+        config = read_json(
+            os.path.join(named, MODEL_CONFIG_NAME), storage, MAX_CONFIG_BYTES, "config", "input"
+        )
+    except (OSError, RamDistError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _read_json_object(
+    url: str, name: str, label: str, storage: Storage, listed: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any] | None:
+    """A small JSON file of the folder (None when it is not listed, or not an object)."""
+    entry = listed.get(name)
+    if entry is None:
+        return None
+    size = entry.get("size")
+    known = size if isinstance(size, int) and not entry.get("islink") else None
+    try:
+        config = read_json(join(url, name), storage, MAX_CONFIG_BYTES, "config", "input", known)
     except FileNotFoundError:
-        return None, False
+        return None
     except StorageError as e:
         raise StorageError(f"{label}: {e}", e.exit_status) from e
     except RamDistError as e:
         raise CheckpointError(f"{label}: {e}") from e
-    if not isinstance(config, dict):
+    return config if isinstance(config, dict) else None
+
+
+def _weights_config(
+    config: dict[str, Any] | None, label: str, config_url: str
+) -> tuple[dict[str, Any] | None, bool]:
+    """What config.json says of the weights: its `quantization_config`, which says how they
+    are stored (`planning.formats`; None without it), and whether `tie_word_embeddings` is
+    true (`planning.layout` names a tied lm_head a task wrote out)."""
+    if config is None:
         return None, False
     ties = config.get("tie_word_embeddings") is True
     quant = config.get("quantization_config")

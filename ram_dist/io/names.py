@@ -6,6 +6,11 @@ from __future__ import annotations
 #: A sharded checkpoint's index, and a single-file checkpoint's weights.
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+#: A PEFT adapter folder's config and weights (`PeftModel.save_pretrained`), and the pickle
+#: it may hold instead, which is never opened.
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+ADAPTER_PICKLE_NAME = "adapter_model.bin"
 #: The model's own config (its dtype is rewritten to the output dtype).
 MODEL_CONFIG_NAME = "config.json"
 #: What a merge writes beside the shards: the manifest (resume, verify), the report, the

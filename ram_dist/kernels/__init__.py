@@ -15,10 +15,12 @@ The kernels are compiled once per signature and CPU, into numba's disk cache (se
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import tempfile
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +42,20 @@ WRITES: dict[str, type] = {**READS, **_stored(("F64",))}
 def available() -> bool:
     """Whether numba is installed, so that `ram_dist.kernels.ram_numba` can be imported."""
     return importlib.util.find_spec("numba") is not None
+
+
+def numba_module(name: str) -> Any:
+    """The numba kernel module `ram_dist.kernels.<name>` (imported, and compiled, on first
+    use), or None where numba is not installed: the callers' numpy rules give the same
+    bytes."""
+    if name not in _MODULES:
+        _MODULES[name] = (
+            importlib.import_module(f"ram_dist.kernels.{name}") if available() else None
+        )
+    return _MODULES[name]
+
+
+_MODULES: dict[str, Any] = {}
 
 
 def handle(inputs: Sequence[str], out: str | None = None) -> bool:

@@ -60,19 +60,10 @@ def scale_bytes(values: np.ndarray, dtype: str) -> np.ndarray:
 
 def _numba() -> Any:
     """The numba kernels (`fp8_numba`), or None where numba is not installed: the numpy
-    rule below gives the same bytes."""
-    if not _KERNELS:
-        from ram_dist import kernels
+    rule here gives the same bytes."""
+    from ram_dist.kernels import numba_module
 
-        _KERNELS.append(None)
-        if kernels.available():
-            from ram_dist.kernels import fp8_numba
-
-            _KERNELS[0] = fp8_numba
-    return _KERNELS[0]
-
-
-_KERNELS: list[Any] = []
+    return numba_module("fp8_numba")
 
 
 def dequantize(

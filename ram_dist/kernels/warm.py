@@ -9,7 +9,8 @@ worker process that finds it in no cache (loading one takes about 10 ms). This c
 kernel through its public wrapper, on tiny inputs, so that the signatures are exactly those
 a job meets: base and tasks of one dtype (bfloat16, float16, float32; mixed dtypes are not
 warmed), 1 to `--tasks` tasks, and every output dtype a merge kernel writes (those three
-and float64). All of it, 243 specializations, takes about 4 minutes on one core.
+and float64), and the LoRA product in each dtype. All of it, 247 specializations, takes
+about 4 minutes on one core.
 
 The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
 beside the kernel modules when that is writable, else numba's user-wide cache directory
@@ -44,11 +45,12 @@ N = 16  # elements per input
 
 def dispatchers() -> dict[str, Any]:
     """Every cached kernel (a numba dispatcher) by name, `module.function`."""
-    from ram_dist.kernels import ram_numba, scan_numba, ties_numba
+    from ram_dist.kernels import lora_numba, ram_numba, scan_numba, ties_numba
 
     found = (
         ram_numba._count_kernel, ram_numba._merge_kernel,
         ties_numba._stats_kernel, ties_numba._merge_kernel, scan_numba._count,
+        lora_numba.lora_values,
     )  # fmt: skip
     return {f"{k.py_func.__module__.rsplit('.', 1)[-1]}.{k.__name__}": k for k in found}
 
@@ -59,7 +61,7 @@ def calls(
     """(dispatcher, label, call) for every specialization to warm."""
     import torch
 
-    from ram_dist.kernels import ram_numba, scan_numba, ties_numba
+    from ram_dist.kernels import lora_numba, ram_numba, scan_numba, ties_numba
 
     for name in dtypes:
         for n in range(1, tasks + 1):
@@ -90,6 +92,22 @@ def calls(
     for name in ("bfloat16", "float32", "float64"):
         x = torch.zeros(N, dtype=getattr(torch, name))
         yield scan_numba._count, name, partial(scan_numba.nonfinite_count, x)
+    # A LoRA task's values: in the base's dtype, and bfloat16 over an FP8 base's float32.
+    code = {INFO[d].torch: d for d in READS}
+    pairs = [(code[d], code[d]) for d in dtypes] + [("F32", "BF16")]
+    for theta, out in dict.fromkeys(pairs):
+        yield lora_numba.lora_values, f"LoRA {theta} -> {out}", partial(_lora, theta, out)
+
+
+def _lora(theta: str, out: str) -> None:
+    """One LoRA product through `kernels.lora`, on a 4 x 4 weight of rank 2."""
+    import numpy as np
+
+    from ram_dist.kernels import lora
+
+    factors = np.zeros((4, 2), np.float32), np.zeros((2, 4), np.float32)
+    zeros = np.zeros(16 * INFO[theta].itemsize, np.uint8)
+    lora.values(zeros, theta, *factors, np.float32(1), 0, out, np.empty(64, np.uint8))
 
 
 def warm(dtypes: list[str], tasks: int, out_dtypes: list[str], cache_dir: str | None = None) -> int:

@@ -174,10 +174,32 @@ def _model_name(value: Any, at: str) -> str:
         raise RamDistError(f"{at} must be a folder, URL or Hugging Face id (a string)")
     if "+" in value:
         raise RamDistError(
-            f"{at}: {value!r} is a model+LoRA reference (mergekit's '+'), which ram-dist does "
-            "not support; merge the adapter into the model first"
+            f"{at}: {value!r} is a model+LoRA reference (mergekit's '+'): the base model is a "
+            "model, not a model with an adapter; give the adapter as one of the models "
+            "(`model: BASE+ADAPTER`)"
         )
     return value
+
+
+def _task_name(value: Any, base: str | None, at: str) -> str:
+    """A model entry's location; mergekit's `BASE+ADAPTER` names the adapter folder, a task
+    whose value is the base with the adapter merged in (`docs/inputs.md`), so BASE must be
+    the base_model."""
+    if not isinstance(value, str) or "+" not in value:
+        return _model_name(value, at)
+    model, _, adapter = value.partition("+")
+    if not model.strip() or not adapter.strip() or "+" in adapter:
+        raise RamDistError(
+            f"{at}: {value!r} is not MODEL+ADAPTER (mergekit's form: one '+' between a model "
+            "and a LoRA adapter folder)"
+        )
+    if model != base:
+        raise RamDistError(
+            f"{at}: {value!r} applies the adapter to {model!r}, which is not the base_model "
+            f"({base!r}): ram-dist merges an adapter into the base only; set base_model to "
+            f"{model!r}, or merge the adapter into {model!r} first"
+        )
+    return adapter
 
 
 def _models(
@@ -200,7 +222,7 @@ def _models(
         _refuse_unknown_keys(entry, _MODEL_KEYS, f"{p}: {at}")
         if "model" not in entry:
             raise RamDistError(f"{p}: {at} needs a model: PATH")
-        name = _model_name(entry["model"], f"{p}: {at}.model")
+        name = _task_name(entry["model"], base, f"{p}: {at}.model")
         if name in seen:
             raise RamDistError(f"{p}: {at}: {name} is listed twice (also models[{seen[name]}])")
         seen[name] = i

@@ -14,15 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ram_dist.errors import CheckpointError, RamDistError
-from ram_dist.io.checkpoint import Checkpoint, open_checkpoints
+from ram_dist.io.checkpoint import Checkpoint, open_checkpoints, trained_on_config
 from ram_dist.io.locations import resolve_location, resolve_output
 from ram_dist.io.same_bytes import differing
 from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod, get_method
+from ram_dist.planning.adapters import check_trained_on
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.devices import DeviceChoice, job_device
-from ram_dist.planning.layout import Layout, build_layout
+from ram_dist.planning.layout import Layout, TensorEntry, build_layout
 from ram_dist.planning.sizing import auto_unit_budget, machine
+from ram_dist.planning.sources import TensorSource, same_as_base
 from ram_dist.planning.tensor_params import resolve_all
 from ram_dist.planning.units import WorkUnit, plan_units
 
@@ -69,8 +71,9 @@ class Job:
         """Tensor bytes of the largest input checkpoint (what one pass reads from it)."""
         per_input = [0] * (len(self.tasks) + 1)
         for entry in self.layout.tensors.values():
+            same = same_as_base(entry.sources)
             for i, src in enumerate(entry.sources):
-                per_input[i] += entry.numel * src.itemsize
+                per_input[i] += 0 if same[i] else entry.numel * src.itemsize
         return max(per_input)
 
     @property
@@ -126,6 +129,11 @@ class Job:
             identity["formats"] = list(self.layout.formats)
         return identity
 
+    def extra_tensors(self) -> dict[str, Any]:
+        """`--drop-extra-tensors` and what it left out, per task (plan, report, card)."""
+        dropped = {label: list(names) for label, names in self.layout.dropped.items()}
+        return {"allowed": self.config.drop_extra_tensors, "dropped": dropped}
+
     def formats(self) -> dict[str, Any]:
         """Each input's storage format and the output's, in words (plan, report, card)."""
         inputs = [self.base, *self.tasks]
@@ -170,7 +178,12 @@ def _prepare(config: MergeConfig) -> Job:
     _check_distinct(base_url, task_urls, config.method)
     labelled = [(url, f"task {i + 1}") for i, url in enumerate(task_urls)]
     base, *tasks = open_checkpoints([(base_url, "base model"), *labelled], storage)
-    layout = build_layout(base, tasks, config.out_dtype)
+    for task in tasks:
+        if task.adapter is not None and base.adapter is None:
+            named = task.adapter.get("base_model_name_or_path")
+            trained_on = trained_on_config(named, base_url, storage)
+            check_trained_on(task, trained_on, base)
+    layout = build_layout(base, tasks, config.out_dtype, config.drop_extra_tensors)
     integers_changed = _changed_integers(layout, storage, base, tasks, config)
     merging = [name for name, e in layout.tensors.items() if e.participating]
     params = resolve_all(config, get_method(config.method), merging)
@@ -190,7 +203,10 @@ def _changed_integers(
     """The copied (integer or bool) tensors whose bytes some task changed: refused, naming
     the first, unless the config says to copy the base's anyway."""
     copied = {
-        name: [(s.file, s.start, s.start + e.numel * s.itemsize) for s in e.sources]
+        name: [
+            _stored_range(e, s if not same else e.sources[0])
+            for s, same in zip(e.sources, same_as_base(e.sources), strict=True)
+        ]
         for name, e in layout.tensors.items()
         if not e.participating and e.scale_of is None and len(e.sources) > 1
     }
@@ -207,6 +223,12 @@ def _changed_integers(
             "say so)"
         )
     return tuple(changed)
+
+
+def _stored_range(entry: TensorEntry, src: TensorSource) -> tuple[str, int, int]:
+    """Where a copied tensor's bytes lie in one input (a task's that is the base's own, in
+    the base: the same bytes)."""
+    return (src.file, src.start, src.start + entry.numel * src.itemsize)
 
 
 def _check_distinct(base: str, tasks: list[str], method: str) -> None:

@@ -16,7 +16,7 @@ Work units cut such a weight only at whole bands of `bm` rows, the blocks' heigh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ram_dist.dtypes import FLOATING, dtype_name, itemsize
 from ram_dist.errors import CheckpointError
@@ -24,8 +24,15 @@ from ram_dist.io.checkpoint import Checkpoint
 from ram_dist.io.safetensors_header import TensorInfo
 from ram_dist.io.storage import join
 from ram_dist.io.writer import OutTensor
+from ram_dist.planning.adapters import adapter_sources, lora_config
 from ram_dist.planning.formats import FP8_DTYPE, SCALE_SUFFIX, Format, recognize
-from ram_dist.planning.sources import FP8_VALUES_DTYPE, Fp8Source, Source, TensorSource
+from ram_dist.planning.sources import (
+    FP8_VALUES_DTYPE,
+    Fp8Source,
+    Source,
+    TensorSource,
+    same_as_base,
+)
 from ram_dist.planning.units import TensorSlot, WorkUnit
 
 
@@ -73,14 +80,14 @@ class TensorEntry:
 
     @property
     def atomic_rows(self) -> int | None:
-        """Rows cut only together: the output's FP8 blocks' height when it is written as FP8,
-        else the first input's that has any (`TensorSource.atomic_rows`)."""
+        """Rows cut only together: the least common multiple of the output's FP8 blocks'
+        height, when it is written as FP8, and every input's (`TensorSource.atomic_rows`),
+        so that a cut is at a band of each (a base and a task with FP8 blocks of other
+        heights); None when nothing is cut only at some rows."""
+        rows = [s.atomic_rows for s in self.sources if s.atomic_rows is not None]
         if self.fp8_out is not None:
-            return self.fp8_out.block[0]
-        for src in self.sources:
-            if src.atomic_rows is not None:
-                return src.atomic_rows
-        return None
+            rows.append(self.fp8_out.block[0])
+        return math.lcm(*rows) if rows else None
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,9 @@ class Layout:
     decoded_inputs: bool = False
     """Whether any input's values are decoded from what it stores (FP8 weights): how they
     are decoded decides the bytes, so the formats are part of the job's identity then."""
+    dropped: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per task (by label), the tensors it holds that the base does not, left out as asked
+    (`--drop-extra-tensors`)."""
 
     def output_format(self) -> str:
         """The output's storage format in words, as `formats` says the inputs'."""
@@ -134,7 +144,7 @@ class Layout:
                     continue
                 used = e.sources if e.participating else e.sources[:1]
                 row = math.prod(e.shape[1:]) if len(e.shape) > 1 else 1
-                widest = max(s.itemsize for s in used)
+                widest = max(s.itemsize for s in used)  # a task reading the base's: as much
                 band = e.band
                 if band is not None:
                     slots.append(TensorSlot(n, shard, e.numel, band, widest, True))
@@ -166,7 +176,8 @@ class Layout:
             per = min(bm * bn, w.numel)
             return numel * per * sum(s.itemsize for s in w.sources)
         sources = e.sources if e.participating else e.sources[:1]
-        return numel * sum(s.itemsize for s in sources)
+        same = same_as_base(sources)
+        return numel * sum(s.itemsize for i, s in enumerate(sources) if not same[i])
 
 
 def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
@@ -174,36 +185,71 @@ def unit_out_bytes(unit: WorkUnit, layout: Layout) -> int:
     return sum(p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces)
 
 
-def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | None) -> Layout:
+def build_layout(
+    base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | None, drop_extra: bool = False
+) -> Layout:
     """Validate names, shapes and dtype kinds of all inputs against the base. An FP8 weight
     with its scales counts as one floating tensor of its checkpoint: the base and each task
-    may store it in FP8 or not, each on its own."""
-    formats = [recognize(c) for c in (base, *tasks)]
-    for task, fmt in zip(tasks, formats[1:], strict=True):
-        _check_names(base, formats[0], task, fmt)
-    companions = formats[0].companions
+    may store it in FP8 or not, each on its own. A task given as a LoRA adapter
+    (`planning.adapters`) has a source for every base tensor: a product, its own copy, or
+    the base's. `drop_extra`: a task's tensors the base lacks are left out (and listed in
+    `Layout.dropped`) instead of refused."""
+    if base.adapter is not None:
+        raise CheckpointError(
+            f"the {base.label} ({base.url}) is a PEFT adapter folder: give the model it was "
+            "trained on as the base, and the adapter as a task"
+        )
+    base_fmt = recognize(base)
+    companions = base_fmt.companions
+    base_sources = {n: base_fmt.source(i) for n, i in base.tensors.items() if n not in companions}
+    formats: list[Format | None] = [base_fmt]
+    words = [base_fmt.describe(base)]
+    adapted: list[dict[str, TensorSource] | None] = []
+    dropped: dict[str, tuple[str, ...]] = {}
+    for task in tasks:
+        if task.adapter is not None:
+            config = lora_config(task)
+            adapted.append(adapter_sources(base, base_sources, task, config))
+            formats.append(None)
+            words.append(config.describe())
+            continue
+        fmt = recognize(task)
+        extra = _check_names(base, base_fmt, task, fmt, drop_extra)
+        if extra:
+            dropped[task.label] = extra
+        adapted.append(None)
+        formats.append(fmt)
+        words.append(fmt.describe(task))
     tensors: dict[str, TensorEntry] = {}
     for name, b in base.tensors.items():
         if name in companions:
             continue
-        infos = [b] + [t.tensors[name] for t in tasks]
-        sources = tuple(fmt.source(info) for info, fmt in zip(infos, formats, strict=True))
+        sources = (
+            (base_sources[name],)
+            + tuple(
+                own[name] if own is not None else fmt.source(task.tensors[name])  # type: ignore[union-attr]
+                for task, own, fmt in zip(tasks, adapted, formats[1:], strict=True)
+            )
+        )
         merged = [_merged(src) for src in sources]
-        for task, info, merges in zip(tasks, infos[1:], merged[1:], strict=True):
-            if info.shape != b.shape:
+        for task, own, src, merges in zip(tasks, adapted, sources[1:], merged[1:], strict=True):
+            info = task.tensors[name] if own is None else None
+            if info is not None and info.shape != b.shape:
                 raise CheckpointError(
                     f"tensor {name!r}: shape {list(info.shape)} in {task.describe(name)} "
                     f"differs from {list(b.shape)} in {base.describe(name)}"
                 )
             if merges != merged[0]:
                 raise CheckpointError(
-                    f"tensor {name!r}: dtype {info.dtype} in {task.describe(name)} and "
+                    f"tensor {name!r}: dtype {info.dtype if info else src.values_dtype} in "
+                    f"{task.describe(name)} and "
                     f"{b.dtype} in {base.describe(name)} are not both floating point"
                 )
         participating = merged[0]
         fp8_out = None
         if isinstance(sources[0], Fp8Source) and out_dtype is None:  # written as the base is
             fp8_out = Fp8Out(sources[0].block, name + SCALE_SUFFIX, sources[0].scale_dtype)
+            _check_band_heights(name, base, tasks, sources, fp8_out)
         tensors[name] = TensorEntry(
             name=name,
             shape=b.shape,
@@ -234,9 +280,31 @@ def build_layout(base: Checkpoint, tasks: list[Checkpoint], out_dtype: str | Non
         tensors=tensors,
         shards={f: n for f, n in shards.items() if n},
         sharded=base.sharded,
-        formats=tuple(f.describe(c) for f, c in zip(formats, (base, *tasks), strict=True)),
-        decoded_inputs=any(f.decodes for f in formats),
+        formats=tuple(words),
+        decoded_inputs=any(f is None or f.decodes for f in formats),
+        dropped=dropped,
     )
+
+
+def _check_band_heights(
+    name: str,
+    base: Checkpoint,
+    tasks: list[Checkpoint],
+    sources: tuple[TensorSource, ...],
+    fp8_out: Fp8Out,
+) -> None:
+    """An FP8 weight written as FP8 again is cut at its output blocks' rows, so every FP8
+    input's blocks must fit in them: a task's block height must divide the base's."""
+    height = fp8_out.block[0]
+    for task, src in zip(tasks, sources[1:], strict=True):
+        rows = src.atomic_rows
+        if rows is not None and height % rows:
+            raise CheckpointError(
+                f"tensor {name!r}: FP8 blocks of {rows} rows in {task.describe(name)} do not "
+                f"fit the {height}-row blocks of the {base.describe(name)}, which the output "
+                "keeps; pass --out-dtype bfloat16 (then any block sizes merge), or dequantize "
+                "the task"
+            )
 
 
 def _out_dtype(
@@ -279,12 +347,17 @@ def _more(names: list[str]) -> str:
     return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
-def _check_names(base: Checkpoint, base_fmt: Format, task: Checkpoint, fmt: Format) -> None:
-    """The same tensors, an FP8 weight's scales not counted as tensors of their own."""
+def _check_names(
+    base: Checkpoint, base_fmt: Format, task: Checkpoint, fmt: Format, drop_extra: bool
+) -> tuple[str, ...]:
+    """The same tensors, an FP8 weight's scales not counted as tensors of their own; with
+    `drop_extra`, the task's tensors the base lacks are returned (left out), not refused."""
     base_names = set(base.tensors) - base_fmt.companions
     task_names = set(task.tensors) - fmt.companions
     if task_names == base_names:
-        return
+        return ()
+    if drop_extra and base_names < task_names:
+        return tuple(sorted(task_names - base_names))
     _check_trainer_names(base, base_names, task, task_names)
     missing = sorted(base_names - task_names)
     if missing:
@@ -296,10 +369,14 @@ def _check_names(base: Checkpoint, base_fmt: Format, task: Checkpoint, fmt: Form
     if extra:
         raise CheckpointError(
             f"{task.describe(extra[0])} holds tensor {extra[0]!r}{_more(extra)}, which the "
-            f"{base.label} ({base.url}) does not; every task must hold exactly the base's tensors"
+            f"{base.label} ({base.url}) does not; every task must hold exactly the base's tensors "
+            f"(or pass {DROP_EXTRA} to leave such tensors out)"
         )
+    return ()
 
 
+#: The flag that leaves out a task's tensors the base lacks, as the messages name it.
+DROP_EXTRA = "--drop-extra-tensors"
 #: What a training wrapper adds before every name, by the wrapper's attribute.
 WRAPPERS = {
     "module": "DistributedDataParallel's (or DataParallel's)",
@@ -328,10 +405,17 @@ def _check_trainer_names(
             " and ".join(WRAPPERS[p] for p in parts) if all(p in WRAPPERS for p in parts)
             else "a wrapper's"
         )  # fmt: skip
+        stripped = {n[len(prefix) :] for n in task_names}
+        extra = sorted(stripped - base_names)
+        match = (
+            f"the names match the {base.label}'s once it is stripped" if not extra
+            else f"once it is stripped, the names hold the {base.label}'s and {len(extra)} more "
+            f"(e.g. {extra[0]!r}: see the messages for a value head)"
+        )  # fmt: skip
         raise CheckpointError(
             f"{task.label} ({task.url}) names every tensor with the prefix {prefix!r} (e.g. "
-            f"{first!r}), {whose} prefix added in training: the names match the {base.label}'s "
-            f"once it is stripped. Save the task without it: unwrap the model before "
+            f"{first!r}), {whose} prefix added in training: {match}. Save the task without "
+            f"it: unwrap the model before "
             f"save_pretrained (`model.module` under DDP, `model._orig_mod` after torch.compile), "
             f"or re-save the state dict as `{{k.removeprefix({prefix!r}): v for k, v in "
             f"state_dict.items()}}`"
@@ -349,29 +433,29 @@ def _check_trainer_names(
             f"embedding matrix, and the task wrote it out as a tensor of its own. Save the task "
             f"with tied weights (tie_word_embeddings true in its config.json, so that "
             f"save_pretrained leaves {LM_HEAD} out), or drop {LM_HEAD} from its state dict "
-            f"where it equals the embeddings"
+            f"where it equals the embeddings; or pass {DROP_EXTRA} to leave it out"
         )
     if all(VALUE_HEAD_PARTS & set(n.split(".")) for n in extra):
         raise CheckpointError(
             f"{said}: besides the base's tensors the task holds a value head, as a PPO or "
             f"reward-model trainer saves beside the policy. Save the policy alone (with TRL's "
             f"value-head model, `model.pretrained_model.save_pretrained(dir)`; otherwise the "
-            f"state dict without these tensors) and merge that"
+            f"state dict without these tensors) and merge that, or pass {DROP_EXTRA} to leave "
+            f"them out"
         )
 
 
 def _common_prefix(base_names: set[str], task_names: set[str]) -> str | None:
     """The one dotted prefix (`module.`, `_orig_mod.`, `module._orig_mod.`, ...) that every
-    task name carries before a base name, where the names are the base's once it is
-    stripped; None where there is none."""
-    if not task_names or len(task_names) != len(base_names):
+    task name carries, where the names hold every base name once it is stripped (and maybe
+    more: a value head); None where there is none."""
+    if not task_names or len(task_names) < len(base_names):
         return None
-    first = min(task_names)
-    parts = first.split(".")
+    parts = min(task_names).split(".")
     for k in range(1, len(parts)):
         prefix = ".".join(parts[:k]) + "."
-        if first[len(prefix) :] not in base_names:
-            continue
-        if all(n.startswith(prefix) and n[len(prefix) :] in base_names for n in task_names):
+        if not all(n.startswith(prefix) for n in task_names):
+            break
+        if base_names <= {n[len(prefix) :] for n in task_names}:
             return prefix
     return None

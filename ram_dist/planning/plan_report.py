@@ -72,6 +72,7 @@ def plan_report(job: Job, connected: ConnectedCluster | None) -> dict[str, Any]:
                 "allowed": config.integers_from_base,
                 "copied_though_changed": list(job.integers_changed),
             },
+            "extra_tensors": job.extra_tensors(),
             "tensors": {
                 "merged": len(participating),
                 "copied": len(job.layout.tensors) - len(participating),

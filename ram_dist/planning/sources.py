@@ -1,11 +1,17 @@
-"""Where and how one input stores one tensor: the `TensorSource` protocol, and its two
-implementations, plain dtypes (`Source`) and fine-grained FP8 blocks (`Fp8Source`).
+"""Where and how one input stores one tensor: the `TensorSource` protocol, and its
+implementations: plain dtypes (`Source`), fine-grained FP8 blocks (`Fp8Source`), and a
+LoRA adapter's weight and bias (`LoraSource`, `LoraBiasSource`).
 
 An input's storage format has this one home. The planner asks a source only for its bytes
 per element and its atomic rows; a worker asks it which byte ranges to read for some rows
 and how the bytes read become the values the methods merge. Neither asks which format it
-is, so a new format (a LoRA adapter next) is a new implementation here and in
-`planning.formats`, not new optional fields threaded through the engine.
+is, so a new format is a new implementation here (and where its checkpoints are
+recognised: `planning.formats`, `planning.adapters`), not new optional fields threaded
+through the engine.
+
+A task's tensor may be the base's own (`BaseValues`: one an adapter leaves alone): the
+workers then read nothing more for it and take the base's values. A source whose values are computed
+from the base's (`LoraSource`) gets them in `decode`.
 
 Sources are named tuples: a DeepSeek-V3 job makes 180,000 of them, and a frozen dataclass
 is slow to make and to pickle.
@@ -19,7 +25,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from ram_dist.dtypes import itemsize
-from ram_dist.kernels import fp8
+from ram_dist.kernels import fp8, lora
 
 #: The dtype an FP8 weight's values are merged in: its FP8 inputs are dequantized to it, and
 #: its merged values are quantized from it when it is written as FP8 again.
@@ -76,12 +82,70 @@ class TensorSource(Protocol):
         stored elements first, then whatever else `decode` needs."""
         ...
 
+    def unit_ranges(self) -> list[Range]:
+        """Byte ranges `decode` needs whatever the elements (a LoRA factor all rows share):
+        read once per unit and tensor, not per compute block."""
+        ...
+
     def decode(
-        self, start: int, stop: int, read: Sequence[np.ndarray], floats: Callable[[int], np.ndarray]
+        self,
+        start: int,
+        stop: int,
+        read: Sequence[np.ndarray],
+        floats: Callable[[int], np.ndarray],
+        base: np.ndarray,
     ) -> np.ndarray:
         """The values of elements [start, stop), as bytes in `values_dtype`, from the arrays
-        `ranges` named, as read; `floats(n)` is a reusable float32 array to write them into."""
+        `ranges` and then `unit_ranges` named, as read; `floats(n)` is a reusable float32
+        array to write them into; `base` the base input's values of the same elements."""
         ...
+
+
+def same_as_base(sources: Sequence[TensorSource]) -> list[bool]:
+    """Per input (base first), whether its tensor is the base's own (`BaseValues`)."""
+    return [isinstance(src, BaseValues) for src in sources]
+
+
+class BaseValues(NamedTuple):
+    """A task's tensor that is the base's own (one an adapter leaves alone): it reads
+    nothing, and its values are the base's, which the workers read once, for the base."""
+
+    values_dtype: str
+    """The base's values' dtype."""
+    file: str = ""
+    start: int = 0
+
+    @property
+    def dtype(self) -> str:
+        return self.values_dtype
+
+    @property
+    def itemsize(self) -> int:
+        return 0
+
+    @property
+    def decoded(self) -> bool:
+        return False
+
+    @property
+    def atomic_rows(self) -> int | None:
+        return None
+
+    def ranges(self, start: int, stop: int) -> list[Range]:
+        return []
+
+    def unit_ranges(self) -> list[Range]:
+        return []
+
+    def decode(
+        self,
+        start: int,
+        stop: int,
+        read: Sequence[np.ndarray],
+        floats: Callable[[int], np.ndarray],
+        base: np.ndarray,
+    ) -> np.ndarray:
+        return base
 
 
 class Source(NamedTuple):
@@ -111,8 +175,16 @@ class Source(NamedTuple):
         size = itemsize(self.dtype)
         return [(self.file, self.start + start * size, self.start + stop * size)]
 
+    def unit_ranges(self) -> list[Range]:
+        return []
+
     def decode(
-        self, start: int, stop: int, read: Sequence[np.ndarray], floats: Callable[[int], np.ndarray]
+        self,
+        start: int,
+        stop: int,
+        read: Sequence[np.ndarray],
+        floats: Callable[[int], np.ndarray],
+        base: np.ndarray,
     ) -> np.ndarray:
         return read[0]
 
@@ -164,8 +236,16 @@ class Fp8Source(NamedTuple):
             (self.scale_file, self.scale_start + first * width, self.scale_start + last * width),
         ]
 
+    def unit_ranges(self) -> list[Range]:
+        return []
+
     def decode(
-        self, start: int, stop: int, read: Sequence[np.ndarray], floats: Callable[[int], np.ndarray]
+        self,
+        start: int,
+        stop: int,
+        read: Sequence[np.ndarray],
+        floats: Callable[[int], np.ndarray],
+        base: np.ndarray,
     ) -> np.ndarray:
         """The spec's one float32 multiplication per element: `float32(q) * scale`."""
         q, scales = read
@@ -173,3 +253,156 @@ class Fp8Source(NamedTuple):
             q, fp8.scale_values(scales, self.scale_dtype), self.cols, self.block, floats(q.size)
         )
         return values.view(np.uint8)
+
+
+class LoraSource(NamedTuple):
+    """A weight of a task given as a LoRA adapter (`planning.adapters`): its value is the
+    base's with the adapter's rank-r product added (`kernels.lora`), rounded to
+    `values_dtype`. A unit reads the rows' factors (`coef`: rows of `B`; for a transposed
+    product, columns of `A`) per block, and the factor every row shares (`basis`: `A`;
+    `B`) once. Its planned bytes per element are the rows' factors', rounded up."""
+
+    file: str
+    """The adapter's weights file."""
+    start: int
+    """Where `B` starts in it."""
+    dtype: str
+    """`B`'s dtype."""
+    a_start: int
+    a_dtype: str
+    rank: int
+    rows: int
+    """The weight's rows and columns, as the base stores it."""
+    cols: int
+    scale: float
+    """`lora_alpha / r` (or `/ sqrt(r)`), already rounded to float32."""
+    transposed: bool
+    """`delta = (B @ A)^T`: an embedding's, or a `fan_in_fan_out` layer's."""
+    theta_dtype: str
+    """The dtype of the base values `decode` gets (or of `theta`'s bytes)."""
+    values_dtype: str
+    """The task's dtype: the base's (bfloat16 for an FP8 base weight)."""
+    theta: Source | None = None
+    """The adapter's own copy of the base tensor (`base_layer.weight`), which then stands
+    for the base's values; None: the base's values."""
+
+    @property
+    def itemsize(self) -> int:
+        coef = -(-self.rank * itemsize(self.dtype if not self.transposed else self.a_dtype)
+                 // self.cols)  # fmt: skip
+        return coef + (self.theta.itemsize if self.theta is not None else 0)
+
+    @property
+    def decoded(self) -> bool:
+        return True
+
+    @property
+    def atomic_rows(self) -> int | None:
+        return None
+
+    def _rows(self, start: int, stop: int) -> tuple[int, int]:
+        return start // self.cols, -(-stop // self.cols)
+
+    def ranges(self, start: int, stop: int) -> list[Range]:
+        """The adapter's copy of the base elements (if any), then the rows' factors: rows of
+        `B` [rows, r]; for a transposed product, the rows' columns of each row of `A`
+        [r, rows]."""
+        out = self.theta.ranges(start, stop) if self.theta is not None else []
+        first, last = self._rows(start, stop)
+        if not self.transposed:
+            width = self.rank * itemsize(self.dtype)
+            return [*out, (self.file, self.start + first * width, self.start + last * width)]
+        size = itemsize(self.a_dtype)
+        row = self.rows * size
+        at = self.a_start
+        return out + [
+            (self.file, at + k * row + first * size, at + k * row + last * size)
+            for k in range(self.rank)
+        ]
+
+    def unit_ranges(self) -> list[Range]:
+        """The factor every row shares: `A` [r, cols], or `B` [cols, r] when transposed."""
+        if not self.transposed:
+            n = self.rank * self.cols * itemsize(self.a_dtype)
+            return [(self.file, self.a_start, self.a_start + n)]
+        return [(self.file, self.start, self.start + self.rank * self.cols * itemsize(self.dtype))]
+
+    def decode(
+        self,
+        start: int,
+        stop: int,
+        read: Sequence[np.ndarray],
+        floats: Callable[[int], np.ndarray],
+        base: np.ndarray,
+    ) -> np.ndarray:
+        """`cast(float32(theta) + float32(s) * P)`, P in the spec's fixed order."""
+        theta, read = _theta(self.theta, read, base)
+        first, last = self._rows(start, stop)
+        if not self.transposed:
+            coef = lora.as_float32(read[0], self.dtype).reshape(last - first, self.rank)
+            basis = lora.as_float32(read[1], self.a_dtype).reshape(self.rank, self.cols)
+        else:
+            columns = [lora.as_float32(a, self.a_dtype) for a in read[: self.rank]]
+            coef = np.ascontiguousarray(np.stack(columns, axis=1))
+            basis = lora.as_float32(read[self.rank], self.dtype).reshape(self.cols, self.rank)
+            basis = np.ascontiguousarray(basis.T)
+        out = floats(stop - start).view(np.uint8)
+        scale = np.float32(self.scale)
+        return lora.values(
+            theta, self.theta_dtype, coef, basis, scale, start, self.values_dtype, out
+        )
+
+
+class LoraBiasSource(NamedTuple):
+    """A bias of a task given as a LoRA adapter with `lora_bias`: `cast(float32(bias_B) +
+    float32(s) * float32(lora_B.bias))`."""
+
+    file: str
+    start: int
+    dtype: str
+    """Where `lora_B.bias` lies in the adapter's weights file, and its dtype."""
+    scale: float
+    theta_dtype: str
+    values_dtype: str
+    theta: Source | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype) + (self.theta.itemsize if self.theta is not None else 0)
+
+    @property
+    def decoded(self) -> bool:
+        return True
+
+    @property
+    def atomic_rows(self) -> int | None:
+        return None
+
+    def ranges(self, start: int, stop: int) -> list[Range]:
+        out = self.theta.ranges(start, stop) if self.theta is not None else []
+        size = itemsize(self.dtype)
+        return [*out, (self.file, self.start + start * size, self.start + stop * size)]
+
+    def unit_ranges(self) -> list[Range]:
+        return []
+
+    def decode(
+        self,
+        start: int,
+        stop: int,
+        read: Sequence[np.ndarray],
+        floats: Callable[[int], np.ndarray],
+        base: np.ndarray,
+    ) -> np.ndarray:
+        theta, read = _theta(self.theta, read, base)
+        delta = np.float32(self.scale) * lora.as_float32(read[0], self.dtype)
+        value = lora.as_float32(theta, self.theta_dtype) + delta
+        return lora.cast(value, self.values_dtype, floats(stop - start).view(np.uint8))
+
+
+def _theta(
+    own: Source | None, read: Sequence[np.ndarray], base: np.ndarray
+) -> tuple[np.ndarray, Sequence[np.ndarray]]:
+    """The base values a LoRA source adds to (the adapter's own copy, read first, or the
+    base input's), and the rest of what was read."""
+    return (read[0], read[1:]) if own is not None else (base, read)

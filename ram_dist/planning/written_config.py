@@ -10,8 +10,12 @@ __all__ = ["render"]
 
 
 def render(job: Job) -> str:
-    """The file's text: the job's method, inputs and per-tensor parameters, resolved."""
-    config = effective_config(
-        job.method.name, job.config.base, job.config.tasks, job.params, job.config.out_dtype
-    )
+    """The file's text: the job's method, inputs and per-tensor parameters, resolved; an
+    adapter task written `BASE+ADAPTER`, as mergekit reads it."""
+    base = job.config.base
+    tasks = [  # an adapter as mergekit names it: the base with the adapter applied
+        f"{base}+{url}" if ckpt.adapter is not None else url
+        for url, ckpt in zip(job.config.tasks, job.tasks, strict=True)
+    ]
+    config = effective_config(job.method.name, base, tasks, job.params, job.config.out_dtype)
     return render_config(config, job.config.notes)

@@ -185,8 +185,8 @@ def model_card(
 
 
 def _format_section(report: Mapping[str, Any]) -> list[str]:
-    """How the inputs and the merged model store their weights, and the integer tensors
-    copied from the base though a task changed them."""
+    """How the inputs and the merged model store their weights, the integer tensors copied
+    from the base though a task changed them, and the tasks' tensors left out."""
     formats = report.get("formats")
     lines: list[str] = []
     if formats:
@@ -201,6 +201,15 @@ def _format_section(report: Mapping[str, Any]) -> list[str]:
             "copied from the base, as asked (`--integers-from-base`): "
             + ", ".join(md_code(n) for n in copied[:20])
             + (" and more (see merge_report.json)." if len(copied) > 20 else "."),
+        ]
+    dropped = (report.get("extra_tensors") or {}).get("dropped") or {}
+    for task, names in dropped.items():
+        lines += [
+            "",
+            f"**Left out:** {len(names)} tensor(s) that {md_cell(task)} holds and the base does "
+            "not, as asked (`--drop-extra-tensors`): "
+            + ", ".join(md_code(n) for n in names[:20])
+            + (" and more (see merge_report.json)." if len(names) > 20 else "."),
         ]
     return lines
 

@@ -59,6 +59,12 @@ def format_lines(report: dict[str, Any]) -> list[str]:
             f"copied from the base though a task changed them (--integers-from-base): "
             f"{', '.join(copied[:3])}{more}"
         )
+    for task, names in ((report.get("extra_tensors") or {}).get("dropped") or {}).items():
+        more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+        lines.append(
+            f"left out, held by {task} but not the base (--drop-extra-tensors): "
+            f"{', '.join(names[:3])}{more}"
+        )
     return lines
 
 

@@ -72,3 +72,32 @@ def test_eager_units_on_the_gpu_the_rest_on_the_cpus(inputs, fake_gpu, tmp_path)
     assert auto["passes"]["map"]["fused_elements"] == 2 * 64 * 32  # a and c, on the CPUs
     assert auto["device"]["gpu_worker_processes"] == 1
     assert reports["cpu"]["passes"]["map"]["units_on_gpu"] == 0
+
+
+def test_adapter_tasks_on_the_gpu_workers_give_the_cpu_bytes(fake_gpu, tmp_path):
+    """PEFT adapter tasks with `--device cuda`: the GPU worker reads the blocks (the LoRA
+    products computed by its reader, in the spec's fixed order) and merges them; the bytes
+    are the CPU run's."""
+    from builders import build_tiny_base
+    from peft_adapters import build_adapter
+
+    from ram_dist.api import run_merge
+    from ram_dist.planning.config import MergeConfig
+
+    base = tmp_path / "base"
+    build_tiny_base(base, kind="llama")
+    tasks = [
+        build_adapter(base, tmp_path / "one", target_modules=("q_proj", "down_proj"), seed=1),
+        build_adapter(base, tmp_path / "two", r=2, target_modules=("embed_tokens",), seed=2),
+    ]
+    shards = {}
+    for device in ("cuda", "cpu"):
+        out = tmp_path / device
+        config = MergeConfig(
+            base=str(base), tasks=tuple(map(str, tasks)), out=str(out), device=device,
+            unit_budget_bytes=4096,
+        )  # fmt: skip
+        report = run_merge(config).data
+        assert report["device"]["device"] == device
+        shards[device] = (out / "model.safetensors").read_bytes()
+    assert shards["cuda"] == shards["cpu"]

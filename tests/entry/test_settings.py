@@ -157,7 +157,7 @@ def test_the_identity_records_what_to_merge_and_nothing_of_how_to_run(tmp_path):
         out=str(tmp_path / "elsewhere"), overwrite=True, output_shared=True, workers=3,
         unit_budget_bytes=1000, device="cpu", address="ray://x:1", kernels="eager",
         input_cache="off", cache_dir=str(tmp_path), log_format="json", allow_nonfinite=True,
-        integers_from_base=True, storage_options={"s3": {"anon": True}},
+        integers_from_base=True, drop_extra_tensors=True, storage_options={"s3": {"anon": True}},
     )  # fmt: skip
     assert set(how) == {s.name for s in settings.HOW}
     assert prepare(dataclasses.replace(config, **how)).identity() == identity

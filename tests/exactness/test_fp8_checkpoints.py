@@ -261,3 +261,36 @@ def test_a_dequantized_tiny_llama_loads_and_runs_in_transformers(tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([[1, 5, 9, 42]])).logits
     assert logits.shape == (1, 4, 256) and torch.isfinite(logits).all()
+
+
+def test_fp8_blocks_of_other_heights(tmp_path):
+    """A base in 16x8 blocks and tasks in 8x8 (fitting its bands) or 12x8 blocks (not): the
+    first merges to FP8 as the reference says; the second is refused by name while the output
+    would keep FP8 blocks, and merges to bf16 (cut where both sets of bands are whole)."""
+    from reference import reference_merge
+
+    base = build_fp8_set(tmp_path / "a", task_formats=("fp8",), densities=(0.3,))
+    two = {"task_formats": ("fp8", "fp8"), "densities": (0.2, 0.5)}
+    fits = build_fp8_set(tmp_path / "b", block=(8, 8), **two)
+    odd = build_fp8_set(tmp_path / "c", block=(12, 8), **two)
+    fits_tasks = [values(t, (8, 8)) for t in fits.tasks]
+    tasks = tuple(str(t) for t in fits.task_dirs)
+    for budget in (4, 700):
+        out = tmp_path / f"fits{budget}"
+        run_merge(MergeConfig(base=str(base.base_dir), tasks=tasks, out=str(out),
+                              method="ram_plus", unit_budget_bytes=budget))  # fmt: skip
+        merged, _ = reference_merge(values(base.base, BLOCK), fits_tasks, "ram_plus")
+        expected = stored_output(merged, base.base, BLOCK, None)
+        _assert_same(load_checkpoint(out), expected)
+    odd_tasks = tuple(str(t) for t in odd.task_dirs)
+    config = MergeConfig(base=str(base.base_dir), tasks=odd_tasks, out=str(tmp_path / "odd"))
+    with pytest.raises(
+        Exception, match=r"FP8 blocks of 12 rows in task 1 .* do not fit the 16-row"
+    ):
+        run_merge(config)
+    out = tmp_path / "odd-bf16"
+    run_merge(MergeConfig(base=str(base.base_dir), tasks=odd_tasks, out=str(out),
+                          unit_budget_bytes=700, out_dtype="bfloat16"))  # fmt: skip
+    merged, _ = reference_merge(values(base.base, BLOCK), [values(t, (12, 8)) for t in odd.tasks],
+                                "ram_plus", out_dtype=torch.bfloat16)  # fmt: skip
+    _assert_same(load_checkpoint(out), merged)

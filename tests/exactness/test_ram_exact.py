@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import DTYPE_SETS, build_model_set, load_checkpoint, save_checkpoint
+from builders import (
+    DTYPE_SETS,
+    assert_same_bytes,
+    build_model_set,
+    load_checkpoint,
+    save_checkpoint,
+)
 from reference import reference_merge
 
 from ram_dist.api import run_merge
@@ -37,16 +43,6 @@ def _no_constant(name: str) -> None:
 def _merge(base, tasks, out, **kw) -> dict:
     config = MergeConfig(base=str(base), tasks=tuple(str(t) for t in tasks), out=str(out), **kw)
     return run_merge(config).data
-
-
-def _assert_same_bytes(actual: dict, expected: dict) -> None:
-    assert actual.keys() == expected.keys()
-    for name, want in expected.items():
-        got = actual[name]
-        assert got.dtype == want.dtype and got.shape == want.shape, name
-        a = got.reshape(-1).view(torch.uint8)
-        b = want.reshape(-1).view(torch.uint8)
-        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ"
 
 
 def _assert_stats_match(report: dict, ref: dict) -> None:
@@ -79,7 +75,7 @@ def test_bytes_equal_reference(model_sets, tmp_path, method, dtypes, kernels):
     fused = report["passes"]["map"]["fused_elements"]
     assert fused == (merged_elements if kernels == "auto" else 0)
     expected, ref_stats = reference_merge(base, tasks, method)
-    _assert_same_bytes(load_checkpoint(tmp_path / "out"), expected)
+    assert_same_bytes(load_checkpoint(tmp_path / "out"), expected)
     _assert_stats_match(report, ref_stats)
     densities = [t["density"] for t in report["tasks"]]
     assert densities[0] < 0.05 and 0.35 < densities[1] < 0.5 and 0.45 < densities[2] < 0.6
@@ -90,7 +86,7 @@ def test_out_dtype_float32_and_base_layout_mirrored(model_sets, tmp_path):
     base_dir, task_dirs, base, tasks = model_sets["mixed"]
     _merge(base_dir, task_dirs, tmp_path / "out", out_dtype="float32")
     expected, _ = reference_merge(base, tasks, "ram_plus", out_dtype=torch.float32)
-    _assert_same_bytes(load_checkpoint(tmp_path / "out"), expected)
+    assert_same_bytes(load_checkpoint(tmp_path / "out"), expected)
     shards = sorted(p.name for p in base_dir.glob("*.safetensors"))
     assert len(shards) > 1
     assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == shards
@@ -123,7 +119,7 @@ def test_unit_budget_and_worker_count_do_not_change_bytes(model_sets, tmp_path):
         for pass_name in ("reduce", "map"):
             assert max(report["passes"][pass_name]["max_unit_bytes_read_per_input"]) <= budget
     assert len({tuple(sorted(d.items())) for d in digests.values()}) == 1
-    _assert_same_bytes(load_checkpoint(tmp_path / f"out-{row_bytes}-2"), expected)
+    assert_same_bytes(load_checkpoint(tmp_path / f"out-{row_bytes}-2"), expected)
 
 
 def test_tensor_larger_than_budget_is_read_in_pieces(model_sets, tmp_path):
@@ -184,7 +180,7 @@ def test_spec_edge_cases(tmp_path, method):
     assert report["integers_from_base"]["copied_though_changed"] == ["steps"]
     merged = load_checkpoint(tmp_path / "out")
     expected, ref = reference_merge(base, tasks, method, eps=1e-5)
-    _assert_same_bytes(merged, expected)
+    assert_same_bytes(merged, expected)
     _assert_stats_match(report, ref)
     r, alpha = 0.1, 2.0
     t1, t2, t3 = report["tasks"]

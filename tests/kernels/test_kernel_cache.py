@@ -30,6 +30,7 @@ SMALL = ["--tasks", "2", "--dtype", "bf16", "--out-dtype", "bf16"]
 KERNELS = (
     "ram_numba._count_kernel", "ram_numba._merge_kernel",
     "ties_numba._stats_kernel", "ties_numba._merge_kernel", "scan_numba._count",
+    "lora_numba.lora_values",
 )  # fmt: skip
 
 #: RAM and TIES on base + 2 bfloat16 tasks into bfloat16, through the methods as the engine
@@ -51,6 +52,10 @@ ram = {{"r": 0.1, "alpha": 0.2, "epsilon": 1e-5, "scope": "model"}}
 run("ram", ram, base, tasks, [0, 1000, 5000], True, torch.bfloat16)
 run("ties", ties_params(2), base, tasks, [0, 5000], True, torch.bfloat16)
 scan_numba.nonfinite_count(base)
+from ram_dist.kernels import lora
+import numpy as np
+lora.values(np.zeros(32, np.uint8), "BF16", np.zeros((4, 2), np.float32),
+            np.zeros((2, 4), np.float32), np.float32(1), 0, "BF16", np.empty(64, np.uint8))
 print(json.dumps(counts()))
 ram_numba.overlap_counts(base, [*tasks, base], 1e-5)
 print(json.dumps(counts()))
@@ -81,9 +86,10 @@ def test_warm_compiles_into_the_cache_dir(warmed):
     cache, result = warmed
     assert result.returncode == 0, result.stderr
     assert f"numba cache: {cache}" in result.stdout
-    # 1 and 2 tasks of each kernel; the scan's three widths (16, 32, 64 bits).
+    # 1 and 2 tasks of each kernel; the scan's three widths (16, 32, 64 bits); LoRA's bf16
+    # and its bf16 over an FP8 base's float32.
     assert summary(result.stdout) == {k: (3 if k == "scan_numba._count" else 2, 0) for k in KERNELS}
-    assert "11 specializations" in result.stdout and "0 failed" in result.stdout
+    assert "13 specializations" in result.stdout and "0 failed" in result.stdout
     for kernel in KERNELS:
         assert list(cache.glob(f"*/{kernel}-*.nbi")), kernel
         assert list(cache.glob(f"*/{kernel}-*.nbc")), kernel

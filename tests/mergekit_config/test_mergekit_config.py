@@ -271,7 +271,15 @@ def test_unknown_parameter_lists_the_valid_ones() -> None:
             "merge_method: ties\nbase_model: b\nmodels: [{model: a}, {model: a}]",
             ["models[1]", "listed twice"],
         ),
-        ("merge_method: ties\nbase_model: b\nmodels: [{model: a+lora}]", ["LoRA"]),
+        (
+            "merge_method: ties\nbase_model: b\nmodels: [{model: a+lora}]",
+            ["'a+lora' applies the adapter to 'a', which is not the base_model ('b')"],
+        ),
+        (
+            "merge_method: ties\nbase_model: b+lora\nmodels: [{model: a}]",
+            ["is a model+LoRA reference", "give the adapter as one of the models"],
+        ),
+        ("merge_method: ties\nbase_model: b\nmodels: [{model: b+x+y}]", ["is not MODEL+ADAPTER"]),
         ("merge_method: ties\nbase_model: 3\nmodels: [{model: a}]", ["base_model must be"]),
     ],
 )

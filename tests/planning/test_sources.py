@@ -1,4 +1,5 @@
-"""The `TensorSource` protocol's two implementations, plain dtypes and FP8 blocks: the ranges
+"""The `TensorSource` protocol's implementations, plain dtypes and FP8 blocks (LoRA's are
+tested in test_lora_sources.py): the ranges
 a unit reads, the values they decode to, the bytes the planner counts and the rows it never
 cuts; and a layout of a third, made-up format planned through the same seam."""
 
@@ -16,7 +17,7 @@ from ram_dist.planning.units import plan_units
 
 
 def _values(read: list[np.ndarray], source: TensorSource, start: int, stop: int) -> np.ndarray:
-    return source.decode(start, stop, read, lambda n: np.empty(n, dtype=np.float32))
+    return source.decode(start, stop, read, lambda n: np.empty(n, dtype=np.float32), read[0])
 
 
 def test_a_plain_source_reads_its_elements_and_they_are_its_values():
@@ -83,7 +84,10 @@ class _Halves(NamedTuple):
     def ranges(self, start: int, stop: int) -> list[tuple[str, int, int]]:
         return [(self.file, self.start + 2 * start, self.start + 2 * stop), (self.file, 0, 4)]
 
-    def decode(self, start, stop, read, floats):
+    def unit_ranges(self) -> list[tuple[str, int, int]]:
+        return []
+
+    def decode(self, start, stop, read, floats, base):
         out = floats(stop - start)
         out[:] = read[0].view(np.float16) * read[1].view(np.float32)[0]
         return out.view(np.uint8)

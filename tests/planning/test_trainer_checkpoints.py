@@ -7,12 +7,12 @@ difference of names that is none of these keeps the plain messages."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from builders import build_model_set, save_checkpoint
+from refusals import merge_refused
 
 from ram_dist.cli import main
 
@@ -29,19 +29,7 @@ def models(tmp_path_factory) -> tuple[Path, list[Path], dict, list[dict]]:
 
 
 def _merge(capsys, base: Path, tasks: list[Path], out: Path) -> str:
-    """`ram-dist merge`'s error line, after checking exit 2 and that nothing was published."""
-    argv = ["merge", "--base", str(base), "--out", str(out)]
-    for t in tasks:
-        argv += ["--task", str(t)]
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err
-    if out.exists():
-        names = os.listdir(out)
-        assert not [n for n in names if n.endswith((".safetensors", "index.json"))], names
-    line = err[err.index("ram-dist: error: ") :].splitlines()[0]
-    return line.removeprefix("ram-dist: error: ")
+    return merge_refused(capsys, base, tasks, out)
 
 
 @pytest.mark.parametrize(
@@ -101,7 +89,7 @@ def test_a_value_head_is_named(models, tmp_path, capsys, head):
         "holds a value head, as a PPO or reward-model trainer saves beside the policy. Save "
         "the policy alone (with TRL's value-head model, "
         "`model.pretrained_model.save_pretrained(dir)`; otherwise the state dict without "
-        "these tensors) and merge that"
+        "these tensors) and merge that, or pass --drop-extra-tensors to leave them out"
     )
 
 
@@ -112,7 +100,8 @@ def test_other_extra_tensors_keep_the_plain_message(models, tmp_path, capsys):
     err = _merge(capsys, base, [odd, tasks[1]], tmp_path / "out")
     assert err == (
         f"task 1 ({odd}), file {odd / 'model.safetensors'} holds tensor 'adapter.weight', which "
-        f"the base model ({base}) does not; every task must hold exactly the base's tensors"
+        f"the base model ({base}) does not; every task must hold exactly the base's tensors "
+        "(or pass --drop-extra-tensors to leave such tensors out)"
     )
 
 
@@ -142,7 +131,8 @@ def test_a_tied_lm_head_written_out_is_named(models, tmp_path, capsys):
         "sets tie_word_embeddings, so its lm_head is the embedding matrix, and the task wrote "
         "it out as a tensor of its own. Save the task with tied weights (tie_word_embeddings "
         "true in its config.json, so that save_pretrained leaves lm_head.weight out), or drop "
-        "lm_head.weight from its state dict where it equals the embeddings"
+        "lm_head.weight from its state dict where it equals the embeddings; or pass "
+        "--drop-extra-tensors to leave it out"
     )
 
 
@@ -153,5 +143,46 @@ def test_an_lm_head_the_base_does_not_tie_keeps_the_plain_message(models, tmp_pa
     assert err == (
         f"task 2 ({written}), file {written / 'model.safetensors'} holds tensor "
         f"'lm_head.weight', which the base model ({tied}) does not; every task must hold "
-        "exactly the base's tensors"
+        "exactly the base's tensors (or pass --drop-extra-tensors to leave such tensors out)"
     )
+
+
+def test_drop_extra_tensors_leaves_a_value_head_out_and_says_so(models, tmp_path):
+    """With `--drop-extra-tensors` the task with a value head merges as the policy alone
+    would (the same bytes), and the report, the text summary and the model card list what
+    was left out."""
+    from builders import load_checkpoint
+
+    base, tasks, _, states = models
+    critic = tmp_path / "critic"
+    head = {"v_head.summary.weight": torch.ones(1, 64), "v_head.summary.bias": torch.ones(1)}
+    save_checkpoint(states[0] | head, critic, copy_from=base)
+    outs = {}
+    for name, first in (("dropped", critic), ("policy", tasks[0])):
+        out = tmp_path / name
+        argv = ["merge", "--base", str(base), "--out", str(out), "--task", str(first),
+                "--task", str(tasks[1]), "--drop-extra-tensors"]  # fmt: skip
+        assert main(argv) == 0
+        outs[name] = out
+    got, want = load_checkpoint(outs["dropped"]), load_checkpoint(outs["policy"])
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    report = json.loads((outs["dropped"] / "merge_report.json").read_text())
+    assert report["extra_tensors"] == {
+        "allowed": True, "dropped": {"task 1": sorted(head)}
+    }  # fmt: skip
+    card = (outs["dropped"] / "README.md").read_text()
+    assert "**Left out:** 2 tensor(s) that task 1 holds and the base does not" in card
+    assert "`v_head.summary.bias`, `v_head.summary.weight`" in card
+
+
+def test_a_prefix_and_a_value_head_together_name_the_prefix(models, tmp_path, capsys):
+    """DDP's prefix on a policy with a value head: the prefix first, and the head said."""
+    base, tasks, _, states = models
+    wrapped = tmp_path / "wrapped"
+    head = {"v_head.summary.weight": torch.ones(1, 64), "v_head.summary.bias": torch.ones(1)}
+    save_checkpoint({"module." + k: v for k, v in (states[1] | head).items()}, wrapped,
+                    copy_from=base)  # fmt: skip
+    err = _merge(capsys, base, [tasks[0], wrapped], tmp_path / "out")
+    assert err.startswith(f"task 2 ({wrapped}) names every tensor with the prefix 'module.'")
+    assert "once it is stripped, the names hold the base model's and 2 more (e.g. " in err
+    assert "'v_head.summary.bias': see the messages for a value head)" in err

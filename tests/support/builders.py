@@ -185,3 +185,13 @@ def save_shifted_tasks(
         save_checkpoint(task, root / f"t{i}")
         tasks.append(root / f"t{i}")
     return root / "base", tasks
+
+
+def assert_same_bytes(actual: State, expected: State) -> None:
+    """The same tensor names, dtypes, shapes and bytes (the count of differing bytes said)."""
+    assert actual.keys() == expected.keys()
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        a, b = got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ"

@@ -105,3 +105,44 @@ def _stored(fmt: str, fp8: State, values: State, plain: State) -> State:
     if fmt == "bf16":
         return {**{n: v.to(torch.bfloat16) for n, v in values.items()}, **plain}
     raise ValueError(fmt)
+
+
+def quantize_checkpoint(
+    src_dir: Path,
+    out_dir: Path,
+    block: tuple[int, int] = (16, 24),
+    scale_dtype: torch.dtype = torch.float32,
+) -> State:
+    """A real transformers checkpoint (one `model.safetensors`) made fine-grained FP8: every
+    2-D weight of its decoder layers quantized by blocks (`quantize`, ragged where `block`
+    does not divide the shape), embeddings, norms and lm_head kept as stored, as DeepSeek's
+    are; `config.json` gains the FP8 `quantization_config`; the other files are copied.
+    Returns the stored state. (A PEFT adapter built on `src_dir` fits the result: same names
+    and shapes.)"""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stored: State = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if ".layers." in name and t.ndim == 2:
+            stored[name], stored[name + SCALE] = quantize(t.float(), block, scale_dtype)
+        else:
+            stored[name] = t
+    save_file({n: stored[n].contiguous() for n in sorted(stored)},
+              str(out / "model.safetensors"), {"format": "pt"})  # fmt: skip
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy2(f, out / f.name)
+    return stored
