@@ -47,6 +47,7 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -161,6 +162,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mergekit-arg", action="append", default=[], help="for mergekit-yaml")
     p.add_argument("--cli", default=None, help="command to run instead of ram-dist")
     p.add_argument("--json", type=Path, default=None, help="also write everything here")
+    p.add_argument("--no-kernel", dest="kernel", action="store_false",
+                   help="leave out the LoRA kernel's rate per rank (one core, no I/O)")  # fmt: skip
     p.add_argument("--generate-only", action="store_true", help="generate the inputs and stop")
     return p.parse_args(argv)
 
@@ -392,6 +395,45 @@ def measure_all(benches: dict[int, Bench], runs: list[str], repeats: int) -> dic
     return samples
 
 
+def kernel_rates(ranks: Sequence[int], cols: int, rows: int = 1024, seconds: float = 1.0):
+    """Elements per second of ram-dist's LoRA kernel (`kernels.lora.values`, numba where
+    installed) in this process, one core, no I/O: a [rows, cols] bf16 block per rank."""
+    import numpy as np
+
+    from ram_dist.kernels import lora
+
+    rng = np.random.default_rng(0)
+    theta = (rng.standard_normal(rows * cols, dtype=np.float32) * 0.02).view(np.uint32)
+    theta = (theta >> 16).astype(np.uint16).view(np.uint8)
+    out = np.empty(rows * cols * 2, dtype=np.uint8)
+    rates: dict[int, float] = {}
+    for r in ranks:
+        coef = rng.standard_normal((rows, r), dtype=np.float32)
+        basis = rng.standard_normal((r, cols), dtype=np.float32)
+        lora.values(theta, "BF16", coef, basis, np.float32(2.0), 0, "BF16", out)  # warm
+        calls, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds or calls < 2:
+            lora.values(theta, "BF16", coef, basis, np.float32(2.0), 0, "BF16", out)
+            calls += 1
+        rates[r] = calls * rows * cols / elapsed
+    return rates
+
+
+def print_kernel(rates: dict[int, float], lora_elements: int, cores: int, floor: float | None):
+    """The kernel's rate per rank and what the products of the job cost on `cores` cores:
+    every targeted element, three adapters, both passes."""
+    print(f"\nLoRA kernel alone (one core, no I/O), and the products of this job: "
+          f"{lora_elements / 1e9:.3f} B targeted elements x {AGENTS} adapters x 2 passes "
+          f"on {cores} cores, against the floor ({fmt(floor, ' s')}):\n")  # fmt: skip
+    print("| rank | M elements/s per core | G float32 ops/s (2r per element) |"
+          " products, both passes | / floor |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|")
+    for r, rate in rates.items():
+        cpu = 2 * AGENTS * lora_elements / rate / cores
+        print(f"| {r} | {rate / 1e6:,.0f} | {2 * r * rate / 1e9:.1f} | {cpu:.2f} s "
+              f"| {fmt(ratio(cpu, floor), 'x')} |")  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------
 # Reporting
 # --------------------------------------------------------------------------------------------
@@ -557,15 +599,22 @@ def _gb(x: float | None) -> float | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if not args.generate_only:
+        # Generate (or check) the inputs in a child process: generating raises this
+        # process's peak RSS to gigabytes, and a process forked from it inherits that peak,
+        # which wait4 would then report as every merge's.
+        cmd = [sys.executable, "-m", "benchmarks.bench_lora", *argv, "--generate-only"]
+        subprocess.run(cmd, check=True)
     start = time.perf_counter()
     base, layout = ensure_base(args.workdir, args.params, args.shard_mb * 10**6, args.seed)
     dims, shards = layout
     full = "full" in args.runs
     dirs = {rank: ensure_rank(args.workdir, base, layout, rank, args, full) for rank in args.rank}
-    print(f"inputs ready in {time.perf_counter() - start:.1f} s", flush=True)
     if args.generate_only:
+        print(f"inputs ready in {time.perf_counter() - start:.1f} s", flush=True)
         return 0
     tensors = sum(len(s) for s in shards)
     benches = {rank: Bench(args, base, d, tensors) for rank, d in dirs.items()}
@@ -583,10 +632,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         + f"); ram_plus; {args.repeats} repeat(s), medians; {cpu_count()} CPUs"
     )
     print_tables(summary, samples, fit)
+    rates = {}
+    if args.kernel:
+        lora_elements = sum(out_f * in_f for _, (out_f, in_f) in targeted(dims))
+        floors = [x["floor_wall_s"] for x in summary.values() if x.get("floor_wall_s")]
+        rates = kernel_rates(args.rank, dims.hidden)
+        workers = args.workers or cpu_count()
+        print_kernel(rates, lora_elements, workers, statistics.median(floors) if floors else None)
     if args.json:
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         result = {"config": config, "params": dims.params, "cpus": cpu_count(),
-                  "adapter_mb": adapter_mb, "samples": samples, "summary": summary, "fit": fit,
+                  "adapter_mb": adapter_mb, "kernel_rates": rates, "samples": samples,
+                  "summary": summary, "fit": fit,
                   "commands": {rank: {run: b.command(run, b.dir / f"out-{run}", 1)
                                       for run in args.runs if run != "floor"}
                                for rank, b in benches.items()}}  # fmt: skip
