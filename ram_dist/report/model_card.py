@@ -184,6 +184,12 @@ def model_card(
     return "\n".join(lines)
 
 
+def _named_list(said: str, names: list[str]) -> list[str]:
+    """A paragraph: `said`, then the first 20 tensor names (the report holds them all)."""
+    more = " and more (see merge_report.json)." if len(names) > 20 else "."
+    return ["", said + ", ".join(md_code(n) for n in names[:20]) + more]
+
+
 def _format_section(report: Mapping[str, Any]) -> list[str]:
     """How the inputs and the merged model store their weights, the integer tensors copied
     from the base though a task changed them, and the tasks' tensors left out."""
@@ -195,22 +201,18 @@ def _format_section(report: Mapping[str, Any]) -> list[str]:
         lines.append(f"| **merged model** | {md_cell(formats['output'])} |")
     copied = (report.get("integers_from_base") or {}).get("copied_though_changed") or []
     if copied:
-        lines += [
-            "",
+        lines += _named_list(
             f"**Not merged:** {len(copied)} integer or bool tensor(s) that a task changed were "
-            "copied from the base, as asked (`--integers-from-base`): "
-            + ", ".join(md_code(n) for n in copied[:20])
-            + (" and more (see merge_report.json)." if len(copied) > 20 else "."),
-        ]
+            "copied from the base, as asked (`--integers-from-base`): ",
+            copied,
+        )
     dropped = (report.get("extra_tensors") or {}).get("dropped") or {}
     for task, names in dropped.items():
-        lines += [
-            "",
+        lines += _named_list(
             f"**Left out:** {len(names)} tensor(s) that {md_cell(task)} holds and the base does "
-            "not, as asked (`--drop-extra-tensors`): "
-            + ", ".join(md_code(n) for n in names[:20])
-            + (" and more (see merge_report.json)." if len(names) > 20 else "."),
-        ]
+            "not, as asked (`--drop-extra-tensors`): ",
+            names,
+        )
     return lines
 
 

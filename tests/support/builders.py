@@ -91,6 +91,15 @@ def _save_tiny_tokenizer(folder: str) -> None:
     fast.save_pretrained(folder)
 
 
+def perturb_vectors(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Plain init leaves norms at 1 and biases at 0: move every 1-D parameter a little (from
+    torch's global generator), so that every tensor is "real"."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, dtype=torch.float32).to(dtype) * 0.05)
+
+
 def build_tiny_base(
     folder: str | os.PathLike,
     kind: str = "llama",
@@ -108,11 +117,7 @@ def build_tiny_base(
     config = _tiny_config(kind)
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
-    # Plain init leaves norms at 1 and biases at 0; perturb them so every tensor is "real".
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn(p.shape, dtype=torch.float32).to(dtype) * 0.05)
+    perturb_vectors(model, dtype)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(str(folder), **kwargs)
     _save_tiny_tokenizer(str(folder))

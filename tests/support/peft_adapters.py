@@ -45,6 +45,7 @@ def build_tiny_gpt2(
     stored. 1-D tensors are moved off their plain init (ones and zeros), as the Llama builder
     does.
     """
+    from builders import perturb_vectors
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
@@ -53,10 +54,7 @@ def build_tiny_gpt2(
     )  # fmt: skip
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn(p.shape, dtype=torch.float32).to(dtype) * 0.05)
+    perturb_vectors(model, dtype)
     model.save_pretrained(str(folder))
     return Path(folder)
 
