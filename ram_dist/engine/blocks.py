@@ -275,7 +275,7 @@ def _decoded(
             kept.append(None)
         elif src.decoded:
             part = functools.partial(floats, (slot, i))
-            base = raw[0] if raw else got[0]
+            base = raw[0] if i else got[0]  # the base decodes from its own bytes
             raw.append(src.decode(start, stop, got, part, base))
             kept.append(tuple(got))
         else:

@@ -199,7 +199,7 @@ def _list_folder(url: str, label: str, storage: Storage) -> _Folder:
             raise CheckpointError(
                 f"{label} ({url}): the index names shard {file}, which does not exist"
             )
-    config = _read_config(url, label, storage, listed.get(MODEL_CONFIG_NAME))
+    config = _read_json_object(url, MODEL_CONFIG_NAME, label, storage, listed)
     quantization, ties = _weights_config(config, label, join(url, MODEL_CONFIG_NAME))
     return _Folder(url, label, files, weight_map, listed, quantization, ties, None, config)
 
@@ -427,14 +427,6 @@ def _read_error(url: str, error: BaseException) -> BaseException:
         return error
     wrapped.__cause__ = error
     return wrapped
-
-
-def _read_config(
-    url: str, label: str, storage: Storage, entry: Mapping[str, Any] | None
-) -> dict[str, Any] | None:
-    """The folder's config.json (None when there is none, or it is not an object)."""
-    return _read_json_object(url, MODEL_CONFIG_NAME, label, storage, {MODEL_CONFIG_NAME: entry}
-                             if entry is not None else {})  # fmt: skip
 
 
 def trained_on_config(named: Any, base_url: str, storage: Storage) -> dict[str, Any] | None:

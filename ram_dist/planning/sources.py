@@ -10,8 +10,8 @@ recognised: `planning.formats`, `planning.adapters`), not new optional fields th
 through the engine.
 
 A task's tensor may be the base's own (`BaseValues`: one an adapter leaves alone): the
-workers then read nothing more for it and take the base's values. A source whose values are computed
-from the base's (`LoraSource`) gets them in `decode`.
+workers then read nothing more for it and take the base's values. A source whose values are
+computed from the base's (`LoraSource`) gets them in `decode`.
 
 Sources are named tuples: a DeepSeek-V3 job makes 180,000 of them, and a frozen dataclass
 is slow to make and to pickle.
@@ -380,8 +380,7 @@ class LoraBiasSource(NamedTuple):
 
     def ranges(self, start: int, stop: int) -> list[Range]:
         out = self.theta.ranges(start, stop) if self.theta is not None else []
-        size = itemsize(self.dtype)
-        return [*out, (self.file, self.start + start * size, self.start + stop * size)]
+        return out + Source(self.file, self.start, self.dtype).ranges(start, stop)
 
     def unit_ranges(self) -> list[Range]:
         return []
