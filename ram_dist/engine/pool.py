@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import pickle
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -74,8 +75,19 @@ def _settled(make: Callable[[], Any]) -> Any:
     return value
 
 
+def _quiet_cancel_hook(unraisable: Any) -> None:
+    """`ray.cancel` stops a task by raising `KeyboardInterrupt` in it; where that lands in a
+    finalizer (a weakref callback), Python prints "Exception ignored in ..." with a traceback,
+    which Ray relays to the driver's stderr under the job's own one-line error. The task was
+    cancelled on purpose: say nothing. Anything else goes to Python's own hook."""
+    if unraisable.exc_type is KeyboardInterrupt:
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def run_item(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
     """`fn(item, *shared)` where a worker runs it, with the node it ran on."""
+    sys.unraisablehook = _quiet_cancel_hook
     values = [s.get() if isinstance(s, Shared) else s for s in shared]
     return ray.get_runtime_context().get_node_id(), fn(item, *values)
 
