@@ -1,0 +1,49 @@
+"""Per-row sums inside one chunk, for methods whose units hold whole rows (`whole_rows`).
+
+A row here is what mergekit reduces over with `dim=-1`: a run of `shape[-1]` consecutive
+elements (a 1-D tensor is one row). A chunk of a tensor that holds whole rows of its first
+dimension holds whole runs of its last one, so these sums never cross a chunk; they are
+computed on the CPU with Python's `math.fsum` (exact, rounded once to float64), so a row's
+sum is the same whatever the device, the split or the order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def row_length(shape: tuple[int, ...]) -> int:
+    """Elements in one row of a tensor of this shape (mergekit's `dim=-1`)."""
+    return shape[-1] if shape and shape[-1] > 0 else 1
+
+
+def fsum(values: list[float]) -> float:
+    """math.fsum, with an infinite sum of both signs as NaN (where fsum raises)."""
+    try:
+        return math.fsum(values)
+    except (ValueError, OverflowError):
+        if any(v != v for v in values) or (math.inf in values and -math.inf in values):
+            return math.nan
+        return math.inf if math.inf in values else -math.inf
+
+
+def float64_sums(values: torch.Tensor, length: int) -> list[float]:
+    """The exact sum of each row of float64 `values` (flat, whole rows of `length`),
+    rounded once to float64."""
+    import torch
+
+    rows = values.to(torch.float64).reshape(-1, length).cpu().tolist()
+    return [fsum(row) for row in rows]
+
+
+def product_sums(x: torch.Tensor, y: torch.Tensor | None, length: int) -> list[float]:
+    """Per row, the exact sum of the float32 products x * y (x * x without y)."""
+    import torch
+
+    a = x.to(torch.float32).reshape(-1).to(torch.float64)
+    b = a if y is None else y.to(torch.float32).reshape(-1).to(torch.float64)
+    return float64_sums(a * b, length)  # each product exact in float64
