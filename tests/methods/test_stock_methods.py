@@ -78,7 +78,8 @@ def run(method_name: str, base, tasks, params, bounds, name: str = "w") -> tuple
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    same_type = a.dtype == b.dtype == torch.float32
+    return same_type and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def assert_reference(method, base, tasks, params, expected) -> dict:
@@ -291,8 +292,8 @@ def test_float64_exp_and_log_are_accurate():
     ("method", "params", "words"),
     [
         ("nearswap", {"t": None}, "parameter t has no default"),
-        ("sce", {"select_topk": 0.0, "int8_mask": False}, "parameter select_topk must be in (0, 1]"),
-        ("sce", {"select_topk": 1.5, "int8_mask": False}, "parameter select_topk must be in (0, 1]"),
+        ("sce", {"select_topk": 0.0}, "parameter select_topk must be in (0, 1]"),
+        ("sce", {"select_topk": 1.5}, "parameter select_topk must be in (0, 1]"),
         ("model_stock", {"filter_wise": "yes"}, "parameter filter_wise must be true or false"),
         ("passthrough", {"scale": [math.nan]}, "parameter scale must be finite"),
     ],

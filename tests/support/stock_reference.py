@@ -77,9 +77,7 @@ def model_stock(base: torch.Tensor, tasks: list[torch.Tensor], filter_wise: bool
     ws = [t.float() for t in tasks]
     if filter_wise:
         rows = [_rows(x) for x in [b, *ws]]
-        ts = [
-            stock_ratio([w[r] - rows[0][r] for w in rows[1:]]) for r in range(rows[0].shape[0])
-        ]
+        ts = [stock_ratio([w[r] - rows[0][r] for w in rows[1:]]) for r in range(rows[0].shape[0])]
         t = torch.tensor(ts, dtype=torch.float32).reshape(-1, 1)
         b, ws = rows[0], rows[1:]
     else:
