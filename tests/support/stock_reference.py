@@ -131,11 +131,16 @@ def _softmax(row: list[float]) -> list[float]:
     return [v / s for v in e]
 
 
-def arcee_kl(base_row: list[float], task_row: list[float]) -> float:
-    """The KL of one row in float64, rounded to float32 once."""
+def arcee_kl_float64(base_row: list[float], task_row: list[float]) -> float:
+    """The KL of one row in float64: `sum p log(p / q)`, p and q the rows' softmax + 1e-8."""
     p = [v + 1e-8 for v in _softmax(task_row)]
     q = [v + 1e-8 for v in _softmax(base_row)]
-    return f32(fsum(pi * math.log(pi / qi) for pi, qi in zip(p, q, strict=True)))
+    return fsum(pi * math.log(pi / qi) for pi, qi in zip(p, q, strict=True))
+
+
+def arcee_kl(base_row: list[float], task_row: list[float]) -> float:
+    """The KL of one row in float64, rounded to float32 once."""
+    return f32(arcee_kl_float64(base_row, task_row))
 
 
 def arcee_importance(base: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
