@@ -201,11 +201,21 @@ class ArceeFusion(MergekitRule, Eager):
         mask = (importance(a, b, length) >= limit).to(torch.float32).reshape(a.shape)
         return a + (b - a) * mask
 
+    def report_lines(self, report: Mapping[str, Any]) -> list[str]:
+        info = report.get("arcee_fusion")
+        if not info:
+            return []
+        return [
+            f"arcee_fusion: thresholds over {info['tensors']} tensors, "
+            f"{info['zero_threshold']} of them at importance 0 or below (every change kept)"
+        ]
+
     def report(self, state: State) -> dict[str, Any]:
         tensors = state.get("tensors", {})
         if not tensors:
             return {}
-        return {"arcee_fusion": {"tensors": len(tensors)}}
+        zero = sum(1 for i in tensors.values() if i.get("threshold", 1.0) <= 0)
+        return {"arcee_fusion": {"tensors": len(tensors), "zero_threshold": zero}}
 
 
 #: `arcee_fusion`, as `ram_dist.methods.METHODS` lists it.

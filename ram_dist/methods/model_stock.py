@@ -36,6 +36,7 @@ from ram_dist.methods.parameters import Parameter
 from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 #: mergekit's floors: of a norm product, and of |1 + (N - 1) cos| before t is taken as 0.
@@ -49,8 +50,28 @@ FILTER_WISE = Parameter(
 
 
 def pairs(n: int) -> list[tuple[int, int]]:
-    """The statistics' rows: (i, i) squared norms first, then (i, j), i < j, dot products."""
-    return [(i, i) for i in range(n)] + [(i, j) for i in range(n) for j in range(i + 1, n)]
+    """The statistics' rows: every (i, j), i <= j (squared norms where i == j), in the order
+    of `exact_sums.gram`."""
+    return exact_sums.pairs_of(n)
+
+
+def as_float32(raw: np.ndarray) -> np.ndarray:
+    """A raw input array of the fused path (bfloat16 as its uint16 bits) as float32 values."""
+    import numpy as np
+
+    if raw.dtype == np.uint16:
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32, copy=False)
+
+
+def fused_gram(inputs: Sequence[np.ndarray], pairs_: list[tuple[int, int]]) -> np.ndarray | None:
+    """The exact sums of `pairs_` of the task vectors of a chunk's raw inputs (base first) by
+    the numba kernel; None where numba is not installed."""
+    import numpy as np
+
+    base, *tasks = (as_float32(x).reshape(-1) for x in inputs)
+    deltas = np.stack([t - base for t in tasks])  # float32, one rounding each, as torch
+    return exact_sums.gram(deltas, pairs_)
 
 
 def ratio(sums: Mapping[tuple[int, int], float], n: int) -> float:
@@ -143,6 +164,20 @@ class ModelStock(MergekitRule, Eager):
         ]
         return {chunk.tensor: torch.stack(stats)}
 
+    def fused_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        count_nonfinite: bool,
+    ) -> tuple[dict[str, np.ndarray], None] | None:
+        """The round's exact sums by `exact_sums.gram`'s kernel (~3 ns a product), bin for
+        bin `chunk_statistics`'; None where numba is not installed."""
+        stats = fused_gram(inputs, pairs(len(inputs) - 1))
+        return None if stats is None else ({chunk.tensor: stats}, None)
+
     def finalize(
         self,
         round_: int,
@@ -181,6 +216,16 @@ class ModelStock(MergekitRule, Eager):
         shape = b.shape
         out = blend(b.reshape(-1, length), [x.reshape(-1, length) for x in ws], t)
         return out.reshape(shape)
+
+    def report_lines(self, report: Mapping[str, Any]) -> list[str]:
+        """The range of t over the tensors with one t (filter_wise: none)."""
+        info = report.get("model_stock")
+        if not info:
+            return []
+        return [
+            f"model_stock t: {info['t_min']} to {info['t_max']} over {info['tensors']} tensors "
+            f"({info['t_zero']} at 0, mergekit's rule where 1 + (N - 1) cos is near 0)"
+        ]
 
     def report(self, state: State) -> dict[str, Any]:
         ts = [t for t in state.get("t", {}).values() if t is not None]

@@ -30,7 +30,7 @@ Computed here:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,10 +38,12 @@ from ram_dist.errors import RamDistError
 from ram_dist.methods import exact_sums
 from ram_dist.methods.generalized_task_arithmetic import topk
 from ram_dist.methods.generalized_task_arithmetic.combine import ordered_sum, task_vectors
+from ram_dist.methods.model_stock import fused_gram
 from ram_dist.methods.parameters import INT8_MASK, Parameter
 from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 NONZERO = "#nonzero"
@@ -207,6 +209,24 @@ class SCE(MergekitRule, Eager):
             )
         return out
 
+    def fused_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        count_nonfinite: bool,
+    ) -> tuple[dict[str, np.ndarray], None] | None:
+        """Without selection, the sums of squares by `exact_sums.gram`'s kernel, bin for bin
+        `chunk_statistics`'; None otherwise (the variance rounds run eagerly)."""
+        info = state["tensors"][chunk.tensor]
+        if info["select"]:
+            return None
+        n = len(inputs) - 1
+        stats = fused_gram(inputs, [(t, t) for t in range(n)])
+        return None if stats is None else ({chunk.tensor + SQUARES: stats}, None)
+
     def finalize(
         self,
         round_: int,
@@ -268,6 +288,16 @@ class SCE(MergekitRule, Eager):
         merged = ordered_sum([d * e for d, e in zip(deltas, erased, strict=True)])
         divisor = ordered_sum(erased).clamp(min=MIN_DIVISOR)
         return b + merged / divisor
+
+    def report_lines(self, report: Mapping[str, Any]) -> list[str]:
+        """How many tensors were selected by variance, and how many cuts needed flat order."""
+        info = report.get("sce")
+        if not info:
+            return []
+        return [
+            f"sce: {info['selected_tensors']} tensors selected by variance, "
+            f"{info['cuts_through_equal_variances']} cuts through equal variances"
+        ]
 
     def report(self, state: State) -> dict[str, Any]:
         tensors = state.get("tensors", {}).values()

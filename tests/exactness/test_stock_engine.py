@@ -1,7 +1,7 @@
 """model_stock (and filter_wise), sce, arcee_fusion, nearswap and passthrough through the
 whole engine on a real local Ray: the independent reference's bytes
-(`support/stock_reference.py`) at several unit budgets and worker counts, the same file
-bytes for every split."""
+(`support/stock_reference.py`) at two unit budgets, one and two workers, the fused and the
+eager path, the same file bytes for every split."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from ram_dist.planning.config import MergeConfig
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
-#: (unit budget bytes, workers): a few rows per unit on two workers; everything in one unit.
-SPLITS = [(3000, 2), (2**22, 1)]
+#: (unit budget bytes, workers, kernels): a few rows per unit on two workers with the fused
+#: exact sums where numba is installed; everything in one unit on the eager (torch) path.
+SPLITS = [(3000, 2, "auto"), (2**22, 1, "eager")]
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +60,13 @@ def test_engine_gives_the_reference_bytes_at_any_split(
         task_parameters = ({"scale": 0.5},)
     expected = ref.merge(method, base, tasks, reference_params)
     digests = set()
-    for budget, workers in SPLITS:
+    for budget, workers, kernels in SPLITS:
         out = tmp_path / f"{budget}-{workers}"
         run_merge(
             MergeConfig(
                 base=str(base_dir), tasks=tuple(map(str, task_dirs)), out=str(out),
                 method=method, parameters=params, task_parameters=task_parameters,
-                unit_budget_bytes=budget, workers=workers,
+                unit_budget_bytes=budget, workers=workers, kernels=kernels,
             )
         )  # fmt: skip
         assert_same_bytes(load_checkpoint(out), expected)

@@ -172,7 +172,7 @@ def test_passthrough_with_a_scale_per_layer_is_mergekit(models, tmp_path):
 
 # ---------------------------------------------------------------- mergekit's own configs
 # examples/arcee_fusion.yml; model_stock, sce and nearswap as mergekit's tests configure them
-# (tests/test_basic_merges.py: its examples/ folder has none for them).
+# (in its test_basic_merges: its examples/ folder has none for them).
 
 
 def test_mergekit_example_arcee_fusion(models, moved, tmp_path):

@@ -317,3 +317,28 @@ def test_task_counts_are_mergekits():
         "model_stock": (2, None), "sce": (1, None), "arcee_fusion": (1, 1),
         "nearswap": (1, 1), "passthrough": (1, 1),
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [("model_stock", {"filter_wise": False}), ("sce", {"select_topk": 1.0, "int8_mask": False})],
+)
+def test_fused_exact_sums_are_the_eager_ones_bin_for_bin(method, params, dtype):
+    """The fused path's statistics (numba's `exact_sums.gram` on the raw arrays, bfloat16 as
+    its bits) are the eager torch ones, bin for bin; sce with selection declines."""
+    pytest.importorskip("numba")
+    base, tasks = make_inputs(3, (40, 33), seed=9)
+    inputs = [x.to(dtype).reshape(-1) for x in [base, *tasks]]
+    raw = [(x.view(torch.uint16) if dtype == torch.bfloat16 else x).numpy() for x in inputs]
+    m = get_method(method)
+    chunk = Chunk("w", 0, (40, 33))
+    state = m.initial_state({"w": params}, {"w": base.numel()}, 3)
+    eager = m.chunk_statistics(0, chunk, inputs[0], inputs[1:], params, state)
+    fused, _ = m.fused_statistics(0, chunk, raw, params, state, False)
+    assert eager.keys() == fused.keys()
+    assert all(np.array_equal(eager[k].numpy(), fused[k]) for k in eager)
+    if method == "sce":
+        selecting = {"select_topk": 0.5, "int8_mask": False}
+        state = m.initial_state({"w": selecting}, {"w": base.numel()}, 3)
+        assert m.fused_statistics(0, chunk, raw, selecting, state, False) is None
