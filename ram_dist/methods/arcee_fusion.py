@@ -115,7 +115,8 @@ class ArceeFusion(MergekitRule, Eager):
     outlier (above median + 1.5 IQR), the base's elsewhere."""
 
     name: str = "arcee_fusion"
-    label: str = "Arcee Fusion (important changes, by a KL-weighted outlier threshold)"
+    label: str = "Arcee Fusion"
+    summary: str = "Arcee Fusion: one model's changes whose KL-weighted importance is an outlier"
     reference: str = "Arcee AI, mergekit v0.1 (2025)"
     task_counts: tuple[int, int | None] = (1, 1)
     rounds: int = 2

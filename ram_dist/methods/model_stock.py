@@ -118,7 +118,10 @@ class ModelStock(MergekitRule, Eager):
     models by a ratio from the task vectors' angles."""
 
     name: str = "model_stock"
-    label: str = "Model Stock (interpolation ratio from the task vectors' angles)"
+    label: str = "Model Stock"
+    summary: str = (
+        "Model Stock: the base and the models' mean, mixed by a ratio from the task vectors' angles"
+    )
     reference: str = "Jang et al. 2024"
     task_counts: tuple[int, int | None] = (2, None)
     rounds: int = 1

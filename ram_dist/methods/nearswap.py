@@ -47,7 +47,8 @@ class NearSwap(MergekitRule, NoStatistics):
     """mergekit's `nearswap`: a base and one task model, blended element by element."""
 
     name: str = "nearswap"
-    label: str = "NearSwap (interpolate where the models are near)"
+    label: str = "NearSwap"
+    summary: str = "NearSwap: one model's values where they lie within about t of the base's"
     reference: str = "alchemonaut, QuartetAnemoi-70B-t0.0001 (Hugging Face)"
     task_counts: tuple[int, int | None] = (1, 1)
 

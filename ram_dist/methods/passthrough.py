@@ -43,7 +43,8 @@ class Passthrough(MergekitRule, NoStatistics):
     """mergekit's `passthrough`: one model, optionally scaled."""
 
     name: str = "passthrough"
-    label: str = "Passthrough (one model, optionally scaled)"
+    label: str = "Passthrough"
+    summary: str = "one model's tensors as they are, each optionally times its scale"
     needs_base: bool = False
     task_counts: tuple[int, int | None] = (1, 1)
 

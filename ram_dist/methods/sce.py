@@ -108,7 +108,10 @@ class SCE(MergekitRule, Eager):
     """mergekit's `sce`: variance selection, mean-of-squares weights, sign election."""
 
     name: str = "sce"
-    label: str = "SCE (select by variance, calculate weights, erase by sign)"
+    label: str = "SCE"
+    summary: str = (
+        "SCE: keep the positions of largest variance, weight tasks by mean square, elect a sign"
+    )
     reference: str = "Wan et al. 2024 (FuseChat)"
     task_counts: tuple[int, int | None] = (1, None)
     rounds: int = 5
