@@ -226,7 +226,8 @@ class ModelStock(MergekitRule, Eager):
         if not info:
             return []
         return [
-            f"model_stock t: {info['t_min']} to {info['t_max']} over {info['tensors']} tensors "
+            f"model_stock t: {_shown(info['t_min'])} to {_shown(info['t_max'])} over "
+            f"{info['tensors']} tensors "
             f"({info['t_zero']} at 0, mergekit's rule where 1 + (N - 1) cos is near 0)"
         ]
 
@@ -243,6 +244,10 @@ class ModelStock(MergekitRule, Eager):
                 "t_zero": sum(1 for t in ts if t == 0),
             }
         }
+
+
+def _shown(t: float | None) -> str:
+    return "none" if t is None else f"{t:.6g}"
 
 
 #: `model_stock`, as `ram_dist.methods.METHODS` lists it.

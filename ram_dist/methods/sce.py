@@ -299,7 +299,7 @@ class SCE(MergekitRule, Eager):
             return []
         return [
             f"sce: {info['selected_tensors']} tensors selected by variance, "
-            f"{info['cuts_through_equal_variances']} cuts through equal variances"
+            f"cuts through equal variances: {info['cuts_through_equal_variances']}"
         ]
 
     def report(self, state: State) -> dict[str, Any]:

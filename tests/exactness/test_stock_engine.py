@@ -72,3 +72,34 @@ def test_engine_gives_the_reference_bytes_at_any_split(
         assert_same_bytes(load_checkpoint(out), expected)
         digests.add(_digest(out))
     assert len(digests) == 1
+
+
+@pytest.mark.parametrize(
+    ("method", "n", "extra", "key", "line"),
+    [
+        ("model_stock", 2, [], "model_stock", "model_stock t: "),
+        ("sce", 3, ["--select-topk", "0.5"], "sce", "sce: 21 tensors selected by variance"),
+        ("arcee_fusion", 1, [], "arcee_fusion", "arcee_fusion: thresholds over 21 tensors"),
+        ("nearswap", 1, ["--t", "0.01"], None, None),
+    ],
+)
+def test_the_command_prints_what_each_method_reports(
+    models, tmp_path, capsys, method, n, extra, key, line
+):
+    import json
+
+    from ram_dist.cli import main
+
+    base_dir, task_dirs, _, _ = models
+    out = tmp_path / "out"
+    argv = ["merge", "--base", str(base_dir), "--out", str(out), "--method", method, *extra]
+    for task in task_dirs[-n:]:
+        argv += ["--task", str(task)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "merge_report.json").read_text())
+    assert report["method"] == method
+    if key is not None:
+        assert key in report and line in printed
+    card = (out / "README.md").read_text()
+    assert f"(`{method}`)" in card
