@@ -26,6 +26,9 @@ _LOG_TERMS = 13
 _EXP_MAX = 709.782712893384  # above: inf
 _EXP_MIN = -745.1332191019412  # below: 0
 _SQRT2 = math.sqrt(2.0)
+#: 1/n as Python floats: a tensor divided by a Python scalar is a true division on the CPU
+#: but a multiplication by its reciprocal on CUDA, so no step here divides by a scalar.
+_INVERSE = [math.inf] + [1.0 / n for n in range(1, _EXP_TERMS + 1)]
 
 
 def _two_to(k: torch.Tensor) -> torch.Tensor:
@@ -44,8 +47,8 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     r = (clamped - k * _LN2_HI) - k * _LN2_LO
     p = torch.ones_like(r)
     for n in range(_EXP_TERMS, 0, -1):  # 1 + r/1 (1 + r/2 (1 + ... (1 + r/14)))
-        p = 1 + (r / n) * p
-    half = torch.div(k, 2, rounding_mode="floor")
+        p = 1 + (r * _INVERSE[n]) * p  # times a constant: no tensor / scalar (see above)
+    half = torch.floor(k * 0.5)  # exact: k is an integer
     out = p * _two_to(half) * _two_to(k - half)  # two steps: 2**k may be out of range
     out = torch.where(x > _EXP_MAX, torch.full_like(x, math.inf), out)
     out = torch.where(x < _EXP_MIN, torch.zeros_like(x), out)
