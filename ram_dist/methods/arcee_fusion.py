@@ -198,7 +198,7 @@ class ArceeFusion(MergekitRule, Eager):
         if info is None:  # an empty tensor
             return a
         length = rows.row_length(tuple(chunk.shape))
-        limit = torch.tensor(info["threshold"], dtype=torch.float32, device=a.device)
+        limit = torch.tensor(float(info["threshold"]), dtype=torch.float32, device=a.device)
         mask = (importance(a, b, length) >= limit).to(torch.float32).reshape(a.shape)
         return a + (b - a) * mask
 
@@ -215,7 +215,7 @@ class ArceeFusion(MergekitRule, Eager):
         tensors = state.get("tensors", {})
         if not tensors:
             return {}
-        zero = sum(1 for i in tensors.values() if i.get("threshold", 1.0) <= 0)
+        zero = sum(1 for i in tensors.values() if float(i.get("threshold", 1.0)) <= 0)
         return {"arcee_fusion": {"tensors": len(tensors), "zero_threshold": zero}}
 
 

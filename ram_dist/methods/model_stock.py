@@ -210,7 +210,7 @@ class ModelStock(MergekitRule, Eager):
         ws = [x.to(torch.float32) for x in tasks]
         n = len(ws)
         if not params["filter_wise"]:
-            t = torch.tensor(state["t"][chunk.tensor], dtype=torch.float32, device=b.device)
+            t = torch.tensor(float(state["t"][chunk.tensor]), dtype=torch.float32, device=b.device)
             return blend(b, ws, t)
         length = rows.row_length(tuple(chunk.shape))
         deltas = [x - b for x in ws]
@@ -232,7 +232,7 @@ class ModelStock(MergekitRule, Eager):
         ]
 
     def report(self, state: State) -> dict[str, Any]:
-        ts = [t for t in state.get("t", {}).values() if t is not None]
+        ts = [float(t) for t in state.get("t", {}).values() if t is not None]
         if not ts:
             return {}
         finite = [t for t in ts if math.isfinite(t)]

@@ -286,7 +286,7 @@ class SCE(MergekitRule, Eager):
             keep = self._mask(info, deltas, chunk.start).reshape(b.shape).to(torch.float32)
             deltas = [d * keep for d in deltas]
         majority = (ordered_sum(deltas) >= 0).to(torch.float32) * 2 - 1
-        w = torch.tensor(info["weights"], dtype=torch.float32, device=b.device)
+        w = torch.tensor([float(x) for x in info["weights"]], dtype=torch.float32, device=b.device)
         erased = [w[t] * (d.sign() == majority) for t, d in enumerate(deltas)]
         merged = ordered_sum([d * e for d, e in zip(deltas, erased, strict=True)])
         divisor = ordered_sum(erased).clamp(min=MIN_DIVISOR)

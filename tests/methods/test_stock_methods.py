@@ -15,6 +15,7 @@ import stock_reference as ref
 import torch
 
 from ram_dist.errors import RamDistError
+from ram_dist.io.writer import json_text
 from ram_dist.methods import float64_math, get_method
 from ram_dist.methods.protocol import Chunk
 
@@ -52,7 +53,8 @@ def chunkings(shape: tuple[int, ...], whole_rows: bool) -> list[list[int]]:
 
 
 def run(method_name: str, base, tasks, params, bounds, name: str = "w") -> tuple:
-    """The engine's rounds and map pass on the chunks `bounds` cuts; (merged, state)."""
+    """The engine's rounds and map pass on the chunks `bounds` cuts; (merged, state). The
+    state goes through the manifest's JSON between rounds (non-finite floats as strings)."""
     method = get_method(method_name)
     shape = tuple(base.shape)
     flat = [x.reshape(-1) for x in [base, *tasks]]
@@ -62,7 +64,7 @@ def run(method_name: str, base, tasks, params, bounds, name: str = "w") -> tuple
     ]
     numel = {name: base.numel()}
     state = method.initial_state({name: params}, numel, len(tasks))
-    state = json.loads(json.dumps(state))
+    state = json.loads(json_text(state))  # as the manifest keeps it
     for round_ in range(method.rounds):
         if not method.active(round_, state, name):
             continue
@@ -72,7 +74,7 @@ def run(method_name: str, base, tasks, params, bounds, name: str = "w") -> tuple
                 assert value.dtype == torch.int64, key
                 totals[key] = totals[key] + value if key in totals else value
         state = method.finalize(round_, totals, {name: params}, numel, state)
-        state = json.loads(json.dumps(state))
+        state = json.loads(json_text(state))  # as the manifest keeps it
     parts = [method.merge_chunk(chunk, b, ts, params, state) for chunk, (b, *ts) in pieces]
     return torch.cat([p.reshape(-1) for p in parts]).reshape(base.shape), state
 
@@ -342,3 +344,23 @@ def test_fused_exact_sums_are_the_eager_ones_bin_for_bin(method, params, dtype):
         selecting = {"select_topk": 0.5, "int8_mask": False}
         state = m.initial_state({"w": selecting}, {"w": base.numel()}, 3)
         assert m.fused_statistics(0, chunk, raw, selecting, state, False) is None
+
+
+@pytest.mark.parametrize("method", ["model_stock", "sce", "arcee_fusion"])
+def test_non_finite_inputs_survive_the_manifest(method):
+    """A NaN in an input (a job with --allow-nonfinite): model_stock's t and sce's weights
+    become NaN, kept in the manifest as strings, and the merge still runs; where mergekit's
+    result is NaN, so is ours."""
+    base, tasks = make_inputs(1 if method == "arcee_fusion" else 3, (12, 10), seed=5)
+    tasks[0][3, 4] = math.nan
+    params = {
+        "model_stock": {"filter_wise": False}, "sce": {"select_topk": 1.0, "int8_mask": False},
+        "arcee_fusion": {},
+    }[method]  # fmt: skip
+    merged, state = run(method, base, tasks, params, [0, 60, 120])
+    if method != "arcee_fusion":  # its quartiles stay finite: NaN sorts above them
+        assert "nan" in json_text(state)
+    if mk_registry is not None:
+        kw = {k: v for k, v in params.items() if k != "int8_mask"}
+        theirs = mergekit(method, base, tasks, **kw)
+        assert torch.equal(merged.isnan(), theirs.isnan())
