@@ -167,7 +167,11 @@ def test_passthrough_with_a_scale_per_layer_is_mergekit(models, tmp_path):
     scale = [{"filter": "down_proj", "value": 0.5}, {"filter": "embed", "value": -2.0},
              {"value": 1.0}]  # fmt: skip
     config = _config("passthrough", None, task_dirs[:1], None, [{"scale": scale}])
-    _same_bytes(_ours(config, tmp_path, "ours"), _mergekit(config, tmp_path / "theirs"))
+    ours = _ours(config, tmp_path, "ours")
+    _same_bytes(ours, _mergekit(config, tmp_path / "theirs"))
+    # The written config, each tensor's scale resolved, gives the same model again.
+    effective = yaml.safe_load((tmp_path / "ours" / "mergekit_config.yml").read_text())
+    _same_bytes(_ours(effective, tmp_path, "replay"), ours)
 
 
 # ---------------------------------------------------------------- mergekit's own configs
