@@ -10,9 +10,9 @@ ranks `floor(q (n - 1))` (0-based, ascending) for q = 1/4, 1/2, 3/4; then
 
 Computed here:
 * `kl` per row inside a chunk (the tensor's units hold whole rows, `whole_rows`): in
-  float64, by `float64_math`'s exp and log (IEEE operations only, so every device gives
-  the same bits) and exact row sums (`rows.float64_sums`), then rounded to float32 once;
-  `I` is then one float32 product, as in mergekit.
+  float64, by `float64_math`'s exp and log and row sums in a fixed pairwise order
+  (`rows.tree_sums`): IEEE operations only, so every device gives the same bits; then
+  rounded to float32 once. `I` is then one float32 product, as in mergekit.
 * The three quantiles are exact selections over the whole tensor, by counting: round 0
   histograms the top 16 bits of an order-preserving key of each float32 `I`, round 1 the
   low 16 bits within the bins that hold the three ranks. T is taken on the driver in
@@ -59,8 +59,7 @@ def _softmax(x: torch.Tensor, length: int) -> torch.Tensor:
     v = x.to(torch.float32).reshape(-1, length).to(torch.float64)
     shifted = v - v.amax(dim=1, keepdim=True)
     e = float64_math.exp(shifted)
-    total = torch.tensor(rows.float64_sums(e, length), dtype=torch.float64, device=e.device)
-    return e / total.reshape(-1, 1)
+    return e / rows.tree_sums(e, length).reshape(-1, 1)
 
 
 def row_kl(base: torch.Tensor, task: torch.Tensor, length: int) -> torch.Tensor:
@@ -70,8 +69,7 @@ def row_kl(base: torch.Tensor, task: torch.Tensor, length: int) -> torch.Tensor:
     p = _softmax(task, length) + EPS
     q = _softmax(base, length) + EPS
     terms = p * float64_math.log(p / q)
-    kl = rows.float64_sums(terms, length)
-    return torch.tensor(kl, dtype=torch.float64, device=base.device).to(torch.float32)
+    return rows.tree_sums(terms, length).to(torch.float32)
 
 
 def importance(base: torch.Tensor, task: torch.Tensor, length: int) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
 A row here is what mergekit reduces over with `dim=-1`: a run of `shape[-1]` consecutive
 elements (a 1-D tensor is one row). A chunk of a tensor that holds whole rows of its first
-dimension holds whole runs of its last one, so these sums never cross a chunk; they are
-computed on the CPU with Python's `math.fsum` (exact, rounded once to float64), so a row's
-sum is the same whatever the device, the split or the order.
+dimension holds whole runs of its last one, so these sums never cross a chunk. Dot products
+(`product_sums`) are exact, on the CPU with Python's `math.fsum`, rounded once to float64;
+other float64 sums may instead be added in a fixed pairwise order on the tensors' device
+(`tree_sums`). Either way a row's sum is the same whatever the device, the split or the
+order units finish in.
 """
 
 from __future__ import annotations
@@ -29,6 +31,24 @@ def fsum(values: list[float]) -> float:
         if any(v != v for v in values) or (math.inf in values and -math.inf in values):
             return math.nan
         return math.inf if math.inf in values else -math.inf
+
+
+def tree_sums(values: torch.Tensor, length: int) -> torch.Tensor:
+    """float64 sums of each row of `values` (flat, whole rows of `length`) in a fixed
+    pairwise order: each row padded with zeros to a power of two, then its halves added
+    until one element is left. Every step is one element-wise IEEE addition, so the bits
+    are the same on any device; the error is a few float64 ulps of the row's absolute sum
+    (for arcee_fusion's softmax denominators and KL sums, which feed float32 results)."""
+    import torch
+
+    x = values.to(torch.float64).reshape(-1, length)
+    width = 1 << max(length - 1, 0).bit_length()
+    if width != length:
+        x = torch.nn.functional.pad(x, (0, width - length))
+    while x.shape[1] > 1:
+        half = x.shape[1] // 2
+        x = x[:, :half] + x[:, half:]
+    return x.reshape(-1)
 
 
 def float64_sums(values: torch.Tensor, length: int) -> list[float]:

@@ -364,3 +364,23 @@ def test_non_finite_inputs_survive_the_manifest(method):
         kw = {k: v for k, v in params.items() if k != "int8_mask"}
         theirs = mergekit(method, base, tasks, **kw)
         assert torch.equal(merged.isnan(), theirs.isnan())
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 64, 100])
+def test_tree_sums_are_pairwise_in_a_fixed_order(length):
+    """Each row's sum in the fixed pairwise order (zeros padding to a power of two), which is
+    how `rows.tree_sums` adds: the same float64 bits, and within a few ulps of math.fsum."""
+    from ram_dist.methods import rows
+
+    gen = torch.Generator().manual_seed(length)
+    values = torch.randn(9 * length, generator=gen, dtype=torch.float64) * 1e3
+    got = rows.tree_sums(values, length).tolist()
+    for r, total in enumerate(got):
+        row = values[r * length : (r + 1) * length].tolist()
+        row += [0.0] * ((1 << (length - 1).bit_length()) - length)
+        while len(row) > 1:
+            half = len(row) // 2
+            row = [a + b for a, b in zip(row[:half], row[half:], strict=True)]
+        assert total == row[0]
+        exact = math.fsum(values[r * length : (r + 1) * length].tolist())
+        assert abs(total - exact) <= 8 * 2.0**-52 * float(values.abs().sum())
