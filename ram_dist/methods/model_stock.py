@@ -14,8 +14,8 @@ Computed here:
   computes it).
 * `filter_wise`: t per row (mergekit's `dim=-1`; a 1-D tensor is one row). The tensor's
   units hold whole rows (`whole_rows`), so each chunk takes its rows' sums itself, exactly
-  (`rows.product_sums`), and each row's t in float64 with Python `math`, rounded to float32
-  once. No reduce round.
+  (`rows.gram_rows`: numba's row Gram kernel, or `math.fsum`), and each row's t in float64
+  with Python `math`, rounded to float32 once. No reduce round.
 
 mergekit sums in float32 (torch's order) and takes the norms, cosines and t in float32, so
 its t may differ from ours by a few float32 ulps; the merged values then differ by at most
@@ -94,11 +94,8 @@ def ratio(sums: Mapping[tuple[int, int], float], n: int) -> float:
 
 def _sums(x: list[torch.Tensor], length: int) -> list[dict[tuple[int, int], float]]:
     """Per row of the chunk, the exact sums of `pairs(len(x))`."""
-    columns = {
-        (i, j): rows.product_sums(x[i], None if i == j else x[j], length) for i, j in pairs(len(x))
-    }
-    count = len(next(iter(columns.values())))
-    return [{key: values[r] for key, values in columns.items()} for r in range(count)]
+    keys = pairs(len(x))
+    return [dict(zip(keys, row, strict=True)) for row in rows.gram_rows(x, keys, length)]
 
 
 def blend(base: torch.Tensor, tasks: Sequence[torch.Tensor], t: torch.Tensor) -> torch.Tensor:

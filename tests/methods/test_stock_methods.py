@@ -384,3 +384,26 @@ def test_tree_sums_are_pairwise_in_a_fixed_order(length):
         assert total == row[0]
         exact = math.fsum(values[r * length : (r + 1) * length].tolist())
         assert abs(total - exact) <= 8 * 2.0**-52 * float(values.abs().sum())
+
+
+def test_row_gram_sums_are_fsum_ones():
+    """model_stock's per-row sums by numba's row Gram kernel, read back from its bins, are
+    `math.fsum`'s of the float64 products, row by row (infinities and a NaN included)."""
+    pytest.importorskip("numba")
+    from ram_dist.methods import rows
+    from ram_dist.methods.model_stock import pairs
+
+    gen = torch.Generator().manual_seed(0)
+    scale = 10.0 ** torch.randint(-30, 30, (90 * 37,), generator=gen).float()
+    vectors = [torch.randn(90 * 37, generator=gen) * scale for _ in range(3)]
+    vectors[0][5], vectors[1][40], vectors[2][80] = math.inf, -math.inf, math.nan
+    fast = rows.gram_rows(vectors, pairs(3), 37)
+    flat = [v.double() for v in vectors]
+    slow = [
+        [rows.fsum((flat[i][r * 37 : r * 37 + 37] * flat[j][r * 37 : r * 37 + 37]).tolist())
+         for i, j in pairs(3)]
+        for r in range(90)
+    ]  # fmt: skip
+    assert len(fast) == 90
+    for got, want in zip(fast, slow, strict=True):
+        assert all(x == y or (x != x and y != y) for x, y in zip(got, want, strict=True))
