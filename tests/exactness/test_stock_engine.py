@@ -80,7 +80,6 @@ def test_engine_gives_the_reference_bytes_at_any_split(
         ("model_stock", 2, [], "model_stock", "model_stock t: "),
         ("sce", 3, ["--select-topk", "0.5"], "sce", "sce: 21 tensors selected by variance"),
         ("arcee_fusion", 1, [], "arcee_fusion", "arcee_fusion: thresholds over 21 tensors"),
-        ("nearswap", 1, ["--t", "0.01"], None, None),
     ],
 )
 def test_the_command_prints_what_each_method_reports(

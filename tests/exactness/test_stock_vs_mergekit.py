@@ -103,9 +103,7 @@ def _within_bound(ours: dict, theirs: dict, base: dict, tasks: list[dict]) -> in
     ("method", "n", "params"),
     [
         ("model_stock", 3, None),
-        ("model_stock", 2, {"filter_wise": True}),
         ("sce", 3, {"select_topk": 0.4}),
-        ("sce", 2, None),
     ],
 )
 def test_within_the_rounding_of_the_factors(models, tmp_path, method, n, params):
@@ -116,10 +114,9 @@ def test_within_the_rounding_of_the_factors(models, tmp_path, method, n, params)
     _within_bound(ours, theirs, base, tasks[-n:])
 
 
-@pytest.mark.parametrize("params", [{"t": 0.002}, {"t": 0.0001}])
-def test_nearswap_is_byte_identical_to_mergekit(models, tmp_path, params):
+def test_nearswap_is_byte_identical_to_mergekit(models, tmp_path):
     base_dir, task_dirs, _, _ = models
-    config = _config("nearswap", base_dir, task_dirs[1:2], params)
+    config = _config("nearswap", base_dir, task_dirs[1:2], {"t": 0.002})
     _same_bytes(_ours(config, tmp_path, "ours"), _mergekit(config, tmp_path / "theirs"))
 
 
