@@ -120,6 +120,15 @@ class ArceeFusion(MergekitRule, Eager):
     rounds: int = 2
     parameters: tuple[Parameter, ...] = ()
 
+    @property
+    def description(self) -> str:
+        return (
+            "`arcee_fusion` as mergekit defines it, streamed unit by unit on Ray, with two "
+            "differences: each row's KL divergence is taken in float64 and rounded once "
+            "(mergekit: float32), and the quartiles are those of the whole tensor (mergekit "
+            "samples 1M elements of a larger tensor at random)."
+        )
+
     def check(self, params: TensorParams, where: str) -> None:
         return None
 
