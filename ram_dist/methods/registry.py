@@ -5,7 +5,7 @@ below. What a method is lives in `methods.protocol`."""
 from __future__ import annotations
 
 from ram_dist.errors import RamDistError
-from ram_dist.methods import generalized_task_arithmetic, linear, ram
+from ram_dist.methods import generalized_task_arithmetic, geometric, linear, ram
 from ram_dist.methods.parameters import check_table
 from ram_dist.methods.protocol import MergeMethod
 
@@ -24,6 +24,7 @@ METHODS: dict[str, MergeMethod] = _table(
     ram.METHODS,
     generalized_task_arithmetic.METHODS,
     linear.METHODS,
+    geometric.METHODS,
 )
 
 

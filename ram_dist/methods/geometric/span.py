@@ -1,0 +1,268 @@
+"""What the geometric methods share: a merged tensor that is a linear combination of its
+inputs, with coefficients that depend only on their Gram matrix.
+
+slerp, nuslerp, multislerp and karcher all compute norms and dot products of whole tensors
+and then blend the tensors themselves, so each of them is, per tensor:
+
+1. one reduce round: the exact sums `x_i . x_j` of the vectors it interpolates (the inputs, or
+   their task vectors), `exact_sums.product_sum` per pair, summed as integers by the engine;
+2. on the driver (`finalize`), once per tensor: the Gram matrix rounded once to float64, the
+   method's angles and coefficients in float64 with Python's `math`, each coefficient that
+   multiplies a tensor rounded to float32 once (`f32`), kept in the state;
+3. the map pass, element-wise in float32 (`blend`): `((c_0 x_0 + c_1 x_1) + ...) / d + base`,
+   each product rounded, then each sum, op by op (no fused multiply-add), so any split, worker
+   count or device gives the same bytes.
+
+`SpanMethod` is that protocol; a method gives its vectors (`vectors`) and its coefficients
+from the Gram matrix (`coefficients`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ram_dist.errors import RamDistError
+from ram_dist.methods import exact_sums
+from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
+
+if TYPE_CHECKING:
+    import torch
+
+#: Gram matrix of a tensor's vectors, float64, `gram[i][j] = x_i . x_j`.
+Gram = list[list[float]]
+
+
+def f32(x: float) -> float:
+    """`x` rounded once to float32 (to nearest, ties to even), as a Python float."""
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
+
+
+def pairs(n: int) -> list[tuple[int, int]]:
+    """The pairs (i, j), i <= j, whose products a Gram statistic sums, in its order."""
+    return [(i, j) for i in range(n) for j in range(i, n)]
+
+
+def gram_statistic(vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """int64[pairs, BINS]: the exact sums `x_i . x_j` of one chunk, for `pairs(n)`."""
+    import torch
+
+    n = len(vectors)
+    return torch.stack([exact_sums.product_sum(vectors[i], vectors[j]) for i, j in pairs(n)])
+
+
+def gram(total: Any, n: int) -> Gram:
+    """The Gram matrix from a summed `gram_statistic`, each entry rounded once to float64."""
+    rows = total.tolist() if not isinstance(total, list) else total
+    g = [[0.0] * n for _ in range(n)]
+    for k, (i, j) in enumerate(pairs(n)):
+        g[i][j] = g[j][i] = exact_sums.value(rows[k])
+    return g
+
+
+def row_grams(vectors: Sequence[torch.Tensor], row: int) -> list[Gram]:
+    """The Gram matrix of each row of `row` elements of flat vectors that hold whole rows,
+    exact sums rounded once to float64 (on any device: the sums are integers)."""
+    n = len(vectors)
+    stats = [exact_sums.row_sums(vectors[i], vectors[j], 0, row)[1] for i, j in pairs(n)]
+    rows = vectors[0].numel() // row
+    out = [[[0.0] * n for _ in range(n)] for _ in range(rows)]
+    for k, (i, j) in enumerate(pairs(n)):
+        for r, value in enumerate(row_values(stats[k])):
+            out[r][i][j] = out[r][j][i] = value
+    return out
+
+
+def row_values(stats: torch.Tensor) -> list[float]:
+    """`exact_sums.value` of each row of int64[rows, BINS], reading only the non-zero bins."""
+    rows = stats.shape[0]
+    sparse: list[list[int]] = [[0] * 0 for _ in range(rows)]
+    nonzero = stats.nonzero().tolist()
+    values = stats[stats != 0].tolist()
+    for (r, b), v in zip(nonzero, values, strict=True):
+        sparse[r].append(b)
+        sparse[r].append(v)
+    out = []
+    width = stats.shape[1]
+    for r in range(rows):
+        bins = [0] * width
+        it = iter(sparse[r])
+        for b, v in zip(it, it, strict=True):
+            bins[b] = v
+        out.append(exact_sums.value(bins))
+    return out
+
+
+def norm(g: Gram, coefficients: Sequence[float]) -> float:
+    """`||sum_i c_i x_i||` in float64 from the Gram matrix."""
+    n = len(coefficients)
+    square = math.fsum(
+        coefficients[i] * coefficients[j] * g[i][j] for i in range(n) for j in range(n)
+    )
+    return math.sqrt(max(square, 0.0))
+
+
+def dot(g: Gram, a: Sequence[float], b: Sequence[float]) -> float:
+    """`(sum_i a_i x_i) . (sum_j b_j x_j)` in float64 from the Gram matrix."""
+    n = len(a)
+    return math.fsum(a[i] * b[j] * g[i][j] for i in range(n) for j in range(n))
+
+
+def blend(
+    vectors: Sequence[torch.Tensor],
+    factors: Sequence[float] | Sequence[torch.Tensor],
+    *,
+    divisor: float | torch.Tensor | None = None,
+    base: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`((f_0 * x_0 + f_1 * x_1) + ...) / divisor + base` in float32, op by op: each product
+    rounded, then each sum (no fused multiply-add), in input order. Factors are float32
+    values (Python floats already rounded by `f32`, or float32 tensors that broadcast)."""
+    import torch
+
+    def scaled(x: torch.Tensor, f: float | torch.Tensor) -> torch.Tensor:
+        if isinstance(f, float):
+            f = torch.tensor(f, dtype=torch.float32, device=x.device)
+        return x * f
+
+    out = scaled(vectors[0], factors[0])
+    for x, f in zip(vectors[1:], factors[1:], strict=True):
+        out = out + scaled(x, f)
+    if divisor is not None:
+        if isinstance(divisor, float):
+            divisor = torch.tensor(divisor, dtype=torch.float32, device=out.device)
+        out = out / divisor
+    if base is not None:
+        out = base + out
+    return out
+
+
+def float32(x: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return x.to(torch.float32)
+
+
+def task_vectors(base: torch.Tensor, tasks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`float32(theta_t) - float32(theta_B)` per task."""
+    b = float32(base)
+    return [float32(t) - b for t in tasks]
+
+
+class SpanMethod(MergekitRule, Eager):
+    """The protocol of a method whose tensor is `blend(vectors, coefficients)` with
+    coefficients from the vectors' Gram matrix (one reduce round; see the module).
+
+    A subclass gives `vectors` (what the Gram matrix is of, and what is blended),
+    `coefficients` (the driver's float64 math: a dict with `factors`, optionally `divisor`,
+    and whatever its report counts), and may give `passthrough` (a tensor that is one
+    input as it is, with no round) and `adds_base`."""
+
+    rounds: int = 1
+    adds_base: bool = False
+    """Whether the base is added to the blend (the vectors are task vectors)."""
+    task_counts: tuple[int, int | None] = (2, None)
+
+    def vectors(self, base: torch.Tensor, tasks: list[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def coefficients(self, g: Gram, params: TensorParams, where: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def n_vectors(self, n_tasks: int) -> int:
+        """How many vectors the Gram matrix is of (the tasks, unless the method says)."""
+        return n_tasks
+
+    def passthrough(self, n_tasks: int) -> int | None:
+        """The task whose values the tensor takes as they are (no round), or None."""
+        return None
+
+    def whole_rows(self, params: TensorParams) -> bool:
+        return False
+
+    # -- the protocol -------------------------------------------------------------------
+
+    def initial_state(
+        self, params: Mapping[str, TensorParams], numel: Mapping[str, int], n_tasks: int
+    ) -> State:
+        rounds = self.passthrough(n_tasks) is None
+        return {
+            "n_vectors": self.n_vectors(n_tasks),
+            "tensors": {
+                name: {} for name, p in params.items() if rounds and not self.whole_rows(p)
+            },
+        }
+
+    def active(self, round_: int, state: State, tensor: str) -> bool:
+        return tensor in state.get("tensors", {})
+
+    def chunk_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> dict[str, torch.Tensor]:
+        return {chunk.tensor: gram_statistic(self.vectors(base, tasks))}
+
+    def finalize(
+        self,
+        round_: int,
+        totals: dict[str, Any],
+        params: Mapping[str, TensorParams],
+        numel: Mapping[str, int],
+        state: State,
+    ) -> State:
+        n = state["n_vectors"]
+        for name, info in state["tensors"].items():
+            if name not in totals:
+                continue
+            g = gram(totals[name], n)
+            info.update(self.coefficients(g, params[name], f"tensor {name!r}"))
+        return state
+
+    def merge_chunk(
+        self,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> torch.Tensor:
+        keep = self.passthrough(len(tasks))
+        if keep is not None:
+            return float32(tasks[keep])
+        if self.whole_rows(params):
+            return self.merge_rows(chunk, base, tasks, params)
+        info = state["tensors"][chunk.tensor]
+        if info.get("zeros"):
+            import torch
+
+            return torch.zeros(base.shape, dtype=torch.float32, device=base.device)
+        return blend(
+            self.vectors(base, tasks),
+            info["factors"],
+            divisor=info.get("divisor"),
+            base=float32(base) if self.adds_base else None,
+        )
+
+    def merge_rows(
+        self, chunk: Chunk, base: torch.Tensor, tasks: list[torch.Tensor], params: TensorParams
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check(self, params: TensorParams, where: str) -> None:
+        return None
+
+    def report(self, state: State) -> dict[str, Any]:
+        return {}
+
+
+def refuse(where: str, message: str) -> None:
+    raise RamDistError(f"{where}: {message}")
