@@ -33,7 +33,7 @@ class Parameter:
     name: str
     """mergekit's key in `parameters:`; also the name in reports and `mergekit_config.yml`."""
     default: Any
-    """What a tensor gets when no setting gives it a value."""
+    """What a tensor gets when no setting gives it a value (None: none, it is required)."""
     help: str
     """What it does, for `--help` and the model card."""
     kind: type = float
@@ -65,7 +65,13 @@ class Parameter:
         return dest + "_" if keyword.iskeyword(dest) else dest
 
     def validate(self, value: Any, where: str) -> None:
-        """Raise `RamDistError` (`where: parameter NAME ...`) unless `value` is a valid value."""
+        """Raise `RamDistError` (`where: parameter NAME ...`) unless `value` is a valid value.
+        A parameter whose default is None is required (mergekit's `t` of slerp)."""
+        if value is None and self.default is None:
+            flag = f" (or {self.cli_flag})" if self.cli_flag else ""
+            raise RamDistError(
+                f"{where}: parameter {self.name} is required: give it in the config{flag}"
+            )
         if self.kind is float:
             number(value, self.name, where)
         elif self.kind is bool:
@@ -211,6 +217,8 @@ def cli_parameters() -> list[tuple[Parameter, str]]:
 
 
 def _shown(value: Any) -> str:
+    if value is None:
+        return "required"
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)

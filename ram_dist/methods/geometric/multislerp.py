@@ -20,7 +20,7 @@ final coefficients `r_i`, each rounded to float32 once.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
@@ -104,7 +104,7 @@ class Multislerp(SpanMethod):
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
-        return (WEIGHT, NORMALIZE_WEIGHTS, EPS)
+        return (replace(WEIGHT, default=None), NORMALIZE_WEIGHTS, EPS)
 
     def check(self, params: TensorParams, where: str) -> None:
         if params["normalize_weights"] and len(params["weight"]) > 1:

@@ -16,15 +16,16 @@ Here the whole-tensor variant takes its two norms and dot as exact sums in one r
 (`whole_rows`), with exact sums per row and the factors per row with `math` on the CPU.
 Factors are `sin((1 - t) theta)`, `sin(t theta)` and `sin(theta)` (colinear: `1 - t`, `t`
 and 1), each rounded to float32 once; the blend is mergekit's, op by op:
-`(f_0 * v_0 + f_1 * v_1) / f_d + base`. The colinear test is taken in float64 on the exact
-cosine. The column variant (`nuslerp_row_wise: true` with `nuslerp_flatten: false`) needs
-every row of a column at once, so it is refused (see `check`).
+`(f_0 * v_0 + f_1 * v_1) / f_d + base`. The colinear test is mergekit's, evaluated as
+mergekit evaluates it (in float32, on the exact cosine rounded to float32), so colinear
+task vectors give mergekit's bytes. The column variant (`nuslerp_row_wise: true` with
+`nuslerp_flatten: false`) needs every row of a column at once, so it is refused (`check`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.methods.geometric.span import (
@@ -65,13 +66,20 @@ def interpolation_factor(weights: list[float]) -> float:
     return 0.5 if abs(total) < 1e-6 else weights[1] / total
 
 
+def colinear(cos: float) -> bool:
+    """mergekit's test `1 - cos**2 <= 1e-16` as it evaluates it, in float32 on the cosine
+    rounded to float32 (true exactly where that cosine is +-1)."""
+    c = f32(cos)
+    return cos != cos or f32(1.0 - f32(c * c)) <= f32(COLINEAR)
+
+
 def factors(s00: float, s11: float, s01: float, t: float) -> tuple[float, float, float]:
     """The float32 factors (f_0, f_1, divisor) of one pair of vectors from their exact
     squared norms and dot product."""
     n0 = max(math.sqrt(s00), NORM_FLOOR)
     n1 = max(math.sqrt(s11), NORM_FLOOR)
     cos = min(max(s01 / (n0 * n1), -1.0), 1.0)
-    if 1.0 - cos * cos <= COLINEAR or cos != cos:
+    if colinear(cos):
         return f32(1.0 - t), f32(t), 1.0
     theta = math.acos(cos)
     return f32(math.sin((1.0 - t) * theta)), f32(math.sin(t * theta)), f32(math.sin(theta))
@@ -90,7 +98,7 @@ class Nuslerp(SpanMethod):
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
-        return (WEIGHT, FLATTEN, ROW_WISE)
+        return (replace(WEIGHT, default=None), FLATTEN, ROW_WISE)
 
     def check(self, params: TensorParams, where: str) -> None:
         if not params["nuslerp_flatten"] and params["nuslerp_row_wise"]:
