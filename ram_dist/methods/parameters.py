@@ -68,9 +68,9 @@ class Parameter:
         """Raise `RamDistError` (`where: parameter NAME ...`) unless `value` is a valid value.
         A parameter whose default is None is required (mergekit's `t` of slerp)."""
         if value is None and self.default is None:
-            flag = f" (or {self.cli_flag})" if self.cli_flag else ""
+            also = f" (or {self.cli_flag})" if self.cli_flag else ""
             raise RamDistError(
-                f"{where}: parameter {self.name} is required: give it in the config{flag}"
+                f"{where}: parameter {self.name} is required: give it in the config{also}"
             )
         if self.kind is float:
             number(value, self.name, where)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from geometric_reference import karcher, multislerp, nuslerp, slerp
 
 from ram_dist.errors import RamDistError
 from ram_dist.methods import get_method
-from ram_dist.planning.tensor_params import check_names  # noqa: F401  (the table imports)
+from ram_dist.methods.protocol import Chunk
 
 try:
     from mergekit.merge_methods import registry as mk_registry
@@ -61,8 +60,8 @@ def run(name: str, params: dict, base, tasks, bounds, tensor: str = "w"):
     flat_base = base.reshape(-1)
     flat_tasks = [t.reshape(-1) for t in tasks]
 
-    def chunk(lo: int) -> SimpleNamespace:
-        return SimpleNamespace(tensor=tensor, start=lo, numel=numel, shape=tuple(base.shape))
+    def chunk(lo: int) -> Chunk:
+        return Chunk(tensor, lo, tuple(base.shape))
 
     state = method.initial_state({tensor: params}, {tensor: numel}, len(tasks))
     state = json.loads(json.dumps(state))

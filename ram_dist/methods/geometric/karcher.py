@@ -117,7 +117,7 @@ class Karcher(SpanMethod):
 
     def report(self, state: dict[str, Any]) -> dict[str, Any]:
         steps = [i.get("steps", 0) for i in state.get("tensors", {}).values()]
-        return {"karcher": {"most_steps": max(steps, default=0)}}
+        return {"karcher": {"most_iterations_of_a_tensor": max(steps, default=0)}}
 
 
 #: `karcher`, as `ram_dist.methods.METHODS` lists it.

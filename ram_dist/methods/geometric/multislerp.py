@@ -130,8 +130,6 @@ class Multislerp(SpanMethod):
         except RamDistError as e:
             raise RamDistError(f"{where}: {e}") from None
 
-    def report(self, state: dict[str, Any]) -> dict[str, Any]:
-        return {}
 
 
 #: `multislerp`, as `ram_dist.methods.METHODS` lists it.

@@ -73,6 +73,13 @@ def colinear(cos: float) -> bool:
     return cos != cos or f32(1.0 - f32(c * c)) <= f32(COLINEAR)
 
 
+def colinear_cos(g: Gram) -> bool:
+    """Whether the whole tensor's task vectors are colinear (the linear blend)."""
+    n0 = max(math.sqrt(g[0][0]), NORM_FLOOR)
+    n1 = max(math.sqrt(g[1][1]), NORM_FLOOR)
+    return colinear(min(max(g[0][1] / (n0 * n1), -1.0), 1.0))
+
+
 def factors(s00: float, s11: float, s01: float, t: float) -> tuple[float, float, float]:
     """The float32 factors (f_0, f_1, divisor) of one pair of vectors from their exact
     squared norms and dot product."""
@@ -118,7 +125,7 @@ class Nuslerp(SpanMethod):
     def coefficients(self, g: Gram, params: TensorParams, where: str) -> dict[str, Any]:
         t = interpolation_factor([float(w) for w in params["weight"]])
         f0, f1, divisor = factors(g[0][0], g[1][1], g[0][1], t)
-        return {"factors": [f0, f1], "divisor": divisor}
+        return {"factors": [f0, f1], "divisor": divisor, "linear": colinear_cos(g)}
 
     def merge_rows(
         self, chunk: Chunk, base: torch.Tensor, tasks: list[torch.Tensor], params: TensorParams
@@ -143,8 +150,6 @@ class Nuslerp(SpanMethod):
         out = blend(vectors, columns[:2], divisor=columns[2], base=b)
         return out.reshape(base.shape)
 
-    def report(self, state: dict[str, Any]) -> dict[str, Any]:
-        return {}
 
 
 #: `nuslerp`, as `ram_dist.methods.METHODS` lists it.

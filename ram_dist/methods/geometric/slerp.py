@@ -33,7 +33,7 @@ DOT_THRESHOLD = 0.9995
 EPS = 1e-8
 
 T = Parameter(
-    "t", None, "slerp's interpolation factor: 0 gives the base, 1 the other model (required)",
+    "t", None, "slerp's interpolation factor: 0 gives the base, 1 the other model",
     cli_flag="--t",
 )  # fmt: skip
 
@@ -75,9 +75,6 @@ class Slerp(SpanMethod):
     def coefficients(self, g: Gram, params: TensorParams, where: str) -> dict[str, Any]:
         return coefficients(g, float(params["t"]))
 
-    def report(self, state: dict[str, Any]) -> dict[str, Any]:
-        tensors = state.get("tensors", {})
-        return {"slerp": {"linear_tensors": sum(1 for i in tensors.values() if i.get("linear"))}}
 
 
 #: `slerp`, as `ram_dist.methods.METHODS` lists it.

@@ -261,7 +261,18 @@ class SpanMethod(MergekitRule, Eager):
         return None
 
     def report(self, state: State) -> dict[str, Any]:
-        return {}
+        """How many tensors took the linear branch (slerp, multislerp: `linear` in a tensor's
+        coefficients)."""
+        tensors = state.get("tensors", {})
+        linear = sum(1 for info in tensors.values() if info.get("linear"))
+        return {self.name: {"tensors_blended_linearly": linear}} if tensors else {}
+
+    def report_lines(self, report: Mapping[str, Any]) -> list[str]:
+        """One line per key of what `report` added."""
+        return [
+            f"{self.name} {key.replace('_', ' ')}: {value}"
+            for key, value in (report.get(self.name) or {}).items()
+        ]
 
 
 def refuse(where: str, message: str) -> None:
