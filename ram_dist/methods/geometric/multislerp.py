@@ -131,6 +131,5 @@ class Multislerp(SpanMethod):
             raise RamDistError(f"{where}: {e}") from None
 
 
-
 #: `multislerp`, as `ram_dist.methods.METHODS` lists it.
 METHODS = (Multislerp(),)

@@ -151,6 +151,5 @@ class Nuslerp(SpanMethod):
         return out.reshape(base.shape)
 
 
-
 #: `nuslerp`, as `ram_dist.methods.METHODS` lists it.
 METHODS = (Nuslerp(),)

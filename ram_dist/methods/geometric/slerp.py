@@ -76,6 +76,5 @@ class Slerp(SpanMethod):
         return coefficients(g, float(params["t"]))
 
 
-
 #: `slerp`, as `ram_dist.methods.METHODS` lists it.
 METHODS = (Slerp(),)
