@@ -51,12 +51,18 @@ PARAMETERS = {
     "dare_ties": {"density": 0.5, "seed": 3},
     "dare_linear": {"density": 0.5, "seed": 3},
     "task_arithmetic": {"lambda": 0.8},
+    "slerp": {"t": 0.3},
+    "nuslerp": {"weight": 0.6},
+    "multislerp": {"weight": 0.6},
 }
 #: Two bf16 rows of 64 per unit (about 800 units), 8 rows, whole tensors.
 BUDGETS = [300, 1024, 256 * 2**20]
 
 
 def _merge(base, tasks, out, **kw) -> dict:
+    """The merge of `tasks` (the first ones, for a method that takes fewer)."""
+    most = METHODS[kw.get("method", "ram_plus")].task_counts[1]
+    tasks = tasks[:most] if most is not None else tasks
     config = MergeConfig(base=str(base), tasks=tuple(str(t) for t in tasks), out=str(out), **kw)
     return run_merge(config).data
 
