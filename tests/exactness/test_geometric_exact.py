@@ -38,7 +38,9 @@ def _reference(method: str, params: dict, base: dict, tasks: list[dict]) -> dict
         if method == "slerp":
             merged = slerp(_np(b), ts[0], params["t"])
         elif method == "nuslerp":
-            merged = nuslerp(_np(b), ts, params["weight"], params.get("nuslerp_flatten", True))
+            flatten = params.get("nuslerp_flatten", True)
+            row_wise = params.get("nuslerp_row_wise", False)
+            merged = nuslerp(_np(b), ts, params["weight"], flatten, row_wise)
         elif method == "multislerp":
             merged = multislerp(_np(b), ts, params["weight"])
         else:
@@ -51,6 +53,10 @@ CASES = {
     "slerp": ({"t": 0.3}, [1]),
     "nuslerp": ({"weight": [0.3, 0.9]}, [1, 2]),
     "nuslerp-rows": ({"weight": [0.3, 0.9], "nuslerp_flatten": False}, [1, 2]),
+    "nuslerp-columns": (
+        {"weight": [0.3, 0.9], "nuslerp_flatten": False, "nuslerp_row_wise": True},
+        [1, 2],
+    ),
     "multislerp": ({"weight": [0.5, 1.0, 0.7]}, [0, 1, 2]),
     "karcher": ({}, [0, 1, 2]),
 }

@@ -98,6 +98,7 @@ def test_slerp_close_to_mergekit_and_its_bytes_on_the_linear_branch(models, tmp_
     [
         ("nuslerp", {}, [1, 2], True),
         ("nuslerp", {"nuslerp_flatten": False}, [1, 2], True),
+        ("nuslerp", {"nuslerp_flatten": False, "nuslerp_row_wise": True}, [1, 2], True),
         ("multislerp", {}, [1, 2, 3], True),
         ("multislerp", {"normalize_weights": False}, [1, 2], True),
         ("karcher", {"max_iter": 20}, [0, 1, 2], False),
@@ -159,12 +160,6 @@ def test_mergekit_example_gradient_slerp(models, tmp_path):
         ("slerp", [1], [], "parameter t is required"),
         ("nuslerp", [0, 1, 2], ["--weight", "1"], "nuslerp merges exactly two task models"),
         ("nuslerp", [1, 2], [], "parameter weight is required"),
-        (
-            "nuslerp",
-            [1, 2],
-            ["--weight", "1", "--no-nuslerp-flatten", "--nuslerp-row-wise"],
-            "parameter nuslerp_row_wise",
-        ),
         ("multislerp", [1, 2], ["--weight", "1", "--weight", "-1"], "parameter weight"),
         ("karcher", [1, 2], ["--max-iter", "-1"], "parameter max_iter must be >= 0"),
         ("karcher", [1, 2], ["--tol", "-0.1"], "parameter tol must be >= 0"),

@@ -152,13 +152,17 @@ def test_slerp_requires_t():
 # ---------------------------------------------------------------- nuslerp
 
 
+VARIANTS = {"whole": (True, False), "rows": (False, False), "columns": (False, True)}
+
+
 @pytest.mark.parametrize("weights", [(0.3, 0.9), (1.0, 1.0), (1.0, -1.0), (2.0, -0.5)])
-@pytest.mark.parametrize("flatten", [True, False])
-def test_nuslerp(weights, flatten):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_nuslerp(weights, variant):
     base, tasks = inputs(2, 0.5, seed=3)
-    params = {"weight": list(weights), "nuslerp_flatten": flatten, "nuslerp_row_wise": False}
+    flatten, row_wise = VARIANTS[variant]
+    params = {"weight": list(weights), "nuslerp_flatten": flatten, "nuslerp_row_wise": row_wise}
     row = 1 if flatten else SHAPE[-1]
-    reference = nuslerp(base, tasks, list(weights), flatten=flatten)
+    reference = nuslerp(base, tasks, list(weights), flatten=flatten, row_wise=row_wise)
     merged, _ = every_split("nuslerp", params, base, tasks, reference, row)
     if mk_registry is not None:
         theirs = mergekit("nuslerp", [base, *tasks], 0, {k: v for k, v in params.items()})
@@ -166,13 +170,14 @@ def test_nuslerp(weights, flatten):
 
 
 @pytest.mark.parametrize("shape", [(40,), (6, 5, 8)])
-def test_nuslerp_rows_of_other_ranks(shape):
-    """A 1-D tensor is one row; a 3-D one is interpolated along its last dimension, in
-    chunks of whole first-dimension rows."""
+@pytest.mark.parametrize("row_wise", [False, True])
+def test_nuslerp_rows_and_columns_of_other_ranks(shape, row_wise):
+    """A 1-D tensor is one vector; a 3-D one is interpolated along its last (or first)
+    dimension, in chunks of whole first-dimension rows."""
     base, tasks = inputs(2, 0.5, seed=4, shape=shape)
-    params = {"weight": [0.4, 0.6], "nuslerp_flatten": False, "nuslerp_row_wise": False}
+    params = {"weight": [0.4, 0.6], "nuslerp_flatten": False, "nuslerp_row_wise": row_wise}
     row = int(np.prod(shape[1:])) if len(shape) > 1 else shape[0]
-    reference = nuslerp(base, tasks, [0.4, 0.6], flatten=False)
+    reference = nuslerp(base, tasks, [0.4, 0.6], flatten=False, row_wise=row_wise)
     merged, _ = every_split("nuslerp", params, base, tasks, reference, row)
     if mk_registry is not None:
         theirs = mergekit("nuslerp", [base, *tasks], 0, params)
@@ -192,11 +197,18 @@ def test_nuslerp_colinear_task_vectors_blend_linearly_as_mergekit():
         assert within_bound(merged, theirs, [base, task, other]) == 0
 
 
-def test_nuslerp_columns_are_refused_naming_the_parameter():
-    params = {"weight": [1.0, 1.0], "nuslerp_flatten": False, "nuslerp_row_wise": True}
-    with pytest.raises(RamDistError, match="tensor 'w': parameter nuslerp_row_wise"):
-        get_method("nuslerp").check(params, "tensor 'w'")
-    assert get_method("nuslerp").check({**params, "nuslerp_flatten": True}, "w") is None
+def test_nuslerp_colinear_columns_blend_linearly():
+    _, (task, other) = inputs(2, 0.3, seed=5)
+    base = torch.zeros(SHAPE)
+    other[:, :10] = 2 * task[:, :10]  # columns 0-9 in the same direction: colinear
+    params = {"weight": [0.25, 0.75], "nuslerp_flatten": False, "nuslerp_row_wise": True}
+    reference = nuslerp(base, [task, other], [0.25, 0.75], flatten=False, row_wise=True)
+    merged, state = every_split("nuslerp", params, base, [task, other], reference, SHAPE[1])
+    divisors = state["tensors"]["w"]["columns"][2]
+    assert divisors[:10] == [1.0] * 10 and 1.0 not in divisors[10:]
+    if mk_registry is not None:
+        theirs = mergekit("nuslerp", [base, task, other], 0, params)
+        within_bound(merged, theirs, [base, task, other])
 
 
 # ---------------------------------------------------------------- multislerp

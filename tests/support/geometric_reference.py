@@ -83,14 +83,23 @@ def _nuslerp_pair(v0, v1, t: float) -> np.ndarray:
     return blend([v0, v1], [math.sin((1 - t) * theta), math.sin(t * theta)], math.sin(theta))
 
 
-def nuslerp(base, models, weights, flatten: bool = True) -> np.ndarray:
-    """Task vectors of the two models, slerped whole (flatten) or per last-dimension row."""
+def nuslerp(base, models, weights, flatten: bool = True, row_wise: bool = False) -> np.ndarray:
+    """Task vectors of the two models, slerped whole (flatten), per vector along the last
+    dimension, or (row_wise) per vector along the first dimension."""
     b = _np(base)
     v0, v1 = _np(models[0]) - b, _np(models[1]) - b
     total = weights[0] + weights[1]
     t = 0.5 if abs(total) < 1e-6 else weights[1] / total
     if flatten or b.ndim == 0:
         return (b + _nuslerp_pair(v0, v1, t)).astype(F32)
+    if row_wise:  # mergekit transposes dims 0 and -1: vectors along the first dimension
+        if b.ndim == 1:
+            return (b + _nuslerp_pair(v0, v1, t)).astype(F32)
+        x, y = np.moveaxis(v0, 0, -1), np.moveaxis(v1, 0, -1)
+        pairs = zip(x.reshape(-1, b.shape[0]), y.reshape(-1, b.shape[0]), strict=True)
+        merged = np.stack([_nuslerp_pair(p, q, t) for p, q in pairs])
+        merged = np.moveaxis(merged.reshape(*x.shape), -1, 0)
+        return (b + merged).astype(F32)
     rows = v0.reshape(-1, b.shape[-1]), v1.reshape(-1, b.shape[-1])
     merged = np.stack([_nuslerp_pair(x, y, t) for x, y in zip(*rows, strict=True)])
     return (b + merged.reshape(b.shape)).astype(F32)

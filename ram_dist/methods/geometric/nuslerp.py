@@ -1,7 +1,7 @@
 """mergekit's `nuslerp`: slerp of two task vectors (the two models minus the base), with the
 interpolation factor from the models' weights, `t = w_2 / (w_1 + w_2)` (0.5 when the weights
-sum to less than 1e-6 in magnitude), over the whole tensor (`nuslerp_flatten`, the default) or
-over each row.
+sum to less than 1e-6 in magnitude), over the whole tensor (`nuslerp_flatten`, the default),
+each row or each column.
 
 mergekit 0.1.5 (`merge_methods/nuslerp.py`), per vector `v_0`, `v_1` in float32: unit vectors
 `v / max(|v|, 1e-7)`, `cos` their dot clamped to [-1, 1]; colinear where
@@ -12,34 +12,37 @@ vectors along the last dimension (each row of a matrix) when `nuslerp_row_wise` 
 along the first dimension (each column of a matrix) when it is true.
 
 Here the whole-tensor variant takes its two norms and dot as exact sums in one reduce round
-(`span`); the row variant computes them per row inside each chunk, which holds whole rows
-(`whole_rows`), with exact sums per row and the factors per row with `math` on the CPU.
-Factors are `sin((1 - t) theta)`, `sin(t theta)` and `sin(theta)` (colinear: `1 - t`, `t`
-and 1), each rounded to float32 once; the blend is mergekit's, op by op:
+(`span`). The row variant computes them per row inside each chunk, which holds whole rows
+(`whole_rows`), with exact sums per row and each row's factors with `math`, on the CPU. The
+column variant takes each column's three exact sums in one reduce round (`columns`, a
+compact exact accumulator), its factors per column on the driver, and blends chunks of whole
+rows. Factors are `sin((1 - t) theta)`, `sin(t theta)` and `sin(theta)` (colinear: `1 - t`,
+`t` and 1), each rounded to float32 once; the blend is mergekit's, op by op:
 `(f_0 * v_0 + f_1 * v_1) / f_d + base`. The colinear test is mergekit's, evaluated as
 mergekit evaluates it (in float32, on the exact cosine rounded to float32), so colinear
-task vectors give mergekit's bytes. The column variant (`nuslerp_row_wise: true` with
-`nuslerp_flatten: false`) needs every row of a column at once, so it is refused (`check`).
+task vectors give mergekit's bytes.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from ram_dist.methods.geometric import columns
 from ram_dist.methods.geometric.span import (
     Gram,
     SpanMethod,
     blend,
     f32,
     float32,
-    refuse,
+    gram,
     row_grams,
     task_vectors,
 )
 from ram_dist.methods.parameters import WEIGHT, Parameter
-from ram_dist.methods.protocol import Chunk, TensorParams
+from ram_dist.methods.protocol import Chunk, State, TensorParams
 
 if TYPE_CHECKING:
     import torch
@@ -107,17 +110,11 @@ class Nuslerp(SpanMethod):
     def parameters(self) -> tuple[Parameter, ...]:
         return (replace(WEIGHT, default=None), FLATTEN, ROW_WISE)
 
-    def check(self, params: TensorParams, where: str) -> None:
-        if not params["nuslerp_flatten"] and params["nuslerp_row_wise"]:
-            refuse(
-                where,
-                "parameter nuslerp_row_wise: true (with nuslerp_flatten: false) interpolates "
-                "each column, which needs every row at once and is not supported; use "
-                "nuslerp_flatten: true (the default), or nuslerp_row_wise: false (each row)",
-            )
-
     def whole_rows(self, params: TensorParams) -> bool:
-        return not params["nuslerp_flatten"]
+        return variant(params) != "whole"
+
+    def needs_round(self, params: TensorParams) -> bool:
+        return variant(params) != "rows"
 
     def vectors(self, base: torch.Tensor, tasks: list[torch.Tensor]) -> list[torch.Tensor]:
         return task_vectors(base, tasks)
@@ -127,28 +124,89 @@ class Nuslerp(SpanMethod):
         f0, f1, divisor = factors(g[0][0], g[1][1], g[0][1], t)
         return {"factors": [f0, f1], "divisor": divisor, "linear": colinear_cos(g)}
 
-    def merge_rows(
-        self, chunk: Chunk, base: torch.Tensor, tasks: list[torch.Tensor], params: TensorParams
-    ) -> torch.Tensor:
-        """Row by row: the chunk holds whole rows of the tensor (`chunk.shape`)."""
+    def chunk_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> dict[str, torch.Tensor]:
+        """The whole tensor's Gram matrix, or (columns) each column's sums: `|v_0|**2`,
+        `|v_1|**2` and `v_0 . v_1`, int64[3, columns, SLOTS]."""
+        if variant(params) != "columns":
+            return super().chunk_statistics(round_, chunk, base, tasks, params, state)
         import torch
 
-        shape = chunk.shape
-        row = shape[-1] if len(shape) > 0 else 1
-        row = max(row, 1)
-        b = float32(base).reshape(-1, row)
-        vectors = [v.reshape(-1, row) for v in task_vectors(base, tasks)]
-        t = interpolation_factor([float(w) for w in params["weight"]])
-        found = [
-            factors(g[0][0], g[1][1], g[0][1], t)
-            for g in row_grams([v.reshape(-1) for v in vectors], row)
-        ]
-        columns = [
-            torch.tensor([f[k] for f in found], dtype=torch.float32, device=b.device).reshape(-1, 1)
-            for k in range(3)
-        ]
-        out = blend(vectors, columns[:2], divisor=columns[2], base=b)
-        return out.reshape(base.shape)
+        v0, v1 = task_vectors(base, tasks)
+        n = column_count(chunk.shape)
+        pairs = ((v0, v0), (v1, v1), (v0, v1))
+        return {chunk.tensor: torch.stack([columns.column_sums(x, y, n) for x, y in pairs])}
+
+    def finalize(
+        self,
+        round_: int,
+        totals: dict[str, Any],
+        params: Mapping[str, TensorParams],
+        numel: Mapping[str, int],
+        state: State,
+    ) -> State:
+        for name, info in state["tensors"].items():
+            if name not in totals:
+                continue
+            p = params[name]
+            if variant(p) != "columns":
+                info.update(self.coefficients(gram(totals[name], 2), p, f"tensor {name!r}"))
+                continue
+            t = interpolation_factor([float(w) for w in p["weight"]])
+            s00, s11, s01 = (columns.values(stat) for stat in totals[name])
+            found = [factors(a, b, c, t) for a, b, c in zip(s00, s11, s01, strict=True)]
+            info["columns"] = [[f[k] for f in found] for k in range(3)]
+        return state
+
+    def merge_rows(
+        self,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> torch.Tensor:
+        """Whole rows of the tensor: each row's own factors (computed here, on the CPU's
+        Python, from exact sums per row), or each column's (from the state)."""
+        import torch
+
+        if variant(params) == "columns":
+            n = column_count(chunk.shape)
+            found = state["tensors"][chunk.tensor]["columns"]
+            shape = (1, n)
+        else:
+            n = chunk.shape[-1] if chunk.shape else 1
+            vectors = [v.reshape(-1) for v in task_vectors(base, tasks)]
+            t = interpolation_factor([float(w) for w in params["weight"]])
+            per_row = [factors(g[0][0], g[1][1], g[0][1], t) for g in row_grams(vectors, n)]
+            found = [[f[k] for f in per_row] for k in range(3)]
+            shape = (-1, 1)
+        b = float32(base).reshape(-1, n)
+        vectors = [v.reshape(-1, n) for v in task_vectors(base, tasks)]
+        f0, f1, divisor = (
+            torch.tensor(f, dtype=torch.float32, device=b.device).reshape(shape) for f in found
+        )
+        return blend(vectors, [f0, f1], divisor=divisor, base=b).reshape(base.shape)
+
+
+def variant(params: TensorParams) -> str:
+    """`whole` (flattened), `rows` (vectors along the last dimension) or `columns` (along
+    the first)."""
+    if params["nuslerp_flatten"]:
+        return "whole"
+    return "columns" if params["nuslerp_row_wise"] else "rows"
+
+
+def column_count(shape: tuple[int, ...]) -> int:
+    """Vectors along the first dimension: one per element of a row (a 1-D tensor: one)."""
+    return math.prod(shape[1:]) if len(shape) > 1 else 1
 
 
 #: `nuslerp`, as `ram_dist.methods.METHODS` lists it.

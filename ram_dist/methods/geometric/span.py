@@ -184,6 +184,11 @@ class SpanMethod(MergekitRule, Eager):
     def whole_rows(self, params: TensorParams) -> bool:
         return False
 
+    def needs_round(self, params: TensorParams) -> bool:
+        """Whether a tensor with these parameters takes the reduce round (not where the
+        method computes each row inside its chunk)."""
+        return not self.whole_rows(params)
+
     # -- the protocol -------------------------------------------------------------------
 
     def initial_state(
@@ -192,9 +197,7 @@ class SpanMethod(MergekitRule, Eager):
         rounds = self.passthrough(n_tasks) is None
         return {
             "n_vectors": self.n_vectors(n_tasks),
-            "tensors": {
-                name: {} for name, p in params.items() if rounds and not self.whole_rows(p)
-            },
+            "tensors": {name: {} for name, p in params.items() if rounds and self.needs_round(p)},
         }
 
     def active(self, round_: int, state: State, tensor: str) -> bool:
@@ -239,7 +242,7 @@ class SpanMethod(MergekitRule, Eager):
         if keep is not None:
             return float32(tasks[keep])
         if self.whole_rows(params):
-            return self.merge_rows(chunk, base, tasks, params)
+            return self.merge_rows(chunk, base, tasks, params, state)
         info = state["tensors"][chunk.tensor]
         if info.get("zeros"):
             import torch
@@ -253,8 +256,14 @@ class SpanMethod(MergekitRule, Eager):
         )
 
     def merge_rows(
-        self, chunk: Chunk, base: torch.Tensor, tasks: list[torch.Tensor], params: TensorParams
+        self,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
     ) -> torch.Tensor:
+        """The map pass of a tensor computed on whole rows (`whole_rows`)."""
         raise NotImplementedError
 
     def check(self, params: TensorParams, where: str) -> None:
