@@ -98,7 +98,9 @@ class Karcher(SpanMethod):
 
     name: str = "karcher"
     label: str = "Karcher mean (Riemannian barycenter on the hypersphere)"
-    reference: str = "arXiv:2603.04972 (Fisher-Rao manifold merging)"
+    reference: str = (
+        "Functionality-Oriented LLM Merging on the Fisher-Rao Manifold, arXiv:2603.04972"
+    )
     needs_base: bool = False
     task_counts: tuple[int, int | None] = (1, None)
 

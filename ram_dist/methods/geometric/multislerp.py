@@ -97,7 +97,7 @@ class Multislerp(SpanMethod):
 
     name: str = "multislerp"
     label: str = "Multi-SLERP (barycentric interpolation on the hypersphere)"
-    reference: str = "Goddard 2025 (multislerp)"
+    reference: str = "Goddard, goddard.blog/posts/multislerp-wow-what-a-cool-idea"
     needs_base: bool = True
     adds_base: bool = True
     task_counts: tuple[int, int | None] = (1, None)

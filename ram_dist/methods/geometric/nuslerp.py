@@ -101,7 +101,7 @@ class Nuslerp(SpanMethod):
 
     name: str = "nuslerp"
     label: str = "NuSLERP (slerp of two task vectors)"
-    reference: str = "mergekit (Goddard et al. 2024)"
+    reference: str = "mergekit's own (Goddard et al. 2024, MergeKit)"
     needs_base: bool = True
     adds_base: bool = True
     task_counts: tuple[int, int | None] = (2, 2)

@@ -58,7 +58,7 @@ class Slerp(SpanMethod):
 
     name: str = "slerp"
     label: str = "SLERP (spherical linear interpolation)"
-    reference: str = "Shoemake 1985 (slerp)"
+    reference: str = "Shoemake 1985, Animating rotation with quaternion curves"
     needs_base: bool = True
     task_counts: tuple[int, int | None] = (1, 1)
 
