@@ -148,6 +148,12 @@ def test_mergekit_example_gradient_slerp(models, tmp_path):
     assert torch.equal(ours[name], base[name].float())
     name = "model.layers.1.self_attn.q_proj.weight"
     assert torch.equal(ours[name], tasks[2][name].float())
+    # Replaying the resolved config (t per tensor) gives the same bytes again.
+    effective = yaml.safe_load((tmp_path / "ours" / "mergekit_config.yml").read_text())
+    replay = _ours(effective, tmp_path, "replay")
+    assert all(
+        torch.equal(replay[k].view(torch.int32), v.view(torch.int32)) for k, v in ours.items()
+    )
 
 
 # ---------------------------------------------------------------- refusals
