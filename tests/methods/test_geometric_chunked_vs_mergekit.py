@@ -286,3 +286,43 @@ def test_karcher_of_zero_models_is_zeros_and_of_one_is_itself():
                             karcher(mixed))  # fmt: skip
     if mk_registry is not None:
         within_bound(merged, mergekit("karcher", mixed, None, {}), mixed)
+
+
+# ---------------------------------------------------------------- exact column sums
+
+
+def test_column_sums_are_exact_at_any_split_and_scale():
+    """nuslerp's per-column accumulator: math.fsum of each column's float64 products (each
+    exact), for any split of the rows, from the smallest float32 products to the largest,
+    with infinities and NaN counted as exact_sums counts them."""
+    import math
+
+    from ram_dist.methods.geometric.columns import column_sums, values
+
+    gen = torch.Generator().manual_seed(0)
+    rows, cols = 37, 11
+
+    def scaled() -> torch.Tensor:
+        exponents = torch.randint(-140, 120, (rows, cols), generator=gen).float()
+        return torch.randn(rows, cols, generator=gen) * torch.exp2(exponents)
+
+    def full(value: float) -> torch.Tensor:
+        return torch.full((rows, cols), value)
+
+    cases = [(scaled(), scaled()), (full(1e-45), full(-1e-45)), (full(3e38), full(-3e38))]
+    for x, y in cases:
+        want = [math.fsum((x[:, j].double() * y[:, j].double()).tolist()) for j in range(cols)]
+        for cuts in ([0, rows], [0, 1, 5, 6, rows], [*range(0, rows, 4), rows]):
+            total = sum(
+                column_sums(x[lo:hi].reshape(-1), y[lo:hi].reshape(-1), cols)
+                for lo, hi in zip(cuts, cuts[1:], strict=False)
+            )
+            assert values(total) == want
+    x, y = scaled(), scaled()
+    x[3, 2], x[0, 7] = math.inf, math.nan
+    x[4, 5], y[4, 5], x[6, 5], y[6, 5] = math.inf, 1.0, 1.0, -math.inf  # inf + -inf: NaN
+    got = values(column_sums(x.reshape(-1), y.reshape(-1), cols))
+    assert got[2] == math.copysign(math.inf, float(y[3, 2])) and math.isnan(got[5])
+    assert math.isnan(got[7]) and got[0] == math.fsum(
+        (x[:, 0].double() * y[:, 0].double()).tolist()
+    )
