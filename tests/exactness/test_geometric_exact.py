@@ -62,7 +62,7 @@ CASES = {
 }
 
 
-def _run(base_dir, task_dirs, method, params, out, budget, workers) -> dict:
+def _run(base_dir, task_dirs, method, params, out, budget, workers, kernels) -> dict:
     per_task = {k: v for k, v in params.items() if k == "weight"}
     config = MergeConfig(
         base=str(base_dir),
@@ -74,6 +74,7 @@ def _run(base_dir, task_dirs, method, params, out, budget, workers) -> dict:
         or tuple({} for _ in task_dirs),
         unit_budget_bytes=budget,
         workers=workers,
+        kernels=kernels,
     )
     return run_merge(config).data
 
@@ -86,10 +87,12 @@ def test_same_bytes_as_the_reference_at_any_split(models, tmp_path, case):
     chosen_dirs = [task_dirs[i] for i in picked]
     expected = _reference(method, params, base, [tasks[i] for i in picked])
     digests = set()
-    splits = [(20000, 2), (2**20, 1)] + ([(3000, 1)] if case == "multislerp" else [])
-    for budget, workers in splits:
+    # the fused Gram kernel on the CPUs (auto), and the eager rule
+    splits = [(20000, 2, "auto"), (2**20, 1, "eager")]
+    splits += [(3000, 1, "auto")] if case == "multislerp" else []
+    for budget, workers, kernels in splits:
         out = tmp_path / f"out-{budget}-{workers}"
-        report = _run(base_dir, chosen_dirs, method, params, out, budget, workers)
+        report = _run(base_dir, chosen_dirs, method, params, out, budget, workers, kernels)
         merged = load_checkpoint(out)
         assert merged.keys() == expected.keys()
         for name, want in expected.items():

@@ -326,3 +326,52 @@ def test_column_sums_are_exact_at_any_split_and_scale():
     assert math.isnan(got[7]) and got[0] == math.fsum(
         (x[:, 0].double() * y[:, 0].double()).tolist()
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name", ["slerp", "nuslerp", "multislerp", "karcher"])
+def test_fused_statistics_are_the_eager_rules_integers(name, dtype):
+    """The Gram round by the fused kernel (raw arrays: bf16 as its uint16 bits) gives the
+    eager rule's bins, integer for integer."""
+    pytest.importorskip("numba")
+    n = {"slerp": 1, "nuslerp": 2}.get(name, 3)
+    base, tasks = inputs(n, 0.5, seed=40)
+    base, tasks = base.to(dtype), [t.to(dtype) for t in tasks]
+    params = {"slerp": {"t": 0.3}, "karcher": {"max_iter": 10, "tol": 1e-5}}.get(
+        name, {"weight": [1.0] * n, "normalize_weights": True, "eps": 1e-8,
+               "nuslerp_flatten": True, "nuslerp_row_wise": False}
+    )  # fmt: skip
+    method = get_method(name)
+    chunk = Chunk("w", 0, SHAPE)
+    state = method.initial_state({"w": params}, {"w": base.numel()}, n)
+    eager = method.chunk_statistics(0, chunk, base.reshape(-1), [t.reshape(-1) for t in tasks],
+                                    params, state)["w"]  # fmt: skip
+
+    def raw(x: torch.Tensor) -> np.ndarray:
+        return (
+            x.reshape(-1).view(torch.uint16).numpy()
+            if x.dtype == torch.bfloat16
+            else x.reshape(-1).numpy()
+        )
+
+    fused, counts = method.fused_statistics(0, chunk, [raw(base), *map(raw, tasks)], params,
+                                            state, False)  # fmt: skip
+    assert counts is None and fused["w"].dtype == np.int64
+    assert np.array_equal(fused["w"], eager.numpy())
+
+
+def test_row_grams_by_the_kernel_and_by_the_eager_rule_agree(monkeypatch):
+    """nuslerp's per-row sums: the fused kernel on the CPU, the eager rule elsewhere (a GPU);
+    both are the exact sums rounded once."""
+    import math
+
+    from ram_dist.methods import exact_sums
+    from ram_dist.methods.geometric.span import row_grams
+
+    _, (x, y) = inputs(2, 1.0, seed=41)
+    fused = row_grams([x.reshape(-1), y.reshape(-1)], SHAPE[1])
+    monkeypatch.setattr(exact_sums, "row_gram", lambda *args: None)
+    eager = row_grams([x.reshape(-1), y.reshape(-1)], SHAPE[1])
+    assert fused == eager
+    want = [math.fsum((x[r].double() * y[r].double()).tolist()) for r in range(SHAPE[0])]
+    assert [g[0][1] for g in eager] == want

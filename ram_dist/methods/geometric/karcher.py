@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
-from ram_dist.methods.geometric.span import Gram, SpanMethod, dot, f32, float32, norm
+from ram_dist.methods.geometric.span import Gram, SpanMethod, dot, f32, norm
 from ram_dist.methods.parameters import Parameter
 from ram_dist.methods.protocol import TensorParams
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 
 def _max_iter(value: Any, where: str) -> None:
@@ -98,10 +98,12 @@ class Karcher(SpanMethod):
 
     name: str = "karcher"
     label: str = "Karcher mean (Riemannian barycenter on the hypersphere)"
+    summary: str = "Karcher mean of the models on the sphere, scaled by their mean norm (no base)"
     reference: str = (
         "Functionality-Oriented LLM Merging on the Fisher-Rao Manifold, arXiv:2603.04972"
     )
     needs_base: bool = False
+    blends: str = "models"
     task_counts: tuple[int, int | None] = (1, None)
 
     @property
@@ -110,9 +112,6 @@ class Karcher(SpanMethod):
 
     def passthrough(self, n_tasks: int) -> int | None:
         return 0 if n_tasks == 1 else None
-
-    def vectors(self, base: torch.Tensor, tasks: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [float32(t) for t in tasks]
 
     def coefficients(self, g: Gram, params: TensorParams, where: str) -> dict[str, Any]:
         return coefficients(g, int(params["max_iter"]), float(params["tol"]))

@@ -24,12 +24,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
-from ram_dist.methods.geometric.span import Gram, SpanMethod, dot, f32, norm, task_vectors
+from ram_dist.methods.geometric.span import Gram, SpanMethod, dot, f32, norm
 from ram_dist.methods.parameters import WEIGHT, Parameter
 from ram_dist.methods.protocol import TensorParams
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 
 def _at_least_zero(name: str):  # noqa: ANN202
@@ -97,6 +97,9 @@ class Multislerp(SpanMethod):
 
     name: str = "multislerp"
     label: str = "Multi-SLERP (barycentric interpolation on the hypersphere)"
+    summary: str = (
+        "Multi-SLERP: weighted spherical mean of any number of task vectors, added to the base"
+    )
     reference: str = "Goddard, goddard.blog/posts/multislerp-wow-what-a-cool-idea"
     needs_base: bool = True
     adds_base: bool = True
@@ -119,9 +122,6 @@ class Multislerp(SpanMethod):
 
     def passthrough(self, n_tasks: int) -> int | None:
         return 0 if n_tasks == 1 else None
-
-    def vectors(self, base: torch.Tensor, tasks: list[torch.Tensor]) -> list[torch.Tensor]:
-        return task_vectors(base, tasks)
 
     def coefficients(self, g: Gram, params: TensorParams, where: str) -> dict[str, Any]:
         raw = [float(w) for w in params["weight"]]

@@ -26,7 +26,7 @@ task vectors give mergekit's bytes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,7 @@ from ram_dist.methods.parameters import WEIGHT, Parameter
 from ram_dist.methods.protocol import Chunk, State, TensorParams
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 #: mergekit's floor of a norm, and its colinearity threshold `eps**2`.
@@ -101,6 +102,10 @@ class Nuslerp(SpanMethod):
 
     name: str = "nuslerp"
     label: str = "NuSLERP (slerp of two task vectors)"
+    summary: str = (
+        "NuSLERP: slerp of two task vectors, factor from their weights; whole tensors, "
+        "rows or columns"
+    )
     reference: str = "mergekit's own (Goddard et al. 2024, MergeKit)"
     needs_base: bool = True
     adds_base: bool = True
@@ -115,9 +120,6 @@ class Nuslerp(SpanMethod):
 
     def needs_round(self, params: TensorParams) -> bool:
         return variant(params) != "rows"
-
-    def vectors(self, base: torch.Tensor, tasks: list[torch.Tensor]) -> list[torch.Tensor]:
-        return task_vectors(base, tasks)
 
     def coefficients(self, g: Gram, params: TensorParams, where: str) -> dict[str, Any]:
         t = interpolation_factor([float(w) for w in params["weight"]])
@@ -143,6 +145,20 @@ class Nuslerp(SpanMethod):
         n = column_count(chunk.shape)
         pairs = ((v0, v0), (v1, v1), (v0, v1))
         return {chunk.tensor: torch.stack([columns.column_sums(x, y, n) for x, y in pairs])}
+
+    def fused_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        count_nonfinite: bool,
+    ) -> tuple[dict[str, np.ndarray], None] | None:
+        """The whole tensor's Gram matrix by the fused kernel; the columns' sums eagerly."""
+        if variant(params) == "columns":
+            return None
+        return super().fused_statistics(round_, chunk, inputs, params, state, count_nonfinite)
 
     def finalize(
         self,

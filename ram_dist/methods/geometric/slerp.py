@@ -21,12 +21,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ram_dist.methods.geometric.span import Gram, SpanMethod, f32, float32
+from ram_dist.methods.geometric.span import Gram, SpanMethod, f32
 from ram_dist.methods.parameters import Parameter
 from ram_dist.methods.protocol import TensorParams
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 #: mergekit's threshold of `|dot|` above which slerp blends linearly, and its zero norm.
 DOT_THRESHOLD = 0.9995
@@ -58,8 +58,10 @@ class Slerp(SpanMethod):
 
     name: str = "slerp"
     label: str = "SLERP (spherical linear interpolation)"
+    summary: str = "SLERP: spherical interpolation between the base and one model, factor t"
     reference: str = "Shoemake 1985, Animating rotation with quaternion curves"
     needs_base: bool = True
+    blends: str = "pair"
     task_counts: tuple[int, int | None] = (1, 1)
 
     @property
@@ -68,9 +70,6 @@ class Slerp(SpanMethod):
 
     def n_vectors(self, n_tasks: int) -> int:
         return 2
-
-    def vectors(self, base: torch.Tensor, tasks: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [float32(base), float32(tasks[0])]
 
     def coefficients(self, g: Gram, params: TensorParams, where: str) -> dict[str, Any]:
         return coefficients(g, float(params["t"]))

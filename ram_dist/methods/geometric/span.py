@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
+from ram_dist.kernels.exact_sums import _EXPONENTS, _NAN, _NEG_INF, _POS_INF
 from ram_dist.methods import exact_sums
 from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 #: Gram matrix of a tensor's vectors, float64, `gram[i][j] = x_i . x_j`.
@@ -66,35 +69,51 @@ def gram(total: Any, n: int) -> Gram:
 
 def row_grams(vectors: Sequence[torch.Tensor], row: int) -> list[Gram]:
     """The Gram matrix of each row of `row` elements of flat vectors that hold whole rows,
-    exact sums rounded once to float64 (on any device: the sums are integers)."""
+    exact sums rounded once to float64: by the fused kernel on CPU tensors (where numba is
+    installed), else by the eager rule on the tensors' device; the same integers either way."""
+    import numpy as np
+    import torch
+
     n = len(vectors)
-    stats = [exact_sums.row_sums(vectors[i], vectors[j], 0, row)[1] for i, j in pairs(n)]
-    rows = vectors[0].numel() // row
-    out = [[[0.0] * n for _ in range(n)] for _ in range(rows)]
-    for k, (i, j) in enumerate(pairs(n)):
-        for r, value in enumerate(row_values(stats[k])):
-            out[r][i][j] = out[r][j][i] = value
-    return out
-
-
-def row_values(stats: torch.Tensor) -> list[float]:
-    """`exact_sums.value` of each row of int64[rows, BINS], reading only the non-zero bins."""
+    stats = None
+    if all(v.device.type == "cpu" for v in vectors):
+        stacked = np.stack([v.reshape(-1).to(torch.float32).numpy() for v in vectors])
+        stats = exact_sums.row_gram(stacked, pairs(n), row)
+    if stats is None:
+        found = [exact_sums.row_sums(vectors[i], vectors[j], 0, row)[1] for i, j in pairs(n)]
+        stats = torch.stack(found, dim=1).cpu().numpy()
     rows = stats.shape[0]
-    sparse: list[list[int]] = [[0] * 0 for _ in range(rows)]
-    nonzero = stats.nonzero().tolist()
-    values = stats[stats != 0].tolist()
-    for (r, b), v in zip(nonzero, values, strict=True):
-        sparse[r].append(b)
-        sparse[r].append(v)
-    out = []
-    width = stats.shape[1]
+    values = row_values(stats.reshape(rows * len(pairs(n)), -1))
+    out = [[[0.0] * n for _ in range(n)] for _ in range(rows)]
     for r in range(rows):
-        bins = [0] * width
-        it = iter(sparse[r])
-        for b, v in zip(it, it, strict=True):
-            bins[b] = v
-        out.append(exact_sums.value(bins))
+        for k, (i, j) in enumerate(pairs(n)):
+            out[r][i][j] = out[r][j][i] = values[r * len(pairs(n)) + k]
     return out
+
+
+def row_values(stats: Any) -> list[float]:
+    """`exact_sums.value` of each row of int64[rows, BINS] (numpy), from its non-zero bins
+    only (a few dozen of the 2077)."""
+    import numpy as np
+
+    rows, bins = np.nonzero(stats)
+    counts = stats[rows, bins].tolist()
+    sparse: list[list[tuple[int, int]]] = [[] for _ in range(stats.shape[0])]
+    for r, b, v in zip(rows.tolist(), bins.tolist(), counts, strict=True):
+        sparse[r].append((b, v))
+    return [_sparse_value(items) for items in sparse]
+
+
+def _sparse_value(items: list[tuple[int, int]]) -> float:
+    """`exact_sums.value` of the bins given as (bin, count) pairs (the others zero)."""
+    special = {b: v for b, v in items if b >= _EXPONENTS}
+    nan, pos, neg = special.get(_NAN, 0), special.get(_POS_INF, 0), special.get(_NEG_INF, 0)
+    if nan or (pos and neg):
+        return math.nan
+    if pos or neg:
+        return math.inf if pos else -math.inf
+    units = sum(v << (b - 1) for b, v in items if 1 <= b < _EXPONENTS)
+    return float(Fraction(units, 1 << 1074))
 
 
 def norm(g: Gram, coefficients: Sequence[float]) -> float:
@@ -147,6 +166,17 @@ def float32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32)
 
 
+def decoded(a: np.ndarray) -> np.ndarray:
+    """A raw input array (the engine's: bf16 as its uint16 bits, fp16, fp32) as float32
+    values, flat."""
+    import numpy as np
+
+    flat = a.reshape(-1)
+    if flat.dtype == np.uint16:
+        return (flat.astype(np.uint32) << 16).view(np.float32)
+    return flat.astype(np.float32, copy=False)
+
+
 def task_vectors(base: torch.Tensor, tasks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """`float32(theta_t) - float32(theta_B)` per task."""
     b = float32(base)
@@ -165,10 +195,41 @@ class SpanMethod(MergekitRule, Eager):
     rounds: int = 1
     adds_base: bool = False
     """Whether the base is added to the blend (the vectors are task vectors)."""
+    blends: str = "deltas"
+    """What the Gram matrix is of and what is blended: `deltas` (the task vectors),
+    `models` (the task models) or `pair` (the base, then the one task model)."""
     task_counts: tuple[int, int | None] = (2, None)
 
     def vectors(self, base: torch.Tensor, tasks: list[torch.Tensor]) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """The float32 vectors of one chunk (`blends`)."""
+        if self.blends == "deltas":
+            return task_vectors(base, tasks)
+        if self.blends == "pair":
+            return [float32(base), float32(tasks[0])]
+        return [float32(t) for t in tasks]
+
+    def fused_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        count_nonfinite: bool,
+    ) -> tuple[dict[str, np.ndarray], None] | None:
+        """The Gram statistic by the fused kernel on the raw arrays (base first); None where
+        numba is missing (the eager rule then runs)."""
+        import numpy as np
+
+        base, *tasks = (decoded(a) for a in inputs)
+        if self.blends == "deltas":
+            vectors = [t - base for t in tasks]  # float32, one rounding: the eager rule's
+        elif self.blends == "pair":
+            vectors = [base, tasks[0]]
+        else:
+            vectors = tasks
+        stats = exact_sums.gram(np.stack(vectors), pairs(len(vectors)))
+        return None if stats is None else ({chunk.tensor: stats}, None)
 
     def coefficients(self, g: Gram, params: TensorParams, where: str) -> dict[str, Any]:
         raise NotImplementedError
