@@ -107,3 +107,24 @@ def test_same_bytes_as_the_reference_at_any_split(models, tmp_path, case):
         assert 0 < report["slerp"]["tensors_blended_linearly"] < len(expected)
     if method == "karcher":
         assert report["karcher"]["most_iterations_of_a_tensor"] >= 1
+
+
+def test_bfloat16_inputs_and_output(tmp_path_factory, tmp_path):
+    """bf16 checkpoints: values decoded exactly to float32 (raw bits on the fused path),
+    merged in float32, written as bf16 (the base's dtype) by rounding the reference's float32
+    result to nearest even."""
+    base_dir, task_dirs, base, tasks = build_geometric_models(
+        tmp_path_factory.mktemp("geo-bf16"), torch.bfloat16
+    )
+    for case in ("multislerp", "nuslerp-rows"):
+        params, picked = CASES[case]
+        method = case.split("-")[0]
+        expected = _reference(method, params, base, [tasks[i] for i in picked])
+        for kernels in ("auto", "eager"):
+            out = tmp_path / f"{case}-{kernels}"
+            _run(base_dir, [task_dirs[i] for i in picked], method, params, out, 20000, 2, kernels)
+            merged = load_checkpoint(out)
+            for name, want in expected.items():
+                got = merged[name]
+                assert got.dtype == torch.bfloat16, name
+                assert torch.equal(got.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))

@@ -177,3 +177,16 @@ def test_bad_parameters_are_refused_before_any_work(models, tmp_path, capsys, me
     chosen = [task_dirs[i] for i in picked]
     line = merge_refused(capsys, base_dir, chosen, tmp_path / "out", "--method", method, *flags)
     assert names in line, line
+
+
+@pytest.mark.parametrize("method", ["slerp", "nuslerp", "multislerp"])
+def test_a_config_without_base_model_is_refused_for_the_methods_that_need_one(method):
+    """slerp needs its base (as in mergekit); nuslerp and multislerp, which mergekit also runs
+    without one (about the origin), take it here as the origin of the task vectors, so a
+    config without base_model is refused by name rather than merged otherwise."""
+    from ram_dist.errors import RamDistError
+    from ram_dist.mergekit_config import parse_mergekit_config
+
+    raw = {"merge_method": method, "models": [{"model": "a"}, {"model": "b"}]}
+    with pytest.raises(RamDistError, match=f"{method} needs a base_model"):
+        parse_mergekit_config(raw, "x.yaml")
