@@ -48,12 +48,20 @@ N = 16  # elements per input
 
 def dispatchers() -> dict[str, Any]:
     """Every cached kernel (a numba dispatcher) by name, `module.function`."""
-    from ram_dist.kernels import exact_sums_numba, lora_numba, ram_numba, scan_numba, ties_numba
+    from ram_dist.kernels import (
+        column_sums_numba,
+        exact_sums_numba,
+        lora_numba,
+        ram_numba,
+        scan_numba,
+        ties_numba,
+    )
 
     found = (
         ram_numba._count_kernel, ram_numba._merge_kernel,
         ties_numba._stats_kernel, ties_numba._merge_kernel, scan_numba._count,
         lora_numba.lora_values, exact_sums_numba.gram, exact_sums_numba.row_gram,
+        column_sums_numba.column_gram,
     )  # fmt: skip
     return {f"{k.py_func.__module__.rsplit('.', 1)[-1]}.{k.__name__}": k for k in found}
 
@@ -108,6 +116,12 @@ def calls(
     yield exact_sums_numba.gram, "exact sums", partial(exact_sums.gram, vectors, pairs)
     rows = partial(exact_sums.row_gram, vectors, pairs, N // 2)
     yield exact_sums_numba.row_gram, "exact sums per row", rows
+    # nuslerp's sums per column (its compact limbs)
+    from ram_dist.kernels import column_sums_numba
+    from ram_dist.methods.geometric import columns
+
+    by_column = partial(columns.fused_column_sums, vectors, pairs, N // 2)
+    yield column_sums_numba.column_gram, "exact sums per column", by_column
 
 
 def _lora(theta: str, out: str) -> None:

@@ -329,11 +329,12 @@ def test_column_sums_are_exact_at_any_split_and_scale():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("name", ["slerp", "nuslerp", "multislerp", "karcher"])
+@pytest.mark.parametrize("name", ["slerp", "nuslerp", "nuslerp-columns", "multislerp", "karcher"])
 def test_fused_statistics_are_the_eager_rules_integers(name, dtype):
-    """The Gram round by the fused kernel (raw arrays: bf16 as its uint16 bits) gives the
-    eager rule's bins, integer for integer."""
+    """The Gram round (nuslerp's columns: the sums per column) by the fused kernels (raw
+    arrays: bf16 as its uint16 bits) gives the eager rule's integers, one for one."""
     pytest.importorskip("numba")
+    name, columns = name.split("-")[0], name.endswith("columns")
     n = {"slerp": 1, "nuslerp": 2}.get(name, 3)
     base, tasks = inputs(n, 0.5, seed=40)
     base, tasks = base.to(dtype), [t.to(dtype) for t in tasks]
@@ -341,6 +342,8 @@ def test_fused_statistics_are_the_eager_rules_integers(name, dtype):
         name, {"weight": [1.0] * n, "normalize_weights": True, "eps": 1e-8,
                "nuslerp_flatten": True, "nuslerp_row_wise": False}
     )  # fmt: skip
+    if columns:
+        params |= {"nuslerp_flatten": False, "nuslerp_row_wise": True}
     method = get_method(name)
     chunk = Chunk("w", 0, SHAPE)
     state = method.initial_state({"w": params}, {"w": base.numel()}, n)

@@ -21,6 +21,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 _PIECE = 21
@@ -59,6 +60,23 @@ def column_sums(x: torch.Tensor, y: torch.Tensor, columns: int) -> torch.Tensor:
     counted = (~finite).to(torch.int64)
     out.index_add_(0, column * SLOTS + torch.where(finite, 0, special), counted)
     return out.reshape(columns, SLOTS)
+
+
+def fused_column_sums(vectors: np.ndarray, pairs: list[tuple[int, int]], columns: int) -> Any:
+    """int64[len(pairs), columns, SLOTS]: `column_sums(vectors[i], vectors[j], columns)` for
+    each pair, by the numba kernel on float32 rows (no torch); None without numba."""
+    import numpy as np
+
+    from ram_dist import kernels
+
+    kernel = kernels.numba_module("column_sums_numba")
+    if kernel is None:
+        return None
+    out = np.zeros((len(pairs), columns, SLOTS), dtype=np.int64)
+    index = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+    stack = np.ascontiguousarray(vectors, np.float32)
+    kernel.column_gram(stack, index, columns, _LOWEST, _PIECE, _LIMB, _LIMBS, out)
+    return out
 
 
 def values(stat: Any) -> list[float]:

@@ -35,6 +35,7 @@ from ram_dist.methods.geometric.span import (
     Gram,
     SpanMethod,
     blend,
+    decoded,
     f32,
     float32,
     gram,
@@ -155,10 +156,16 @@ class Nuslerp(SpanMethod):
         state: State,
         count_nonfinite: bool,
     ) -> tuple[dict[str, np.ndarray], None] | None:
-        """The whole tensor's Gram matrix by the fused kernel; the columns' sums eagerly."""
-        if variant(params) == "columns":
-            return None
-        return super().fused_statistics(round_, chunk, inputs, params, state, count_nonfinite)
+        """The whole tensor's Gram matrix, or each column's sums, by the fused kernels."""
+        if variant(params) != "columns":
+            return super().fused_statistics(round_, chunk, inputs, params, state, count_nonfinite)
+        import numpy as np
+
+        base, *tasks = (decoded(a) for a in inputs)
+        vectors = np.stack([t - base for t in tasks])
+        pairs = [(0, 0), (1, 1), (0, 1)]
+        stats = columns.fused_column_sums(vectors, pairs, column_count(chunk.shape))
+        return None if stats is None else ({chunk.tensor: stats}, None)
 
     def finalize(
         self,
