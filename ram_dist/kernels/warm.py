@@ -117,10 +117,9 @@ def calls(
     rows = partial(exact_sums.row_gram, vectors, pairs, N // 2)
     yield exact_sums_numba.row_gram, "exact sums per row", rows
     # nuslerp's sums per column (its compact limbs)
-    from ram_dist.kernels import column_sums_numba
-    from ram_dist.methods.geometric import columns
+    from ram_dist.kernels import column_sums, column_sums_numba
 
-    by_column = partial(columns.fused_column_sums, vectors, pairs, N // 2)
+    by_column = partial(column_sums.fused_column_sums, vectors, pairs, N // 2)
     yield column_sums_numba.column_gram, "exact sums per column", by_column
 
 

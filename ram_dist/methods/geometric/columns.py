@@ -11,7 +11,8 @@ three limbs' worth of bits, but is added whole to its lowest limb: an addend bel
 Limbs are never carried, so a limb stays exact for up to 2**27 rows, and the sums of any
 split of the rows add up to the same integers. NaN and infinite products are counted in
 three extra slots, as `exact_sums` does. The driver rebuilds each column's exact value as a
-Python integer and rounds it once to float64 (`values`).
+Python integer and rounds it once to float64 (`values`). The layout and the fused path's
+numba kernel (`fused_column_sums`) are `ram_dist.kernels.column_sums`'.
 """
 
 from __future__ import annotations
@@ -21,17 +22,20 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
-_PIECE = 21
-_LIMB = 16
-_LIMBS = 40
-_LOWEST = 725  # float64 biased exponent of 2**-298, the smallest non-zero float32 product
-_SCALE = 1075 - _LOWEST  # value = integer * 2**-_SCALE
-_POS_INF, _NEG_INF, _NAN = _LIMBS, _LIMBS + 1, _LIMBS + 2
-#: int64 slots of one column's sum.
-SLOTS = _LIMBS + 3
+from ram_dist.kernels.column_sums import (  # the limbs' layout; the fused path's kernel
+    _LIMB,
+    _LIMBS,
+    _LOWEST,
+    _NAN,
+    _NEG_INF,
+    _PIECE,
+    _POS_INF,
+    _SCALE,
+    SLOTS,
+    fused_column_sums,
+)
 
 
 def column_sums(x: torch.Tensor, y: torch.Tensor, columns: int) -> torch.Tensor:
@@ -62,23 +66,6 @@ def column_sums(x: torch.Tensor, y: torch.Tensor, columns: int) -> torch.Tensor:
     return out.reshape(columns, SLOTS)
 
 
-def fused_column_sums(vectors: np.ndarray, pairs: list[tuple[int, int]], columns: int) -> Any:
-    """int64[len(pairs), columns, SLOTS]: `column_sums(vectors[i], vectors[j], columns)` for
-    each pair, by the numba kernel on float32 rows (no torch); None without numba."""
-    import numpy as np
-
-    from ram_dist import kernels
-
-    kernel = kernels.numba_module("column_sums_numba")
-    if kernel is None:
-        return None
-    out = np.zeros((len(pairs), columns, SLOTS), dtype=np.int64)
-    index = np.array(pairs, dtype=np.int64).reshape(-1, 2)
-    stack = np.ascontiguousarray(vectors, np.float32)
-    kernel.column_gram(stack, index, columns, _LOWEST, _PIECE, _LIMB, _LIMBS, out)
-    return out
-
-
 def values(stat: Any) -> list[float]:
     """Each column's exact sum rounded once to float64 (inf, -inf or nan where a product
     was one)."""
@@ -94,3 +81,6 @@ def values(stat: Any) -> list[float]:
             total = sum(limbs[j] << (_LIMB * j) for j in range(_LIMBS) if limbs[j])
             out.append(float(Fraction(total, 1 << _SCALE)))
     return out
+
+
+__all__ = ["SLOTS", "column_sums", "fused_column_sums", "values"]
