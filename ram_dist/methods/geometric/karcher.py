@@ -104,6 +104,7 @@ class Karcher(SpanMethod):
     )
     needs_base: bool = False
     blends: str = "models"
+    rounds_note: str = "karcher of one model has no round: the model is the result"
     task_counts: tuple[int, int | None] = (1, None)
 
     @property

@@ -110,6 +110,9 @@ class Nuslerp(SpanMethod):
     reference: str = "mergekit's own (Goddard et al. 2024, MergeKit)"
     needs_base: bool = True
     adds_base: bool = True
+    rounds_note: str = (
+        "nuslerp row by row has no round: each chunk holds whole rows and sums them itself"
+    )
     task_counts: tuple[int, int | None] = (2, 2)
 
     @property
