@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ram_dist.methods.geometric.span import Gram, SpanMethod, f32
 from ram_dist.methods.parameters import Parameter
 from ram_dist.methods.protocol import TensorParams
-
-if TYPE_CHECKING:
-    pass
 
 #: mergekit's threshold of `|dot|` above which slerp blends linearly, and its zero norm.
 DOT_THRESHOLD = 0.9995
@@ -67,9 +64,6 @@ class Slerp(SpanMethod):
     @property
     def parameters(self) -> tuple[Parameter, ...]:
         return (T,)
-
-    def n_vectors(self, n_tasks: int) -> int:
-        return 2
 
     def coefficients(self, g: Gram, params: TensorParams, where: str) -> dict[str, Any]:
         return coefficients(g, float(params["t"]))

@@ -24,7 +24,6 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from ram_dist.errors import RamDistError
 from ram_dist.kernels.exact_sums import _EXPONENTS, _NAN, _NEG_INF, _POS_INF
 from ram_dist.methods import exact_sums
 from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
@@ -187,10 +186,12 @@ class SpanMethod(MergekitRule, Eager):
     """The protocol of a method whose tensor is `blend(vectors, coefficients)` with
     coefficients from the vectors' Gram matrix (one reduce round; see the module).
 
-    A subclass gives `vectors` (what the Gram matrix is of, and what is blended),
-    `coefficients` (the driver's float64 math: a dict with `factors`, optionally `divisor`,
-    and whatever its report counts), and may give `passthrough` (a tensor that is one
-    input as it is, with no round) and `adds_base`."""
+    A member says what it blends (`blends`: the task vectors, the models, or the base and
+    one model) and whether the base is added back (`adds_base`), and gives `coefficients`
+    (the driver's float64 math from the Gram matrix: a dict with the float32 `factors`,
+    optionally a `divisor`, and what its report counts); it may give `passthrough` (one
+    model taken as it is, no round) and `whole_rows` with `merge_rows` (nuslerp's rows and
+    columns)."""
 
     rounds: int = 1
     adds_base: bool = False
@@ -235,8 +236,8 @@ class SpanMethod(MergekitRule, Eager):
         raise NotImplementedError
 
     def n_vectors(self, n_tasks: int) -> int:
-        """How many vectors the Gram matrix is of (the tasks, unless the method says)."""
-        return n_tasks
+        """How many vectors the Gram matrix is of: the base and the model, or the tasks."""
+        return 2 if self.blends == "pair" else n_tasks
 
     def passthrough(self, n_tasks: int) -> int | None:
         """The task whose values the tensor takes as they are (no round), or None."""
@@ -343,7 +344,3 @@ class SpanMethod(MergekitRule, Eager):
             f"{self.name} {key.replace('_', ' ')}: {value}"
             for key, value in (report.get(self.name) or {}).items()
         ]
-
-
-def refuse(where: str, message: str) -> None:
-    raise RamDistError(f"{where}: {message}")
