@@ -232,6 +232,44 @@ class SpanMethod(MergekitRule, Eager):
         stats = exact_sums.gram(np.stack(vectors), pairs(len(vectors)))
         return None if stats is None else ({chunk.tensor: stats}, None)
 
+    def fused_merge(
+        self,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        out: np.ndarray,
+        bf16_nan: int | None = None,
+    ) -> bool:
+        """`merge_chunk` cast to the output's dtype by the fused blend kernel, written into
+        `out`; False for nuslerp's rows and columns (factors per row or column) and for
+        karcher's zeros, which run eagerly."""
+        from ram_dist import kernels
+
+        kernel = kernels.numba_module("blend_numba")
+        if kernel is None or self.whole_rows(params):
+            return False
+        base, *tasks = inputs
+        keep = self.passthrough(len(tasks))
+        if keep is not None:  # the model as it is: 1.0 * x is x, sign and all
+            kernel.blend(base, [tasks[keep]], out, mode=kernel.MODELS, factors=[1.0],
+                         bf16_nan=bf16_nan)  # fmt: skip
+            return True
+        info = state["tensors"][chunk.tensor]
+        if info.get("zeros"):
+            return False
+        mode = {"deltas": kernel.DELTAS, "pair": kernel.PAIR, "models": kernel.MODELS}
+        kernel.blend(
+            base, tasks, out, mode=mode[self.blends], factors=info["factors"],
+            divisor=info.get("divisor"), add_base=self.adds_base, bf16_nan=bf16_nan,
+        )  # fmt: skip
+        return True
+
+    def fuses(self, params: TensorParams) -> bool:
+        """The kernels take every chunk of a tensor blended with one set of factors (not
+        nuslerp's rows and columns)."""
+        return not self.whole_rows(params)
+
     def coefficients(self, g: Gram, params: TensorParams, where: str) -> dict[str, Any]:
         raise NotImplementedError
 
