@@ -100,6 +100,9 @@ def test_same_bytes_as_the_reference_at_any_split(models, tmp_path, case):
             assert got.dtype == torch.float32, name
             differ = int((got.view(torch.int32) != want.view(torch.int32)).sum())
             assert differ == 0, f"{name}: {differ} elements differ from the reference"
+        fused = report["passes"]["map"]["fused_elements"]
+        assert (fused > 0) == (kernels == "auto" and case in ("slerp", "nuslerp", "multislerp",
+                                                               "karcher")), fused  # fmt: skip
         files = sorted(out.glob("*.safetensors"))
         digests.add(tuple(hashlib.sha256(f.read_bytes()).hexdigest() for f in files))
     assert len(digests) == 1
