@@ -70,7 +70,8 @@ def test_nuslerp_rows_and_columns_decline_the_fused_blend():
 
 def test_no_fused_multiply_add_in_the_blend():
     """The kernel's LLVM IR and assembly have no FMA, compiled here (uncached: numba cannot
-    inspect cached code) for every signature this process has used."""
+    inspect cached code) for a few of the signatures this process has used (each costs a
+    compilation: bf16, f16 and f32 inputs are the same float32 arithmetic after loading)."""
     from numba import njit
 
     from ram_dist.kernels import blend_numba, primitives
@@ -81,6 +82,6 @@ def test_no_fused_multiply_add_in_the_blend():
                       divisor=3.0, add_base=True)  # fmt: skip
     for kernel in blend_numba.KERNELS:
         fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
-        for sig in kernel.signatures:
+        for sig in kernel.signatures[-3:]:
             fresh.compile(sig)
         assert fresh.signatures and primitives.fma_findings(fresh) == [], kernel
