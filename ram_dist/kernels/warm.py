@@ -48,12 +48,21 @@ N = 16  # elements per input
 
 def dispatchers() -> dict[str, Any]:
     """Every cached kernel (a numba dispatcher) by name, `module.function`."""
-    from ram_dist.kernels import exact_sums_numba, lora_numba, ram_numba, scan_numba, ties_numba
+    from ram_dist.kernels import (
+        blend_numba,
+        column_sums_numba,
+        exact_sums_numba,
+        lora_numba,
+        ram_numba,
+        scan_numba,
+        ties_numba,
+    )
 
     found = (
         ram_numba._count_kernel, ram_numba._merge_kernel,
         ties_numba._stats_kernel, ties_numba._merge_kernel, scan_numba._count,
         lora_numba.lora_values, exact_sums_numba.gram, exact_sums_numba.row_gram,
+        column_sums_numba.column_gram, blend_numba._blend_kernel,
     )  # fmt: skip
     return {f"{k.py_func.__module__.rsplit('.', 1)[-1]}.{k.__name__}": k for k in found}
 
@@ -64,7 +73,7 @@ def calls(
     """(dispatcher, label, call) for every specialization to warm."""
     import torch
 
-    from ram_dist.kernels import lora_numba, ram_numba, scan_numba, ties_numba
+    from ram_dist.kernels import blend_numba, lora_numba, ram_numba, scan_numba, ties_numba
 
     for name in dtypes:
         for n in range(1, tasks + 1):
@@ -91,6 +100,10 @@ def calls(
                 ties = partial(ties_numba.merge, base, agents, out, **ties_args)
                 yield ram_numba._merge_kernel, f"{label} -> {out_name}", ram
                 yield ties_numba._merge_kernel, f"{label} -> {out_name}", ties
+                # the geometric methods' blend (its mode is a value: one signature)
+                mix = partial(blend_numba.blend, base, agents, out, mode=blend_numba.MODELS,
+                              factors=[1.0] * n)  # fmt: skip
+                yield blend_numba._blend_kernel, f"{label} -> {out_name}", mix
     # The finiteness scan reads raw bits: one specialization per width (float64 included).
     for name in ("bfloat16", "float32", "float64"):
         x = torch.zeros(N, dtype=getattr(torch, name))
@@ -108,6 +121,11 @@ def calls(
     yield exact_sums_numba.gram, "exact sums", partial(exact_sums.gram, vectors, pairs)
     rows = partial(exact_sums.row_gram, vectors, pairs, N // 2)
     yield exact_sums_numba.row_gram, "exact sums per row", rows
+    # nuslerp's sums per column (its compact limbs)
+    from ram_dist.kernels import column_sums, column_sums_numba
+
+    by_column = partial(column_sums.fused_column_sums, vectors, pairs, N // 2)
+    yield column_sums_numba.column_gram, "exact sums per column", by_column
 
 
 def _lora(theta: str, out: str) -> None:

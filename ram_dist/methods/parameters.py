@@ -33,7 +33,7 @@ class Parameter:
     name: str
     """mergekit's key in `parameters:`; also the name in reports and `mergekit_config.yml`."""
     default: Any
-    """What a tensor gets when no setting gives it a value."""
+    """What a tensor gets when no setting gives it a value (None: none, it is required)."""
     help: str
     """What it does, for `--help` and the model card."""
     kind: type = float
@@ -66,11 +66,11 @@ class Parameter:
 
     def validate(self, value: Any, where: str) -> None:
         """Raise `RamDistError` (`where: parameter NAME ...`) unless `value` is a valid value.
-        A parameter without a default (None, as mergekit's nearswap `t`) must be given."""
+        A parameter whose default is None must be given (mergekit's `t` of slerp and nearswap)."""
         if value is None and self.default is None:
-            how = f"{self.cli_flag} VALUE or " if self.cli_flag else ""
+            how = f"{self.cli_flag} VALUE, or " if self.cli_flag else ""
             raise RamDistError(
-                f"{where}: parameter {self.name} has no default; give it ({how}"
+                f"{where}: parameter {self.name} is required: give it ({how}"
                 f"parameters: {{{self.name}: VALUE}} in a config)"
             )
         if self.kind is float:
@@ -244,7 +244,7 @@ def flag_values(flag: Parameter, method: str, values: list[Any]) -> list[Any] | 
 
 def _shown(value: Any) -> str:
     if value is None:
-        return "none, must be given"
+        return "required"
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)

@@ -8,6 +8,7 @@ from ram_dist.errors import RamDistError
 from ram_dist.methods import (
     arcee_fusion,
     generalized_task_arithmetic,
+    geometric,
     linear,
     model_stock,
     nearswap,
@@ -38,6 +39,7 @@ METHODS: dict[str, MergeMethod] = _table(
     arcee_fusion.METHODS,
     nearswap.METHODS,
     passthrough.METHODS,
+    geometric.METHODS,
 )
 
 

@@ -53,6 +53,9 @@ PARAMETERS = {
     "task_arithmetic": {"lambda": 0.8},
     "sce": {"select_topk": 0.5},
     "nearswap": {"t": 0.01},
+    "slerp": {"t": 0.3},
+    "nuslerp": {"weight": 0.6},
+    "multislerp": {"weight": 0.6},
 }
 #: Two bf16 rows of 64 per unit (about 800 units), 8 rows, whole tensors.
 BUDGETS = [300, 1024, 256 * 2**20]

@@ -224,7 +224,7 @@ def test_mergekit_examples_sce_and_nearswap(models, tmp_path):
         ("nearswap", 2, ["--t", "0.1"], "nearswap merges exactly one task model"),
         ("arcee_fusion", 2, [], "arcee_fusion merges exactly one task model"),
         ("passthrough", 2, [], "passthrough merges exactly one task model"),
-        ("nearswap", 1, [], "parameter t has no default"),
+        ("nearswap", 1, [], "parameter t is required"),
         ("sce", 2, ["--select-topk", "0"], "parameter select_topk must be in (0, 1]"),
         ("sce", 2, ["--select-topk", "1.5"], "parameter select_topk must be in (0, 1]"),
         ("passthrough", 1, ["--scale", "nan"], "parameter scale must be finite"),

@@ -293,7 +293,7 @@ def test_float64_exp_and_log_are_accurate():
 @pytest.mark.parametrize(
     ("method", "params", "words"),
     [
-        ("nearswap", {"t": None}, "parameter t has no default"),
+        ("nearswap", {"t": None}, "parameter t is required"),
         ("sce", {"select_topk": 0.0}, "parameter select_topk must be in (0, 1]"),
         ("sce", {"select_topk": 1.5}, "parameter select_topk must be in (0, 1]"),
         ("model_stock", {"filter_wise": "yes"}, "parameter filter_wise must be true or false"),

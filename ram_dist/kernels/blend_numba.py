@@ -1,0 +1,88 @@
+"""The geometric methods' map pass (numba): `((f_0 x_0 + f_1 x_1) + ...) / d + base` in
+float32, one rounding per operation in input order (no fused multiply-add), with the
+vectors `x_t` being the task vectors (`DELTAS`: task - base, one rounding), the base and
+the one model (`PAIR`), or the models (`MODELS`); written in the output's dtype. It is
+`methods.geometric.span.blend`, element for element, on the stored bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numba import njit
+
+from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels.primitives import OPTIONS, TILE, load_tile, store
+from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
+
+use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
+
+#: What is blended.
+DELTAS, PAIR, MODELS = 0, 1, 2
+
+
+@njit(cache=True, **OPTIONS)
+def _blend_kernel(inputs, mode, factors, divide, divisor, add_base, out, nan_bits):  # noqa: ANN001, ANN201
+    """out[:] = the blend of `inputs` (base first) cast to out's dtype."""
+    n = inputs[0].size
+    count = len(inputs)
+    buf = np.empty((count, TILE), np.uint32)
+    vals = buf.view(np.float32)
+    res = np.empty(TILE, np.float32)
+    vectors = factors.size
+    for lo in range(0, n, TILE):
+        m = min(TILE, n - lo)
+        load_tile(inputs, lo, m, buf)
+        for i in range(m):
+            b = vals[0, i]
+            acc = np.float32(0.0)
+            for t in range(vectors):
+                if mode == 0:
+                    x = vals[t + 1, i] - b
+                elif mode == 1:
+                    x = vals[t, i]
+                else:
+                    x = vals[t + 1, i]
+                term = x * factors[t]  # the eager rule's operand order (NaN payloads)
+                acc = term if t == 0 else acc + term
+            if divide:
+                acc = acc / divisor
+            if add_base:
+                acc = b + acc
+            res[i] = acc
+        store(res[:m], out[lo : lo + m], nan_bits)
+
+
+def blend(
+    base: ArrayLike,
+    tasks: Sequence[ArrayLike],
+    out: ArrayLike,
+    *,
+    mode: int,
+    factors: Sequence[float],
+    divisor: float | None = None,
+    add_base: bool = False,
+    bf16_nan: int | None = None,
+) -> None:
+    """Write the blend into `out` (the output's raw array: bfloat16 as uint16). `factors`
+    and `divisor` are float32 values, one factor per vector (`mode`)."""
+    arrays = kernel_inputs(base, tasks)
+    target = kernel_output(out, arrays[0].size)
+    vectors = 2 if mode == PAIR else len(arrays) - 1
+    if len(factors) != vectors:
+        raise ValueError(f"{len(factors)} factors for {vectors} vectors")
+    nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
+    _blend_kernel(
+        arrays,
+        mode,
+        np.asarray(factors, np.float32),
+        divisor is not None,
+        np.float32(1.0 if divisor is None else divisor),
+        add_base,
+        target,
+        nan_bits,
+    )
+
+
+KERNELS = (_blend_kernel,)
