@@ -109,6 +109,11 @@ def _density(value: Any, where: str) -> None:
         raise RamDistError(f"{where}: parameter density must be in (0, 1], got {value}")
 
 
+def _gamma(value: Any, where: str) -> None:
+    if not 0 <= float(value) <= 1:
+        raise RamDistError(f"{where}: parameter gamma must be in [0, 1], got {float(value)}")
+
+
 def _epsilon(value: Any, where: str) -> None:
     if float(value) <= 0:
         raise RamDistError(f"{where}: parameter epsilon (eps) must be > 0, got {float(value)}")
@@ -139,6 +144,10 @@ WEIGHT = Parameter(
 DENSITY = Parameter(
     "density", 1.0, "share of each task vector kept", per_task=True, cli_flag="--density",
     check=_density,
+)  # fmt: skip
+GAMMA = Parameter(
+    "gamma", 0.01, "share of the largest magnitudes of each task vector dropped as outliers",
+    per_task=True, cli_flag="--gamma", check=_gamma,
 )  # fmt: skip
 NORMALIZE = Parameter(
     "normalize", False, "divide by the sum of the weights", kind=bool, cli_flag="--normalize"
