@@ -134,6 +134,10 @@ EPSILON = Parameter(
     "epsilon", 1e-5, "a task changed an element where abs(tau) > epsilon", cli_flag="--eps",
     check=_epsilon,
 )  # fmt: skip
+DELLA_EPSILON = Parameter(
+    "epsilon", 0.15, "half-width of della's keep probabilities around the density, by rank",
+    per_task=True, cli_flag="--eps", check=_at_least_zero("epsilon"),
+)  # fmt: skip
 SCOPE = Parameter(
     "scope", "model", "where rho and lambda are counted: the whole model, or each tensor",
     kind=str, choices=("model", "tensor"),
