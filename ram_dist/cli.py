@@ -20,7 +20,7 @@ from ram_dist import __version__, settings
 from ram_dist.errors import RamDistError
 from ram_dist.io.failures import is_storage_failure, storage_error
 from ram_dist.io.storage import parse_storage_options
-from ram_dist.methods.parameters import cli_parameters
+from ram_dist.methods.parameters import Parameter, cli_parameters, flag_values
 
 if TYPE_CHECKING:  # imported where used: `--help` and `verify` load neither torch nor Ray
     from ram_dist.planning.config import MergeConfig
@@ -126,14 +126,22 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
         if value is not None and s.meta.convert is not None:
             value = s.meta.convert(value)
         given[s.name] = value
-    given["parameters"] = {
-        param.name: getattr(args, param.cli_dest)
-        for param, _ in cli_parameters()
-        if not param.per_task and getattr(args, param.cli_dest) is not None
-    }
     file = load_yaml(args.config) if args.config else {}
+    method = given.get("method") or file.get("method") or settings.BY_NAME["method"].default
+    given["parameters"] = {}
+    per_task_flags = []
+    for param, _ in cli_parameters():
+        values = getattr(args, param.cli_dest)
+        if values is None:
+            continue
+        if param.per_task:
+            values = flag_values(param, method, values)
+        if isinstance(values, list):
+            per_task_flags.append((param, values))
+        else:
+            given["parameters"][param.name] = values
     n_tasks = len(given["tasks"] or file.get("tasks", ()))
-    given["task_parameters"] = _per_task_flags(args, n_tasks) or None
+    given["task_parameters"] = _per_task_flags(per_task_flags, n_tasks) or None
     positional = args.out_positional
     if positional is not None:
         if given.get("out") is not None and given["out"] != positional:
@@ -142,13 +150,10 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
     return build(file, given)
 
 
-def _per_task_flags(args: argparse.Namespace, n_tasks: int) -> list[dict[str, Any]]:
+def _per_task_flags(flags: list[tuple[Parameter, list[Any]]], n_tasks: int) -> list[dict[str, Any]]:
     """Per-task flags (`--weight`, `--density`) given once (for every task) or once per task."""
     out: list[dict[str, Any]] = [{} for _ in range(n_tasks)]
-    for param, _ in cli_parameters():
-        values = getattr(args, param.cli_dest)
-        if not param.per_task or not values:
-            continue
+    for param, values in flags:
         if len(values) == 1:
             values = values * n_tasks
         if len(values) != n_tasks:

@@ -351,8 +351,6 @@ def _report(
     report.update(job.method.report(method_state))
     for url, t in zip(config.tasks, report.get("tasks", []), strict=False):
         t["model"] = url
-        if t["rho"] == float("inf"):
-            t["rho"] = "inf"
     report["passes"] = passes
     report["memory"] = {
         "driver_peak_rss_bytes": memory.peak_rss(),

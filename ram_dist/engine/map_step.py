@@ -179,7 +179,7 @@ def _merge_into(
             assert target is not None
             target[:] = inputs.raw[0]  # copied from the base, byte for byte
         else:
-            chunk = Chunk(piece.tensor, piece.start + block.lo, entry.numel)
+            chunk = Chunk(piece.tensor, piece.start + block.lo, entry.shape)
             p = params[piece.tensor]
             out_dtype = entry.merged_dtype
             merged = scope.reads.floats((-1, 0), block.hi - block.lo) if entry.fp8_out else target

@@ -54,9 +54,9 @@ def reduce_unit(
     nonfinite: dict[str, list[int]] = {}
     for block, inputs in stream_blocks(pieces, layout, storage, bytes_read, scope, dev == "cuda"):
         piece = pieces[block.piece]
-        numel = layout.tensors[piece.tensor].numel
+        entry = layout.tensors[piece.tensor]
         active = method_rounds and method.active(round_, state, piece.tensor)
-        chunk = Chunk(piece.tensor, piece.start + block.lo, numel)
+        chunk = Chunk(piece.tensor, piece.start + block.lo, entry.shape)
         p = params[piece.tensor]
         stats: dict[str, np.ndarray] | None = None
         counts: list[int] | None = None
@@ -76,12 +76,27 @@ def reduce_unit(
         if stats is None:
             base, *tasks = inputs.tensors(dev)
             eager = method.chunk_statistics(round_, chunk, base, tasks, p, state)
-            stats = {k: v.cpu().numpy().astype(np.int64, copy=False) for k, v in eager.items()}
-        _add(totals, stats)
+            stats = {k: v.cpu().numpy() for k, v in eager.items()}
+        _add(totals, integers(method, stats))
     return UnitResult(
         unit.index, totals, None, tuple(bytes_read), peak_rss(), nonfinite or None,
         peak_private_bytes=scope.memory.note(),
     )  # fmt: skip
+
+
+def integers(method: MergeMethod, stats: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`stats` as int64, or an error naming the method and the statistic that is not made of
+    integers: float totals would depend on how units cut the tensor and on the order they
+    finish in. A float sum a method needs is an exact sum (`methods.exact_sums`)."""
+    out = {}
+    for key, value in stats.items():
+        if value.dtype.kind not in "iub":
+            raise TypeError(
+                f"merge method {method.name}: reduce statistic {key!r} is {value.dtype}, not "
+                "integers; sum floats exactly with ram_dist.methods.exact_sums"
+            )
+        out[key] = value.astype(np.int64, copy=False)
+    return out
 
 
 def _add(totals: dict[str, np.ndarray], stats: Mapping[str, np.ndarray]) -> None:

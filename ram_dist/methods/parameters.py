@@ -205,22 +205,47 @@ def __getattr__(name: str) -> Any:
 
 def cli_parameters() -> list[tuple[Parameter, str]]:
     """The parameters that have a flag, in table order, each with its help: what it does,
-    and which methods it changes, with their defaults."""
+    and which methods it changes, with their defaults. Where methods declare a name
+    differently (per task in one, once in another), the flag takes a value per task
+    (`per_task`) and the chosen method's declaration says how many it accepts
+    (`flag_values`)."""
     out = []
     from ram_dist.methods.parameters import BY_NAME, PARAMETERS
 
     for name, p in BY_NAME.items():
         if p.cli_flag is None:
             continue
+        declared = [(m, q) for m, params in PARAMETERS.items() for q in params if q.name == name]
+        mixed = len({q.per_task for _, q in declared}) > 1
+        per_task = any(q.per_task for _, q in declared)
         defaults: dict[str, list[str]] = {}
-        for method, params in PARAMETERS.items():
-            for q in params:
-                if q.name == name and q.effect:
-                    defaults.setdefault(_shown(q.default), []).append(method)
+        helps: dict[str, list[str]] = {p.help: []}
+        for method, q in declared:
+            if q.effect:
+                shown = _shown(q.default) + (", per task" if mixed and q.per_task else "")
+                defaults.setdefault(shown, []).append(method)
+            if q.help != p.help:
+                helps.setdefault(q.help, []).append(method)
         uses = "; ".join(f"{', '.join(ms)}: default {d}" for d, ms in defaults.items())
-        per_task = ", once for all tasks or once per --task, in order" if p.per_task else ""
-        out.append((p, f"{p.help}{per_task} ({uses})"))
+        text = p.help + "".join(f"; {', '.join(ms)}: {h}" for h, ms in helps.items() if ms)
+        given = ", once for all tasks or once per --task, in order" if per_task else ""
+        out.append((replace(p, per_task=per_task), f"{text}{given} ({uses})"))
     return out
+
+
+def flag_values(flag: Parameter, method: str, values: list[Any]) -> list[Any] | Any:
+    """A per-task flag's values as `method` declares the parameter: the list (per task), or
+    its one value (a parameter set once), or an error where it was given more than once."""
+    from ram_dist.methods.parameters import PARAMETERS
+
+    declared = next((q for q in PARAMETERS.get(method, ()) if q.name == flag.name), flag)
+    if declared.per_task:
+        return values
+    if len(values) > 1:
+        raise RamDistError(
+            f"{flag.cli_flag} is one value for {method} (not one per task); given {len(values)}"
+        )
+    return values[0]
 
 
 def _shown(value: Any) -> str:
@@ -230,17 +255,23 @@ def _shown(value: Any) -> str:
 
 
 def check_table(table: Mapping[str, tuple[Parameter, ...]]) -> None:
-    """A name means one thing in every method: the same kind, scope, flag and help."""
+    """A name is read the same way in every method (its kind, its choices) and has one flag,
+    and a flag sets one name; its scope, default, help and checks are each method's own
+    (DELLA's `epsilon` is per task, RAM's is one value)."""
     by_name = _by_name(table)
+    flags: dict[str, str] = {}
     for method, params in table.items():
         names = [p.name for p in params]
         if len(set(names)) != len(names):
             raise ValueError(f"{method} declares a parameter twice: {names}")
         for p in params:
             q = by_name[p.name]
-            if (p.help, p.kind, p.per_task, p.cli_flag, p.choices) != (
-                q.help, q.kind, q.per_task, q.cli_flag, q.choices
-            ):  # fmt: skip
-                raise ValueError(f"parameter {p.name} of {method} differs from its declaration")
+            if (p.kind, p.choices, p.cli_flag) != (q.kind, q.choices, q.cli_flag):
+                raise ValueError(
+                    f"parameter {p.name} of {method} is read differently from its first "
+                    "declaration (kind, choices or flag)"
+                )
+            if p.cli_flag is not None and flags.setdefault(p.cli_flag, p.name) != p.name:
+                raise ValueError(f"flag {p.cli_flag} sets both {flags[p.cli_flag]} and {p.name}")
             if p.effect and not p.passed:
                 raise ValueError(f"{method}: {p.name} has an effect, so it must be passed")

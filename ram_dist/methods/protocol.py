@@ -29,6 +29,7 @@ method's `check` for what involves several.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -49,15 +50,26 @@ State = dict[str, Any]
 
 @dataclass(frozen=True)
 class Chunk:
-    """Where a chunk lies: its tensor, its first flat index, and the tensor's size.
+    """Where a chunk lies: its tensor, its first flat index, and the tensor's shape.
 
     A chunk is what a method computes on at once: one compute block of one tensor, cut by the
     engine from a work unit (the unit's size is the unit budget, `--unit-mb`, a word of the
-    engine's only)."""
+    engine's only). Where the method asks for `whole_rows`, a chunk starts and ends between
+    rows (`row`)."""
 
     tensor: str
     start: int
-    numel: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements in the whole tensor."""
+        return math.prod(self.shape)
+
+    @property
+    def row(self) -> int:
+        """Elements in one row (one index of the first dimension; a 1-D tensor is one row)."""
+        return math.prod(self.shape[1:]) if len(self.shape) > 1 else self.numel
 
 
 class MergeMethod(Protocol):
@@ -80,6 +92,19 @@ class MergeMethod(Protocol):
     reports_overlap: bool
     """Whether the reduce pass counts RAM's overlap statistics (what `probe` reports); for a
     method that does not, `probe` counts them with `ram_plus`'s rule."""
+
+    task_counts: tuple[int, int | None]
+    """How many task models (besides the base) it merges: at least, at most (None: any)."""
+
+    def whole_rows(self, params: TensorParams) -> bool:
+        """Whether it computes on whole rows of a tensor with these parameters (a rank or a
+        norm per row): then every chunk of it starts and ends between rows."""
+        ...
+
+    def report_lines(self, report: Mapping[str, Any]) -> list[str]:
+        """What the text summary and the model card say of the keys `report` added (one
+        line each, plain text), or nothing."""
+        ...
 
     def check(self, params: TensorParams, where: str) -> None: ...
 
@@ -164,6 +189,7 @@ class Eager:
     reference: str = ""
     description: str = ""
     needs_base: bool = True
+    task_counts: tuple[int, int | None] = (2, None)
 
     @property
     def label(self) -> str:
@@ -171,6 +197,12 @@ class Eager:
 
     def fuses(self, params: TensorParams) -> bool:
         return False
+
+    def whole_rows(self, params: TensorParams) -> bool:
+        return False
+
+    def report_lines(self, report: Mapping[str, Any]) -> list[str]:
+        return []
 
     def fused_statistics(self, *args: Any) -> None:
         return None

@@ -195,6 +195,7 @@ class RamMethod:
     label: str = ""
     reference: str = RAM_PAPER
     needs_base: bool = True
+    task_counts: tuple[int, int | None] = (2, None)
 
     @property
     def description(self) -> str:
@@ -334,9 +335,13 @@ class RamMethod:
 
     def report(self, state: State) -> dict[str, Any]:
         summary = state.get("summary") or {}
+        tasks = [
+            dict(t, rho="inf" if t["rho"] == math.inf else t["rho"])
+            for t in summary.get("tasks", [])
+        ]
         out = {
             "elements": {k: summary.get(k) for k in ("participating", "unchanged", "by_count")},
-            "tasks": summary.get("tasks", []),
+            "tasks": tasks,
             "layers": state.get("layers", []),
         }
         if "lambdas" in state:
@@ -344,6 +349,13 @@ class RamMethod:
         else:
             out["lambda_per_tensor"] = state["tensor_lambdas"]
         return out
+
+    def whole_rows(self, params: TensorParams) -> bool:
+        return False
+
+    def report_lines(self, report: Mapping[str, Any]) -> list[str]:
+        """Nothing beyond the overlap table every report with task statistics prints."""
+        return []
 
 
 #: The RAM family, as `ram_dist.methods.METHODS` lists it.

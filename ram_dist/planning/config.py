@@ -14,7 +14,7 @@ from typing import Any
 from ram_dist.dtypes import parse_out_dtype
 from ram_dist.errors import RamDistError
 from ram_dist.io.storage import Storage
-from ram_dist.methods import get_method
+from ram_dist.methods import MergeMethod, get_method
 from ram_dist.settings import BY_NAME, YAML_KEYS, HowToRun, WhatToMerge, check_choices
 
 
@@ -27,12 +27,8 @@ class MergeConfig(HowToRun, WhatToMerge):
     """What the config asked for that was accepted but ignored or changed."""
 
     def __post_init__(self) -> None:
-        if len(self.tasks) < 2:
-            raise RamDistError(
-                f"RAM merges two or more task models into one; got {len(self.tasks)} "
-                "(give --task once per model)"
-            )
         object.__setattr__(self, "tasks", tuple(self.tasks))
+        check_task_count(get_method(self.method), len(self.tasks))
         object.__setattr__(self, "out_dtype", parse_out_dtype(self.out_dtype))
         if self.task_parameters and len(self.task_parameters) != len(self.tasks):
             raise RamDistError(
@@ -40,7 +36,6 @@ class MergeConfig(HowToRun, WhatToMerge):
                 f"{len(self.tasks)} tasks"
             )
         object.__setattr__(self, "task_parameters", tuple(self.task_parameters))
-        get_method(self.method)  # raises on an unknown method
         check_choices({name: getattr(self, name) for name in BY_NAME})
         if self.cache_dir is not None:
             if "://" in self.cache_dir:
@@ -105,3 +100,24 @@ def load_yaml(source: str | Mapping[str, Any]) -> dict[str, Any]:
         if value is not None:
             kwargs[name] = value
     return kwargs
+
+
+def check_task_count(method: MergeMethod, given: int) -> None:
+    """Refuse a number of task models `method` does not merge (`MergeMethod.task_counts`)."""
+    least, most = method.task_counts
+    if least <= given and (most is None or given <= most):
+        return
+    if most is None:
+        wanted = f"{_count(least)} or more task models"
+    elif least == most:
+        wanted = f"exactly {_count(least)} task model{'s' if least > 1 else ''}"
+    else:
+        wanted = f"{_count(least)} to {_count(most)} task models"
+    into = " with the base" if method.needs_base else ""
+    raise RamDistError(
+        f"{method.name} merges {wanted}{into}; got {given} (give --task once per model)"
+    )
+
+
+def _count(n: int) -> str:
+    return {1: "one", 2: "two", 3: "three"}.get(n, str(n))

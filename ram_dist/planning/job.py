@@ -186,7 +186,9 @@ def _prepare(config: MergeConfig) -> Job:
     layout = build_layout(base, tasks, config.out_dtype, config.drop_extra_tensors)
     integers_changed = _changed_integers(layout, storage, base, tasks, config)
     merging = [name for name, e in layout.tensors.items() if e.participating]
-    params = resolve_all(config, get_method(config.method), merging)
+    method = get_method(config.method)
+    params = resolve_all(config, method, merging)
+    layout = layout.in_whole_rows(n for n in merging if method.whole_rows(params[n]))
     out = resolve_output(config.out) if config.out is not None else None
     job = Job(config, storage, base, tasks, layout, [], out, params, 0, integers_changed)
     budget = config.unit_budget_bytes

@@ -16,7 +16,8 @@ Work units cut such a weight only at whole bands of `bm` rows, the blocks' heigh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
 from ram_dist.dtypes import FLOATING, dtype_name, itemsize
 from ram_dist.errors import CheckpointError
@@ -60,6 +61,9 @@ class TensorEntry:
     scale_of: str | None = None
     """This output tensor is the new scales of that FP8 weight: it reads no input of its
     own; the weight's bands, merged, give it."""
+    whole_rows: bool = False
+    """The method computes on whole rows of it (`MergeMethod.whole_rows`): units and compute
+    blocks cut it only between rows (a 1-D tensor is one row)."""
 
     @property
     def merged_dtype(self) -> str:
@@ -76,15 +80,20 @@ class TensorEntry:
         """Elements of the rows units and compute blocks cut only between (`atomic_rows`
         whole rows: an FP8 band); None for a tensor that may be cut anywhere."""
         rows = self.atomic_rows
-        return rows * math.prod(self.shape[1:]) if rows is not None else None
+        if rows is None:
+            return None
+        return rows * math.prod(self.shape[1:]) if len(self.shape) > 1 else self.numel
 
     @property
     def atomic_rows(self) -> int | None:
         """Rows cut only together: the least common multiple of the output's FP8 blocks'
         height, when it is written as FP8, and every input's (`TensorSource.atomic_rows`),
         so that a cut is at a band of each (a base and a task with FP8 blocks of other
-        heights); None when nothing is cut only at some rows."""
+        heights), and 1 where the method computes on whole rows; None when nothing is cut
+        only at some rows."""
         rows = [s.atomic_rows for s in self.sources if s.atomic_rows is not None]
+        if self.whole_rows:
+            rows.append(1)
         if self.fp8_out is not None:
             rows.append(self.fp8_out.block[0])
         return math.lcm(*rows) if rows else None
@@ -125,6 +134,13 @@ class Layout:
             OutTensor(n, self.tensors[n].out_dtype, self.tensors[n].shape)
             for n in self.shards[shard]
         ]
+
+    def in_whole_rows(self, names: Iterable[str]) -> Layout:
+        """This layout with `names` cut only between rows (`TensorEntry.whole_rows`)."""
+        tensors = dict(self.tensors)
+        for name in names:
+            tensors[name] = replace(tensors[name], whole_rows=True)
+        return replace(self, tensors=tensors)
 
     def slots(self) -> list[TensorSlot]:
         """Planner input, in output order; copied tensors read the base only. A new scale

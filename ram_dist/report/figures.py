@@ -21,6 +21,7 @@ from ram_dist.report.model_card import (
     md_cell,
     md_code,
     method_facts,
+    method_lines,
     ram_task_table,
     redact_location,
 )
@@ -244,10 +245,8 @@ def markdown_summary(report: Mapping[str, Any]) -> str:
         part, none = el["participating"], el.get("unchanged", 0)
         pct = f" ({100 * none / part:.2f}%)" if part else ""
         lines.append(f"- participating elements: {part}; changed by no task: {none}{pct}")
-    for key in ("ties", "dare"):
-        if isinstance(report.get(key), Mapping):
-            extra = ", ".join(f"{k}={v}" for k, v in report[key].items())
-            lines.append(f"- {key}: {md_cell(extra)}")
+    for line in method_lines(report):
+        lines.append(f"- {md_cell(line)}")
     for note in report.get("notes") or []:
         lines.append(f"- note: {md_cell(note)}")
     formats = report.get("formats")

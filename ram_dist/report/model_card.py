@@ -224,6 +224,12 @@ def method_facts(method: str) -> MergeMethod | None:
         return None
 
 
+def method_lines(report: Mapping[str, Any]) -> list[str]:
+    """What the report's method says of its own keys (`MergeMethod.report_lines`)."""
+    facts = method_facts(str(report.get("method", "")))
+    return facts.report_lines(report) if facts is not None else []
+
+
 def _method_text(method: str) -> str:
     facts = method_facts(method)
     if facts is None or not facts.description:

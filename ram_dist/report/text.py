@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ram_dist.report.model_card import method_lines
+
 
 def format_report(report: dict[str, Any]) -> str:
     """Per-task statistics, lambda under each RAM variant, and the overlap histogram (RAM
@@ -99,9 +101,7 @@ def format_merge(report: dict[str, Any], out: str) -> str:
 
 def _baseline_summary(report: dict[str, Any]) -> str:
     lines = [f"method: {report['method']}"]
-    for key in ("ties", "dare"):
-        for name, value in (report.get(key) or {}).items():
-            lines.append(f"{key} {name.replace('_', ' ')}: {value}")
+    lines += method_lines(report)
     for i, model in enumerate(report.get("tasks_given", []), 1):
         lines.append(f"task {i}: {model}")
     lines += format_lines(report)

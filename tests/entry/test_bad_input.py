@@ -184,7 +184,12 @@ def test_names_and_shapes_must_match(inputs, tmp_path, capsys):
 def test_task_list_mistakes(inputs, tmp_path, capsys):
     base, tasks = inputs
     out = tmp_path / "out"
-    _fails(capsys, _argv(base, tasks[:1], out), out, "two or more task models")
+    _fails(
+        capsys,
+        _argv(base, tasks[:1], out),
+        out,
+        "ram_plus merges two or more task models with the base; got 1",
+    )
     _fails(capsys, _argv(base, [tasks[0], tasks[0]], out), out, "task 1 and task 2 are the same")
     _fails(capsys, _argv(base, [tasks[0], base], out), out, "task 2", "is the base model")
 

@@ -71,7 +71,7 @@ def run(method_name, params, base, tasks, bounds, fused, out_dtype):
             continue
         totals: dict[str, torch.Tensor] = {}
         for lo, b, ts in chunks:
-            chunk = Chunk("w", lo, numel)
+            chunk = Chunk("w", lo, (numel,))
             got = method.fused_statistics(round_, chunk, [b, *ts], params, state, False)
             if fused and got is not None:
                 stats = {k: torch.from_numpy(v) for k, v in got[0].items()}
@@ -85,7 +85,7 @@ def run(method_name, params, base, tasks, bounds, fused, out_dtype):
         state = json.loads(json.dumps(state))
     parts = []
     for lo, b, ts in chunks:
-        chunk = Chunk("w", lo, numel)
+        chunk = Chunk("w", lo, (numel,))
         if fused:
             out = torch.empty(b.numel(), dtype=out_dtype)
             assert method.fused_merge(chunk, [b, *ts], params, state, out)
@@ -168,7 +168,7 @@ def test_fused_declines_what_it_does_not_compute() -> None:
     inputs never reach it (the engine asks the kernels first)."""
     base, tasks = sparse_inputs(100, (F32, F32, F32), seed=1)
     out = torch.empty(100, dtype=F32)
-    chunk = Chunk("w", 0, 100)
+    chunk = Chunk("w", 0, (100,))
     dare = get_method("dare_ties")
     dare_params = {"weight": [1.0, 1.0], "density": [0.5, 0.5], "normalize": True,
                    "lambda": 1.0, "rescale": True, "seed": 0}  # fmt: skip

@@ -111,7 +111,7 @@ def ties_state(base, tasks, bounds, weights, densities, *, rescale=False, normal
             continue
         totals: dict[str, torch.Tensor] = {}
         for lo, b, ts in split(base, tasks, bounds):
-            stats = method.chunk_statistics(round_, Chunk(name, lo, numel), b, ts, params, state)
+            stats = method.chunk_statistics(round_, Chunk(name, lo, (numel,)), b, ts, params, state)
             for key, value in stats.items():
                 assert value.dtype == torch.int64, key
                 totals[key] = totals[key] + value if key in totals else value
@@ -128,7 +128,7 @@ def run_ties(base, tasks, bounds, weights, densities, rescale=False, name="w", *
     )
     numel = base.numel()
     parts = [
-        method.merge_chunk(Chunk(name, lo, numel), b, ts, params, state)
+        method.merge_chunk(Chunk(name, lo, (numel,)), b, ts, params, state)
         for lo, b, ts in split(base, tasks, bounds)
     ]
     return torch.cat(parts).reshape(base.shape)

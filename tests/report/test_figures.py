@@ -313,7 +313,7 @@ def test_markdown_summary_of_a_merge_and_of_a_baseline() -> None:
     ties["ties"] = {"cuts_through_equal_magnitudes": 2}
     text = figures.markdown_summary(ties)
     assert "TIES" in text and "density=[0.3, 0.3, 0.3]" in text
-    assert "cuts_through_equal_magnitudes=2" in text
+    assert "- ties cuts through equal magnitudes: 2" in text
     assert "1. `/data/agents/agent1`" in text
 
 

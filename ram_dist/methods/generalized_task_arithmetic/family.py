@@ -100,6 +100,7 @@ class TaskArithmeticFamily(MergekitRule):
     label: str = ""
     reference: str = ""
     needs_base: bool = True
+    task_counts: tuple[int, int | None] = (2, None)
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -370,6 +371,17 @@ class TaskArithmeticFamily(MergekitRule):
     def fuses(self, params: TensorParams) -> bool:
         """The kernels take every chunk but DARE's (random masks) and L1 rescaling's."""
         return self.sparsify != "random" and not _rescales(params)
+
+    def whole_rows(self, params: TensorParams) -> bool:
+        return False
+
+    def report_lines(self, report: Mapping[str, Any]) -> list[str]:
+        """TIES's count of cuts through equal magnitudes; DARE's seed."""
+        lines = []
+        for key in ("ties", "dare"):
+            for name, value in (report.get(key) or {}).items():
+                lines.append(f"{key} {name.replace('_', ' ')}: {value}")
+        return lines
 
     def report(self, state: State) -> dict[str, Any]:
         tensors = state.get("tensors", {})
