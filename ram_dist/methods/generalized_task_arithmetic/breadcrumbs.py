@@ -310,6 +310,11 @@ class Breadcrumbs(MergekitRule, Eager):
             normalize=bool(params["normalize"]), lambda_=float(params["lambda"]),
         )  # fmt: skip
 
+    def report_lines(self, report: Mapping[str, Any]) -> list[str]:
+        """The count of cuts through equal magnitudes (where mergekit's choice is arbitrary)."""
+        count = (report.get("breadcrumbs") or {}).get("cuts_through_equal_magnitudes")
+        return [] if count is None else [f"breadcrumbs cuts through equal magnitudes: {count}"]
+
     def report(self, state: State) -> dict[str, Any]:
         ordered = sum(
             1 for info in state.get("tensors", {}).values() for *_, c in _cuts(info) if _ordered(c)

@@ -152,8 +152,9 @@ class Della(MergekitRule, Eager):
     rounds = 1
 
     def whole_rows(self, params: TensorParams) -> bool:
-        """Ranks run within rows: a chunk holds whole rows of the first dimension."""
-        return True
+        """Ranks run within rows: where a task is sparsified, a chunk holds whole rows of the
+        first dimension (a 1-D tensor: all of it)."""
+        return any(float(d) < 1 for d in params["density"])
 
     def check(self, params: TensorParams, where: str) -> None:
         """Each task's epsilon against its density (mergekit's band check)."""
@@ -249,6 +250,11 @@ class Della(MergekitRule, Eager):
             b, sparse, [float(w) for w in params["weight"]], consensus=self.consensus,
             normalize=bool(params["normalize"]), lambda_=float(params["lambda"]),
         )  # fmt: skip
+
+    def report_lines(self, report: Mapping[str, Any]) -> list[str]:
+        """The seed of the keep masks."""
+        seed = (report.get("della") or {}).get("seed")
+        return [] if seed is None else [f"della seed: {seed}"]
 
     def report(self, state: State) -> dict[str, Any]:
         return {"della": {"seed": state.get("seed", 0)}}
