@@ -10,10 +10,11 @@ mergekit's rule (`sparsify.della_magprune`), per (tensor, task), in float32:
 * Ranks: |delta| ascending, 1..n in a group of n; ties (equal float32 magnitudes, which
   mergekit's unstable `argsort` orders arbitrarily) go to the lowest flat index first in
   descending order, so among equal magnitudes the lowest index has the highest rank.
-* `rank_norm = float32(r - 1) / float32(n - 1)` (true division, clamped to [0, 1]), then
-  `p = float32(density - epsilon) + (rank_norm * 2) * float32(epsilon)`, op by op as torch
-  evaluates mergekit's expression (the clamp changes nothing: r <= n). A row of one element (mergekit fails on it: 0 / 0 is not
-  a probability) takes `rank_norm = 0.5`, the middle of the band.
+* `rank_norm = float32(r - 1) / float32(n - 1)` (true division; mergekit's clamp to [0, 1]
+  changes nothing, r <= n), then `p = float32(density - epsilon) + (rank_norm * 2) *
+  float32(epsilon)`, op by op as torch evaluates mergekit's expression. A group of one
+  element (mergekit fails on it: 0 / 0 is not a probability) takes `rank_norm = 0.5`, the
+  middle of the band.
 * Keep element i when its counter-based draw (DARE's generator, `rng.py`, keyed by (seed,
   task index, tensor name, flat index)) is below p: `bits * 2**-24 < p`, exact in float32.
   mergekit draws `torch.bernoulli(p)` from torch's global generator: masks agree in
@@ -188,8 +189,13 @@ class Della(MergekitRule, Eager):
                 continue
             masks.append(
                 keep_mask(
-                    d.reshape(-1), chunk.shape, seed=int(params["seed"]), task=t,
-                    name=chunk.tensor, start=chunk.start, density=float(density),
+                    d.reshape(-1),
+                    chunk.shape,
+                    seed=int(params["seed"]),
+                    task=t,
+                    name=chunk.tensor,
+                    start=chunk.start,
+                    density=float(density),
                     epsilon=float(epsilon),
                 )  # fmt: skip
             )
