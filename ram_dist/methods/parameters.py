@@ -235,10 +235,12 @@ def cli_parameters() -> list[tuple[Parameter, str]]:
 
 def flag_values(flag: Parameter, method: str, values: list[Any]) -> list[Any] | Any:
     """A per-task flag's values as `method` declares the parameter: the list (per task), or
-    its one value (a parameter set once), or an error where it was given more than once."""
-    from ram_dist.methods.parameters import PARAMETERS
+    its one value (a parameter set once), or an error where it was given more than once. A
+    method that does not declare it reads it as its first declaration does."""
+    from ram_dist.methods.parameters import BY_NAME, PARAMETERS
 
-    declared = next((q for q in PARAMETERS.get(method, ()) if q.name == flag.name), flag)
+    first = BY_NAME.get(flag.name, flag)
+    declared = next((q for q in PARAMETERS.get(method, ()) if q.name == flag.name), first)
     if declared.per_task:
         return values
     if len(values) > 1:

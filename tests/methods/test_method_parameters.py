@@ -58,11 +58,11 @@ def test_cli_flags_and_their_help_come_from_the_table() -> None:
     helps = {s: a.help for a in merge._actions for s in a.option_strings}
     flagged = {p.cli_flag for p in BY_NAME.values() if p.cli_flag}
     assert flagged == {"--r", "--alpha", "--eps", "--weight", "--density", "--lambda",
-                       "--normalize", "--rescale", "--seed"}  # fmt: skip
+                       "--normalize", "--rescale", "--seed", "--gamma"}  # fmt: skip
     for p, text in cli_parameters():
         assert helps[p.cli_flag] == text and text.startswith(p.help)
     assert "ramplus_tl: default 0.2" in helps["--alpha"]
-    assert "ties, linear: default true" in helps["--normalize"]
+    assert "ties, della, linear: default true" in helps["--normalize"]
     assert "task_arithmetic" not in helps["--density"]  # no effect there
     args = build_parser().parse_args(
         _merge_args("--method", "dare_ties", "--eps", "1e-4", "--lambda", "0.5", "--no-normalize",

@@ -66,12 +66,17 @@ def _to_float32(q: Fraction) -> np.float32:
 
 
 def _l1(x: torch.Tensor) -> np.float32:
+    """The exact sum of |x| (each float32 an integer multiple of 2**-149), rounded once."""
     values = x.reshape(-1).double().abs().tolist()
     if any(v != v for v in values):
         return np.float32("nan")
     if any(v == float("inf") for v in values):
         return np.float32("inf")
-    return _to_float32(sum((Fraction(v) for v in values), Fraction(0)))
+    units = 0
+    for v in values:
+        num, den = v.as_integer_ratio()
+        units += num * ((1 << 149) // den)
+    return _to_float32(Fraction(units, 1 << 149))
 
 
 def _masked(delta: torch.Tensor, keep: torch.Tensor, rescale: bool) -> torch.Tensor:
@@ -85,10 +90,10 @@ def _masked(delta: torch.Tensor, keep: torch.Tensor, rescale: bool) -> torch.Ten
     return masked * torch.tensor(float(np.float32(before / after)), dtype=torch.float32)
 
 
-def _order(delta: torch.Tensor) -> list[int]:
+def _order(delta: torch.Tensor) -> np.ndarray:
     """Flat indices by (-|delta|, index), |delta| compared by its float32 bits."""
-    keys = delta.reshape(-1).abs().view(torch.int32).tolist()
-    return sorted(range(len(keys)), key=lambda i: (-keys[i], i))
+    keys = delta.reshape(-1).abs().view(torch.int32).numpy().astype(np.int64)
+    return np.lexsort((np.arange(keys.size), -keys))
 
 
 def breadcrumbs_mask(delta: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
@@ -96,7 +101,7 @@ def breadcrumbs_mask(delta: torch.Tensor, density: float, gamma: float) -> torch
     target = int(density * n)
     a = min(int(gamma * n), n - target)
     keep = torch.zeros(n, dtype=torch.bool)
-    keep[_order(delta)[a : a + target]] = True
+    keep[torch.from_numpy(_order(delta)[a : a + target])] = True
     return keep
 
 
@@ -105,28 +110,26 @@ def della_mask(
 ) -> torch.Tensor:
     shape = tuple(delta.shape)
     flat = delta.reshape(-1)
-    keys = flat.abs().view(torch.int32).tolist()
+    keys = flat.abs().view(torch.int32).numpy().astype(np.int64)
+    index = np.arange(flat.numel())
     if len(shape) < 2:
-        groups = [list(range(flat.numel()))]
-    else:
-        rows, n, inner = shape[0], shape[1], flat.numel() // (shape[0] * shape[1])
-        groups = [
-            [(r * n + j) * inner + c for j in range(n)] for r in range(rows) for c in range(inner)
-        ]
+        groups = index.reshape(1, -1)
+    else:  # groups along dimension 1: (row, column of the inner dimensions)
+        groups = index.reshape(shape[0], shape[1], -1).transpose(0, 2, 1).reshape(-1, shape[1])
     u = draws(seed, task, name, flat.numel())
-    keep = torch.zeros(flat.numel(), dtype=torch.bool)
+    probs = np.empty(flat.numel(), dtype=np.float32)
     low, eps = np.float32(density - epsilon), np.float32(epsilon)
     for group in groups:
-        n = len(group)
-        ascending = sorted(group, key=lambda i: (keys[i], -i))
-        for r, i in enumerate(ascending, start=1):
-            if n > 1:
-                norm = np.float32(r - 1) / np.float32(n - 1)
-            else:
-                norm = np.float32(0.5)
-            p = low + (norm * np.float32(2)) * eps
-            keep[i] = bool(u[i] < p)
-    return keep
+        n = group.size
+        # ascending magnitude; equal magnitudes: the higher flat index first (ranks lower)
+        ascending = group[np.lexsort((-group, keys[group]))]
+        ranks = np.arange(1, n + 1)
+        if n > 1:
+            norm = (ranks - 1).astype(np.float32) / np.float32(n - 1)
+        else:
+            norm = np.full(n, 0.5, dtype=np.float32)
+        probs[ascending] = low + (norm * np.float32(2)) * eps
+    return torch.from_numpy(u < probs)
 
 
 def _combine(base: torch.Tensor, deltas, weights, consensus: bool, normalize: bool, lam):
