@@ -51,6 +51,10 @@ PARAMETERS = {
     "dare_ties": {"density": 0.5, "seed": 3},
     "dare_linear": {"density": 0.5, "seed": 3},
     "task_arithmetic": {"lambda": 0.8},
+    "breadcrumbs": {"density": 0.5, "gamma": 0.05},
+    "breadcrumbs_ties": {"density": 0.5, "gamma": 0.05, "rescale": True},
+    "della": {"density": 0.5, "epsilon": 0.1, "seed": 3},
+    "della_linear": {"density": 0.5, "epsilon": 0.1, "seed": 3},
 }
 #: Two bf16 rows of 64 per unit (about 800 units), 8 rows, whole tensors.
 BUDGETS = [300, 1024, 256 * 2**20]
