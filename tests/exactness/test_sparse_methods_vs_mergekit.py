@@ -304,6 +304,31 @@ def test_mergekit_example_shape(models, tmp_path, method):
             assert _same(ours[name], want), name
 
 
+# ---------------------------------------------------------------- the command line
+
+
+@pytest.mark.parametrize(
+    ("method", "flags", "line", "cited"),
+    [
+        ("della_linear", ["--eps", "0.1", "--seed", "2"], "della seed: 2", "Deep et al. 2024"),
+        ("breadcrumbs", ["--gamma", "0.1"], "breadcrumbs cuts through equal magnitudes: ",
+         "Davari and Belilovsky 2023"),
+    ],
+)  # fmt: skip
+def test_the_command_prints_the_report_and_the_card_cites(models, tmp_path, capsys, method,
+                                                          flags, line, cited):  # fmt: skip
+    from ram_dist.cli import main
+
+    base_dir, task_dirs, _, _ = models
+    out = tmp_path / "out"
+    argv = ["merge", "--base", str(base_dir), "--out", str(out), "--method", method]
+    argv += [a for t in task_dirs for a in ("--task", str(t))] + ["--density", "0.5", *flags]
+    assert main(argv) == 0
+    assert line in capsys.readouterr().out
+    card = (out / "README.md").read_text()
+    assert f"(`{method}`)" in card and cited in card
+
+
 # ---------------------------------------------------------------- refusals
 
 
