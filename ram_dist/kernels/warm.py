@@ -45,12 +45,12 @@ N = 16  # elements per input
 
 def dispatchers() -> dict[str, Any]:
     """Every cached kernel (a numba dispatcher) by name, `module.function`."""
-    from ram_dist.kernels import lora_numba, ram_numba, scan_numba, ties_numba
+    from ram_dist.kernels import della_numba, lora_numba, ram_numba, scan_numba, ties_numba
 
     found = (
         ram_numba._count_kernel, ram_numba._merge_kernel,
         ties_numba._stats_kernel, ties_numba._merge_kernel, scan_numba._count,
-        lora_numba.lora_values,
+        lora_numba.lora_values, della_numba._stats_kernel, della_numba._merge_kernel,
     )  # fmt: skip
     return {f"{k.py_func.__module__.rsplit('.', 1)[-1]}.{k.__name__}": k for k in found}
 
@@ -61,7 +61,7 @@ def calls(
     """(dispatcher, label, call) for every specialization to warm."""
     import torch
 
-    from ram_dist.kernels import lora_numba, ram_numba, scan_numba, ties_numba
+    from ram_dist.kernels import della_numba, lora_numba, ram_numba, scan_numba, ties_numba
 
     for name in dtypes:
         for n in range(1, tasks + 1):
@@ -78,16 +78,27 @@ def calls(
                 divisor=1.0,
                 lambda_=1.0,
             )
+            della_args = dict(
+                start=0, groups=(N, 1), stream_keys=[1] * n, densities=[0.5] * n,
+                epsilons=[0.1] * n,
+            )  # fmt: skip
             counts = partial(ram_numba.overlap_counts_nonfinite, base, agents, EPS)
             stats = partial(ties_numba.statistics, base, agents, ties_numba.HIGH, 1 << 15)
             yield ram_numba._count_kernel, label, counts
             yield ties_numba._stats_kernel, label, stats
+            della_stats = partial(della_numba.statistics, base, agents, **della_args)
+            yield della_numba._stats_kernel, label, della_stats
             for out_name in out_dtypes:
                 out = torch.empty(N, dtype=getattr(torch, out_name))
                 ram = partial(ram_numba.merge_ram, base, agents, EPS, [1.0] * n, out)
                 ties = partial(ties_numba.merge, base, agents, out, **ties_args)
                 yield ram_numba._merge_kernel, f"{label} -> {out_name}", ram
                 yield ties_numba._merge_kernel, f"{label} -> {out_name}", ties
+                della = partial(
+                    della_numba.merge, base, agents, out, **della_args, factors=[None] * n,
+                    weights=[1.0] * n, consensus=True, normalize=True, divisor=1.0, lambda_=1.0,
+                )  # fmt: skip
+                yield della_numba._merge_kernel, f"{label} -> {out_name}", della
     # The finiteness scan reads raw bits: one specialization per width (float64 included).
     for name in ("bfloat16", "float32", "float64"):
         x = torch.zeros(N, dtype=getattr(torch, name))

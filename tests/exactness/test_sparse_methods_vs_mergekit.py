@@ -75,11 +75,12 @@ def _resolved(out: Path) -> dict:
 
 # ---------------------------------------------------------------- the engine, any split
 
-#: Per method: its parameters and the (unit budget, workers) it runs at. breadcrumbs' rounds
-#: 1-3 sum a 65536-bin row per cut and chunk, so its budgets are larger.
+#: Per method: its parameters and the (unit budget, workers, kernels) it runs at (della has
+#: fused kernels; breadcrumbs runs eagerly). breadcrumbs' rounds 1-3 sum a 65536-bin row per
+#: cut and chunk, so its budgets are larger.
 ENGINE_CASES = {
     "breadcrumbs_ties": dict(
-        runs=[(20_000, 1), (64_000, 2), (2**20, 2)],
+        runs=[(20_000, 1, "auto"), (64_000, 2, "auto"), (2**20, 2, "auto")],
         parameters={"rescale": True},
         task_parameters=(
             {"weight": 1.0, "density": 0.3, "gamma": 0.05},
@@ -88,7 +89,7 @@ ENGINE_CASES = {
         ),
     ),
     "della": dict(
-        runs=[(700, 1), (3000, 2), (2**20, 2)],
+        runs=[(700, 1, "auto"), (3000, 2, "eager"), (3000, 2, "auto"), (2**20, 2, "auto")],
         parameters={"seed": 4},
         task_parameters=(
             {"weight": 1.0, "density": 0.4, "epsilon": 0.3},
@@ -121,8 +122,8 @@ def test_engine_is_the_reference_at_any_budget_and_worker_count(models, tmp_path
         for name, b in base.items()
     }
     digests = set()
-    for budget, workers in runs:
-        out = tmp_path / f"{method}-{budget}-{workers}"
+    for budget, workers, kernels in runs:
+        out = tmp_path / f"{method}-{budget}-{workers}-{kernels}"
         report = run_merge(
             MergeConfig(
                 base=str(base_dir),
@@ -131,12 +132,15 @@ def test_engine_is_the_reference_at_any_budget_and_worker_count(models, tmp_path
                 method=method,
                 unit_budget_bytes=budget,
                 workers=workers,
+                kernels=kernels,
                 **case,
             )  # fmt: skip
         ).data
         merged = load_checkpoint(out)
         for name, w in want.items():
-            assert _same(merged[name], w), (budget, workers, name)
+            assert _same(merged[name], w), (budget, workers, kernels, name)
+        fused = report["passes"]["map"]["fused_elements"]
+        assert (fused > 0) == (method == "della" and kernels == "auto"), fused
         digests.add(
             tuple(
                 hashlib.sha256(p.read_bytes()).hexdigest()

@@ -30,10 +30,10 @@ SMALL = ["--tasks", "2", "--dtype", "bf16", "--out-dtype", "bf16"]
 KERNELS = (
     "ram_numba._count_kernel", "ram_numba._merge_kernel",
     "ties_numba._stats_kernel", "ties_numba._merge_kernel", "scan_numba._count",
-    "lora_numba.lora_values",
+    "lora_numba.lora_values", "della_numba._stats_kernel", "della_numba._merge_kernel",
 )  # fmt: skip
 
-#: RAM and TIES on base + 2 bfloat16 tasks into bfloat16, through the methods as the engine
+#: RAM, TIES and DELLA on base + 2 bfloat16 tasks into bfloat16, through the methods as the engine
 #: calls them, and the finiteness scan; then numba's counts of cache hits and misses per
 #: kernel; then the same for a signature that was not warmed (3 tasks).
 JOB = f"""
@@ -51,6 +51,8 @@ base, tasks = sparse_inputs(5000, (torch.bfloat16,) * 3, seed=0)
 ram = {{"r": 0.1, "alpha": 0.2, "epsilon": 1e-5, "scope": "model"}}
 run("ram", ram, base, tasks, [0, 1000, 5000], True, torch.bfloat16)
 run("ties", ties_params(2), base, tasks, [0, 5000], True, torch.bfloat16)
+from test_della_kernels import params_for, run as run_della
+run_della("della", params_for(2), base, tasks, (50, 100), [0, 10, 50], True, torch.bfloat16)
 scan_numba.nonfinite_count(base)
 from ram_dist.kernels import lora
 import numpy as np
@@ -89,7 +91,7 @@ def test_warm_compiles_into_the_cache_dir(warmed):
     # 1 and 2 tasks of each kernel; the scan's three widths (16, 32, 64 bits); LoRA's bf16
     # and its bf16 over an FP8 base's float32.
     assert summary(result.stdout) == {k: (3 if k == "scan_numba._count" else 2, 0) for k in KERNELS}
-    assert "13 specializations" in result.stdout and "0 failed" in result.stdout
+    assert "17 specializations" in result.stdout and "0 failed" in result.stdout
     for kernel in KERNELS:
         assert list(cache.glob(f"*/{kernel}-*.nbi")), kernel
         assert list(cache.glob(f"*/{kernel}-*.nbc")), kernel

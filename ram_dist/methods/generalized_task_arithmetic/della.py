@@ -53,6 +53,7 @@ from ram_dist.methods.parameters import (
 from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -256,6 +257,70 @@ class Della(MergekitRule, Eager):
             b, sparse, [float(w) for w in params["weight"]], consensus=self.consensus,
             normalize=bool(params["normalize"]), lambda_=float(params["lambda"]),
         )  # fmt: skip
+
+    # -- fused kernels (`ram_dist.kernels.della_numba`) ----------------------------------
+
+    def fuses(self, params: TensorParams) -> bool:
+        """The kernels take every chunk (both passes, rescaling or not)."""
+        return True
+
+    @staticmethod
+    def _kernel_tasks(chunk: Chunk, params: TensorParams) -> dict[str, Any]:
+        seed = int(params["seed"])
+        densities = [float(d) for d in params["density"]]
+        return {
+            "start": chunk.start,
+            "groups": rank_groups(chunk.shape),
+            "stream_keys": [
+                rng.stream_key(seed, t, chunk.tensor) if d < 1 else None
+                for t, d in enumerate(densities)
+            ],
+            "densities": densities,
+            "epsilons": [float(e) for e in params["epsilon"]],
+        }
+
+    def fused_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        count_nonfinite: bool,
+    ) -> tuple[dict[str, np.ndarray], None] | None:
+        """The L1 round by the fused kernel; None for groups too long for its ranks."""
+        if rank_groups(chunk.shape)[0] > 1 << 24:
+            return None
+        from ram_dist.kernels import della_numba
+
+        base, *tasks = inputs
+        stats = della_numba.statistics(base, tasks, **self._kernel_tasks(chunk, params))
+        return {chunk.tensor: stats}, None
+
+    def fused_merge(
+        self,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        out: np.ndarray,
+        bf16_nan: int | None = None,
+    ) -> bool:
+        """`merge_chunk` by the fused kernel, written straight into `out`."""
+        if rank_groups(chunk.shape)[0] > 1 << 24:
+            return False
+        from ram_dist.kernels import della_numba
+        from ram_dist.methods.generalized_task_arithmetic.family import weight_sum
+
+        weights = [float(w) for w in params["weight"]]
+        factors = state["tensors"][chunk.tensor].get("factors") or [None] * len(weights)
+        base, *tasks = inputs
+        della_numba.merge(
+            base, tasks, out, **self._kernel_tasks(chunk, params), factors=factors,
+            weights=weights, consensus=self.consensus, normalize=bool(params["normalize"]),
+            divisor=weight_sum(weights), lambda_=float(params["lambda"]), bf16_nan=bf16_nan,
+        )  # fmt: skip
+        return True
 
     def report_lines(self, report: Mapping[str, Any]) -> list[str]:
         """The seed of the keep masks."""
