@@ -1,8 +1,9 @@
-"""The flag table of docs/cli.md, made from the declarations: each job setting
-(`ram_dist.settings`) and each method parameter that has a flag (`methods.parameters`).
+"""The tables made from the declarations: docs/cli.md's flag table (each job setting,
+`ram_dist.settings`, and each method parameter that has a flag, `methods.parameters`) and
+README.md's table of methods (each method's `summary`).
 
-`python -m ram_dist.flag_table` (from a checkout) rewrites the table between the two marker
-comments of docs/cli.md in place; a test fails while the file differs from `render()`.
+`python -m ram_dist.flag_table` (from a checkout) rewrites each table between its two marker
+comments in place; a test fails while a file differs from what its `render` makes.
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ import sys
 from pathlib import Path
 
 from ram_dist import settings
+from ram_dist.methods import METHODS
 from ram_dist.methods.parameters import cli_parameters
 
 BEGIN = "<!-- flag-table: made by `python -m ram_dist.flag_table`; edit the declarations -->"
 END = "<!-- /flag-table -->"
 #: The file the table lives in, in a checkout.
 CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+METHODS_BEGIN = "<!-- method-table: made by `python -m ram_dist.flag_table`; edit the methods -->"
+METHODS_END = "<!-- /method-table -->"
+README = CLI_DOC.parents[1] / "README.md"
 
 
 def _cell(text: str) -> str:
@@ -52,23 +57,38 @@ def render() -> str:
     return "\n".join(rows) + "\n"
 
 
-def rewrite(text: str) -> str:
+def render_methods() -> str:
+    """README's table: one row per method, in the registry's order, the default marked."""
+    default = settings.BY_NAME["method"].default
+    rows = ["| `--method` | what it does |", "|---|---|"]
+    for name, method in METHODS.items():
+        shown = f"`{name}` (default)" if name == default else f"`{name}`"
+        rows.append(f"| {shown} | {_cell(method.summary)} |")
+    return "\n".join(rows) + "\n"
+
+
+#: Each table: its file, its markers and what makes it.
+TABLES = ((CLI_DOC, BEGIN, END, render), (README, METHODS_BEGIN, METHODS_END, render_methods))
+
+
+def rewrite(text: str, begin: str = BEGIN, end: str = END, make=render) -> str:  # noqa: ANN001
     """`text` with the table between the markers made anew."""
-    head, found, rest = text.partition(BEGIN + "\n")
-    old, found_end, tail = rest.partition(END)
+    head, found, rest = text.partition(begin + "\n")
+    old, found_end, tail = rest.partition(end)
     if not (found and found_end):
-        raise ValueError(f"no {BEGIN} ... {END} block")
-    return head + BEGIN + "\n" + render() + END + tail
+        raise ValueError(f"no {begin} ... {end} block")
+    return head + begin + "\n" + make() + end + tail
 
 
 def main() -> int:
-    text = CLI_DOC.read_text()
-    new = rewrite(text)
-    if new != text:
-        CLI_DOC.write_text(new)
-        print(f"{CLI_DOC}: flag table rewritten")
-    else:
-        print(f"{CLI_DOC}: flag table up to date")
+    for path, begin, end, make in TABLES:
+        text = path.read_text()
+        new = rewrite(text, begin, end, make)
+        if new != text:
+            path.write_text(new)
+            print(f"{path}: table rewritten")
+        else:
+            print(f"{path}: table up to date")
     return 0
 
 

@@ -92,9 +92,10 @@ def ray_address(given: str | None) -> str | None:
 
 
 def _method_help() -> str:
-    from ram_dist.methods.parameters import PARAMETERS
+    from ram_dist.methods import METHODS
 
-    return " | ".join(PARAMETERS)
+    listed = "; ".join(f"{name}: {m.summary.replace('`', '')}" for name, m in METHODS.items())
+    return f"the merge rule, one of: {listed}"
 
 
 def _mib(value: float) -> int:

@@ -9,7 +9,8 @@ worker process that finds it in no cache (loading one takes about 10 ms). This c
 kernel through its public wrapper, on tiny inputs, so that the signatures are exactly those
 a job meets: base and tasks of one dtype (bfloat16, float16, float32; mixed dtypes are not
 warmed), 1 to `--tasks` tasks, and every output dtype a merge kernel writes (those three
-and float64), and the LoRA product in each dtype. All of it, 247 specializations, takes
+and float64), the LoRA product in each dtype, and the exact sums of products. All of it, 249
+specializations, takes
 about 4 minutes on one core.
 
 The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
@@ -30,6 +31,8 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from ram_dist.dtypes import INFO
 from ram_dist.kernels import READS, WRITES
 
@@ -45,12 +48,15 @@ N = 16  # elements per input
 
 def dispatchers() -> dict[str, Any]:
     """Every cached kernel (a numba dispatcher) by name, `module.function`."""
-    from ram_dist.kernels import della_numba, lora_numba, ram_numba, scan_numba, ties_numba
+    from ram_dist.kernels import (
+        della_numba, exact_sums_numba, lora_numba, ram_numba, scan_numba, ties_numba,
+    )  # fmt: skip
 
     found = (
         ram_numba._count_kernel, ram_numba._merge_kernel,
         ties_numba._stats_kernel, ties_numba._merge_kernel, scan_numba._count,
-        lora_numba.lora_values, della_numba._stats_kernel, della_numba._merge_kernel,
+        lora_numba.lora_values, exact_sums_numba.gram, exact_sums_numba.row_gram,
+        della_numba._stats_kernel, della_numba._merge_kernel,
     )  # fmt: skip
     return {f"{k.py_func.__module__.rsplit('.', 1)[-1]}.{k.__name__}": k for k in found}
 
@@ -108,6 +114,14 @@ def calls(
     pairs = [(code[d], code[d]) for d in dtypes] + [("F32", "BF16")]
     for theta, out in dict.fromkeys(pairs):
         yield lora_numba.lora_values, f"LoRA {theta} -> {out}", partial(_lora, theta, out)
+    # Exact sums of products (the geometric methods' norms and dot products): float32 only.
+    from ram_dist.kernels import exact_sums, exact_sums_numba
+
+    vectors = np.zeros((2, N), np.float32)
+    pairs = exact_sums.pairs_of(2)
+    yield exact_sums_numba.gram, "exact sums", partial(exact_sums.gram, vectors, pairs)
+    rows = partial(exact_sums.row_gram, vectors, pairs, N // 2)
+    yield exact_sums_numba.row_gram, "exact sums per row", rows
 
 
 def _lora(theta: str, out: str) -> None:

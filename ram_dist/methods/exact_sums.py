@@ -8,7 +8,10 @@ biased exponent, at least 1; sig < 2**53 its integer significand) adds `sig mod 
 bin E and `sig >> 26` to bin E + 26, with its sign. Each addend is below 2**27, so a bin
 cannot overflow below 2**36 elements per tensor; sums of integers are associative, so the
 total is the same for any split, order, worker count or device. The driver rebuilds the
-exact value as a Python integer and rounds it once to float64 (`value`).
+exact value as a Python integer and rounds it once to float64 (`value`). The bins' layout and
+the fused path's numba kernels (`gram`, `row_gram`, on numpy arrays) are
+`ram_dist.kernels.exact_sums`'; this module is the eager rule (torch, any device) and the
+driver's side.
 
 Products that are not finite (an Inf or NaN input) are counted in three bins of their own
 (+inf, -inf, NaN), so the value is inf, -inf or nan as an exact sum would be.
@@ -24,14 +27,21 @@ import math
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
+from ram_dist.kernels.exact_sums import (  # the bins' layout; the fused path's kernels
+    _EXPONENTS,
+    _NAN,
+    _NEG_INF,
+    _POS_INF,
+    _SPLIT,
+    BINS,
+    gram,
+    pairs_of,
+    row_gram,
+)
+
 if TYPE_CHECKING:
     import torch
 
-_SPLIT = 26
-_EXPONENTS = 2048 + _SPLIT
-_POS_INF, _NEG_INF, _NAN = _EXPONENTS, _EXPONENTS + 1, _EXPONENTS + 2
-#: int64 bins in one exact sum.
-BINS = _EXPONENTS + 3
 _BIAS = 1075  # float64: value = sig * 2**(E - 1075) for E >= 1
 
 
@@ -112,3 +122,6 @@ def exact(stat: torch.Tensor | list[int]) -> Fraction | float:
 def value(stat: torch.Tensor | list[int]) -> float:
     """The exact sum rounded once to float64 (to nearest, ties to even)."""
     return float(exact(stat))
+
+
+__all__ = ["BINS", "exact", "gram", "pairs_of", "product_sum", "row_gram", "row_sums", "value"]

@@ -53,6 +53,7 @@ class LinearMethod(MergekitRule, NoStatistics):
 
     name: str = "linear"
     label: str = "Linear (weighted average)"
+    summary: str = "a weighted average of the models (no base)"
     reference: str = "Wortsman et al. 2022 (model soups)"
     needs_base: bool = False
 

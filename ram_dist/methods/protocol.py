@@ -76,6 +76,8 @@ class MergeMethod(Protocol):
     name: str
     label: str
     """How reports and the model card name it, e.g. "RAM+ (clipped linear rescaling, Eq. 6)"."""
+    summary: str
+    """What it does in one line, for `--method`'s help and the README's table of methods."""
     reference: str
     """The paper the rule comes from, e.g. "Yadav et al. 2023" ("": none)."""
     description: str
@@ -186,6 +188,7 @@ class Eager:
 
     rounds_note: str = ""
     reports_overlap: bool = False
+    summary: str = ""
     reference: str = ""
     description: str = ""
     needs_base: bool = True

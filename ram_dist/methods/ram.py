@@ -193,6 +193,7 @@ class RamMethod:
     rounds_note: str = ""
     reports_overlap: bool = True
     label: str = ""
+    summary: str = ""
     reference: str = RAM_PAPER
     needs_base: bool = True
     task_counts: tuple[int, int | None] = (2, None)
@@ -360,16 +361,21 @@ class RamMethod:
 
 #: The RAM family, as `ram_dist.methods.METHODS` lists it.
 METHODS = (
-    RamMethod("ram", lambda_ram, label="RAM (Reinforced Agent Merging)"),
-    RamMethod("ram_plus", lambda_ram_plus, label="RAM+ (clipped linear rescaling, Eq. 6)"),
     RamMethod(
-        "ram_plus_soft", lambda_ram_plus_soft, label="RAM+s (soft-saturation rescaling, Eq. 8)"
+        "ram", lambda_ram, label="RAM (Reinforced Agent Merging)",
+        summary="RAM: average where two or more agents changed a weight, keep a lone change",
     ),
     RamMethod(
-        "ramplus_tl",
-        lambda_ram_plus,
-        alpha=0.2,
-        scope="tensor",
+        "ram_plus", lambda_ram_plus, label="RAM+ (clipped linear rescaling, Eq. 6)",
+        summary="RAM+: as `ram`, with lone changes scaled up (clipped linear, the paper's Eq. 6)",
+    ),
+    RamMethod(
+        "ram_plus_soft", lambda_ram_plus_soft, label="RAM+s (soft-saturation rescaling, Eq. 8)",
+        summary="RAM+s: as `ram_plus`, with soft-saturation scaling (Eq. 8)",
+    ),
+    RamMethod(
+        "ramplus_tl", lambda_ram_plus, alpha=0.2, scope="tensor",
         label="RAM+ with lambda per tensor (mergekit's ramplus_tl)",
+        summary="RAM+ with its scale computed per tensor, as mergekit's `ramplus_tl`",
     ),
-)
+)  # fmt: skip

@@ -74,6 +74,23 @@ def test_docs_cli_holds_the_flag_table_the_declarations_make():
     )
 
 
+def test_the_readme_holds_the_table_of_methods_the_registry_makes():
+    """Every method, with its one-line summary, in README.md and in `--method`'s help."""
+    text = flag_table.README.read_text()
+    assert (
+        flag_table.rewrite(
+            text, flag_table.METHODS_BEGIN, flag_table.METHODS_END, flag_table.render_methods
+        )
+        == text
+    ), "README.md's table of methods differs: run `python -m ram_dist.flag_table`"
+    from ram_dist.methods import METHODS
+
+    method_help = settings.BY_NAME["method"].meta.help()
+    for name, method in METHODS.items():
+        assert method.summary and "\n" not in method.summary, name
+        assert f"{name}: {method.summary.replace('`', '')}" in method_help
+
+
 def test_docs_cli_names_every_flag_of_every_command():
     """The flags the table does not list (a command's own: `--dry-run`, `--json`, ...) are
     described in docs/cli.md's sections on the commands."""

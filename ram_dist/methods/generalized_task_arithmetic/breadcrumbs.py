@@ -138,6 +138,7 @@ class Breadcrumbs(MergekitRule, Eager):
     name: str
     consensus: bool
     label: str = ""
+    summary: str = ""
     reference: str = "Davari and Belilovsky 2023"
 
     @property
@@ -324,6 +325,12 @@ class Breadcrumbs(MergekitRule, Eager):
 
 #: The members, with mergekit's names.
 METHODS = (
-    Breadcrumbs("breadcrumbs", False, "Model Breadcrumbs"),
-    Breadcrumbs("breadcrumbs_ties", True, "Model Breadcrumbs with TIES"),
-)
+    Breadcrumbs(
+        "breadcrumbs", False, "Model Breadcrumbs",
+        "Model Breadcrumbs: drop each task's largest and smallest changes, add up the rest",
+    ),
+    Breadcrumbs(
+        "breadcrumbs_ties", True, "Model Breadcrumbs with TIES",
+        "Model Breadcrumbs' two magnitude cuts, then TIES's sign election",
+    ),
+)  # fmt: skip

@@ -139,6 +139,7 @@ class Della(MergekitRule, Eager):
     name: str
     consensus: bool
     label: str = ""
+    summary: str = ""
     reference: str = "Deep et al. 2024"
 
     @property
@@ -333,6 +334,13 @@ class Della(MergekitRule, Eager):
 
 #: The members, with mergekit's names.
 METHODS = (
-    Della("della", True, "DELLA"),
-    Della("della_linear", False, "Linear DELLA"),
-)
+    Della(
+        "della", True, "DELLA",
+        "DELLA: drop changes at random, larger ones in a row kept more often, rescale, "
+        "elect a sign",
+    ),
+    Della(
+        "della_linear", False, "Linear DELLA",
+        "DELLA's drop by magnitude rank and rescale, then the weighted sum",
+    ),
+)  # fmt: skip

@@ -99,6 +99,7 @@ class TaskArithmeticFamily(MergekitRule):
     consensus: bool
     label: str = ""
     reference: str = ""
+    summary: str = ""
     needs_base: bool = True
     task_counts: tuple[int, int | None] = (2, None)
 
@@ -406,8 +407,20 @@ def _zeros(n: int, device: torch.device) -> torch.Tensor:
 
 #: The family's members, with mergekit's names, as `ram_dist.methods.METHODS` lists them.
 METHODS = (
-    TaskArithmeticFamily("task_arithmetic", None, False, "Task Arithmetic", "Ilharco et al. 2023"),
-    TaskArithmeticFamily("ties", "magnitude", True, "TIES", "Yadav et al. 2023"),
-    TaskArithmeticFamily("dare_linear", "random", False, "DARE (linear)", "Yu et al. 2024"),
-    TaskArithmeticFamily("dare_ties", "random", True, "DARE (TIES)", "Yu et al. 2024"),
-)
+    TaskArithmeticFamily(
+        "task_arithmetic", None, False, "Task Arithmetic", "Ilharco et al. 2023",
+        summary="the base plus the weighted sum of the task vectors",
+    ),
+    TaskArithmeticFamily(
+        "ties", "magnitude", True, "TIES", "Yadav et al. 2023",
+        summary="TIES: keep each task's largest changes, elect a sign, average what agrees",
+    ),
+    TaskArithmeticFamily(
+        "dare_linear", "random", False, "DARE (linear)", "Yu et al. 2024",
+        summary="DARE: drop changes at random, rescale, add them up",
+    ),
+    TaskArithmeticFamily(
+        "dare_ties", "random", True, "DARE (TIES)", "Yu et al. 2024",
+        summary="DARE's random drop, then TIES's sign election",
+    ),
+)  # fmt: skip
