@@ -49,7 +49,12 @@ N = 16  # elements per input
 def dispatchers() -> dict[str, Any]:
     """Every cached kernel (a numba dispatcher) by name, `module.function`."""
     from ram_dist.kernels import (
-        della_numba, exact_sums_numba, lora_numba, ram_numba, scan_numba, ties_numba,
+        della_numba,
+        exact_sums_numba,
+        lora_numba,
+        ram_numba,
+        scan_numba,
+        ties_numba,
     )  # fmt: skip
 
     found = (
