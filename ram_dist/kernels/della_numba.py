@@ -237,6 +237,8 @@ def statistics(
     if arrays[0].size % (n * inner):
         raise ValueError(f"a chunk of {arrays[0].size} elements is not whole rows of {n * inner}")
     stats = np.zeros((len(arrays) - 1, 2, 256), np.int64)
+    if arrays[0].size == 0:
+        return stats
     _stats_kernel(arrays, start, n, inner, *_tasks(stream_keys, densities, epsilons), stats)
     return stats
 
@@ -266,6 +268,8 @@ def merge(
     n, inner = groups
     if arrays[0].size % (n * inner):
         raise ValueError(f"a chunk of {arrays[0].size} elements is not whole rows of {n * inner}")
+    if arrays[0].size == 0:
+        return
     nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
     _merge_kernel(
         arrays, start, n, inner, *_tasks(stream_keys, densities, epsilons),

@@ -8,8 +8,11 @@ tests' configs for these methods: its `examples/` has none); refusals of bad par
 from __future__ import annotations
 
 import hashlib
+import json
+from importlib import resources
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 import yaml
@@ -148,8 +151,11 @@ def test_engine_is_the_reference_at_any_budget_and_worker_count(models, tmp_path
             )
         )
     assert len(digests) == 1
+    schema = json.loads(resources.files("ram_dist").joinpath("report_schema.json").read_text())
+    jsonschema.Draft202012Validator(schema).validate(report)
     key = "della" if method == "della" else "breadcrumbs"
-    assert key in report
+    broken = {k: v for k, v in report.items() if k != key}
+    assert not jsonschema.Draft202012Validator(schema).is_valid(broken)  # the schema asks for it
 
 
 # ---------------------------------------------------------------- against mergekit

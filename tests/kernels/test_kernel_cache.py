@@ -52,7 +52,7 @@ base, tasks = sparse_inputs(5000, (torch.bfloat16,) * 3, seed=0)
 ram = {{"r": 0.1, "alpha": 0.2, "epsilon": 1e-5, "scope": "model"}}
 run("ram", ram, base, tasks, [0, 1000, 5000], True, torch.bfloat16)
 run("ties", ties_params(2), base, tasks, [0, 5000], True, torch.bfloat16)
-from test_della_kernels import params_for, run as run_della
+from test_sparse_kernels import params_for, run as run_della
 run_della("della", params_for(2), base, tasks, (50, 100), [0, 10, 50], True, torch.bfloat16)
 import numpy as np
 from ram_dist.kernels import exact_sums

@@ -24,7 +24,7 @@ kept copies of the cut's value (`ties.kept_l1`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +42,7 @@ from ram_dist.methods.parameters import (
 from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 L1 = "#l1"
@@ -310,6 +311,52 @@ class Breadcrumbs(MergekitRule, Eager):
             b, sparse, [float(w) for w in params["weight"]], consensus=self.consensus,
             normalize=bool(params["normalize"]), lambda_=float(params["lambda"]),
         )  # fmt: skip
+
+    def fused_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        count_nonfinite: bool,
+    ) -> tuple[dict[str, np.ndarray], None] | None:
+        """The rounds' histograms by TIES's fused kernel (`ties_numba.statistics`), once per
+        cut row; None where L1 rescaling adds statistics the kernel does not compute. (The
+        map pass stays eager: `fuses` is False.)"""
+        import numpy as np
+
+        from ram_dist.kernels import ties_numba
+
+        info = state["tensors"][chunk.tensor]
+        if info["rescale"]:
+            return None
+        base, *tasks = inputs
+        plans = info["tasks"]
+        if round_ == 0:
+            hist = ties_numba.statistics(base, tasks, ties_numba.HIGH, topk.HIGH_BINS)
+            for t, plan in enumerate(plans):
+                if plan is None or not any(plan["cuts"]):
+                    hist[t] = 0  # as the eager round: no row for a task without a cut
+            return {chunk.tensor: hist}, None
+        kind, size = {
+            1: (ties_numba.LOW, topk.LOW_BINS),
+            2: (ties_numba.INDEX_HIGH, topk.index_bins(chunk.numel)),
+            3: (ties_numba.INDEX_LOW, topk.LOW_BINS),
+        }[round_]
+        rows = []
+        for which in (TOP, BOTTOM):
+            select = []
+            for plan in plans:
+                c = None if plan is None else plan["cuts"][which]
+                if c is None or (round_ > 1 and not _ordered(c)):
+                    select.append((-1, -1))
+                elif round_ == 1:
+                    select.append((c["high_bin"], -1))
+                else:
+                    select.append((c["threshold"], c["index_bin"] if round_ == 3 else -1))
+            rows.append(ties_numba.statistics(base, tasks, kind, size, select, chunk.start))
+        return {chunk.tensor: np.stack(rows, axis=1)}, None
 
     def report_lines(self, report: Mapping[str, Any]) -> list[str]:
         """The count of cuts through equal magnitudes (where mergekit's choice is arbitrary)."""

@@ -266,12 +266,15 @@ class Della(MergekitRule, Eager):
         return True
 
     @staticmethod
-    def _kernel_tasks(chunk: Chunk, params: TensorParams) -> dict[str, Any]:
+    def _kernel_tasks(chunk: Chunk, params: TensorParams, size: int) -> dict[str, Any]:
+        """The kernels' per-task arguments for a chunk of `size` elements: where no task is
+        sampled (density 1: not `whole_rows`), the chunk is one group."""
         seed = int(params["seed"])
         densities = [float(d) for d in params["density"]]
+        sampled = any(d < 1 for d in densities)
         return {
             "start": chunk.start,
-            "groups": rank_groups(chunk.shape),
+            "groups": rank_groups(chunk.shape) if sampled else (max(size, 1), 1),
             "stream_keys": [
                 rng.stream_key(seed, t, chunk.tensor) if d < 1 else None
                 for t, d in enumerate(densities)
@@ -295,7 +298,9 @@ class Della(MergekitRule, Eager):
         from ram_dist.kernels import della_numba
 
         base, *tasks = inputs
-        stats = della_numba.statistics(base, tasks, **self._kernel_tasks(chunk, params))
+        stats = della_numba.statistics(
+            base, tasks, **self._kernel_tasks(chunk, params, base.shape[0])
+        )
         return {chunk.tensor: stats}, None
 
     def fused_merge(
@@ -317,7 +322,7 @@ class Della(MergekitRule, Eager):
         factors = state["tensors"][chunk.tensor].get("factors") or [None] * len(weights)
         base, *tasks = inputs
         della_numba.merge(
-            base, tasks, out, **self._kernel_tasks(chunk, params), factors=factors,
+            base, tasks, out, **self._kernel_tasks(chunk, params, base.shape[0]), factors=factors,
             weights=weights, consensus=self.consensus, normalize=bool(params["normalize"]),
             divisor=weight_sum(weights), lambda_=float(params["lambda"]), bf16_nan=bf16_nan,
         )  # fmt: skip

@@ -2,7 +2,8 @@
 statistics and the merge, through the method object (`fused_statistics`, `fused_merge`
 against `chunk_statistics`, `merge_chunk(...).to(out_dtype)`), over RL-like sparse task
 vectors and pools of edge values (equal magnitudes, signed zeros, subnormals, overflow),
-1-D, 2-D, 3-D and one-column tensors, mixed input and every output dtype."""
+1-D, 2-D, 3-D and one-column tensors, mixed input and every output dtype. breadcrumbs'
+rounds by TIES's histogram kernel give the eager rounds' statistics."""
 
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ def inputs(shape, dtypes, seed: int, edges: bool):
     return base.to(dtypes[0]), [t.to(d) for t, d in zip(tasks, dtypes[1:], strict=True)]
 
 
-def run(method_name, params, base, tasks, shape, rows, fused, out_dtype):
-    """The engine's round and map pass over chunks of whole rows; kernels on or off."""
+def run(method_name, params, base, tasks, shape, rows, fused, out_dtype, bounds=None):
+    """The engine's round and map pass over chunks of whole rows (or of any `bounds`, flat
+    indices, where no task is sampled); kernels on or off."""
     method = get_method(method_name)
     numel, row = base.numel(), Chunk("w", 0, shape).row
-    bounds = [r * row for r in rows]
+    bounds = bounds or [r * row for r in rows]
     chunks = [
         (Chunk("w", lo, shape), base[lo:hi], [t[lo:hi] for t in tasks])
         for lo, hi in zip(bounds, bounds[1:], strict=False)
@@ -105,6 +107,17 @@ def test_fused_is_eager(method, shape, rows, dtypes, out_dtype, kw, edges) -> No
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+def test_density_one_takes_chunks_of_any_length() -> None:
+    """Nothing sampled (not `whole_rows`): chunks cut inside rows, an empty one included."""
+    base, tasks = inputs((10, 7), (F32, BF16, F32), seed=3, edges=False)
+    params = params_for(2, density=[1.0, 1.0])
+    assert not get_method("della").whole_rows(params)
+    bounds = [0, 13, 13, 69, 70]
+    fused = run("della", params, base, tasks, (10, 7), None, True, BF16, bounds)
+    eager = run("della", params, base, tasks, (10, 7), None, False, BF16, bounds)
+    assert torch.equal(fused[0].view(torch.uint8), eager[0].view(torch.uint8))
+
+
 def test_no_fma_in_compiled_della_kernels() -> None:
     """The kernels' LLVM IR and assembly have no FMA, compiled here (uncached) for every
     signature this process has used."""
@@ -122,3 +135,50 @@ def test_no_fma_in_compiled_della_kernels() -> None:
         for sig in kernel.signatures:
             fresh.compile(sig)
         assert fresh.signatures and ram_numba.fma_findings(fresh) == []
+
+
+@pytest.mark.parametrize("edges", [False, True])
+@pytest.mark.parametrize("dtypes", [(F32, F32, F32, F32), (BF16, F16, BF16, F32)])
+def test_breadcrumbs_fused_statistics_are_eager(dtypes, edges) -> None:
+    """Every round, both cuts of every task (equal magnitudes at the cuts with `edges`), a
+    task left untouched: the fused statistics, summed, and the state they give are the
+    eager ones; the map pass (eager) then gives the same bytes."""
+    n = 3000
+    base, tasks = inputs((n,), dtypes, seed=5, edges=edges)
+    params = {
+        "weight": [0.7, -0.35, 1.25], "density": [0.3, 0.5, 1.0], "gamma": [0.1, 0.0, 0.2],
+        "normalize": False, "lambda": 1.0, "rescale": False,
+    }  # fmt: skip
+    method = get_method("breadcrumbs_ties")
+    results = []
+    for fused in (True, False):
+        state = method.initial_state({"w": params}, {"w": n}, len(tasks))
+        all_totals = []
+        for round_ in range(method.rounds):
+            if not method.active(round_, state, "w"):
+                continue
+            totals: dict[str, torch.Tensor] = {}
+            for lo, hi in ((0, 1000), (1000, 1001), (1001, n)):
+                chunk, b, ts = Chunk("w", lo, (n,)), base[lo:hi], [t[lo:hi] for t in tasks]
+                got = method.fused_statistics(round_, chunk, [b, *ts], params, state, False)
+                if fused:
+                    stats = {k: torch.from_numpy(v) for k, v in got[0].items()}
+                else:
+                    stats = method.chunk_statistics(round_, chunk, b, ts, params, state)
+                for key, value in stats.items():
+                    totals[key] = totals[key] + value if key in totals else value
+            all_totals.append(totals)
+            state = method.finalize(round_, totals, {"w": params}, {"w": n}, state)
+            state = json.loads(json.dumps(state))
+        merged = method.merge_chunk(Chunk("w", 0, (n,)), base, tasks, params, state)
+        results.append((state, all_totals, merged))
+    (state_f, totals_f, merged_f), (state_e, totals_e, merged_e) = results
+    assert state_f == state_e and len(totals_f) == len(totals_e) >= 2
+    assert len(totals_f) == 4 or not edges  # equal magnitudes at the cuts: the index rounds
+    for a, b in zip(totals_f, totals_e, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(merged_f.view(torch.int32), merged_e.view(torch.int32))
+    with_l1 = {**params, "rescale": True}
+    state = method.initial_state({"w": with_l1}, {"w": n}, len(tasks))
+    chunk = Chunk("w", 0, (n,))
+    assert method.fused_statistics(0, chunk, [base, *tasks], with_l1, state, False) is None
