@@ -113,6 +113,8 @@ def keep_mask(
     import torch
 
     n, inner = rank_groups(shape)
+    if delta.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool, device=delta.device)
     if delta.numel() % (n * inner):
         raise ValueError(f"a chunk of {name} holds {delta.numel()} elements, not whole rows")
     ranks = row_ranks(topk.magnitude_keys(delta), n, inner)
