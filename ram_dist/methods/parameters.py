@@ -65,7 +65,14 @@ class Parameter:
         return dest + "_" if keyword.iskeyword(dest) else dest
 
     def validate(self, value: Any, where: str) -> None:
-        """Raise `RamDistError` (`where: parameter NAME ...`) unless `value` is a valid value."""
+        """Raise `RamDistError` (`where: parameter NAME ...`) unless `value` is a valid value.
+        A parameter without a default (None, as mergekit's nearswap `t`) must be given."""
+        if value is None and self.default is None:
+            how = f"{self.cli_flag} VALUE or " if self.cli_flag else ""
+            raise RamDistError(
+                f"{where}: parameter {self.name} has no default; give it ({how}"
+                f"parameters: {{{self.name}: VALUE}} in a config)"
+            )
         if self.kind is float:
             number(value, self.name, where)
         elif self.kind is bool:
@@ -251,6 +258,8 @@ def flag_values(flag: Parameter, method: str, values: list[Any]) -> list[Any] | 
 
 
 def _shown(value: Any) -> str:
+    if value is None:
+        return "none, must be given"
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)

@@ -5,7 +5,16 @@ below. What a method is lives in `methods.protocol`."""
 from __future__ import annotations
 
 from ram_dist.errors import RamDistError
-from ram_dist.methods import generalized_task_arithmetic, linear, ram
+from ram_dist.methods import (
+    arcee_fusion,
+    generalized_task_arithmetic,
+    linear,
+    model_stock,
+    nearswap,
+    passthrough,
+    ram,
+    sce,
+)
 from ram_dist.methods.parameters import check_table
 from ram_dist.methods.protocol import MergeMethod
 
@@ -24,6 +33,11 @@ METHODS: dict[str, MergeMethod] = _table(
     ram.METHODS,
     generalized_task_arithmetic.METHODS,
     linear.METHODS,
+    model_stock.METHODS,
+    sce.METHODS,
+    arcee_fusion.METHODS,
+    nearswap.METHODS,
+    passthrough.METHODS,
 )
 
 

@@ -264,7 +264,7 @@ def test_output_holding_another_finished_merge(inputs, tmp_path, capsys):
         (["--method", "ties", "--density", "0"], "density must be in (0, 1]"),
         (["--method", "dare_ties", "--density", "1.01"], "density must be in (0, 1]"),
         (["--out-dtype", "int8"], "not a floating dtype"),
-        (["--method", "slerp"], "unknown merge method 'slerp'; valid methods: breadcrumbs"),
+        (["--method", "frankenmerge"], "merge method 'frankenmerge'; valid methods: arcee_fusion"),
         (["--weight", "1", "--weight", "2", "--weight", "3"], "--weight given 3 times for 2"),
         (["--method", "ram", "--density", "0.5"], "method ram has no per-model parameter"),
         (["--unit-mb", "0"], "--unit-mb must be positive"),

@@ -58,7 +58,8 @@ def test_cli_flags_and_their_help_come_from_the_table() -> None:
     helps = {s: a.help for a in merge._actions for s in a.option_strings}
     flagged = {p.cli_flag for p in BY_NAME.values() if p.cli_flag}
     assert flagged == {"--r", "--alpha", "--eps", "--weight", "--density", "--lambda",
-                       "--normalize", "--rescale", "--seed", "--gamma"}  # fmt: skip
+                       "--normalize", "--rescale", "--seed", "--filter-wise", "--select-topk",
+                       "--t", "--scale", "--gamma"}  # fmt: skip
     for p, text in cli_parameters():
         assert helps[p.cli_flag] == text and text.startswith(p.help)
     assert "ramplus_tl: default 0.2" in helps["--alpha"]
@@ -78,11 +79,13 @@ def test_cli_flags_and_their_help_come_from_the_table() -> None:
 
 def test_yaml_reads_what_the_table_declares_and_notes_the_rest() -> None:
     for method, params in PARAMETERS.items():
-        given = {name: p.default for name, p in BY_NAME.items()}
+        # every default but None (a parameter that must be given, as nearswap's t)
+        given = {name: p.default for name, p in BY_NAME.items() if p.default is not None}
         raw = {"merge_method": method, "base_model": "b", "models": [{"model": "t"}]}
         spec = parse_mergekit_config(raw | {"parameters": given}, "x.yaml")
-        assert set(spec.parameters) == {p.name for p in params if p.effect}, method
-        ignored = set(BY_NAME) - set(spec.parameters)
+        expected = {p.name for p in params if p.effect and p.name in given}
+        assert set(spec.parameters) == expected, method
+        ignored = set(given) - set(spec.parameters)
         notes = "\n".join(spec.notes)
         assert all(f"parameters.{name} " in notes for name in ignored), (method, notes)
     with pytest.raises(RamDistError, match="parameters.seed must be an integer"):

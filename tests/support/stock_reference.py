@@ -1,0 +1,181 @@
+"""An independent reference of model_stock, sce, arcee_fusion, nearswap and passthrough,
+written from the spec (`../shared/spec/ram.md`, "The rest of mergekit's methods") on whole
+tensors, without ram_dist: exact sums by `math.fsum` over the float64 products, derived
+factors in Python floats rounded once to float32, selections by a stable sort (ties to the
+lowest flat index), arcee_fusion's softmax and KL with Python's `math.exp` and `math.log`.
+Element-wise steps are float32 torch operations, as mergekit writes them.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+State = dict[str, torch.Tensor]
+
+
+def f32(x: float) -> float:
+    """x rounded to float32 (to nearest even), as a Python float."""
+    if math.isnan(x) or math.isinf(x):
+        return x
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def fsum(values) -> float:
+    return math.fsum(values)
+
+
+def dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The exact sum of the float32 products, rounded once to float64."""
+    return fsum(x * y for x, y in zip(a.reshape(-1).tolist(), b.reshape(-1).tolist(), strict=True))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """mergekit's rows (`dim=-1`): a 1-D tensor is one row."""
+    return x.reshape(-1, x.shape[-1] if x.dim() else 1)
+
+
+# ---------------------------------------------------------------- nearswap, passthrough
+
+
+def nearswap(base: torch.Tensor, task: torch.Tensor, t: float) -> torch.Tensor:
+    a, b = base.float(), task.float()
+    distance = (a - b).abs().clamp(min=1e-6)
+    weight = ((1 / distance) * t).clamp(0, 1)  # torch's `t / x`: a reciprocal, then times t
+    return weight * b + (1 - weight) * a
+
+
+def passthrough(task: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    x = task.float()
+    return x if scale == 1 else x * torch.tensor(scale, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- model_stock
+
+
+def stock_ratio(deltas: list[torch.Tensor]) -> float:
+    """t of one tensor or row, from exact sums, in Python floats; float32 at the end."""
+    n = len(deltas)
+    norms = [math.sqrt(dot(d, d)) for d in deltas]
+    cosines = []
+    for i in range(n):
+        for j in range(i + 1, n):
+            cos = dot(deltas[i], deltas[j]) / max(norms[i] * norms[j], 1e-6)
+            cosines.append(min(max(cos, -1.0), 1.0))
+    c = fsum(cosines) / len(cosines)
+    denominator = 1 + (n - 1) * c
+    return f32(0.0 if abs(denominator) < 1e-6 else n * c / denominator)
+
+
+def model_stock(base: torch.Tensor, tasks: list[torch.Tensor], filter_wise: bool = False):
+    b = base.float()
+    ws = [t.float() for t in tasks]
+    if filter_wise:
+        rows = [_rows(x) for x in [b, *ws]]
+        ts = [stock_ratio([w[r] - rows[0][r] for w in rows[1:]]) for r in range(rows[0].shape[0])]
+        t = torch.tensor(ts, dtype=torch.float32).reshape(-1, 1)
+        b, ws = rows[0], rows[1:]
+    else:
+        t = torch.tensor(stock_ratio([w - b for w in ws]), dtype=torch.float32)
+    average = sum(ws) / torch.tensor(float(len(ws)))
+    return (t * average + (1 - t) * b).reshape(base.shape)
+
+
+# ---------------------------------------------------------------- sce
+
+
+def sce(base: torch.Tensor, tasks: list[torch.Tensor], select_topk: float = 1.0):
+    b = base.float()
+    deltas = [t.float() - b for t in tasks]
+    n = len(deltas)
+    if select_topk < 1:
+        var = torch.var(torch.stack(deltas), dim=0, unbiased=False).reshape(-1)
+        nonzero = int((var != 0).sum())
+        k = min(int(f32(f32(nonzero) * f32(select_topk))), var.numel())
+        values = var.tolist()
+        order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+        mask = torch.zeros(len(values), dtype=torch.float32)
+        mask[order[:k]] = 1
+        deltas = [d * mask.reshape(d.shape) for d in deltas]
+    means = [dot(d, d) / d.numel() for d in deltas]
+    total = fsum(means)
+    if abs(total) < 1e-6:
+        weights = [f32(1 / n)] * n
+    else:
+        weights = [f32(m / total) for m in means]
+    sign_sum = torch.zeros_like(b)
+    for d in deltas:
+        sign_sum = sign_sum + d
+    majority = torch.where(sign_sum >= 0, 1.0, -1.0)
+    merged = torch.zeros_like(b)
+    divisor = torch.zeros_like(b)
+    for d, w in zip(deltas, weights, strict=True):
+        kept = torch.tensor(w, dtype=torch.float32) * (d.sign() == majority).float()
+        merged = merged + d * kept
+        divisor = divisor + kept
+    return b + merged / divisor.clamp(min=1e-6)
+
+
+# ---------------------------------------------------------------- arcee_fusion
+
+
+def _softmax(row: list[float]) -> list[float]:
+    top = max(row)
+    e = [math.exp(x - top) for x in row]
+    s = fsum(e)
+    return [v / s for v in e]
+
+
+def arcee_kl_float64(base_row: list[float], task_row: list[float]) -> float:
+    """The KL of one row in float64: `sum p log(p / q)`, p and q the rows' softmax + 1e-8."""
+    p = [v + 1e-8 for v in _softmax(task_row)]
+    q = [v + 1e-8 for v in _softmax(base_row)]
+    return fsum(pi * math.log(pi / qi) for pi, qi in zip(p, q, strict=True))
+
+
+def arcee_kl(base_row: list[float], task_row: list[float]) -> float:
+    """The KL of one row in float64, rounded to float32 once."""
+    return f32(arcee_kl_float64(base_row, task_row))
+
+
+def arcee_importance(base: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
+    a, b = _rows(base.float()), _rows(task.float())
+    kl = [arcee_kl(ar, br) for ar, br in zip(a.tolist(), b.tolist(), strict=True)]
+    return (b - a).abs() * torch.tensor(kl, dtype=torch.float32).reshape(-1, 1)
+
+
+def arcee_fusion(base: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
+    a, b = base.float(), task.float()
+    importance = arcee_importance(a, b).reshape(-1)
+    ordered = sorted(importance.tolist())
+    n = len(ordered)
+    q1, median, q3 = (torch.tensor(ordered[(i * (n - 1)) // 4]) for i in (1, 2, 3))
+    threshold = median + 1.5 * (q3 - q1)
+    mask = (importance >= threshold).float().reshape(a.shape)
+    return a + (b - a) * mask
+
+
+def merge(method: str, base: State, tasks: list[State], params: dict | None = None) -> State:
+    """The reference's merge of whole checkpoints (float32 out): per tensor `method`."""
+    params = params or {}
+    out = {}
+    for name, b in base.items():
+        ts = [t[name] for t in tasks]
+        if method == "nearswap":
+            out[name] = nearswap(b, ts[0], params["t"])
+        elif method == "passthrough":
+            out[name] = passthrough(ts[0], params.get("scale", 1.0))
+        elif method == "model_stock":
+            out[name] = model_stock(b, ts, params.get("filter_wise", False))
+        elif method == "sce":
+            out[name] = sce(b, ts, params.get("select_topk", 1.0))
+        elif method == "arcee_fusion":
+            out[name] = arcee_fusion(b, ts[0])
+        else:
+            raise ValueError(method)
+    return out
