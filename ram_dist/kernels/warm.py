@@ -51,6 +51,7 @@ def dispatchers() -> dict[str, Any]:
     from ram_dist.kernels import (
         blend_numba,
         column_sums_numba,
+        della_numba,
         exact_sums_numba,
         lora_numba,
         ram_numba,
@@ -63,6 +64,7 @@ def dispatchers() -> dict[str, Any]:
         ties_numba._stats_kernel, ties_numba._merge_kernel, scan_numba._count,
         lora_numba.lora_values, exact_sums_numba.gram, exact_sums_numba.row_gram,
         column_sums_numba.column_gram, blend_numba._blend_kernel,
+        della_numba._stats_kernel, della_numba._merge_kernel,
     )  # fmt: skip
     return {f"{k.py_func.__module__.rsplit('.', 1)[-1]}.{k.__name__}": k for k in found}
 
@@ -73,7 +75,14 @@ def calls(
     """(dispatcher, label, call) for every specialization to warm."""
     import torch
 
-    from ram_dist.kernels import blend_numba, lora_numba, ram_numba, scan_numba, ties_numba
+    from ram_dist.kernels import (
+        blend_numba,
+        della_numba,
+        lora_numba,
+        ram_numba,
+        scan_numba,
+        ties_numba,
+    )
 
     for name in dtypes:
         for n in range(1, tasks + 1):
@@ -90,10 +99,16 @@ def calls(
                 divisor=1.0,
                 lambda_=1.0,
             )
+            della_args = dict(
+                start=0, groups=(N, 1), stream_keys=[1] * n, densities=[0.5] * n,
+                epsilons=[0.1] * n,
+            )  # fmt: skip
             counts = partial(ram_numba.overlap_counts_nonfinite, base, agents, EPS)
             stats = partial(ties_numba.statistics, base, agents, ties_numba.HIGH, 1 << 15)
             yield ram_numba._count_kernel, label, counts
             yield ties_numba._stats_kernel, label, stats
+            della_stats = partial(della_numba.statistics, base, agents, **della_args)
+            yield della_numba._stats_kernel, label, della_stats
             for out_name in out_dtypes:
                 out = torch.empty(N, dtype=getattr(torch, out_name))
                 ram = partial(ram_numba.merge_ram, base, agents, EPS, [1.0] * n, out)
@@ -104,6 +119,11 @@ def calls(
                 mix = partial(blend_numba.blend, base, agents, out, mode=blend_numba.MODELS,
                               factors=[1.0] * n)  # fmt: skip
                 yield blend_numba._blend_kernel, f"{label} -> {out_name}", mix
+                della = partial(
+                    della_numba.merge, base, agents, out, **della_args, factors=[None] * n,
+                    weights=[1.0] * n, consensus=True, normalize=True, divisor=1.0, lambda_=1.0,
+                )  # fmt: skip
+                yield della_numba._merge_kernel, f"{label} -> {out_name}", della
     # The finiteness scan reads raw bits: one specialization per width (float64 included).
     for name in ("bfloat16", "float32", "float64"):
         x = torch.zeros(N, dtype=getattr(torch, name))

@@ -116,6 +116,11 @@ def _density(value: Any, where: str) -> None:
         raise RamDistError(f"{where}: parameter density must be in (0, 1], got {value}")
 
 
+def _gamma(value: Any, where: str) -> None:
+    if not 0 <= float(value) <= 1:
+        raise RamDistError(f"{where}: parameter gamma must be in [0, 1], got {float(value)}")
+
+
 def _epsilon(value: Any, where: str) -> None:
     if float(value) <= 0:
         raise RamDistError(f"{where}: parameter epsilon (eps) must be > 0, got {float(value)}")
@@ -136,6 +141,10 @@ EPSILON = Parameter(
     "epsilon", 1e-5, "a task changed an element where abs(tau) > epsilon", cli_flag="--eps",
     check=_epsilon,
 )  # fmt: skip
+DELLA_EPSILON = Parameter(
+    "epsilon", 0.15, "half-width of della's keep probabilities around the density, by rank",
+    per_task=True, cli_flag="--eps", check=_at_least_zero("epsilon"),
+)  # fmt: skip
 SCOPE = Parameter(
     "scope", "model", "where rho and lambda are counted: the whole model, or each tensor",
     kind=str, choices=("model", "tensor"),
@@ -146,6 +155,10 @@ WEIGHT = Parameter(
 DENSITY = Parameter(
     "density", 1.0, "share of each task vector kept", per_task=True, cli_flag="--density",
     check=_density,
+)  # fmt: skip
+GAMMA = Parameter(
+    "gamma", 0.01, "share of the largest magnitudes of each task vector dropped as outliers",
+    per_task=True, cli_flag="--gamma", check=_gamma,
 )  # fmt: skip
 NORMALIZE = Parameter(
     "normalize", False, "divide by the sum of the weights", kind=bool, cli_flag="--normalize"
@@ -229,10 +242,12 @@ def cli_parameters() -> list[tuple[Parameter, str]]:
 
 def flag_values(flag: Parameter, method: str, values: list[Any]) -> list[Any] | Any:
     """A per-task flag's values as `method` declares the parameter: the list (per task), or
-    its one value (a parameter set once), or an error where it was given more than once."""
-    from ram_dist.methods.parameters import PARAMETERS
+    its one value (a parameter set once), or an error where it was given more than once. A
+    method that does not declare it reads it as its first declaration does."""
+    from ram_dist.methods.parameters import BY_NAME, PARAMETERS
 
-    declared = next((q for q in PARAMETERS.get(method, ()) if q.name == flag.name), flag)
+    first = BY_NAME.get(flag.name, flag)
+    declared = next((q for q in PARAMETERS.get(method, ()) if q.name == flag.name), first)
     if declared.per_task:
         return values
     if len(values) > 1:

@@ -30,7 +30,7 @@ SMALL = ["--tasks", "2", "--dtype", "bf16", "--out-dtype", "bf16"]
 KERNELS = (
     "ram_numba._count_kernel", "ram_numba._merge_kernel",
     "ties_numba._stats_kernel", "ties_numba._merge_kernel", "scan_numba._count",
-    "lora_numba.lora_values",
+    "lora_numba.lora_values", "della_numba._stats_kernel", "della_numba._merge_kernel",
 )  # fmt: skip
 #: Kernels of float32 values only (exact sums of products): one specialization each, which
 #: the job below does not call.
@@ -40,7 +40,7 @@ FLOAT32_KERNELS = (
 #: Kernels warmed as the merge kernels are (1 and 2 tasks), which the job does not call.
 UNCALLED = ("blend_numba._blend_kernel",)
 
-#: RAM and TIES on base + 2 bfloat16 tasks into bfloat16, through the methods as the engine
+#: RAM, TIES and DELLA on base + 2 bfloat16 tasks into bfloat16, through the methods as the engine
 #: calls them, and the finiteness scan; then numba's counts of cache hits and misses per
 #: kernel; then the same for a signature that was not warmed (3 tasks).
 JOB = f"""
@@ -58,6 +58,8 @@ base, tasks = sparse_inputs(5000, (torch.bfloat16,) * 3, seed=0)
 ram = {{"r": 0.1, "alpha": 0.2, "epsilon": 1e-5, "scope": "model"}}
 run("ram", ram, base, tasks, [0, 1000, 5000], True, torch.bfloat16)
 run("ties", ties_params(2), base, tasks, [0, 5000], True, torch.bfloat16)
+from test_sparse_kernels import params_for, run as run_della
+run_della("della", params_for(2), base, tasks, (50, 100), [0, 10, 50], True, torch.bfloat16)
 scan_numba.nonfinite_count(base)
 from ram_dist.kernels import lora
 import numpy as np
@@ -100,7 +102,7 @@ def test_warm_compiles_into_the_cache_dir(warmed):
         **{k: (1, 0) for k in FLOAT32_KERNELS},
         **{k: (2, 0) for k in UNCALLED},
     }
-    assert "18 specializations" in result.stdout and "0 failed" in result.stdout
+    assert "22 specializations" in result.stdout and "0 failed" in result.stdout
     for kernel in KERNELS:
         assert list(cache.glob(f"*/{kernel}-*.nbi")), kernel
         assert list(cache.glob(f"*/{kernel}-*.nbc")), kernel

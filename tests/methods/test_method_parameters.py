@@ -60,11 +60,11 @@ def test_cli_flags_and_their_help_come_from_the_table() -> None:
     assert flagged == {"--r", "--alpha", "--eps", "--weight", "--density", "--lambda",
                        "--normalize", "--rescale", "--seed", "--filter-wise", "--select-topk",
                        "--t", "--scale", "--nuslerp-flatten", "--nuslerp-row-wise",
-                       "--normalize-weights", "--max-iter", "--tol"}  # fmt: skip
+                       "--normalize-weights", "--max-iter", "--tol", "--gamma"}  # fmt: skip
     for p, text in cli_parameters():
         assert helps[p.cli_flag] == text and text.startswith(p.help)
     assert "ramplus_tl: default 0.2" in helps["--alpha"]
-    assert "ties, linear: default true" in helps["--normalize"]
+    assert "ties, della, linear: default true" in helps["--normalize"]
     assert "task_arithmetic" not in helps["--density"]  # no effect there
     args = build_parser().parse_args(
         _merge_args("--method", "dare_ties", "--eps", "1e-4", "--lambda", "0.5", "--no-normalize",

@@ -70,7 +70,7 @@ def _fused_statistics(
     return ties_numba.statistics(base, tasks, kind, size, select, chunk.start)
 
 
-def _weight_sum(weights: Sequence[float]) -> float:
+def weight_sum(weights: Sequence[float]) -> float:
     """The float32 sum of the weights in task order (`combine.ordered_sum`), or 1
     where mergekit takes it as zero: what `normalize` divides by."""
     import numpy as np
@@ -364,7 +364,7 @@ class TaskArithmeticFamily(MergekitRule):
         ties_numba.merge(
             base, tasks, out, weights=weights, keep=keep, cuts=bounds, start=chunk.start,
             consensus=self.consensus, normalize=bool(params["normalize"]),
-            divisor=_weight_sum(weights), lambda_=float(params["lambda"]),
+            divisor=weight_sum(weights), lambda_=float(params["lambda"]),
             bf16_nan=bf16_nan,
         )  # fmt: skip
         return True

@@ -1,0 +1,184 @@
+"""The fused DELLA kernels give exactly the eager torch path's bytes: the L1 round's
+statistics and the merge, through the method object (`fused_statistics`, `fused_merge`
+against `chunk_statistics`, `merge_chunk(...).to(out_dtype)`), over RL-like sparse task
+vectors and pools of edge values (equal magnitudes, signed zeros, subnormals, overflow),
+1-D, 2-D, 3-D and one-column tensors, mixed input and every output dtype. breadcrumbs'
+rounds by TIES's histogram kernel give the eager rounds' statistics."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+from ram_dist.kernels import della_numba, primitives, ram_numba  # noqa: E402
+from ram_dist.methods import get_method  # noqa: E402
+from ram_dist.methods.protocol import Chunk  # noqa: E402
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def inputs(shape, dtypes, seed: int, edges: bool):
+    g = torch.Generator().manual_seed(seed)
+    n = int(np.prod(shape))
+    if edges:
+        pool = torch.tensor([0.0, -0.0, 0.25, -0.25, 0.5, -0.75, 1e-40, -3e-39, 6e4, -6e4, 1.0])
+        pick = lambda: pool[torch.randint(0, len(pool), (n,), generator=g)]  # noqa: E731
+        base = pick()
+        tasks = [torch.where(torch.rand(n, generator=g) < 0.5, pick(), base) for _ in dtypes[1:]]
+    else:
+        base = torch.randn(n, generator=g) * 0.02
+        step = lambda: 1e-3 * torch.randn(n, generator=g)  # noqa: E731
+        tasks = [
+            base + torch.where(torch.rand(n, generator=g) < p, step(), 0)
+            for p in (0.46, 0.03, 0.54)[: len(dtypes) - 1]
+        ]
+    return base.to(dtypes[0]), [t.to(d) for t, d in zip(tasks, dtypes[1:], strict=True)]
+
+
+def run(method_name, params, base, tasks, shape, rows, fused, out_dtype, bounds=None):
+    """The engine's round and map pass over chunks of whole rows (or of any `bounds`, flat
+    indices, where no task is sampled); kernels on or off."""
+    method = get_method(method_name)
+    numel, row = base.numel(), Chunk("w", 0, shape).row
+    bounds = bounds or [r * row for r in rows]
+    chunks = [
+        (Chunk("w", lo, shape), base[lo:hi], [t[lo:hi] for t in tasks])
+        for lo, hi in zip(bounds, bounds[1:], strict=False)
+    ]
+    state = method.initial_state({"w": params}, {"w": numel}, len(tasks))
+    totals: dict[str, torch.Tensor] = {}
+    if method.active(0, state, "w"):
+        for chunk, b, ts in chunks:
+            if fused:
+                got = method.fused_statistics(0, chunk, [b, *ts], params, state, False)
+                stats = {k: torch.from_numpy(v) for k, v in got[0].items()}
+            else:
+                stats = method.chunk_statistics(0, chunk, b, ts, params, state)
+            for key, value in stats.items():
+                totals[key] = totals[key] + value if key in totals else value
+        state = method.finalize(0, totals, {"w": params}, {"w": numel}, state)
+        state = json.loads(json.dumps(state))
+    parts = []
+    for chunk, b, ts in chunks:
+        if fused:
+            out = torch.empty(b.numel(), dtype=out_dtype)
+            assert method.fused_merge(chunk, [b, *ts], params, state, out)
+            parts.append(out)
+        else:
+            parts.append(method.merge_chunk(chunk, b, ts, params, state).to(out_dtype))
+    return torch.cat(parts), state, totals
+
+
+def params_for(n_tasks: int, **kw) -> dict:
+    params = {
+        "weight": [0.7, -0.35, 1.25][:n_tasks], "density": [0.5, 0.3, 1.0][:n_tasks],
+        "epsilon": [0.2, 0.1, 0.15][:n_tasks], "normalize": True, "lambda": 1.0,
+        "rescale": True, "seed": 9,
+    }  # fmt: skip
+    params.update(kw)
+    return params
+
+
+CASES = [
+    ("della", (40, 37), [0, 1, 17, 40], (F32, F32, F32, F32), F32, {}),
+    ("della", (40, 37), [0, 40], (BF16, BF16, F16, F32), BF16, {"lambda": 0.7}),
+    ("della_linear", (300,), [0, 1], (F32, F32, F32), F16, {"normalize": True}),
+    ("della_linear", (5, 6, 7), [0, 2, 5], (F16, BF16, F32), F32, {"rescale": False}),
+    ("della", (9, 1), [0, 4, 9], (F32, F32, F32), F32, {}),
+]
+
+
+@pytest.mark.parametrize("edges", [False, True])
+@pytest.mark.parametrize(("method", "shape", "rows", "dtypes", "out_dtype", "kw"), CASES)
+def test_fused_is_eager(method, shape, rows, dtypes, out_dtype, kw, edges) -> None:
+    base, tasks = inputs(shape, dtypes, seed=len(rows), edges=edges)
+    params = params_for(len(tasks), **kw)
+    fused = run(method, params, base, tasks, shape, rows, True, out_dtype)
+    eager = run(method, params, base, tasks, shape, rows, False, out_dtype)
+    assert fused[1] == eager[1]
+    assert fused[2].keys() == eager[2].keys()
+    assert all(torch.equal(fused[2][k], eager[2][k]) for k in fused[2])
+    got, want = fused[0], eager[0]
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_density_one_takes_chunks_of_any_length() -> None:
+    """Nothing sampled (not `whole_rows`): chunks cut inside rows, an empty one included."""
+    base, tasks = inputs((10, 7), (F32, BF16, F32), seed=3, edges=False)
+    params = params_for(2, density=[1.0, 1.0])
+    assert not get_method("della").whole_rows(params)
+    bounds = [0, 13, 13, 69, 70]
+    fused = run("della", params, base, tasks, (10, 7), None, True, BF16, bounds)
+    eager = run("della", params, base, tasks, (10, 7), None, False, BF16, bounds)
+    assert torch.equal(fused[0].view(torch.uint8), eager[0].view(torch.uint8))
+
+
+def test_no_fma_in_compiled_della_kernels() -> None:
+    """The kernels' LLVM IR and assembly have no FMA, compiled here (uncached) for every
+    signature this process has used."""
+    from numba import njit
+
+    base, tasks = inputs((8, 16), (F32, BF16, F16), seed=1, edges=False)
+    kw = dict(start=0, groups=(16, 1), stream_keys=[1, None], densities=[0.5, 1.0],
+              epsilons=[0.1, 0.1])  # fmt: skip
+    della_numba.statistics(base, tasks, **kw)
+    out = torch.empty(base.numel(), dtype=BF16)
+    della_numba.merge(base, tasks, out, **kw, factors=[1.5, None], weights=[0.5, 0.25],
+                      consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
+    for kernel in della_numba.KERNELS:
+        fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
+        for sig in kernel.signatures:
+            fresh.compile(sig)
+        assert fresh.signatures and ram_numba.fma_findings(fresh) == []
+
+
+@pytest.mark.parametrize("edges", [False, True])
+@pytest.mark.parametrize("dtypes", [(F32, F32, F32, F32), (BF16, F16, BF16, F32)])
+def test_breadcrumbs_fused_statistics_are_eager(dtypes, edges) -> None:
+    """Every round, both cuts of every task (equal magnitudes at the cuts with `edges`), a
+    task left untouched: the fused statistics, summed, and the state they give are the
+    eager ones; the map pass (eager) then gives the same bytes."""
+    n = 3000
+    base, tasks = inputs((n,), dtypes, seed=5, edges=edges)
+    params = {
+        "weight": [0.7, -0.35, 1.25], "density": [0.3, 0.5, 1.0], "gamma": [0.1, 0.0, 0.2],
+        "normalize": False, "lambda": 1.0, "rescale": False,
+    }  # fmt: skip
+    method = get_method("breadcrumbs_ties")
+    results = []
+    for fused in (True, False):
+        state = method.initial_state({"w": params}, {"w": n}, len(tasks))
+        all_totals = []
+        for round_ in range(method.rounds):
+            if not method.active(round_, state, "w"):
+                continue
+            totals: dict[str, torch.Tensor] = {}
+            for lo, hi in ((0, 1000), (1000, 1001), (1001, n)):
+                chunk, b, ts = Chunk("w", lo, (n,)), base[lo:hi], [t[lo:hi] for t in tasks]
+                got = method.fused_statistics(round_, chunk, [b, *ts], params, state, False)
+                if fused:
+                    stats = {k: torch.from_numpy(v) for k, v in got[0].items()}
+                else:
+                    stats = method.chunk_statistics(round_, chunk, b, ts, params, state)
+                for key, value in stats.items():
+                    totals[key] = totals[key] + value if key in totals else value
+            all_totals.append(totals)
+            state = method.finalize(round_, totals, {"w": params}, {"w": n}, state)
+            state = json.loads(json.dumps(state))
+        merged = method.merge_chunk(Chunk("w", 0, (n,)), base, tasks, params, state)
+        results.append((state, all_totals, merged))
+    (state_f, totals_f, merged_f), (state_e, totals_e, merged_e) = results
+    assert state_f == state_e and len(totals_f) == len(totals_e) >= 2
+    assert len(totals_f) == 4 or not edges  # equal magnitudes at the cuts: the index rounds
+    for a, b in zip(totals_f, totals_e, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(merged_f.view(torch.int32), merged_e.view(torch.int32))
+    with_l1 = {**params, "rescale": True}
+    state = method.initial_state({"w": with_l1}, {"w": n}, len(tasks))
+    chunk = Chunk("w", 0, (n,))
+    assert method.fused_statistics(0, chunk, [base, *tasks], with_l1, state, False) is None
