@@ -330,3 +330,27 @@ def test_resume_on_s3_output(models, s3):
         timeout=120,
     )
     assert verify.returncode == 0, verify.stderr
+
+
+def test_a_method_with_driver_factors_resumes_with_its_recorded_state(models, tmp_path):
+    """model_stock's factors (from exact sums, on the driver) come back from the manifest's
+    JSON: a run killed in the map pass resumes without its reduce pass and writes the bytes
+    of an uninterrupted run."""
+    whole = tmp_path / "whole"
+    assert main(_args(models, str(whole), "--method", "model_stock")) == 0
+    out = tmp_path / "out"
+    _kill_after_first_shard(
+        _args(models, str(out), "--method", "model_stock", "--unit-mb", ONE_ROW_MB,
+              "--workers", "1"),
+        _env(),
+        lambda: _manifest((out / "ram_dist_manifest.json").read_text),
+        out=out,
+    )  # fmt: skip
+    assert main(_args(models, str(out), "--method", "model_stock")) == 0
+    report = json.loads((out / "merge_report.json").read_text())
+    assert report["passes"]["reduce"]["skipped"] is True
+    assert report["output"]["shards_reused"]
+    resumed, expected = load_checkpoint(out), load_checkpoint(whole)
+    assert resumed.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(resumed[name].view(torch.uint8), value.view(torch.uint8)), name

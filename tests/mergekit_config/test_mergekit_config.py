@@ -248,9 +248,9 @@ def test_unknown_parameter_lists_the_valid_ones() -> None:
     for name in ("normalize", "lambda", "rescale", "int8_mask", "weight", "density"):
         assert name in msg
     fails(
-        BASIC.replace("density: 0.5", "gamma: 0.5"),
+        BASIC.replace("density: 0.5", "sharpness: 0.5"),
         "models[1].parameters",
-        "unknown parameter 'gamma'",
+        "unknown parameter 'sharpness'",
         "valid for ties per model: weight, density",
     )
 
@@ -260,7 +260,10 @@ def test_unknown_parameter_lists_the_valid_ones() -> None:
     [
         ("[1, 2]", ["expected a mapping"]),
         ("models: [{model: a}]", ["merge_method is required"]),
-        ("merge_method: slerp\nmodels: [{model: a}]", ["'slerp' is not supported", "ties"]),
+        (
+            "merge_method: frankenmerge\nmodels: [{model: a}]",
+            ["'frankenmerge' is not supported", "ties"],
+        ),
         ("merge_method: ties\nmodels: [{model: a}]", ["ties needs a base_model"]),
         ("merge_method: ties\nbase_model: b\n", ["models must be a non-empty list"]),
         ("merge_method: ties\nbase_model: b\nmodels: [{model: b}]", ["no model besides"]),
@@ -431,8 +434,8 @@ def test_parse_setting_for_raw_values() -> None:
     assert parse_setting({"filter": "mlp", "value": 0}, "normalize") == Filtered(
         (FilterEntry("mlp", False),)
     )
-    with pytest.raises(RamDistError, match="unknown parameter 'gamma'"):
-        parse_setting(0.1, "gamma")
+    with pytest.raises(RamDistError, match="unknown parameter 'sharpness'"):
+        parse_setting(0.1, "sharpness")
     with pytest.raises(RamDistError, match="x.yaml: weight must be a finite number"):
         parse_setting("abc", "weight", "x.yaml")
     with pytest.raises(TypeError, match="parse_setting"):
