@@ -31,6 +31,7 @@ from numba.extending import register_jitable
 
 from ram_dist.kernels import use_writable_cache
 from ram_dist.kernels.primitives import ABS32, OPTIONS, bits, load_tile, store
+from ram_dist.kernels.ties_numba import combine_tile
 from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
@@ -173,36 +174,7 @@ def _merge_kernel(
             else:
                 for i in range(row):
                     x[i] = x[i] * w
-        for i in range(row):
-            total[i] = zero
-        for t in range(ntasks):
-            x = vals[t + 1]
-            for i in range(row):
-                total[i] = total[i] + x[i]
-        if consensus:
-            for i in range(row):
-                res[i] = total[i]  # the signed sum that elects each element's sign
-                total[i] = zero
-                div[i] = zero
-            for t in range(ntasks):
-                x = vals[t + 1]
-                w = weights[t]
-                for i in range(row):
-                    positive = res[i] >= zero
-                    d = x[i]
-                    agree = (d > zero) if positive else (d < zero)
-                    f = one if agree else zero
-                    total[i] = total[i] + d * f
-                    div[i] = div[i] + w * f
-            for i in range(row):
-                div[i] = one if div[i] == zero else div[i]
-        else:
-            for i in range(row):
-                div[i] = divisor
-        for i in range(row):
-            mixed = total[i] / div[i] if normalize else total[i]
-            mixed = mixed * lam if scale else mixed
-            res[i] = base[i] + mixed
+        combine_tile(vals, row, weights, consensus, normalize, divisor, lam, scale, total, div, res)
         store(res, out[lo : lo + row], nan_bits)
 
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from numba import njit
+from numba.extending import register_jitable
 
 from ram_dist.kernels import use_writable_cache
 from ram_dist.kernels.primitives import ABS32, LANES, OPTIONS, TILE, bits, load_tile, store
@@ -97,6 +98,48 @@ def _stats_kernel(
                         lanes[t, lane, b] = 0
 
 
+@register_jitable(**OPTIONS)
+def combine_tile(vals, m, weights, consensus, normalize, divisor, lam, scale, total, div, res):  # noqa: ANN001, ANN201, PLR0913  (numba arrays)
+    """TIES's combine step on a tile: `res[:m] = base + lambda * (sum of the weighted task
+    vectors in `vals[1:]`, with sign consensus and normalized as asked)`; `vals[0]` is the
+    base. Shared by the kernels of the methods built on it (TIES, DELLA), each step rounded
+    as the eager rule rounds it."""
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    base = vals[0]
+    ntasks = vals.shape[0] - 1
+    for i in range(m):
+        total[i] = zero
+    for t in range(ntasks):
+        x = vals[t + 1]
+        for i in range(m):
+            total[i] = total[i] + x[i]
+    if consensus:
+        for i in range(m):
+            res[i] = total[i]  # the signed sum that elects each element's sign
+            total[i] = zero
+            div[i] = zero
+        for t in range(ntasks):
+            x = vals[t + 1]
+            w = weights[t]
+            for i in range(m):
+                positive = res[i] >= zero
+                d = x[i]
+                agree = (d > zero) if positive else (d < zero)
+                f = one if agree else zero
+                total[i] = total[i] + d * f
+                div[i] = div[i] + w * f
+        for i in range(m):
+            div[i] = one if div[i] == zero else div[i]
+    else:
+        for i in range(m):
+            div[i] = divisor
+    for i in range(m):
+        mixed = total[i] / div[i] if normalize else total[i]
+        mixed = mixed * lam if scale else mixed
+        res[i] = base[i] + mixed
+
+
 @njit(cache=True, **OPTIONS)
 def _merge_kernel(
     inputs: tuple[np.ndarray, ...],
@@ -146,36 +189,7 @@ def _merge_kernel(
                 elif mode == 1:
                     d = zero
                 x[i] = d * w
-        for i in range(m):
-            total[i] = zero
-        for t in range(ntasks):
-            x = vals[t + 1]
-            for i in range(m):
-                total[i] = total[i] + x[i]
-        if consensus:
-            for i in range(m):
-                res[i] = total[i]  # the signed sum that elects each element's sign
-                total[i] = zero
-                div[i] = zero
-            for t in range(ntasks):
-                x = vals[t + 1]
-                w = weights[t]
-                for i in range(m):
-                    positive = res[i] >= zero
-                    d = x[i]
-                    agree = (d > zero) if positive else (d < zero)
-                    f = one if agree else zero
-                    total[i] = total[i] + d * f
-                    div[i] = div[i] + w * f
-            for i in range(m):
-                div[i] = one if div[i] == zero else div[i]
-        else:
-            for i in range(m):
-                div[i] = divisor
-        for i in range(m):
-            mixed = total[i] / div[i] if normalize else total[i]
-            mixed = mixed * lam if scale else mixed
-            res[i] = base[i] + mixed
+        combine_tile(vals, m, weights, consensus, normalize, divisor, lam, scale, total, div, res)
         store(res[:m], out[lo : lo + m], nan_bits)
 
 
