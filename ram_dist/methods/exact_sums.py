@@ -27,6 +27,8 @@ import math
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ram_dist.kernels.exact_sums import (  # the bins' layout; the fused path's kernels
     _EXPONENTS,
     _NAN,
@@ -107,19 +109,21 @@ def row_sums(
     return first, _binned(products, index, rows)
 
 
-def exact(stat: torch.Tensor | list[int]) -> Fraction | float:
-    """The exact sum a statistic stands for (inf, -inf or nan when a product was one)."""
-    bins = stat.tolist() if not isinstance(stat, list) else stat
-    nan, pos, neg = bins[_NAN], bins[_POS_INF], bins[_NEG_INF]
+def exact(stat: torch.Tensor | np.ndarray | list[int]) -> Fraction | float:
+    """The exact sum a statistic stands for (inf, -inf or nan when a product was one).
+    Only its non-zero bins are read: a row's products span a few exponents of the 2074."""
+    bins = np.asarray(stat.cpu() if hasattr(stat, "cpu") else stat, dtype=np.int64)
+    nan, pos, neg = int(bins[_NAN]), int(bins[_POS_INF]), int(bins[_NEG_INF])
     if nan or (pos and neg):
         return math.nan
     if pos or neg:
         return math.inf if pos else -math.inf
-    units = sum(bins[e] << (e - 1) for e in range(1, _EXPONENTS) if bins[e])
+    used = np.flatnonzero(bins[1:_EXPONENTS]) + 1
+    units = sum(int(bins[e]) << (int(e) - 1) for e in used)
     return Fraction(units, 1 << (_BIAS - 1))
 
 
-def value(stat: torch.Tensor | list[int]) -> float:
+def value(stat: torch.Tensor | np.ndarray | list[int]) -> float:
     """The exact sum rounded once to float64 (to nearest, ties to even)."""
     return float(exact(stat))
 

@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from ram_dist.kernels.exact_sums import _EXPONENTS, _NAN, _NEG_INF, _POS_INF
 from ram_dist.methods import exact_sums
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
-
-_UNIT = 1 << 1074  # a bin e holds multiples of 2**(e - 1075): units of 2**-1074
 
 
 def row_length(shape: tuple[int, ...]) -> int:
@@ -77,19 +72,6 @@ def product_sums(x: torch.Tensor, y: torch.Tensor | None, length: int) -> list[f
     return float64_sums(a * b, length)  # each product exact in float64
 
 
-def _value(bins: np.ndarray) -> float:
-    """`exact_sums.value` of one statistic, reading only its non-zero bins."""
-    import numpy as np
-
-    nan, pos, neg = int(bins[_NAN]), int(bins[_POS_INF]), int(bins[_NEG_INF])
-    if nan or (pos and neg):
-        return math.nan
-    if pos or neg:
-        return math.inf if pos else -math.inf
-    units = sum(int(bins[e]) << (int(e) - 1) for e in np.flatnonzero(bins[:_EXPONENTS]))
-    return float(Fraction(units, _UNIT))
-
-
 def gram_rows(
     vectors: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]], length: int
 ) -> list[list[float]]:
@@ -106,4 +88,4 @@ def gram_rows(
             product_sums(vectors[i], None if i == j else vectors[j], length) for i, j in pairs
         ]
         return [list(row) for row in zip(*columns, strict=True)]
-    return [[_value(stat) for stat in row] for row in stats]
+    return [[exact_sums.value(stat) for stat in row] for row in stats]
