@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from ram_dist.kernels.exact_sums import _EXPONENTS, _NAN, _NEG_INF, _POS_INF
 from ram_dist.methods import exact_sums
 from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
 
@@ -91,28 +89,8 @@ def row_grams(vectors: Sequence[torch.Tensor], row: int) -> list[Gram]:
 
 
 def row_values(stats: Any) -> list[float]:
-    """`exact_sums.value` of each row of int64[rows, BINS] (numpy), from its non-zero bins
-    only (a few dozen of the 2077)."""
-    import numpy as np
-
-    rows, bins = np.nonzero(stats)
-    counts = stats[rows, bins].tolist()
-    sparse: list[list[tuple[int, int]]] = [[] for _ in range(stats.shape[0])]
-    for r, b, v in zip(rows.tolist(), bins.tolist(), counts, strict=True):
-        sparse[r].append((b, v))
-    return [_sparse_value(items) for items in sparse]
-
-
-def _sparse_value(items: list[tuple[int, int]]) -> float:
-    """`exact_sums.value` of the bins given as (bin, count) pairs (the others zero)."""
-    special = {b: v for b, v in items if b >= _EXPONENTS}
-    nan, pos, neg = special.get(_NAN, 0), special.get(_POS_INF, 0), special.get(_NEG_INF, 0)
-    if nan or (pos and neg):
-        return math.nan
-    if pos or neg:
-        return math.inf if pos else -math.inf
-    units = sum(v << (b - 1) for b, v in items if 1 <= b < _EXPONENTS)
-    return float(Fraction(units, 1 << 1074))
+    """`exact_sums.value` of each row of int64[rows, BINS] (numpy)."""
+    return [exact_sums.value(row) for row in stats]
 
 
 def norm(g: Gram, coefficients: Sequence[float]) -> float:
