@@ -120,37 +120,16 @@ def _finished(fs, out: str) -> dict:
 
 
 @pytest.mark.usefixtures("ray_gcs")
-def test_many_parts_per_shard_composed_in_levels(big, options, fs, server, tmp_path):
-    """Parts of 256 KiB: a 12 MiB shard has more than the 32 sources one compose takes, so
-    the driver composes groups of them first, under the hidden prefix, then the shard."""
-    server.clear()
-    out = f"gs://{BUCKET}/many"
-    report = run_merge(_config(big, out, options, unit_budget_bytes=2**17)).data
-    m = report["passes"]["map"]
-    assert m["output_path"] == "direct" and m["bytes_written_by_driver"] == 0
-    assert m["bytes_written_by_workers"] == m["bytes_written"] > 24 * 2**20
-
-    per_shard = Counter(name.split("/")[2] for name in server.part_uploads())
-    assert max(per_shard.values()) > 32, per_shard
-    assert sum(per_shard.values()) == m["parts"]  # one upload each, no retries
-    composes = [s for s in server.log if s.path.endswith("/compose")]
-    assert composes and all(s.status == 200 for s in composes)
-    levels = [s for s in composes if f"/{PARTS_DIR}/" in unquote(s.path)]
-    assert levels, "no intermediate composite"
-    finals = {unquote(s.path).rsplit("/", 2)[-2] for s in composes if s not in levels}
-    assert finals == set(json.loads(fs.cat_file(f"{BUCKET}/many/{INDEX_NAME}"))["weight_map"]
-                         .values())  # fmt: skip
-
-    assert server.names(BUCKET, f"many/{PARTS_DIR}/") == []  # parts deleted once composed
-    _same_as(fs, "many", big["expected"], tmp_path)
-    assert verify(out, Storage(options)) == ([], 3)
-
-
-def test_killed_mid_shard_resumes_with_its_uploaded_parts(big, options, fs, server, tmp_path):
-    """The whole job (driver and its workers) SIGKILLed once a part of an unfinished shard
-    is recorded; the re-run reuses every recorded part (none uploaded again)."""
+def test_killed_mid_shard_resumes_with_its_parts_and_composes_in_levels(
+    big, options, fs, server, tmp_path, capsys
+):
+    """Parts of 256 KiB (GCS's sink takes parts that small): a 12 MiB shard has more than
+    the 32 sources one compose takes. The whole job (driver and its workers) is SIGKILLed
+    once a part of an unfinished shard is recorded: nothing at the shard's name, no index,
+    only hidden parts. The re-run reuses every recorded part (none uploaded again), then
+    composes groups of parts under the hidden prefix, then each shard, and deletes them."""
     out = f"gs://{BUCKET}/killed"
-    argv = _argv(big, out, options, "--unit-mb", "1", "--workers", "1")
+    argv = _argv(big, out, options, "--unit-mb", str(2**17 / 2**20), "--workers", "1")
     args = [sys.executable, "-m", "ram_dist.cli", *argv]
 
     def recorded() -> dict | None:
@@ -161,7 +140,7 @@ def test_killed_mid_shard_resumes_with_its_uploaded_parts(big, options, fs, serv
         return manifest if any(w["parts"] for w in manifest["writing"].values()) else None
 
     server.clear()
-    server.part_delay_s = 0.5  # a shard's parts take longer than a manifest save
+    server.part_delay_s = 0.2  # a shard's parts take longer than a manifest save
     proc = subprocess.Popen(args, env=_cli_env(), start_new_session=True, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240
@@ -184,22 +163,35 @@ def test_killed_mid_shard_resumes_with_its_uploaded_parts(big, options, fs, serv
     }
     left = server.names(BUCKET, "killed/")
     assert kept <= set(left)
-    # Nothing at an unfinished shard's name, no index: only hidden parts besides the rest.
     unfinished = [n for n in manifest["shard_names"] if n not in manifest["shards"]]
     assert unfinished and not any(f"killed/{n}" in left for n in unfinished)
     assert f"killed/{INDEX_NAME}" not in left
 
     server.clear()
-    done = subprocess.run(args, env=_cli_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert not kept & set(server.part_uploads()), "a recorded part was uploaded again"
+    assert main(argv) == 0, capsys.readouterr().err  # on this process's Ray
+    uploads = server.part_uploads()
+    assert not kept & set(uploads), "a recorded part was uploaded again"
     report = json.loads(fs.cat_file(f"{BUCKET}/killed/merge_report.json"))
     m = report["passes"]["map"]
     assert report["passes"]["reduce"]["skipped"] is True
-    assert m["parts_reused"] >= len(kept) > 0 and m["bytes_written_by_driver"] == 0
-    assert server.names(BUCKET, f"killed/{PARTS_DIR}/") == []
+    assert m["parts_reused"] >= len(kept) > 0 and m["parts"] == len(uploads)
+    assert m["output_path"] == "direct" and m["bytes_written_by_driver"] == 0
+    reused = sum(p["stop"] - p["start"] for w in manifest["writing"].values()
+                 for p in w["parts"].values())  # fmt: skip
+    assert m["bytes_written_by_workers"] == m["bytes_written"] - reused > 0
+
+    per_shard = Counter(name.split("/")[2] for name in [*uploads, *kept])
+    assert max(per_shard.values()) > 32, per_shard
+    composes = [s for s in server.log if s.path.endswith("/compose")]
+    assert composes and all(s.status == 200 for s in composes)
+    levels = [s for s in composes if f"/{PARTS_DIR}/" in unquote(s.path)]
+    assert levels, "no intermediate composite"
+    shards = set(json.loads(fs.cat_file(f"{BUCKET}/killed/{INDEX_NAME}"))["weight_map"].values())
+    assert {unquote(s.path).rsplit("/", 2)[-2] for s in composes if s not in levels} == shards
+
+    assert server.names(BUCKET, f"killed/{PARTS_DIR}/") == []  # parts deleted once composed
     _same_as(fs, "killed", big["expected"], tmp_path)
-    assert verify(out, Storage(options))[0] == []
+    assert verify(out, Storage(options)) == ([], 3)
 
 
 def test_the_lease_is_made_exclusive_by_the_store(options, fs, server):
@@ -266,14 +258,14 @@ def test_a_second_writer_is_refused_by_the_lease(small, options, fs, server, cap
 
 @pytest.mark.usefixtures("ray_gcs")
 def test_throttling_answers_are_retried(small, options, fs, server, tmp_path):
-    """Every fourth request answered 503 or 429 (twelve times): gcsfs retries each, on the
+    """Every fourth request answered 503 or 429 (six times): gcsfs retries each, on the
     driver and on the workers, and the merge is exact."""
     served = [0]
     faults: list[int] = []
 
     def throttle(method: str, path: str, query: dict) -> int | None:
         served[0] += 1
-        if served[0] % 4 == 0 and len(faults) < 12:
+        if served[0] % 4 == 0 and len(faults) < 6:
             faults.append(503 if len(faults) % 2 else 429)
             return faults[-1]
         return None
@@ -283,14 +275,17 @@ def test_throttling_answers_are_retried(small, options, fs, server, tmp_path):
         report = run_merge(_config(small, f"gs://{BUCKET}/throttled", options)).data
     finally:
         server.intercept = None
-    assert len(faults) == 12 and {429, 503} == set(faults)
+    assert len(faults) == 6 and {429, 503} == set(faults)
     m = report["passes"]["map"]
     assert m["bytes_written_by_driver"] == 0 and m["bytes_written_by_workers"] > 0
     assert server.names(BUCKET, f"throttled/{PARTS_DIR}/") == []
     _same_as(fs, "throttled", small["expected"], tmp_path)
 
 
-def test_an_input_deleted_mid_run_stops_it_with_nothing_published(small, options, fs, server):
+@pytest.mark.usefixtures("ray_gcs")
+def test_an_input_deleted_mid_run_stops_it_with_nothing_published(
+    small, options, fs, server, capsys
+):
     """Deleted when the first part is uploaded (the map pass runs; no input cache, so the
     workers read the store): one line naming the file, no index, no lease, no shard at its
     name but those the manifest records as finished, the rest only hidden parts."""
@@ -307,14 +302,14 @@ def test_an_input_deleted_mid_run_stops_it_with_nothing_published(small, options
     server.intercept = on_first_part
     try:
         argv = _argv(small, out, options, "--input-cache", "off", "--unit-mb", "0.0078125")
-        done = subprocess.run([sys.executable, "-m", "ram_dist.cli", *argv], env=_cli_env(),
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        code = main(argv)
     finally:
         server.intercept = None
         fs.put_file(str(small["tasks"][0] / victim_file), f"{BUCKET}/{victim}")
-    assert fired and done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ram-dist: error: "), done.stderr
+    err = capsys.readouterr().err
+    assert fired and code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ram-dist: error: "), err
     assert f"input gs://{BUCKET}/{victim}: cannot read: no such file" in lines[0]
     names = [n[len("deleted/") :] for n in server.names(BUCKET, "deleted/")]
     assert INDEX_NAME not in names and LEASE_NAME not in names
