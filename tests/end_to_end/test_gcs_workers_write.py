@@ -31,6 +31,7 @@ from ram_dist.api import run_merge
 from ram_dist.cli import main
 from ram_dist.io.lease import LEASE_NAME
 from ram_dist.io.lease.gcs import GcsStore
+from ram_dist.io.sinks.gcs import PART_SUFFIX
 from ram_dist.io.storage import Storage
 from ram_dist.io.verify import verify
 from ram_dist.planning.config import MergeConfig
@@ -157,7 +158,7 @@ def test_killed_mid_shard_resumes_with_its_parts_and_composes_in_levels(
             proc.wait()
     time.sleep(1.0)  # a part the server was still receiving ends either way
     kept = {
-        f"killed/{PARTS_DIR}/{name}/{w['upload_id']}/{int(n):05d}"
+        f"killed/{PARTS_DIR}/{name}/{w['upload_id']}/{int(n):05d}{PART_SUFFIX}"
         for name, w in manifest["writing"].items()
         for n in w["parts"]
     }

@@ -3,11 +3,13 @@
 past `MAX_COMPOSE_SOURCES`), then deletes them.
 
 A shard's parts live at `<output>/.ram-dist-parts/<shard>/<upload id>/<part number, 5
-digits>`, its intermediate composites beside them (`c<level>-<index>`): one prefix a bucket's
-lifecycle rule can clear of what a crashed run left. Each compose names every source at the
-generation its upload returned, and the final one the shard's name at the generation seen
-when the shard was opened (0: none), so bytes that changed since, or a shard another run
-wrote meanwhile, make it fail instead of being published.
+digits>.ram-dist-part`, its intermediate composites beside them (`c<level>-<index>...`): a
+prefix, and a suffix, a bucket's lifecycle rule can clear of what a crashed run left.
+
+Each compose names every source at the generation its upload returned, and the final one
+the shard's name at the generation seen when the shard was opened (0: none), so bytes that
+changed since, or a shard another run wrote meanwhile, make it fail instead of being
+published.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ from ram_dist.io.storage import Storage, join
 
 #: The hidden folder of an output that holds the parts of shards being written.
 PARTS_DIR = ".ram-dist-parts"
+#: How every part object's name ends (a lifecycle rule may match it, bucket-wide).
+PART_SUFFIX = ".ram-dist-part"
 #: The custom metadata key a composed shard carries: the upload it was made from.
 UPLOAD_KEY = "ram-dist-upload"
 
 
 def part_name(prefix: str, number: int) -> str:
-    return f"{prefix}{number:05d}"
+    return f"{prefix}{number:05d}{PART_SUFFIX}"
 
 
 def etag(answer: dict[str, Any]) -> str:
@@ -182,7 +186,7 @@ async def _compose_all(
         groups = [sources[i : i + n] for i in range(0, len(sources), n)]
         sources = list(
             await asyncio.gather(
-                *(one(f"{prefix}c{level}-{i:05d}", g) for i, g in enumerate(groups))
+                *(one(f"{prefix}c{level}-{i:05d}{PART_SUFFIX}", g) for i, g in enumerate(groups))
             )
         )
     try:
