@@ -57,7 +57,11 @@ BACKENDS: dict[str, Backend] = {
         fs_options=s3.fs_options,
         client_errors=("botocore.exceptions:BotoCoreError", "botocore.exceptions:ClientError"),
     ),
-    "gs": Backend(client_errors=("gcsfs.retry:HttpError",)),
+    "gs": Backend(
+        lease="ram_dist.io.lease.gcs:GcsStore",
+        sink="ram_dist.io.sinks.gcs:GcsSink",
+        client_errors=("gcsfs.retry:HttpError",),
+    ),
     "hf": Backend(threaded_reads=True),
     "http": HTTP,
     "https": HTTP,

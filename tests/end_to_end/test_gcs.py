@@ -18,6 +18,7 @@ from s3_server import LOCATION_DEPENDENT, header_read_bytes
 from ram_dist.api import run_merge
 from ram_dist.errors import RamDistError
 from ram_dist.io.storage import Storage
+from ram_dist.io.verify import verify
 
 BUCKET = "ram-dist-gcs-test"
 
@@ -77,9 +78,12 @@ def test_bucket_to_bucket_equals_reference_and_local_merge(models, options, fs, 
     report = _merge(*models["gs"], f"gs://{BUCKET}/out", options)
     m = report["passes"]["map"]
     assert m["units"] > 3  # small units: several, over the workers
-    # GCS takes no parts from several writers here: the driver streams each shard in order.
-    assert m["output_path"] == "through-driver" and "gs://" in m["output_path_reason"]
-    assert m["bytes_written_by_driver"] == m["bytes_written"] > 0
+    # Workers upload their parts; the driver composes them: no shard byte through it.
+    assert m["output_path"] == "direct" and "GCS" in m["output_path_reason"]
+    assert m["bytes_written_by_workers"] == m["bytes_written"] > 0
+    assert m["bytes_written_by_driver"] == 0
+    problems, checked = verify(f"gs://{BUCKET}/out", Storage(options))
+    assert problems == [] and checked > 1  # `ram-dist verify` re-hashes each shard
 
     # Inputs were read from the server as byte ranges only: each header once, then what the
     # passes fetched (the workers' reads, not the node-local input cache's).

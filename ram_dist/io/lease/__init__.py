@@ -18,7 +18,10 @@ How each kind of store makes the claim exclusive:
   create with 412 Precondition Failed); renewed and taken over with `PutObject` `If-Match` the
   ETag last seen, released with `DeleteObject` `If-Match` our ETag. A store that ignores these
   headers (some S3-compatible servers) gives no protection beyond the other checks here.
-- any other fsspec filesystem (gs://, hf://, memory://, ...): best effort only. The record is
+- GCS (gcsfs): an upload with `ifGenerationMatch=0` (the store refuses a second create with
+  412); renewed and taken over by an upload, released by a delete, each `ifGenerationMatch`
+  the generation last seen.
+- any other fsspec filesystem (hf://, memory://, ...): best effort only. The record is
   written when `fs.exists` says there is none, then read back after `SETTLE_S` to check that
   it is ours; two runs starting within the same moment may both believe they hold it, and
   the loser finds out at its next renewal (`OutputLease.lost`).
@@ -29,7 +32,7 @@ their clocks within `STALE_AFTER_S - RENEW_EVERY_S` of each other.
 Storage options are never written into the lease or into a message.
 
 Modules: `output` (the lease, `OutputLease`), `store` (its record and what a store must
-do), one per kind of store (`local`, `s3`, `best_effort`) and `host` (this host's processes).
+do), one per kind of store (`local`, `s3`, `gcs`, `best_effort`) and `host` (this host's processes).
 """
 
 from ram_dist.io.lease.output import (

@@ -1,4 +1,4 @@
-"""The lease on any other fsspec filesystem (gs://, hf://, memory://, ...): best effort
+"""The lease on any other fsspec filesystem (hf://, memory://, ...): best effort
 only, as these stores have no conditional create."""
 
 from __future__ import annotations

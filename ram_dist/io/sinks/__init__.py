@@ -11,7 +11,8 @@ its parts, in order (S3's composite SHA-256 checksum of a multipart object), so 
 without re-reading the shard and `ram-dist verify` can re-check it part by part.
 
 Modules: `base` (what every sink shares, and `choose_sink`), one per kind of store: `s3`
-(multipart uploads), `file` (ranges written in place) and `driver` (the ordered stream).
+(multipart uploads), `gcs` (an object per part, composed), `file` (ranges written in place)
+and `driver` (the ordered stream).
 """
 
 from ram_dist.io.sinks.base import (

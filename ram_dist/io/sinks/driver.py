@@ -67,7 +67,7 @@ class OrderedWriter:
 
 
 class DriverSink(OutputSink):
-    """The fallback for stores workers cannot write a shard's parts to (gs://, hf://, a
+    """The fallback for stores workers cannot write a shard's parts to (hf://, a
     local folder on several nodes): the ordered stream through the driver."""
 
     path = THROUGH_DRIVER
