@@ -148,6 +148,8 @@ def merge(st: Store, run: str, args: argparse.Namespace) -> dict[str, Any]:
         cmd += ["--unit-mb", str(args.unit_mb)]
     if args.workers:
         cmd += ["--workers", str(args.workers)]
+    if args.cache_dir:
+        cmd += ["--cache-dir", str(args.cache_dir)]
     start = time.perf_counter()
     done = subprocess.run(cmd, env={**cli_env, **st.env}, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -184,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--unit-mb", type=float, default=None, help="ram-dist's --unit-mb")
     p.add_argument("--workers", type=int, default=None, help="ram-dist's --workers")
+    p.add_argument(
+        "--cache-dir", type=Path, default=None,
+        help="ram-dist's --cache-dir: a disk with room, so the map pass reads its inputs from "
+        "the node's cache and the runs differ by their output path only",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)

@@ -8,6 +8,7 @@ deleted mid-run stops the job with one line and nothing published.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -17,9 +18,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
 
+import numpy as np
 import pytest
 import torch
 from big_model import build_big_set
@@ -29,9 +32,10 @@ from reference import reference_merge
 
 from ram_dist.api import run_merge
 from ram_dist.cli import main
+from ram_dist.errors import RamDistError
 from ram_dist.io.lease import LEASE_NAME
 from ram_dist.io.lease.gcs import GcsStore
-from ram_dist.io.sinks.gcs import PART_SUFFIX
+from ram_dist.io.sinks.gcs import PART_SUFFIX, GcsSink
 from ram_dist.io.storage import Storage
 from ram_dist.io.verify import verify
 from ram_dist.planning.config import MergeConfig
@@ -193,6 +197,53 @@ def test_killed_mid_shard_resumes_with_its_parts_and_composes_in_levels(
     assert server.names(BUCKET, f"killed/{PARTS_DIR}/") == []  # parts deleted once composed
     _same_as(fs, "killed", big["expected"], tmp_path)
     assert verify(out, Storage(options)) == ([], 3)
+
+
+@dataclass(frozen=True)
+class _Part:
+    shard: str
+    number: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def test_a_part_or_shard_changed_meanwhile_is_not_published(options, fs, server):
+    """The compose's preconditions (each part at the generation its upload returned, the
+    shard's name at the one seen when it was opened): a part replaced after its upload (a
+    stale run's straggler), or a shard another run wrote meanwhile, fails the compose with
+    one message; the shard's name keeps what it held."""
+    storage = Storage(options)
+    sink = GcsSink.choose(f"gs://{BUCKET}/guarded", storage, shared=False, single_node=None)
+    data = np.random.default_rng(0).integers(0, 256, 3 * 1000, dtype=np.uint8)
+
+    def written(name: str):
+        plan = [_Part(name, n, (n - 1) * 1000, n * 1000) for n in (1, 2, 3)]
+        shard = sink.open(name, len(data), plan, None)
+        for p in plan:
+            chunk = data[p.start : p.stop]
+            shard.done[p.number] = shard.target.write(p, chunk, hashlib.sha256(chunk).digest())
+        return shard
+
+    shard = written("a.safetensors")
+    fs.pipe_file(f"{BUCKET}/{shard.target.prefix}{2:05d}{PART_SUFFIX}", data[1000:2000].tobytes())
+    with pytest.raises(RamDistError, match="changed while this run wrote it"):
+        sink.complete(shard)
+    assert not fs.exists(f"{BUCKET}/guarded/a.safetensors")
+
+    shard = written("b.safetensors")
+    fs.pipe_file(f"{BUCKET}/guarded/b.safetensors", b"another run's")
+    with pytest.raises(RamDistError, match="changed while this run wrote it"):
+        sink.complete(shard)
+    assert fs.cat_file(f"{BUCKET}/guarded/b.safetensors") == b"another run's"
+
+    shard = written("c.safetensors")
+    sink.complete(shard)
+    assert fs.cat_file(f"{BUCKET}/guarded/c.safetensors") == data.tobytes()
+    assert server.names(BUCKET, f"guarded/{PARTS_DIR}/c.safetensors/") == []
 
 
 def test_the_lease_is_made_exclusive_by_the_store(options, fs, server):

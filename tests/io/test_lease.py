@@ -1,5 +1,6 @@
-"""The output lease on a local folder and on a real S3 server (moto over HTTP): one writer at
-a time, dead and stale holders taken over, renewals, losing the lease, races."""
+"""The output lease on a local folder, on a real S3 server (moto over HTTP) and on the GCS
+emulator (over HTTP, behind the test server's preconditions): one writer at a time, dead and
+stale holders taken over, renewals, losing the lease, races."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import gcs_server
 import pytest
 from s3_server import bucket_fs, running_server, storage_options
 
@@ -73,6 +75,14 @@ def s3() -> Iterator[dict[str, Any]]:
         yield options
 
 
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[dict[str, Any]]:
+    with gcs_server.running_gcs_server():
+        options = gcs_server.storage_options()
+        gcs_server.bucket_fs(options, BUCKET)
+        yield options
+
+
 def make_location(kind: str, tmp_path: Any, request: pytest.FixtureRequest) -> Location:
     if kind == "local":
         out = str(tmp_path / "merged")
@@ -81,6 +91,10 @@ def make_location(kind: str, tmp_path: Any, request: pytest.FixtureRequest) -> L
         options = request.getfixturevalue("s3")
         out = f"s3://{BUCKET}/{uuid.uuid4().hex}/merged"
         storage = Storage(options)
+    elif kind == "gcs":
+        options = request.getfixturevalue("gcs")
+        out = f"gs://{BUCKET}/{uuid.uuid4().hex}/merged"
+        storage = Storage(options)
     else:
         out = f"memory://lease-{uuid.uuid4().hex}/merged"
         storage = Storage()
@@ -88,7 +102,7 @@ def make_location(kind: str, tmp_path: Any, request: pytest.FixtureRequest) -> L
     return Location(kind, out, storage, fs, path)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "gcs"])
 def loc(request: pytest.FixtureRequest, tmp_path: Any) -> Location:
     return make_location(request.param, tmp_path, request)
 

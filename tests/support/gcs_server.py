@@ -1,7 +1,7 @@
 """A Google Cloud Storage emulator (gcp-storage-emulator) over real HTTP on 127.0.0.1.
 
 The emulator's JSON API handler and in-memory store run in a background thread of the test
-process, behind a plain `http.server` on a free port. gcsfs finds it through
+process, behind a threading `http.server` on a free port. gcsfs finds it through
 `STORAGE_EMULATOR_HOST`, which `running_gcs_server` sets (with the other variables below) for
 its duration, so Ray workers started meanwhile inherit them. Like `s3_server`, the server logs
 the bytes it serves per request: range-read tests count what left the server.
@@ -19,7 +19,7 @@ Two things gcsfs needs to talk to the emulator:
   application-default credentials, then the GCE metadata server, before going anonymous.
 
 What the emulator (gcp-storage-emulator 2026.7) does not do and real GCS does, added here
-around it (`_Handler`), because ram-dist relies on it: the preconditions `ifGenerationMatch`
+around it (`_handler`), because ram-dist relies on it: the preconditions `ifGenerationMatch`
 (0: the object must not exist) on uploads, deletes and compose (the destination's, and each
 source's `objectPreconditions`), answered 412; compose's limit of 32 sources (400); a media
 download at a `generation` that is no longer the live one (404, a bucket without

@@ -32,7 +32,8 @@ their clocks within `STALE_AFTER_S - RENEW_EVERY_S` of each other.
 Storage options are never written into the lease or into a message.
 
 Modules: `output` (the lease, `OutputLease`), `store` (its record and what a store must
-do), one per kind of store (`local`, `s3`, `gcs`, `best_effort`) and `host` (this host's processes).
+do), one per kind of store (`local`, `s3`, `gcs`, `best_effort`) and `host` (this host's
+processes).
 """
 
 from ram_dist.io.lease.output import (
