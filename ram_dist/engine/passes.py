@@ -172,6 +172,7 @@ def _reduce_pass(
     groups = unit_groups(job, min_part_bytes)
     storage, node_of = _placement(job.storage, cache, stats.first_node)
     start = time.perf_counter()
+    stats.timeline.begin()
     method, state = job.method, job.initial_state()
     workers, resources = _cpu_work(job, devices.choice)
     numel = job.numel()
@@ -205,7 +206,7 @@ def _reduce_pass(
             stats.ran([u.index for u in group], node, result.traffic, node_of(group[0]))
             progress.advance(sum(result.bytes_read))
             add_up(result, totals, nonfinite)
-            stats.add(result, units=len(group))
+            stats.add(result, units=len(group), node=node)
         progress.end_pass()
         if nonfinite:
             raise _nonfinite_error(job, nonfinite)
@@ -213,6 +214,7 @@ def _reduce_pass(
             sums = {key: torch.from_numpy(value) for key, value in totals.items()}
             state = method.finalize(round_, sums, job.params, numel, state)
     stats.wall_s = time.perf_counter() - start
+    stats.timeline.end()
     _finish(stats, devices)
     return state, stats
 
@@ -289,6 +291,7 @@ def _map_pass(
     last = cache.for_last_pass() if cache is not None else None
     storage, node_of = _placement(job.storage, last, first_node or {})
     start = time.perf_counter()
+    stats.timeline.begin()
     workers, resources = _cpu_work(job, devices.choice)
     shared = (shipped.layout, storage, job.method, shipped.params, state, work_flags(job))
     units, headers, plan = _parts_of(job, shards, sink.min_part_bytes)
@@ -350,7 +353,7 @@ def _map_pass(
                 first = node_of(units[work.part.units[0]])
                 stats.ran(work.part.units, node, result.traffic, first)
             progress.advance(sum(result.bytes_read))
-            stats.add(result, units=len(work.part.units))
+            stats.add(result, units=len(work.part.units), node=node)
             stats.parts += 1
             receipt = result.receipt
             assert receipt is not None
@@ -371,5 +374,6 @@ def _map_pass(
     stats.bytes_written_by_driver = sink.bytes_written_by_driver
     progress.end_pass(bytes_written=stats.bytes_written)
     stats.wall_s = time.perf_counter() - start
+    stats.timeline.end()
     _finish(stats, devices)
     return stats
