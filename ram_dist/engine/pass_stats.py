@@ -59,6 +59,12 @@ class PassStats:
     """The share of the pass's wall time the GPU workers spent on units (None: none ran)."""
     driver_memory: memory.PeakMemory = field(default_factory=memory.PeakMemory)
     """The driver's own peak during the pass (the process that receives the results)."""
+    backward: bool = False
+    """Whether the pass (its last reduce round) read the units from the last to the first.
+    Each pass reads in the opposite order of the one before it: what the page cache kept of
+    inputs larger than it is the end of the previous pass's reads, where this one begins."""
+    rounds_read: int = 0
+    """Reduce rounds that read (not reported)."""
     timeline: PassTimeline = field(default_factory=PassTimeline)
     """Where the workers' time went (`engine.timeline`), from the tasks' clocks."""
 
@@ -133,6 +139,7 @@ class PassStats:
                 None if self.gpu_busy_share is None else round(self.gpu_busy_share, 4)
             ),
         }
+        out["backward"] = self.backward
         out["timeline"] = self.timeline.as_dict()
         if self.output_path is not None:
             out.update(

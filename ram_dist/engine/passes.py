@@ -191,6 +191,10 @@ def _reduce_pass(
         units = [u for group in items for u in group]
         if not units:
             continue
+        if stats.rounds_read % 2:  # every other round backwards (`PassStats.backward`)
+            items.reverse()
+        stats.backward = bool(stats.rounds_read % 2)
+        stats.rounds_read += 1
         totals: dict[str, np.ndarray] = {}
         nonfinite: dict[str, list[int]] = {}
         shared = (shipped.layout, storage, method, shipped.params, state, round_, checking,
@@ -257,6 +261,7 @@ def map_pass(
     pin_to: str | None = None,
     shipped: Shipped | None = None,
     devices: Devices | None = None,
+    backward: bool = False,
 ) -> PassStats:
     """Merge `shards` part by part, results taken as they finish: each task writes its part
     through the `sink`'s target (or sends it back, through the driver), and each shard is
@@ -265,11 +270,12 @@ def map_pass(
     part runs on its first unit's `first_node` (while that node lives) and removes what it
     reads from the cache there; with `pin_to`, every part runs on that node. `shipped`: the
     job's layout and parameters, already in the object store; `devices`: the job's (else
-    this pass's own)."""
+    this pass's own). `backward`: the last shard's last part first (`PassStats.backward`)."""
     with _devices(job, cluster, devices) as on:
         return _map_pass(
-            job, on, state, shards, sink, book, progress, cache, first_node, pin_to, shipped
-        )
+            job, on, state, shards, sink, book, progress, cache, first_node, pin_to, shipped,
+            backward,
+        )  # fmt: skip
 
 
 def _map_pass(
@@ -284,10 +290,11 @@ def _map_pass(
     first_node: dict[int, str] | None,
     pin_to: str | None,
     shipped: Shipped | None,
+    backward: bool,
 ) -> PassStats:
     assert job.out is not None
     shipped = shipped or Shipped.of(job)
-    stats = PassStats(output_path=sink.path, output_path_reason=sink.reason)
+    stats = PassStats(output_path=sink.path, output_path_reason=sink.reason, backward=backward)
     last = cache.for_last_pass() if cache is not None else None
     storage, node_of = _placement(job.storage, last, first_node or {})
     start = time.perf_counter()
@@ -323,12 +330,12 @@ def _map_pass(
         progress.event("shard_written", shard=shard.name, bytes=shard.size, digest=digest)
 
     def parts_to_make() -> Iterator[PartWork]:
-        for name in shards:
+        for name in reversed(shards) if backward else shards:
             size = plan[name][-1].stop
             shard = sink.open(name, size, plan[name], book.manifest.writing.get(name))
             opened[name] = shard
             book.opened(shard, plan[name])
-            for part in plan[name]:
+            for part in reversed(plan[name]) if backward else plan[name]:
                 if part.number in shard.done:
                     progress.advance(read_bytes(part))
                     stats.parts_reused += 1
