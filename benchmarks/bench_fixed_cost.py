@@ -36,10 +36,12 @@ BARE_RAY = (
 )
 
 
-def timed(argv: list[str], env: dict[str, str] | None = None) -> float:
-    """Seconds from start to exit of `argv`; raise if it fails."""
+def timed(argv: list[str], env: dict[str, str], cwd: Path) -> float:
+    """Seconds from start to exit of `argv`, run in `cwd` (not the caller's folder, where
+    `python -m` would find the checkout before a `PYTHONPATH` given with `--cli`); raise if
+    it fails."""
     start = time.perf_counter()
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, check=False)
     took = time.perf_counter() - start
     if done.returncode:
         raise RuntimeError(f"{argv[:4]} failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -54,7 +56,7 @@ def merge_sample(cli: list[str], env: dict[str, str], base: str, tasks: list[str
     argv = [*cli, "merge", "--base", base, "--out", str(out), "--method", "ram_plus"]
     for task in tasks:
         argv += ["--task", task]
-    wall = timed(argv, env)
+    wall = timed(argv, env, out.parent)
     report = json.loads((out / "merge_report.json").read_text())
     passes = report["passes"]
     sample: dict[str, Any] = {"wall_s": wall}
@@ -88,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             first_ray = round_ % 2 == 0
             for what in ("ray", "merge") if first_ray else ("merge", "ray"):
                 if what == "ray":
-                    took = timed([sys.executable, "-c", BARE_RAY], env)
+                    took = timed([sys.executable, "-c", BARE_RAY], env, work)
                     if round_:
                         ray_s.append(took)
                 else:
