@@ -61,8 +61,10 @@ class PassStats:
     """The driver's own peak during the pass (the process that receives the results)."""
     backward: bool = False
     """Whether the pass (its last reduce round) read the units from the last to the first.
-    Each pass reads in the opposite order of the one before it: what the page cache kept of
-    inputs larger than it is the end of the previous pass's reads, where this one begins."""
+    Each pass reads in the opposite order of the one before it, the first backwards: what
+    the page cache keeps of inputs larger than it is the end of what was read last, where
+    the next pass begins (before the first, the inputs were most likely written or read
+    front to back: downloaded, copied, checked)."""
     rounds_read: int = 0
     """Reduce rounds that read (not reported)."""
     timeline: PassTimeline = field(default_factory=PassTimeline)

@@ -191,9 +191,9 @@ def _reduce_pass(
         units = [u for group in items for u in group]
         if not units:
             continue
-        if stats.rounds_read % 2:  # every other round backwards (`PassStats.backward`)
+        stats.backward = stats.rounds_read % 2 == 0  # the first backwards (`PassStats.backward`)
+        if stats.backward:
             items.reverse()
-        stats.backward = bool(stats.rounds_read % 2)
         stats.rounds_read += 1
         totals: dict[str, np.ndarray] = {}
         nonfinite: dict[str, list[int]] = {}
