@@ -8,7 +8,6 @@ torch is loaded where the eager rule or a GPU runs, the first time it does."""
 
 from __future__ import annotations
 
-import collections
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ from ram_dist import kernels
 from ram_dist.engine.worker import WorkScope
 from ram_dist.io.storage import Storage
 from ram_dist.planning.layout import Layout, TensorEntry
-from ram_dist.planning.sizing import COMPUTE_BLOCK, READ_SLOTS
+from ram_dist.planning.sizing import COMPUTE_BLOCK
 from ram_dist.planning.sources import Range, TensorSource, same_as_base
 from ram_dist.planning.units import Piece
 
@@ -81,7 +80,7 @@ class Block:
 class BlockInputs:
     """One block's inputs as read (base first; only the base for a tensor that is copied):
     each input's bytes, as a byte array over the read buffer, and its safetensors dtype. The
-    arrays are valid until the caller asks for the block after it (`stream_blocks`)."""
+    arrays are valid until the block after the next is read."""
 
     raw: tuple[np.ndarray, ...]
     dtypes: tuple[str, ...]
@@ -151,10 +150,6 @@ def _groups(blocks: list[Block], pieces: tuple[Piece, ...], layout: Layout) -> l
     return groups
 
 
-#: Groups of blocks read ahead of the one computed (each in a slot of its own).
-READ_AHEAD = READ_SLOTS - 1
-
-
 def stream_blocks(
     pieces: tuple[Piece, ...],
     layout: Layout,
@@ -164,11 +159,10 @@ def stream_blocks(
     pinned: bool = False,
 ) -> Iterator[tuple[Block, BlockInputs]]:
     """Each compute block of `pieces` with its inputs, in order. A thread reads the next
-    `READ_AHEAD` groups of blocks (`_groups`: small tensors together, in one `read_ranges`
-    call) while the caller computes this one's (reads and the fused kernels release the
-    GIL), each into one of the scope's `READ_SLOTS` read buffers: a block's inputs are valid
-    until the caller asks for the block after it. `bytes_read[i]` grows by what is read from
-    input i; the scope's clock, by the time spent reading, waiting and computing."""
+    group of blocks (`_groups`: small tensors together, in one `read_ranges` call) while the
+    caller computes this one's (reads and the fused kernels release the GIL), into one of
+    the scope's two read buffers: a block's inputs are valid until the caller asks for the
+    block after it. `bytes_read[i]` grows by what is read from input i."""
     blocks = [
         Block(p, lo, hi)
         for p, piece in enumerate(pieces)
@@ -219,7 +213,7 @@ def stream_blocks(
 
     def read(g: int) -> list[BlockInputs]:
         if len(groups[g]) == 1:
-            return [read_one(groups[g][0], g % READ_SLOTS)]
+            return [read_one(groups[g][0], g % 2)]
         requests: list[tuple[str, int, int]] = []
         dtypes: list[tuple[str, ...]] = []
         for block in (blocks[k] for k in groups[g]):
@@ -232,9 +226,7 @@ def stream_blocks(
             same = same_as_base(sources)
             requests += [s.ranges(lo, hi)[0] for i, s in enumerate(sources) if not same[i]]
             dtypes.append((tuple(s.dtype for s in sources), tuple(same)))
-        arrays = scope.reads.views(
-            g % READ_SLOTS, [end - start for _, start, end in requests], pinned
-        )
+        arrays = scope.reads.views(g % 2, [end - start for _, start, end in requests], pinned)
         storage.read_ranges(requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic)
         out, at = [], 0
         for types, same in dtypes:
@@ -257,14 +249,12 @@ def stream_blocks(
         return
     clock = scope.clock
     with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-read") as reader:
-        ahead = collections.deque(
-            [reader.submit(timed_read, g) for g in range(min(READ_AHEAD, len(groups)))]
-        )
+        ahead = reader.submit(timed_read, 0)
         for g, group in enumerate(groups):
             with clock.timing("read_wait_s"):
-                inputs = ahead.popleft().result()
-            if g + READ_AHEAD < len(groups):  # into the slot of the block before this one
-                ahead.append(reader.submit(timed_read, g + READ_AHEAD))
+                inputs = ahead.result()
+            if g + 1 < len(groups):
+                ahead = reader.submit(timed_read, g + 1)
             scope.memory.note()
             for k, block_inputs in zip(group, inputs, strict=True):
                 with clock.timing("compute_s"):

@@ -21,7 +21,6 @@ from ram_dist import kernels
 from ram_dist.engine.memory import PeakMemory
 from ram_dist.engine.timeline import TaskClock
 from ram_dist.io.range_cache import Traffic
-from ram_dist.planning.sizing import READ_SLOTS
 
 
 def given_gpus() -> tuple[str, ...] | None:
@@ -86,7 +85,7 @@ def warm_up() -> None:
 
 
 class _ReadBuffers:
-    """`READ_SLOTS` reusable read buffers (the block being computed, those read ahead): fresh
+    """Two reusable read buffers (the block being computed and the one being read): fresh
     memory would be faulted in, and zeroed by the kernel, for every block, which costs as
     much as the copy out of the page cache. For a GPU task they are pinned (torch), so that
     copies to the device can run asynchronously."""
@@ -94,8 +93,8 @@ class _ReadBuffers:
     ALIGN = 64
 
     def __init__(self) -> None:
-        self._slots: list[np.ndarray] = [np.empty(0, dtype=np.uint8)] * READ_SLOTS
-        self._pinned = [False] * READ_SLOTS
+        self._slots: list[np.ndarray] = [np.empty(0, dtype=np.uint8)] * 2
+        self._pinned = [False, False]
         self._floats: dict[tuple[int, int], np.ndarray] = {}
 
     def floats(self, key: tuple[int, int], size: int) -> np.ndarray:

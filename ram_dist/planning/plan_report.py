@@ -17,7 +17,7 @@ from ram_dist.planning.input_cache import cache_report, choose_input_cache
 from ram_dist.planning.job import Job
 from ram_dist.planning.layout import unit_out_bytes
 from ram_dist.planning.output_state import check_writable, open_output, output_sink_for
-from ram_dist.planning.sizing import COMPUTE_BLOCK, READ_SLOTS, machine
+from ram_dist.planning.sizing import COMPUTE_BLOCK, machine
 from ram_dist.settings import ray_address
 
 #: How `plan` says what `--device` would do on a cluster it cannot see.
@@ -94,7 +94,7 @@ def plan_report(job: Job, connected: ConnectedCluster | None) -> dict[str, Any]:
 
 
 def worker_memory(job: Job) -> int:
-    """The data a worker holds at once, at most: `READ_SLOTS` read blocks (`COMPUTE_BLOCK`
+    """The data a worker holds at once, at most: two read blocks (at most `COMPUTE_BLOCK`
     elements of every input, an FP8 input's also dequantized), its unit's merged bytes, and
     float temporaries of one block on the eager path."""
     units = job.units
@@ -104,7 +104,7 @@ def worker_memory(job: Job) -> int:
         (s.itemsize + (itemsize(s.values_dtype) if s.decoded else 0)
          for e in job.layout.tensors.values() for s in e.sources), default=1,
     )  # fmt: skip
-    blocks = min(READ_SLOTS * COMPUTE_BLOCK * widest * (len(job.tasks) + 1), READ_SLOTS * largest)
+    blocks = min(2 * COMPUTE_BLOCK * widest * (len(job.tasks) + 1), 2 * largest)
     temporaries = min(COMPUTE_BLOCK, largest) * 8 * (len(job.tasks) + 4)
     return blocks + out_bytes + temporaries
 

@@ -1,7 +1,7 @@
 """Default work-unit size from the machine or cluster: its cores and memory.
 
-A worker streams its unit through `READ_SLOTS` read buffers of one compute block per input
-(about `COMPUTE_BLOCK` elements each, whatever the unit size), so the unit size bounds only the
+A worker streams its unit through two read buffers of one compute block per input (about
+`COMPUTE_BLOCK` elements each, whatever the unit size), so the unit size bounds only the
 merged bytes a worker holds (in its output buffer until it writes them to the output; where
 the output takes no parts from workers, in Ray's object store until the driver writes them)
 and sets how finely the work is spread: units much larger than a model's share per core
@@ -19,10 +19,6 @@ MIB = 2**20
 #: Elements a worker computes at once (a compute block); bounds its read buffers and float
 #: temporaries (about 40 bytes each), whatever the unit size.
 COMPUTE_BLOCK = 1 << 22
-#: Read buffers of a worker: the block being computed and the blocks read ahead of it (two: a
-#: read that takes longer than its block's compute, then a shorter one, still keeps the
-#: reader busy, where one ahead would leave it idle while the slow block is computed).
-READ_SLOTS = 3
 
 
 def machine() -> tuple[int, int]:
