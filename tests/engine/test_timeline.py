@@ -1,7 +1,8 @@
 """The passes' timeline in merge_report.json (engine/timeline.py): the gaps between a worker's
 tasks, worked out by hand; and a real merge on a real local Ray, whose timeline adds up
 (per worker and in total, against the pass's wall time), counts the pass's units and tasks,
-and shows the reads, hashes and writes it made. No assertion about speed.
+and shows the reads, hashes and writes it made; the passes read in turn backwards and
+forwards. No assertion about speed.
 """
 
 from __future__ import annotations
@@ -112,3 +113,9 @@ def test_the_text_report_has_a_line_per_pass(merged):
         assert f"{name} time: {line}" in text
         workers = report["passes"][name]["timeline"]["total"]["workers"]
         assert line.startswith(f"{workers} worker(s) computing ")
+
+
+def test_the_first_pass_reads_backwards_and_the_next_forwards(merged):
+    passes = merged["report"]["passes"]
+    assert passes["reduce"]["backward"] is True
+    assert passes["map"]["backward"] is False
