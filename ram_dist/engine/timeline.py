@@ -9,9 +9,9 @@ the computing thread, so `read_s`, `hash_s` and `write_s` overlap the rest; what
 computing thread spends is split into `read_wait_s` (blocked on a read not yet done),
 `compute_s` (between one block's inputs and the next request), `write_wait_s` (blocked on
 writes still queued at the task's end) and `other_s` (the rest of the task: its setup,
-statistics, the result). Between tasks, a worker
-is `idle_s`: waiting for Ray to hand it the next one. Times of day (`time.time`) mark a
-task's start and end, so that the driver can place tasks of several processes on one line.
+statistics, the result). Between tasks, a worker is `idle_s`: waiting for Ray to hand it
+the next one. Times of day (`time.time`) mark a task's start and end, so that the driver can
+place tasks of several processes on one line.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ PHASES = ("read_s", "read_wait_s", "compute_s", "hash_s", "write_s", "write_wait
 
 
 class TaskClock:
-    """The seconds one task spent in each phase (`PHASES`), and when it started. Each phase
-    is added to by one thread only (the reader, the writer, or the computing thread)."""
+    """The seconds one task spent in each phase (`PHASES`), and when it started. A phase is
+    never added to by two threads at once (the reader's, the output thread's, or the
+    computing thread's, which writes a whole part only once the output thread is done)."""
 
     def __init__(self) -> None:
         self.started = time.time()
