@@ -241,17 +241,24 @@ def stream_blocks(
             out.append(BlockInputs(tuple(raw), types))
         return out
 
+    def timed_read(g: int) -> list[BlockInputs]:
+        with clock.timing("read_s"):
+            return read(g)
+
     if not blocks:
         return
+    clock = scope.clock
     with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-read") as reader:
-        ahead = reader.submit(read, 0)
+        ahead = reader.submit(timed_read, 0)
         for g, group in enumerate(groups):
-            inputs = ahead.result()
+            with clock.timing("read_wait_s"):
+                inputs = ahead.result()
             if g + 1 < len(groups):
-                ahead = reader.submit(read, g + 1)
+                ahead = reader.submit(timed_read, g + 1)
             scope.memory.note()
             for k, block_inputs in zip(group, inputs, strict=True):
-                yield blocks[k], block_inputs
+                with clock.timing("compute_s"):
+                    yield blocks[k], block_inputs
 
 
 def _decoded(

@@ -219,9 +219,10 @@ def _merge_held(
         manifest.writing.pop(shard, None)
     todo = [s for s in manifest.shard_names if s not in done]
     book = ShardBook(manifest, lambda: save_manifest(job.out, manifest, job.storage), still_ours)
+    backward = bool(measured) and not measured[0].backward  # against the last reduce round
     map_stats = map_pass(
         job, cluster, method_state, todo, sink, book, progress, cache, first_node, pin_to,
-        shipped, devices,
+        shipped, devices, backward,
     )  # fmt: skip
     measured.append(map_stats)
     ran = {"reduce": measured[0], "map": map_stats} if len(measured) == 2 else {"map": map_stats}

@@ -87,6 +87,7 @@ def _map_part(
     fused_elements = 0
     scale_rows: ScaleRows = {}
     queued: list[Future[None]] = []
+    clock = scope.clock
     with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-sha256") as behind:
         handed = [0]  # bytes of the part handed to the thread so far
 
@@ -101,10 +102,18 @@ def _map_part(
             while queued and queued[0].done():
                 queued.pop(0).result()
             view = data[lo:hi]
-            queued.append(behind.submit(digest.update, view))
+            queued.append(behind.submit(hash_of, view))
             if target.streams:
-                queued.append(behind.submit(target.write_at, part.start + lo, view))
+                queued.append(behind.submit(write_at, part.start + lo, view))
             handed[0] = hi
+
+        def hash_of(view: np.ndarray) -> None:
+            with clock.timing("hash_s"):
+                digest.update(view)
+
+        def write_at(offset: int, view: np.ndarray) -> None:
+            with clock.timing("write_s"):
+                target.write_at(offset, view)
 
         made(at)
         for unit in work.units:
@@ -117,16 +126,19 @@ def _map_part(
             )  # fmt: skip
             at += size
         made(at, last=True)
-    for step in queued:
-        step.result()
+        with clock.timing("write_wait_s"):
+            for step in queued:
+                step.result()
     if at != part.size:
         raise RuntimeError(f"{work.target.url}: part {part.number} made {at} bytes, "
                            f"expected {part.size}")  # fmt: skip
-    receipt = target.write(part, data, digest.digest())
+    with clock.timing("write_wait_s"), clock.timing("write_s"):
+        receipt = target.write(part, data, digest.digest())
     return UnitResult(
         part.units[0] if part.units else -1, None, None, tuple(bytes_read), peak_rss(),
         fused_elements=fused_elements, peak_private_bytes=scope.memory.note(),
-        receipt=receipt, traffic=scope.traffic.total(), **ran_by(),
+        receipt=receipt, traffic=scope.traffic.total(),
+        times=clock.times(len(work.units)), **ran_by(),
     )  # fmt: skip
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ram_dist.engine import memory
+from ram_dist.engine.timeline import PassTimeline
 from ram_dist.engine.unit_results import UnitResult
 from ram_dist.io.range_cache import CacheTraffic
 
@@ -58,6 +59,16 @@ class PassStats:
     """The share of the pass's wall time the GPU workers spent on units (None: none ran)."""
     driver_memory: memory.PeakMemory = field(default_factory=memory.PeakMemory)
     """The driver's own peak during the pass (the process that receives the results)."""
+    backward: bool = False
+    """Whether the pass (its last reduce round) read the units from the last to the first.
+    Each pass reads in the opposite order of the one before it, the first backwards: what
+    the page cache keeps of inputs larger than it is the end of what was read last, where
+    the next pass begins (before the first, the inputs were most likely written or read
+    front to back: downloaded, copied, checked)."""
+    rounds_read: int = 0
+    """Reduce rounds that read (not reported)."""
+    timeline: PassTimeline = field(default_factory=PassTimeline)
+    """Where the workers' time went (`engine.timeline`), from the tasks' clocks."""
 
     def ran(
         self, indices: Sequence[int], node: str, traffic: CacheTraffic, sent_to: str | None
@@ -73,8 +84,12 @@ class PassStats:
             self.units_sent_back += len(indices)
             self.units_ran_there += len(indices) * (node == sent_to)
 
-    def add(self, result: UnitResult, units: int = 1) -> None:
+    def add(self, result: UnitResult, units: int = 1, node: str = "") -> None:
         bytes_read = result.bytes_read
+        times = result.times
+        if times is not None and result.worker:
+            thread = f"/{times.thread}" if times.thread else ""
+            self.timeline.add(result.worker + thread, node, times)
         self.units += units
         self.work_items += 1
         self.work_retried += result.attempt > 0
@@ -126,6 +141,8 @@ class PassStats:
                 None if self.gpu_busy_share is None else round(self.gpu_busy_share, 4)
             ),
         }
+        out["backward"] = self.backward
+        out["timeline"] = self.timeline.as_dict()
         if self.output_path is not None:
             out.update(
                 {

@@ -172,6 +172,7 @@ def _reduce_pass(
     groups = unit_groups(job, min_part_bytes)
     storage, node_of = _placement(job.storage, cache, stats.first_node)
     start = time.perf_counter()
+    stats.timeline.begin()
     method, state = job.method, job.initial_state()
     workers, resources = _cpu_work(job, devices.choice)
     numel = job.numel()
@@ -190,6 +191,10 @@ def _reduce_pass(
         units = [u for group in items for u in group]
         if not units:
             continue
+        stats.backward = stats.rounds_read % 2 == 0  # the first backwards (`PassStats.backward`)
+        if stats.backward:
+            items.reverse()
+        stats.rounds_read += 1
         totals: dict[str, np.ndarray] = {}
         nonfinite: dict[str, list[int]] = {}
         shared = (shipped.layout, storage, method, shipped.params, state, round_, checking,
@@ -205,7 +210,7 @@ def _reduce_pass(
             stats.ran([u.index for u in group], node, result.traffic, node_of(group[0]))
             progress.advance(sum(result.bytes_read))
             add_up(result, totals, nonfinite)
-            stats.add(result, units=len(group))
+            stats.add(result, units=len(group), node=node)
         progress.end_pass()
         if nonfinite:
             raise _nonfinite_error(job, nonfinite)
@@ -213,6 +218,7 @@ def _reduce_pass(
             sums = {key: torch.from_numpy(value) for key, value in totals.items()}
             state = method.finalize(round_, sums, job.params, numel, state)
     stats.wall_s = time.perf_counter() - start
+    stats.timeline.end()
     _finish(stats, devices)
     return state, stats
 
@@ -255,6 +261,7 @@ def map_pass(
     pin_to: str | None = None,
     shipped: Shipped | None = None,
     devices: Devices | None = None,
+    backward: bool = False,
 ) -> PassStats:
     """Merge `shards` part by part, results taken as they finish: each task writes its part
     through the `sink`'s target (or sends it back, through the driver), and each shard is
@@ -263,11 +270,12 @@ def map_pass(
     part runs on its first unit's `first_node` (while that node lives) and removes what it
     reads from the cache there; with `pin_to`, every part runs on that node. `shipped`: the
     job's layout and parameters, already in the object store; `devices`: the job's (else
-    this pass's own)."""
+    this pass's own). `backward`: the last shard's last part first (`PassStats.backward`)."""
     with _devices(job, cluster, devices) as on:
         return _map_pass(
-            job, on, state, shards, sink, book, progress, cache, first_node, pin_to, shipped
-        )
+            job, on, state, shards, sink, book, progress, cache, first_node, pin_to, shipped,
+            backward,
+        )  # fmt: skip
 
 
 def _map_pass(
@@ -282,13 +290,15 @@ def _map_pass(
     first_node: dict[int, str] | None,
     pin_to: str | None,
     shipped: Shipped | None,
+    backward: bool,
 ) -> PassStats:
     assert job.out is not None
     shipped = shipped or Shipped.of(job)
-    stats = PassStats(output_path=sink.path, output_path_reason=sink.reason)
+    stats = PassStats(output_path=sink.path, output_path_reason=sink.reason, backward=backward)
     last = cache.for_last_pass() if cache is not None else None
     storage, node_of = _placement(job.storage, last, first_node or {})
     start = time.perf_counter()
+    stats.timeline.begin()
     workers, resources = _cpu_work(job, devices.choice)
     shared = (shipped.layout, storage, job.method, shipped.params, state, work_flags(job))
     units, headers, plan = _parts_of(job, shards, sink.min_part_bytes)
@@ -320,12 +330,12 @@ def _map_pass(
         progress.event("shard_written", shard=shard.name, bytes=shard.size, digest=digest)
 
     def parts_to_make() -> Iterator[PartWork]:
-        for name in shards:
+        for name in reversed(shards) if backward else shards:
             size = plan[name][-1].stop
             shard = sink.open(name, size, plan[name], book.manifest.writing.get(name))
             opened[name] = shard
             book.opened(shard, plan[name])
-            for part in plan[name]:
+            for part in reversed(plan[name]) if backward else plan[name]:
                 if part.number in shard.done:
                     progress.advance(read_bytes(part))
                     stats.parts_reused += 1
@@ -350,7 +360,7 @@ def _map_pass(
                 first = node_of(units[work.part.units[0]])
                 stats.ran(work.part.units, node, result.traffic, first)
             progress.advance(sum(result.bytes_read))
-            stats.add(result, units=len(work.part.units))
+            stats.add(result, units=len(work.part.units), node=node)
             stats.parts += 1
             receipt = result.receipt
             assert receipt is not None
@@ -371,5 +381,6 @@ def _map_pass(
     stats.bytes_written_by_driver = sink.bytes_written_by_driver
     progress.end_pass(bytes_written=stats.bytes_written)
     stats.wall_s = time.perf_counter() - start
+    stats.timeline.end()
     _finish(stats, devices)
     return stats

@@ -150,6 +150,7 @@ def reduce_group(
             nonfinite or None,
             peak_private_bytes=scope.memory.note(),
             traffic=scope.traffic.total(),
+            times=scope.clock.times(len(units)),
             **ran_by(),
         )
 

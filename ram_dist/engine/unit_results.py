@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ram_dist.engine.timeline import TaskTimes
 from ram_dist.io.range_cache import CacheTraffic
 from ram_dist.io.sinks import PartReceipt
 
@@ -40,6 +41,8 @@ class UnitResult:
     or node died) and Ray ran it again."""
     traffic: CacheTraffic = field(default_factory=CacheTraffic)
     """Bytes the task read from this node's input cache and wrote to it."""
+    times: TaskTimes | None = None
+    """When the task ran and where its time went (`engine.timeline`)."""
 
 
 class Statistics(dict[str, np.ndarray]):

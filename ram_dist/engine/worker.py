@@ -19,6 +19,7 @@ import ray
 
 from ram_dist import kernels
 from ram_dist.engine.memory import PeakMemory
+from ram_dist.engine.timeline import TaskClock
 from ram_dist.io.range_cache import Traffic
 
 
@@ -153,12 +154,14 @@ class _OutputBuffer:
 @dataclass
 class WorkScope:
     """What one task uses of its worker's context: the reused buffers, the process's
-    peak-memory sampler, and the task's own input-cache traffic counters."""
+    peak-memory sampler, the task's own input-cache traffic counters and its clock (the
+    pass's timeline)."""
 
     reads: _ReadBuffers
     output: _OutputBuffer
     memory: PeakMemory
     traffic: Traffic
+    clock: TaskClock
 
 
 class WorkerContext:
@@ -184,7 +187,7 @@ class WorkerContext:
             raise RuntimeError("a worker context runs one task at a time")
         try:
             with _collector_paused():
-                yield WorkScope(self._reads, self._output, self._memory, Traffic())
+                yield WorkScope(self._reads, self._output, self._memory, Traffic(), TaskClock())
         finally:
             self._busy.release()
 

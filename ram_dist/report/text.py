@@ -89,6 +89,11 @@ def format_merge(report: dict[str, Any], out: str) -> str:
         ]
         if ran:
             lines.append("; ".join(ran))
+        lines += [
+            f"{name} time: {timeline_line(p['timeline'])}"
+            for name, p in passes.items()
+            if (p.get("timeline") or {}).get("total", {}).get("workers")
+        ]
     reused = f", {len(output['shards_reused'])} shard(s) reused" if output["shards_reused"] else ""
     reduce = "skipped" if passes["reduce"].get("skipped") else f"{passes['reduce']['wall_s']:.2f} s"
     lines.append(
@@ -97,6 +102,25 @@ def format_merge(report: dict[str, Any], out: str) -> str:
         f"{reused}; output path: {passes['map'].get('output_path', 'none')})"
     )
     return "\n".join(lines)
+
+
+def timeline_line(timeline: dict[str, Any]) -> str:
+    """A pass's timeline in one line: the workers' time as shares of what they had (the
+    pass's wall time, times the workers), then the read and write threads' seconds."""
+    total = timeline["total"]
+    capacity = timeline["wall_s"] * total["workers"]
+
+    def share(*keys: str) -> str:
+        return f"{100 * sum(total[k] for k in keys) / capacity:.0f}%" if capacity > 0 else "-"
+
+    return (
+        f"{total['workers']} worker(s) computing {share('compute_s')}, waiting for reads "
+        f"{share('read_wait_s')}, for writes {share('write_wait_s')}, other in tasks "
+        f"{share('other_s')}, between tasks {share('idle_s')}, before the first or after "
+        f"the last {share('before_first_s', 'after_last_s')}; threads: reading "
+        f"{total['read_s']:.2f} s, hashing {total['hash_s']:.2f} s, writing "
+        f"{total['write_s']:.2f} s"
+    )
 
 
 def _baseline_summary(report: dict[str, Any]) -> str:
