@@ -1,7 +1,8 @@
 """Reading a unit's inputs, block by block: the byte ranges of every input a piece needs,
 read into reused buffers by a thread while the caller computes the block before (small
-tensors grouped into one request), each input's values decoded on the way as its source
-says (`planning.sources`: FP8 blocks dequantized). Runs on Ray workers.
+tensors grouped into one request), each input's values decoded as its source says
+(`planning.sources`: FP8 blocks dequantized) when they are asked for: a fused kernel that
+reads an input as stored (RAM's, on FP8) never has it decoded. Runs on Ray workers.
 
 A CPU worker on the fused path never imports torch: the kernels read the numpy arrays;
 torch is loaded where the eager rule or a GPU runs, the first time it does."""

@@ -1,6 +1,8 @@
 """A map task: merge an output part's units into the worker's reused output buffer, in each
 tensor's output dtype as raw little-endian bytes (FP8 weights requantized, with their new
-scales), hash them and hand them to the part's target. Runs on Ray workers."""
+scales: by the method's fused kernel in the same sweep where it writes FP8, else merged to
+float32 and requantized here), hash them and hand them to the part's target. Runs on Ray
+workers."""
 
 from __future__ import annotations
 
