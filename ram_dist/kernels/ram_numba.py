@@ -18,6 +18,12 @@ Design (measured):
   combination with the tasks unrolled inside, measured 2.3x slower: it does not vectorize.
   Widening whole chunks to float32 first would add 4 bytes of memory traffic per input
   element for nothing.
+- FP8 inputs (`fp8.Fp8Values`: e4m3 bytes and block scales) are loaded the same way, each
+  value computed as the spec defines it (`primitives.load_span`), so no float32 copy of an
+  FP8 input is made; `merge_ram_fp8` writes FP8 output in the same sweep, a band at a time:
+  the band's merged float32 values tile by tile (each block's amax, and whether it is the
+  base's values bit for bit, gathered while the tile is in cache), then its scales and e4m3
+  bytes (`fp8.requantize`'s rule; an unchanged block keeps the base's bytes).
 - Arithmetic is op for op the eager one, in float32: `tau = x_t - b`, `|tau| > float32(eps)`,
   `total = total + where(m, tau, 0)` in task order, `lambda * total` when one task is active,
   `total / float32(c)` otherwise, then `b + merged`; `c == 0` keeps `b`. No fastmath, so LLVM
