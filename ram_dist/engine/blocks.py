@@ -1,7 +1,8 @@
 """Reading a unit's inputs, block by block: the byte ranges of every input a piece needs,
 read into reused buffers by a thread while the caller computes the block before (small
-tensors grouped into one request), each input's values decoded on the way as its source
-says (`planning.sources`: FP8 blocks dequantized). Runs on Ray workers.
+tensors grouped into one request), each input's values decoded as its source says
+(`planning.sources`: FP8 blocks dequantized) when they are asked for: a fused kernel that
+reads an input as stored (RAM's, on FP8) never has it decoded. Runs on Ray workers.
 
 A CPU worker on the fused path never imports torch: the kernels read the numpy arrays;
 torch is loaded where the eager rule or a GPU runs, the first time it does."""
@@ -12,7 +13,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -76,22 +77,60 @@ class Block:
     hi: int
 
 
-@dataclass(frozen=True)
 class BlockInputs:
     """One block's inputs as read (base first; only the base for a tensor that is copied):
-    each input's bytes, as a byte array over the read buffer, and its safetensors dtype. The
-    arrays are valid until the block after the next is read."""
+    each input's values, as a byte array over the read buffer, and their safetensors dtype.
+    The arrays are valid until the block after the next is read.
 
-    raw: tuple[np.ndarray, ...]
-    dtypes: tuple[str, ...]
-    stored: tuple[tuple[np.ndarray, ...] | None, ...] = ()
-    """Per input whose values were decoded (`TensorSource.decoded`): the arrays read for it
-    (an FP8 input's e4m3 bytes and raw scale bytes), `raw` holding its values; None for any
-    other input."""
+    An input whose values are decoded (`TensorSource.decoded`) and that a kernel can read
+    in its stored form (`TensorSource.encoded`: an FP8 input's e4m3 bytes and scales) is
+    decoded only when its values are asked for (`raw`, `tensors`, `arrays()`): a fused
+    kernel that reads the stored form (`arrays(encoded=True)`) never makes the float32
+    copy."""
 
-    def arrays(self) -> list[np.ndarray]:
-        """The inputs as the fused kernels read them (`ram_dist.kernels.READS`)."""
-        return [r.view(kernels.READS[d]) for r, d in zip(self.raw, self.dtypes, strict=True)]
+    __slots__ = ("_decode", "_raw", "dtypes", "encoded", "stored")
+
+    def __init__(
+        self,
+        raw: Sequence[np.ndarray | None],
+        dtypes: tuple[str, ...],
+        stored: tuple[tuple[np.ndarray, ...] | None, ...] = (),
+        encoded: tuple[object | None, ...] = (),
+        decode: Sequence[Callable[[], np.ndarray] | None] = (),
+    ) -> None:
+        self._raw = raw if isinstance(raw, list) else list(raw)
+        self.dtypes = dtypes
+        self.stored = stored
+        """Per input whose values are decoded: the arrays read for it (an FP8 input's e4m3
+        bytes and raw scale bytes); None for any other input. Empty when none is."""
+        self.encoded = encoded
+        """Per input: its stored form as a kernel reads it (`TensorSource.encoded`), or
+        None. Empty when no input has one."""
+        self._decode = decode
+
+    @property
+    def raw(self) -> tuple[np.ndarray, ...]:
+        """Every input's values as bytes (decoding those not decoded yet)."""
+        return tuple(self.value(i) for i in range(len(self._raw)))
+
+    def value(self, i: int) -> np.ndarray:
+        """Input i's values as bytes, decoded the first time they are asked for."""
+        got = self._raw[i]
+        if got is None:
+            decode = self._decode[i]
+            assert decode is not None
+            got = self._raw[i] = decode()
+        return got
+
+    def arrays(self, encoded: bool = False) -> list[Any]:
+        """The inputs as the fused kernels read them (`ram_dist.kernels.READS`); with
+        `encoded`, an input that has a stored form a kernel reads (`encoded`) as that form,
+        undecoded."""
+        forms = self.encoded if encoded and self.encoded else (None,) * len(self._raw)
+        return [
+            form if form is not None else self.value(i).view(kernels.READS[d])
+            for i, (form, d) in enumerate(zip(forms, self.dtypes, strict=True))
+        ]
 
     def tensors(self, dev: str) -> list[torch.Tensor]:
         """The inputs as torch tensors on `dev`, for the eager rule (this imports torch)."""
@@ -271,26 +310,43 @@ def _decoded(
 ) -> BlockInputs:
     """A block's inputs from what was read for each (`read[i]`: the block's ranges, then the
     unit's), each decoded one's values made from it (`TensorSource.decode`: an FP8 input's,
-    the spec's one multiplication per element; a LoRA task's, from the base's values), and
-    a task whose source is the base's own given the base's values."""
+    the spec's one multiplication per element, when they are first asked for; a LoRA
+    task's, from the base's values, now), and a task whose source is the base's own given
+    the base's values."""
     same = same_as_base(sources)
-    raw: list[np.ndarray] = []
+    dtypes = tuple(s.values_dtype for s in sources)
+    raw: list[np.ndarray | None] = []
+    decode: list[Callable[[], np.ndarray] | None] = []
     kept: list[tuple[np.ndarray, ...] | None] = []
+    forms: list[object | None] = []
+    inputs = BlockInputs(raw, dtypes, decode=decode)  # holds the lists filled below
     for i, (src, got) in enumerate(zip(sources, read, strict=True)):
+        form = src.encoded(got) if src.decoded and not same[i] else None
+        part = functools.partial(floats, (slot, i))
         if same[i]:
-            raw.append(raw[0])
+            raw.append(None)
+            decode.append(functools.partial(inputs.value, 0))
             kept.append(None)
-        elif src.decoded:
-            part = functools.partial(floats, (slot, i))
-            base = raw[0] if i else got[0]  # the base decodes from its own bytes
-            raw.append(src.decode(start, stop, got, part, base))
+            forms.append(forms[0])
+        elif form is not None:  # decoded when its values are asked for
+            raw.append(None)
+            decode.append(functools.partial(src.decode, start, stop, got, part, None))
             kept.append(tuple(got))
+            forms.append(form)
+        elif src.decoded:
+            base = inputs.value(0) if i else got[0]  # the base decodes from its own bytes
+            raw.append(src.decode(start, stop, got, part, base))
+            decode.append(None)
+            kept.append(tuple(got))
+            forms.append(None)
         else:
             raw.append(got[0])
+            decode.append(None)
             kept.append(None)
-    if not any(s.decoded for s in sources):
-        kept = []
-    return BlockInputs(tuple(raw), tuple(s.values_dtype for s in sources), tuple(kept))
+            forms.append(None)
+    if any(s.decoded for s in sources):
+        inputs.stored, inputs.encoded = tuple(kept), tuple(forms)
+    return inputs
 
 
 def tensor_from_bytes(raw: np.ndarray, dtype: str) -> torch.Tensor:

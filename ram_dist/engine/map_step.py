@@ -1,6 +1,8 @@
 """A map task: merge an output part's units into the worker's reused output buffer, in each
 tensor's output dtype as raw little-endian bytes (FP8 weights requantized, with their new
-scales), hash them and hand them to the part's target. Runs on Ray workers."""
+scales: by the method's fused kernel in the same sweep where it writes FP8, else merged to
+float32 and requantized here), hash them and hand them to the part's target. Runs on Ray
+workers."""
 
 from __future__ import annotations
 
@@ -169,6 +171,7 @@ def _merge_into(
     scales only."""
     dev = device()
     fused = Fused.of(flags, dev)
+    encoded = bool(getattr(method, "fp8_kernels", False))  # FP8 inputs read as stored
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     offsets = list(itertools.accumulate(sizes, initial=0))
     address = data.ctypes.data
@@ -194,6 +197,11 @@ def _merge_into(
             chunk = Chunk(piece.tensor, piece.start + block.lo, entry.shape)
             p = params[piece.tensor]
             out_dtype = entry.merged_dtype
+            if _fused_fp8(method, chunk, inputs, p, state, fused, entry, target, rows):
+                fused_elements += block.hi - block.lo if written is not None else 0
+                if on_block is not None and written is not None:
+                    on_block(lo, hi)
+                continue
             merged = scope.reads.floats((-1, 0), block.hi - block.lo) if entry.fp8_out else target
             assert merged is not None
             raw = merged.view(np.uint8)
@@ -202,7 +210,7 @@ def _merge_into(
                 view is not None
                 and fused.take(inputs.dtypes, out_dtype)
                 and method.fused_merge(
-                    chunk, inputs.arrays(), p, state, view, bf16_nan=flags.bf16_nan
+                    chunk, inputs.arrays(encoded), p, state, view, bf16_nan=flags.bf16_nan
                 )
             ):
                 fused_elements += block.hi - block.lo if written is not None else 0
@@ -260,6 +268,41 @@ def _runs(numbers: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _fused_fp8(
+    method: MergeMethod,
+    chunk: Chunk,
+    inputs: BlockInputs,
+    params: TensorParams,
+    state: State,
+    fused: Fused,
+    entry: TensorEntry,
+    target: np.ndarray | None,
+    rows: ScaleRows,
+) -> bool:
+    """An FP8 output's bands merged and written as FP8 by the method's fused kernel in one
+    sweep (`fp8_kernels`: it reads the inputs as stored, no float32 copy of any, and writes
+    the blocks and their scales), into `target` (None: the scales only) and `rows`; False
+    where it does not (then the engine merges to float32 and requantizes)."""
+    fp8_out = entry.fp8_out
+    if (
+        fp8_out is None
+        or not getattr(method, "fp8_kernels", False)
+        or not inputs.encoded
+        or inputs.encoded[0] is None
+        or not fused.take(inputs.dtypes, entry.merged_dtype)
+    ):
+        return False
+    base_scales = inputs.stored[0][1]  # type: ignore[index]
+    out = fp8.Fp8Target(
+        np.empty(0, np.uint8) if target is None else target, fp8_out.scale_dtype, base_scales,
+        np.empty_like(base_scales),
+    )  # fmt: skip
+    if not method.fused_merge(chunk, inputs.arrays(True), params, state, out):
+        return False
+    _keep_scale_rows(entry, chunk.start, inputs.encoded[0].size, out.scales, rows)  # type: ignore[union-attr]
+    return True
+
+
 def _requantized(
     entry: TensorEntry,
     start: int,
@@ -279,8 +322,17 @@ def _requantized(
         merged, inputs.raw[0].view(np.float32), base[0], base[1], cols, fp8_out.block,
         fp8_out.scale_dtype, target,
     )  # fmt: skip
+    _keep_scale_rows(entry, start, merged.size, stored, rows)
+
+
+def _keep_scale_rows(
+    entry: TensorEntry, start: int, numel: int, stored: np.ndarray, rows: ScaleRows
+) -> None:
+    """The new scale rows (`stored`, bytes) of `numel` elements of whole bands from `start`
+    into `rows`, one per band."""
+    assert entry.band is not None
     first = start // entry.band
-    per_row = stored.size // -(-merged.size // entry.band)
+    per_row = stored.size // -(-numel // entry.band)
     for b in range(stored.size // per_row):
         rows[(entry.name, first + b)] = stored[b * per_row : (b + 1) * per_row].copy()
 

@@ -13,7 +13,7 @@ work unit that covers whole bands computes every block it writes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,6 +35,51 @@ def _e4m3_values() -> np.ndarray:
 
 #: `E4M3_VALUES[code]` is the float32 value of an e4m3fn byte.
 E4M3_VALUES = _e4m3_values()
+
+
+class Fp8Values(NamedTuple):
+    """An FP8 input as the fused kernels read it, in place of a float32 copy of its values:
+    the e4m3fn bytes of whole rows of `cols` starting on a band's first row, and the float32
+    scales of those bands (`block` = (bm, bn) elements each). The kernels compute each value
+    as `dequantize` does, one float32 multiplication, as they load it."""
+
+    q: np.ndarray
+    scales: np.ndarray
+    cols: int
+    block: tuple[int, int]
+
+    @property
+    def size(self) -> int:
+        return int(self.q.size)
+
+    def values(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The float32 values (`dequantize`), into `out` when given."""
+        out = np.empty(self.size, np.float32) if out is None else out
+        return dequantize(self.q, self.scales, self.cols, self.block, out)
+
+
+class Fp8Target(NamedTuple):
+    """Where a fused merge writes an FP8 output (`requantize`'s rule, in the kernel): the
+    e4m3fn bytes (`q`, empty for the scales only), the dtype the scales are stored in, the
+    base's raw scale bytes of the same bands (an unchanged block keeps its own), and where
+    the bands' scale bytes go (`scales`, as many bytes as `base_scales`)."""
+
+    q: np.ndarray
+    scale_dtype: str
+    base_scales: np.ndarray
+    scales: np.ndarray
+
+
+def stored_scales(
+    fresh: np.ndarray, same: np.ndarray, base_scales: np.ndarray, scale_dtype: str
+) -> np.ndarray:
+    """The scale bytes of requantized blocks: `fresh` (float32, already representable in
+    `scale_dtype`) stored in `scale_dtype`, and the base's where the block is `same`."""
+    itemsize = 4 if scale_dtype == "F32" else 2
+    stored = scale_bytes(fresh, scale_dtype).reshape(-1, itemsize).copy()
+    unchanged = same.astype(bool)
+    stored[unchanged] = base_scales.reshape(-1, itemsize)[unchanged]
+    return stored.reshape(-1)
 
 
 def scale_values(raw: np.ndarray, dtype: str) -> np.ndarray:
@@ -141,10 +186,7 @@ def requantize(
         amax, same = _block_stats(y, base_x, rows, cols, block)
     unchanged = same.astype(bool)
     fresh = np.where(amax == 0, np.float32(1.0), amax / E4M3_MAX).astype(np.float32)
-    itemsize = 4 if scale_dtype == "F32" else 2
-    stored = scale_bytes(fresh, scale_dtype).reshape(-1, itemsize).copy()
-    stored[unchanged] = base_scales.reshape(-1, itemsize)[unchanged]
-    stored = stored.reshape(-1)
+    stored = stored_scales(fresh, same, base_scales, scale_dtype)
     if q_out is None:
         return stored
     divisor = np.ascontiguousarray(scale_values(stored, scale_dtype))

@@ -53,6 +53,17 @@ def bits(typingctx: Any, value: Any) -> tuple[Any, Any]:
     return sig, codegen
 
 
+@intrinsic
+def float32_of(typingctx: Any, value: Any) -> tuple[Any, Any]:
+    """Reinterpret uint32 bits as a float32."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+    return sig, codegen
+
+
 # ---- exact conversions (stored dtype <-> float32 bits) ---------------------------------
 
 
@@ -114,6 +125,30 @@ def float_bits_to_bf16(u: int, nan_bits: int) -> int:
     nan = _U32(nan_bits) if nan_bits >= 0 else (u >> _U32(16)) | _U32(0x40)
     rounded = (u + _U32(0x7FFF) + ((u >> _U32(16)) & _U32(1))) >> _U32(16)
     return nan if (u & ABS32) > INF32 else rounded
+
+
+@register_jitable
+def e4m3_code(v: int) -> int:
+    """float32 bits -> the nearest e4m3fn code: ties to even, saturated to +-448, NaN to NaN
+    (0x7F with the sign). Branch-free uint32 arithmetic, so that the loops calling it
+    vectorize."""
+    v = _U32(v)
+    mag = v & ABS32
+    # normal range [2**-6, 448): keep 3 mantissa bits, rounded to nearest even; rebias the
+    # exponent (127 -> 7, 960 = 120 << 3); a carry moves into the exponent as it must
+    normal = ((mag + _U32(0x7FFFF) + ((mag >> _U32(20)) & _U32(1))) >> _U32(20)) - _U32(960)
+    # below 2**-6: multiples of 2**-9, |q| * 512 exact and below 8 (ties to even)
+    a = abs(float32_of(mag))
+    a = a if a < np.float32(1.0) else np.float32(1.0)  # NaN too: never chosen
+    small = _U32(np.rint(a * np.float32(512.0)))
+    code = normal if mag >= _MIN_NORMAL32 else small
+    code = _U32(0x7E) if mag >= _E4M3_MAX32 else code
+    code = _U32(0x7F) if mag > INF32 else code
+    return code | ((v >> _U32(24)) & _U32(0x80))
+
+
+_MIN_NORMAL32 = _U32(0x3C800000)  # 2**-6, e4m3fn's smallest normal value
+_E4M3_MAX32 = _U32(0x43E00000)  # 448.0, e4m3fn's largest finite value
 
 
 # ---- tile loads and stores -------------------------------------------------------------
@@ -191,13 +226,94 @@ def _store_impl(res: Any, out: Any, nan_bits: Any) -> Callable[..., None] | None
     return None
 
 
+def load_span(src: Any, lo: int, m: int, dst: np.ndarray) -> None:
+    """dst[:m] = float32 bits of elements [lo, lo + m) of an input: a stored array, or an FP8
+    input's tuple (implemented per kind below)."""
+    raise NotImplementedError
+
+
+@overload(load_span, jit_options={"fastmath": False, "error_model": "numpy"})
+def _load_span_impl(src: Any, lo: Any, m: Any, dst: Any) -> Callable[..., None] | None:
+    if isinstance(src, types.Array):
+
+        def load_array(src: Any, lo: Any, m: Any, dst: Any) -> None:
+            load(src[lo : lo + m], dst[:m])
+
+        return load_array
+    if isinstance(src, types.BaseTuple):
+
+        def load_fp8(src: Any, lo: Any, m: Any, dst: Any) -> None:
+            # runs of one row within one block share a scale: one multiplication each
+            q, scales, cols, bm, bn = src
+            per = (cols + bn - 1) // bn
+            row = lo // cols
+            col = lo - row * cols
+            block = col // bn
+            done = 0
+            while done < m:
+                run = min(m - done, min(block * bn + bn, cols) - col)
+                s = scales[(row // bm) * per + block]
+                codes = q[lo + done : lo + done + run]
+                out = dst[done : done + run]
+                for i in range(run):
+                    out[i] = bits(float32_of(e4m3_bits(codes[i])) * s)
+                done += run
+                col += run
+                block += 1
+                if col == cols:
+                    row, col, block = row + 1, 0, 0
+
+        return load_fp8
+    return None
+
+
 @register_jitable
-def load_tile(inputs: tuple[np.ndarray, ...], lo: int, m: int, buf: np.ndarray) -> None:
-    """buf[j, :m] = float32 bits of inputs[j][lo : lo + m], for every input (the tile every
-    kernel works on; each input is widened by its own dtype's loop)."""
+def e4m3_bits(code: int) -> int:
+    """e4m3fn code -> float32 bits of its value, exact: `fp8.E4M3_VALUES[code]`, the
+    256-entry table, computed rather than looked up (a lookup is a gather, slow or not
+    vectorized on many CPUs). The code's 7 magnitude bits placed at a float32's exponent and
+    top mantissa bits are the value times 2**-120, exactly (an e4m3 subnormal becomes a
+    float32 subnormal, as the kernels' IEEE arithmetic, without flush-to-zero, keeps it), so
+    one multiplication by 2**120 (exact) gives the value; then the sign; 0x7F and 0xFF are
+    the table's NaN (0x7FC00000)."""
+    c = _U32(code)
+    mag = c & _U32(0x7F)
+    value = bits(float32_of(mag << _U32(20)) * _TWO_120) | ((c & _U32(0x80)) << _U32(24))
+    return _QNAN32 if mag == _U32(0x7F) else value
+
+
+_TWO_120 = np.float32(2.0**120)
+
+
+def size_of(src: Any) -> int:
+    """Elements of an input: a stored array's, or an FP8 input's e4m3 bytes'."""
+    raise NotImplementedError
+
+
+@overload(size_of)
+def _size_of_impl(src: Any) -> Callable[..., int] | None:
+    if isinstance(src, types.Array):
+
+        def array_size(src: Any) -> int:
+            return src.size
+
+        return array_size
+    if isinstance(src, types.BaseTuple):
+
+        def fp8_size(src: Any) -> int:
+            return src[0].size
+
+        return fp8_size
+    return None
+
+
+@register_jitable
+def load_tile(inputs: tuple[Any, ...], lo: int, m: int, buf: np.ndarray, at: int = 0) -> None:
+    """buf[j, at : at + m] = float32 bits of inputs[j]'s elements [lo, lo + m), for every
+    input (the tile every kernel works on; each input is widened by its own kind's loop)."""
     j = 0
     for src in literal_unroll(inputs):
-        load(src[lo : lo + m], buf[j, :m])
+        load_span(src, lo, m, buf[j, at : at + m])
         j += 1
 
 

@@ -18,6 +18,12 @@ Design (measured):
   combination with the tasks unrolled inside, measured 2.3x slower: it does not vectorize.
   Widening whole chunks to float32 first would add 4 bytes of memory traffic per input
   element for nothing.
+- FP8 inputs (`fp8.Fp8Values`: e4m3 bytes and block scales) are loaded the same way, each
+  value computed as the spec defines it (`primitives.load_span`), so no float32 copy of an
+  FP8 input is made; `merge_ram_fp8` writes FP8 output in the same sweep, a band at a time:
+  the band's merged float32 values tile by tile (each block's amax, and whether it is the
+  base's values bit for bit, gathered while the tile is in cache), then its scales and e4m3
+  bytes (`fp8.requantize`'s rule; an unchanged block keeps the base's bytes).
 - Arithmetic is op for op the eager one, in float32: `tau = x_t - b`, `|tau| > float32(eps)`,
   `total = total + where(m, tau, 0)` in task order, `lambda * total` when one task is active,
   `total / float32(c)` otherwise, then `b + merged`; `c == 0` keeps `b`. No fastmath, so LLVM
@@ -46,25 +52,40 @@ Design (measured):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numba import njit
+from numba.extending import register_jitable
 
 from ram_dist.kernels import handle, use_writable_cache
+from ram_dist.kernels.fp8 import Fp8Target, Fp8Values, stored_scales
 from ram_dist.kernels.primitives import (
     INF32,
     LANES,
     OPTIONS,
     TILE,
+    bits,
+    e4m3_code,
+    float32_of,
+    float_bits_to_bf16,
     fma_findings,
     load_tile,
+    size_of,
     store,
 )
-from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
+from ram_dist.kernels.views import (
+    ArrayLike,
+    input_size,
+    kernel_inputs,
+    kernel_output,
+    torch_bf16_nan,
+)
 
 if TYPE_CHECKING:
     import torch
+
+_U32 = np.uint32
 
 #: Up to this many tasks, the counting pass keeps a histogram of active-task bit patterns
 #: (2**N bins, one increment per element); above it, one increment per active task.
@@ -86,7 +107,7 @@ def _count_kernel(
 ) -> None:
     """hist[:] += overlap statistics of inputs = (base, task_1, ..., task_N); when
     nonfinite has N+1 entries, nonfinite[j] += NaN and Inf count of input j."""
-    n = inputs[0].size
+    n = size_of(inputs[0])
     ntasks = len(inputs) - 1
     buf = np.empty((ntasks + 1, TILE), np.uint32)
     vals = buf.view(np.float32)
@@ -140,45 +161,168 @@ def _count_kernel(
                     hist[t, k] += total
 
 
+@register_jitable
+def _ram_tile(
+    vals: np.ndarray,
+    m: int,
+    eps: np.float32,
+    lam: np.ndarray,
+    total: np.ndarray,
+    count: np.ndarray,
+    scale: np.ndarray,
+    res: np.ndarray,
+) -> None:
+    """res[:m] = RAM merge of the tile's rows vals = (base, task_1, ..., task_N), float32."""
+    ntasks = vals.shape[0] - 1
+    base = vals[0]
+    zero = np.float32(0.0)
+    for i in range(m):
+        total[i] = zero
+        count[i] = 0
+        scale[i] = zero
+    for t in range(ntasks):
+        x = vals[t + 1]
+        lam_t = lam[t]
+        for i in range(m):
+            tau = x[i] - base[i]
+            active = abs(tau) > eps
+            total[i] = total[i] + (tau if active else zero)
+            count[i] += np.int32(1) if active else np.int32(0)
+            scale[i] = lam_t if active else scale[i]
+    for i in range(m):
+        c = count[i]
+        b = base[i]
+        unique = scale[i] * total[i]  # c == 1: total is the one active tau, exactly
+        shared = total[i] / np.float32(c)
+        merged = unique if c == 1 else shared
+        res[i] = b if c == 0 else b + merged
+
+
 @njit(cache=True, **OPTIONS)
 def _merge_kernel(
     inputs: tuple[np.ndarray, ...], eps: np.float32, lam: np.ndarray, out: np.ndarray, nan_bits: int
 ) -> None:
     """out[:] = RAM merge of inputs = (base, task_1, ..., task_N), cast to out's dtype."""
-    n = inputs[0].size
+    n = size_of(inputs[0])
     ntasks = len(inputs) - 1
     buf = np.empty((ntasks + 1, TILE), np.uint32)
     vals = buf.view(np.float32)
-    base = vals[0]
     total = np.empty(TILE, np.float32)
     count = np.empty(TILE, np.int32)
     scale = np.empty(TILE, np.float32)
     res = np.empty(TILE, np.float32)
-    zero = np.float32(0.0)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
         load_tile(inputs, lo, m, buf)
-        for i in range(m):
-            total[i] = zero
-            count[i] = 0
-            scale[i] = zero
-        for t in range(ntasks):
-            x = vals[t + 1]
-            lam_t = lam[t]
-            for i in range(m):
-                tau = x[i] - base[i]
-                active = abs(tau) > eps
-                total[i] = total[i] + (tau if active else zero)
-                count[i] += np.int32(1) if active else np.int32(0)
-                scale[i] = lam_t if active else scale[i]
-        for i in range(m):
-            c = count[i]
-            b = base[i]
-            unique = scale[i] * total[i]  # c == 1: total is the one active tau, exactly
-            shared = total[i] / np.float32(c)
-            merged = unique if c == 1 else shared
-            res[i] = b if c == 0 else b + merged
+        _ram_tile(vals, m, eps, lam, total, count, scale, res)
         store(res[:m], out[lo : lo + m], nan_bits)
+
+
+@njit(cache=True, **OPTIONS)
+def _merge_fp8_kernel(
+    inputs: tuple[Any, ...],
+    eps: np.float32,
+    lam: np.ndarray,
+    cols: int,
+    bm: int,
+    bn: int,
+    bf16_scales: bool,
+    base_q: np.ndarray,
+    q_out: np.ndarray,
+    s_out: np.ndarray,
+    same_out: np.ndarray,
+) -> None:
+    """The RAM merge of inputs = (base, task_1, ..., task_N), whole bands of `bm` rows of
+    `cols`, written as FP8 blocks of bm x bn, a band at a time: the merged float32 values `y`
+    of the band tile by tile (each block's amax and whether it is the base's values bit for
+    bit gathered on the way, while the tile is in cache), then per block `same_out[k]` = 1
+    when it is (the block keeps `base_q`'s bytes), else `s_out[k]` = the block's scale as
+    stored (`amax / 448`, 1 where amax is 0; rounded to bfloat16 when `bf16_scales`) and the
+    bytes `e4m3fn(y / s_out[k])` into `q_out` (left alone when it is empty: scales only)."""
+    n = size_of(inputs[0])
+    per = (cols + bn - 1) // bn
+    ntasks = len(inputs) - 1
+    buf = np.empty((ntasks + 1, TILE), np.uint32)
+    vals = buf.view(np.float32)
+    total = np.empty(TILE, np.float32)
+    count = np.empty(TILE, np.int32)
+    scale = np.empty(TILE, np.float32)
+    res = np.empty(TILE, np.float32)
+    res_bits = res.view(np.uint32)
+    band = bm * cols
+    y = np.empty(min(band, n), np.float32)
+    quotient = np.empty(bn, np.float32)
+    quotient_bits = quotient.view(np.uint32)
+    amax = np.empty(per, np.float32)
+    differ = np.empty(per, np.uint32)
+    write = q_out.size > 0
+    for b0 in range(0, n, band):
+        size = min(band, n - b0)
+        amax[:] = 0.0
+        differ[:] = 0
+        for lo in range(0, size, TILE):
+            m = min(TILE, size - lo)
+            load_tile(inputs, b0 + lo, m, buf)
+            _ram_tile(vals, m, eps, lam, total, count, scale, res)
+            y[lo : lo + m] = res[:m]
+            # each run of one row within one block: its block's amax and bits compared
+            col = lo % cols
+            block = col // bn
+            done = 0
+            while done < m:
+                run = min(m - done, min(block * bn + bn, cols) - col)
+                got = res[done : done + run]
+                got_bits = res_bits[done : done + run]
+                base_bits = buf[0, done : done + run]
+                top = amax[block]
+                d = differ[block]
+                nan = False
+                for i in range(run):  # branch-free: vectorizes
+                    a = abs(got[i])
+                    top = a if a > top else top
+                    nan |= a != a
+                    d |= got_bits[i] ^ base_bits[i]
+                differ[block] = d
+                if amax[block] != amax[block]:
+                    pass  # NaN is sticky, as numpy's max
+                elif nan:  # the first NaN's bits, as numpy's max gives them
+                    for i in range(run):
+                        if got[i] != got[i]:
+                            amax[block] = abs(got[i])
+                            break
+                else:
+                    amax[block] = top
+                done += run
+                col += run
+                block += 1
+                if col == cols:
+                    col, block = 0, 0
+        first = b0 // band * per
+        for block in range(per):
+            k = first + block
+            same_out[k] = 1 if differ[block] == 0 else 0
+            a = amax[block]
+            s = np.float32(1.0) if a == np.float32(0.0) else a / np.float32(448.0)
+            if bf16_scales:
+                s = float32_of(_U32(float_bits_to_bf16(bits(s), -1)) << _U32(16))
+            s_out[k] = s
+        if not write:
+            continue
+        for r0 in range(0, size, cols):
+            for block in range(per):
+                c0 = block * bn
+                w = min(bn, cols - c0)
+                at = b0 + r0 + c0
+                out = q_out[at : at + w]
+                if differ[block] == 0:
+                    out[:] = base_q[at : at + w]
+                    continue
+                s = s_out[first + block]
+                row = y[r0 + c0 : r0 + c0 + w]
+                for j in range(w):
+                    quotient[j] = row[j] / s
+                for j in range(w):
+                    out[j] = np.uint8(e4m3_code(quotient_bits[j]))
 
 
 # ---- Python API ------------------------------------------------------------------------
@@ -236,7 +380,7 @@ def merge_ram(
     `bf16_nan`: the bits of a NaN cast to bfloat16; by default what torch writes here (the
     engine passes what it probed on the driver, so that workers need no torch)."""
     arrays = kernel_inputs(base, tasks)
-    target = kernel_output(out, arrays[0].size)
+    target = kernel_output(out, input_size(arrays[0]))
     if len(lambdas) != len(arrays) - 1:
         raise ValueError(f"{len(lambdas)} lambdas for {len(arrays) - 1} tasks")
     lam = np.asarray(lambdas, dtype=np.float64).astype(np.float32)
@@ -244,12 +388,45 @@ def merge_ram(
     _merge_kernel(arrays, np.float32(eps), lam, target, nan_bits)
 
 
+def merge_ram_fp8(
+    base: Fp8Values,
+    tasks: Sequence[ArrayLike | Fp8Values],
+    eps: float,
+    lambdas: Sequence[float],
+    target: Fp8Target,
+) -> None:
+    """`fp8.requantize(merge_ram(...) in float32, ...)` in one sweep: the merged bands of an
+    FP8 base written as FP8 blocks of the base's size (e4m3fn bytes into `target.q`, unless
+    it is empty; the bands' scale bytes into `target.scales`, in `target.scale_dtype`), the
+    unchanged blocks as the base's bytes. The inputs cover whole bands of the base's
+    blocks."""
+    if not isinstance(base, Fp8Values):
+        raise TypeError("an FP8 output needs an FP8 base")
+    arrays = kernel_inputs(base, tasks)
+    if len(lambdas) != len(arrays) - 1:
+        raise ValueError(f"{len(lambdas)} lambdas for {len(arrays) - 1} tasks")
+    q, _, cols, bm, bn = arrays[0]
+    if target.q.size not in (0, q.size):
+        raise ValueError(f"FP8 output of {target.q.size} bytes for {q.size} elements")
+    blocks = -(-q.size // (bm * cols)) * -(-cols // bn)
+    fresh = np.empty(blocks, np.float32)
+    same = np.empty(blocks, np.uint8)
+    lam = np.asarray(lambdas, dtype=np.float64).astype(np.float32)
+    out = target.q.reshape(-1).view(np.uint8)
+    _merge_fp8_kernel(
+        arrays, np.float32(eps), lam, cols, bm, bn, target.scale_dtype == "BF16", q, out,
+        fresh, same,
+    )  # fmt: skip
+    stored = stored_scales(fresh, same, target.base_scales, target.scale_dtype)
+    target.scales.reshape(-1).view(np.uint8)[:] = stored
+
+
 def fma_instructions() -> list[str]:
     """`fma_findings` of both kernels, compiled afresh (uncached, same options) for every
     signature they have been called with. Must be empty: an FMA rounds once where the spec
     rounds twice."""
     found: list[str] = []
-    for kernel in (_count_kernel, _merge_kernel):
+    for kernel in (_count_kernel, _merge_kernel, _merge_fp8_kernel):
         fresh = njit(cache=False, **OPTIONS)(kernel.py_func)
         for sig in kernel.signatures:
             fresh.compile(sig)

@@ -1,16 +1,19 @@
 """The arrays the fused kernels take, made from what their callers hand: the engine's numpy
-views of stored bytes (`ram_dist.kernels.READS`, `WRITES`), or CPU torch tensors (tests and
-benchmarks), without importing torch for the former."""
+views of stored bytes (`ram_dist.kernels.READS`, `WRITES`), FP8 inputs as their e4m3 bytes
+and scales (`fp8.Fp8Values`), or CPU torch tensors (tests and benchmarks), without
+importing torch for the former."""
 
 from __future__ import annotations
 
 import functools
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from ram_dist.kernels import READS, WRITES
+from ram_dist.kernels.fp8 import Fp8Values
 from ram_dist.kernels.primitives import NUMBA_ARRAYS
 
 ArrayLike = "torch.Tensor | np.ndarray"
@@ -32,8 +35,19 @@ def is_tensor(x: object) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def kernel_view(x: ArrayLike, writable: bool) -> np.ndarray:
-    """The flat array a kernel reads (or, `writable`, writes), typed as the kernels expect."""
+def kernel_view(x: ArrayLike | Fp8Values, writable: bool) -> Any:
+    """The flat array a kernel reads (or, `writable`, writes), typed as the kernels expect;
+    an FP8 input (read only) as the tuple `primitives.load_span` takes."""
+    if isinstance(x, Fp8Values):
+        if writable:
+            raise TypeError("fused RAM kernels write FP8 through fp8.Fp8Target")
+        bm, bn = x.block
+        q = np.ascontiguousarray(x.q).reshape(-1).view(np.uint8)
+        scales = np.ascontiguousarray(x.scales, dtype=np.float32).reshape(-1)
+        if q.size % x.cols or scales.size < -(-q.size // (bm * x.cols)) * -(-x.cols // bn):
+            raise ValueError(f"FP8 input of {q.size} bytes, {scales.size} scales: not whole "
+                             f"rows of {x.cols} with a scale per {bm} x {bn} block")  # fmt: skip
+        return (q, scales, int(x.cols), int(bm), int(bn))
     table, arrays = (WRITES, _WRITE_ARRAYS) if writable else (READS, _READ_ARRAYS)
     if isinstance(x, np.ndarray):  # the engine's case first: it is called once per block
         kind = arrays.get(x.dtype)
@@ -62,16 +76,23 @@ def kernel_view(x: ArrayLike, writable: bool) -> np.ndarray:
     return stored.view(arrays[stored.dtype])
 
 
-def kernel_inputs(base: ArrayLike, tasks: Sequence[ArrayLike]) -> tuple[np.ndarray, ...]:
+def kernel_inputs(
+    base: ArrayLike | Fp8Values, tasks: Sequence[ArrayLike | Fp8Values]
+) -> tuple[Any, ...]:
     """(base, task_1, ..., task_N) as the kernels read them, checked to be of one length."""
     if len(tasks) < 1:
         raise ValueError("fused RAM kernels need at least one task")
     arrays = (kernel_view(base, False),)
     arrays += tuple([kernel_view(x, False) for x in tasks])
-    size = arrays[0].size
-    if any(a.size != size for a in arrays):
-        raise ValueError(f"base and tasks differ in length: {[a.size for a in arrays]}")
+    sizes = [input_size(a) for a in arrays]
+    if any(n != sizes[0] for n in sizes):
+        raise ValueError(f"base and tasks differ in length: {sizes}")
     return arrays
+
+
+def input_size(kernel_input: Any) -> int:
+    """Elements of an input as `kernel_view` makes it (an FP8 input's: its e4m3 bytes)."""
+    return int(kernel_input[0].size if isinstance(kernel_input, tuple) else kernel_input.size)
 
 
 def kernel_output(out: ArrayLike, size: int) -> np.ndarray:

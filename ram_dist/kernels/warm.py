@@ -7,11 +7,11 @@ Every `@njit(cache=True)` kernel compiles one specialization per argument types:
 of tasks, per dtype of each input and per output dtype, about a second each, in every
 worker process that finds it in no cache (loading one takes about 10 ms). This calls every
 kernel through its public wrapper, on tiny inputs, so that the signatures are exactly those
-a job meets: base and tasks of one dtype (bfloat16, float16, float32; mixed dtypes are not
-warmed), 1 to `--tasks` tasks, and every output dtype a merge kernel writes (those three
-and float64), the LoRA product in each dtype, and the exact sums of products. All of it, 249
-specializations, takes
-about 4 minutes on one core.
+a job meets: base and tasks of one dtype (bfloat16, float16, float32, and fine-grained FP8,
+which the RAM kernels read as stored and can write again; mixed dtypes are not warmed), 1
+to `--tasks` tasks, and every output dtype a merge kernel writes (those three and float64),
+the LoRA product in each dtype, and the exact sums of products. All of it, 297
+specializations, takes about 5 minutes on one core.
 
 The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
 beside the kernel modules when that is writable, else numba's user-wide cache directory
@@ -36,8 +36,11 @@ import numpy as np
 from ram_dist.dtypes import INFO
 from ram_dist.kernels import READS, WRITES
 
+#: The --dtype name of fine-grained FP8 inputs (e4m3 bytes and block scales), which the RAM
+#: kernels read as stored; the other kernels read their float32 values.
+FP8 = "fp8"
 #: --dtype names -> torch dtype names (the inputs' dtype): every dtype the kernels read.
-DTYPES = {INFO[d].short: INFO[d].torch for d in READS}
+DTYPES = {**{INFO[d].short: INFO[d].torch for d in READS}, FP8: FP8}
 #: --out-dtype names: every output dtype the merge kernels write.
 OUT_DTYPES = {INFO[d].short: INFO[d].torch for d in WRITES}
 #: Task counts 1..TASKS by default (the methods take any number).
@@ -60,7 +63,7 @@ def dispatchers() -> dict[str, Any]:
     )
 
     found = (
-        ram_numba._count_kernel, ram_numba._merge_kernel,
+        ram_numba._count_kernel, ram_numba._merge_kernel, ram_numba._merge_fp8_kernel,
         ties_numba._stats_kernel, ties_numba._merge_kernel, scan_numba._count,
         lora_numba.lora_values, exact_sums_numba.gram, exact_sums_numba.row_gram,
         column_sums_numba.column_gram, blend_numba._blend_kernel,
@@ -85,6 +88,9 @@ def calls(
     )
 
     for name in dtypes:
+        if name == FP8:
+            yield from _fp8_calls(tasks, out_dtypes)
+            continue
         for n in range(1, tasks + 1):
             base = torch.zeros(N, dtype=getattr(torch, name))
             agents = [torch.zeros_like(base) for _ in range(n)]
@@ -130,7 +136,7 @@ def calls(
         yield scan_numba._count, name, partial(scan_numba.nonfinite_count, x)
     # A LoRA task's values: in the base's dtype, and bfloat16 over an FP8 base's float32.
     code = {INFO[d].torch: d for d in READS}
-    pairs = [(code[d], code[d]) for d in dtypes] + [("F32", "BF16")]
+    pairs = [(code[d], code[d]) for d in dtypes if d != FP8] + [("F32", "BF16")]
     for theta, out in dict.fromkeys(pairs):
         yield lora_numba.lora_values, f"LoRA {theta} -> {out}", partial(_lora, theta, out)
     # Exact sums of products (the geometric methods' norms and dot products): float32 only.
@@ -146,6 +152,30 @@ def calls(
 
     by_column = partial(column_sums.fused_column_sums, vectors, pairs, N // 2)
     yield column_sums_numba.column_gram, "exact sums per column", by_column
+
+
+def _fp8_calls(tasks: int, out_dtypes: list[str]) -> Iterator[tuple[Any, str, Callable[[], Any]]]:
+    """The RAM kernels on FP8 base and tasks (`fp8.Fp8Values`): the counts, the merge into
+    each output dtype, and the merge written as FP8 blocks."""
+    import torch
+
+    from ram_dist.kernels import fp8, ram_numba
+
+    cols, block = 4, (2, 2)
+    base = fp8.Fp8Values(np.zeros(N, np.uint8), np.ones(4, np.float32), cols, block)
+    for n in range(1, tasks + 1):
+        agents = [base] * n
+        label = f"{FP8} x {n}"
+        counts = partial(ram_numba.overlap_counts_nonfinite, base, agents, EPS)
+        yield ram_numba._count_kernel, label, counts
+        for out_name in out_dtypes:
+            out = torch.empty(N, dtype=getattr(torch, out_name))
+            ram = partial(ram_numba.merge_ram, base, agents, EPS, [1.0] * n, out)
+            yield ram_numba._merge_kernel, f"{label} -> {out_name}", ram
+        scales = np.ones(4, np.float32).view(np.uint8)
+        target = fp8.Fp8Target(np.empty(N, np.uint8), "F32", scales, np.empty_like(scales))
+        to_fp8 = partial(ram_numba.merge_ram_fp8, base, agents, EPS, [1.0] * n, target)
+        yield ram_numba._merge_fp8_kernel, f"{label} -> {FP8}", to_fp8
 
 
 def _lora(theta: str, out: str) -> None:

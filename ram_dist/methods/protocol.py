@@ -97,6 +97,12 @@ class MergeMethod(Protocol):
 
     task_counts: tuple[int, int | None]
     """How many task models (besides the base) it merges: at least, at most (None: any)."""
+    fp8_kernels: bool
+    """Whether `fused_statistics` and `fused_merge` take an FP8 input as it is stored
+    (`kernels.fp8.Fp8Values`: e4m3 bytes and block scales) in place of its float32 values,
+    and `fused_merge` writes FP8 output into a `kernels.fp8.Fp8Target`. Optional: the engine
+    reads it with False as the default, and then decodes FP8 inputs first and requantizes
+    the merged values itself."""
 
     def whole_rows(self, params: TensorParams) -> bool:
         """Whether it computes on whole rows of a tensor with these parameters (a rank or a
@@ -193,6 +199,7 @@ class Eager:
     description: str = ""
     needs_base: bool = True
     task_counts: tuple[int, int | None] = (2, None)
+    fp8_kernels: bool = False
 
     @property
     def label(self) -> str:

@@ -197,6 +197,8 @@ class RamMethod:
     reference: str = RAM_PAPER
     needs_base: bool = True
     task_counts: tuple[int, int | None] = (2, None)
+    fp8_kernels: bool = True
+    """The fused kernels read FP8 inputs as they are stored and write FP8 output."""
 
     @property
     def description(self) -> str:
@@ -317,11 +319,16 @@ class RamMethod:
         out: np.ndarray,
         bf16_nan: int | None = None,
     ) -> bool:
-        """The fused kernel's merge, written straight into `out`; it takes every chunk."""
+        """The fused kernel's merge, written straight into `out` (FP8 blocks when it is an
+        `Fp8Target`); it takes every chunk."""
         from ram_dist.kernels import ram_numba
+        from ram_dist.kernels.fp8 import Fp8Target
 
         base, *tasks = inputs
         lambdas = self._lambdas(chunk, state)
+        if isinstance(out, Fp8Target):
+            ram_numba.merge_ram_fp8(base, tasks, params["epsilon"], lambdas, out)
+            return True
         ram_numba.merge_ram(base, tasks, params["epsilon"], lambdas, out, bf16_nan=bf16_nan)
         return True
 

@@ -100,6 +100,11 @@ class TensorSource(Protocol):
         array to write them into; `base` the base input's values of the same elements."""
         ...
 
+    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
+        """The stored form of the elements `ranges` read that the fused kernels read in
+        place of the decoded values (an FP8 input's `kernels.fp8.Fp8Values`), or None."""
+        ...
+
 
 def same_as_base(sources: Sequence[TensorSource]) -> list[bool]:
     """Per input (base first), whether its tensor is the base's own (`BaseValues`)."""
@@ -136,6 +141,9 @@ class BaseValues(NamedTuple):
 
     def unit_ranges(self) -> list[Range]:
         return []
+
+    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
+        return None
 
     def decode(
         self,
@@ -177,6 +185,9 @@ class Source(NamedTuple):
 
     def unit_ranges(self) -> list[Range]:
         return []
+
+    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
+        return None
 
     def decode(
         self,
@@ -248,11 +259,13 @@ class Fp8Source(NamedTuple):
         base: np.ndarray,
     ) -> np.ndarray:
         """The spec's one float32 multiplication per element: `float32(q) * scale`."""
-        q, scales = read
-        values = fp8.dequantize(
-            q, fp8.scale_values(scales, self.scale_dtype), self.cols, self.block, floats(q.size)
-        )
+        values = self.encoded(read).values(floats(read[0].size))
         return values.view(np.uint8)
+
+    def encoded(self, read: Sequence[np.ndarray]) -> fp8.Fp8Values:
+        """The e4m3 bytes and the float32 scales of their bands, as the kernels read them."""
+        q, scales = read[0], read[1]
+        return fp8.Fp8Values(q, fp8.scale_values(scales, self.scale_dtype), self.cols, self.block)
 
 
 class LoraSource(NamedTuple):
@@ -327,6 +340,9 @@ class LoraSource(NamedTuple):
             return [(self.file, self.a_start, self.a_start + n)]
         return [(self.file, self.start, self.start + self.rank * self.cols * itemsize(self.dtype))]
 
+    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
+        return None
+
     def decode(
         self,
         start: int,
@@ -384,6 +400,9 @@ class LoraBiasSource(NamedTuple):
 
     def unit_ranges(self) -> list[Range]:
         return []
+
+    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
+        return None
 
     def decode(
         self,

@@ -4,8 +4,8 @@ compiling, the command fails loudly, and the kernels import (and cache) even whe
 the package's directory nor the user's cache directory can be written.
 
 Every case runs in subprocesses with a cache directory of its own (numba reads
-`NUMBA_CACHE_DIR` once, at import); a small subset is warmed (bfloat16, 1 and 2 tasks,
-bfloat16 out: 11 specializations) to keep this fast.
+`NUMBA_CACHE_DIR` once, at import); a small subset is warmed (bfloat16 and FP8, 1 and 2
+tasks, bfloat16 out: 28 specializations) to keep this fast.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ pytest.importorskip("numba")
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 TESTS = Path(__file__).resolve().parent
 WARM = [sys.executable, "-m", "ram_dist.kernels.warm"]
-SMALL = ["--tasks", "2", "--dtype", "bf16", "--out-dtype", "bf16"]
+SMALL = ["--tasks", "2", "--dtype", "bf16", "--dtype", "fp8", "--out-dtype", "bf16"]
 KERNELS = (
     "ram_numba._count_kernel", "ram_numba._merge_kernel",
     "ties_numba._stats_kernel", "ties_numba._merge_kernel", "scan_numba._count",
@@ -39,6 +39,10 @@ FLOAT32_KERNELS = (
 )  # fmt: skip
 #: Kernels warmed as the merge kernels are (1 and 2 tasks), which the job does not call.
 UNCALLED = ("blend_numba._blend_kernel",)
+#: RAM's kernels, which also read FP8 inputs as stored (1 and 2 tasks more each), and the
+#: one that writes FP8 blocks (FP8 inputs only).
+RAM_KERNELS = ("ram_numba._count_kernel", "ram_numba._merge_kernel")
+FP8_OUT = "ram_numba._merge_fp8_kernel"
 
 #: RAM, TIES and DELLA on base + 2 bfloat16 tasks into bfloat16, through the methods as the engine
 #: calls them, and the finiteness scan; then numba's counts of cache hits and misses per
@@ -65,6 +69,16 @@ from ram_dist.kernels import lora
 import numpy as np
 lora.values(np.zeros(32, np.uint8), "BF16", np.zeros((4, 2), np.float32),
             np.zeros((2, 4), np.float32), np.float32(1), 0, "BF16", np.empty(64, np.uint8))
+from ram_dist.kernels import fp8
+q = np.zeros(256 * 200, np.uint8)
+fp8_base = fp8.Fp8Values(q, np.ones(4, np.float32), 200, (128, 128))
+fp8_tasks = [fp8.Fp8Values(q + 1, np.ones(4, np.float32), 200, (128, 128))] * 2
+ram_numba.overlap_counts_nonfinite(fp8_base, fp8_tasks, 1e-5)
+out = torch.empty(q.size, dtype=torch.bfloat16)
+ram_numba.merge_ram(fp8_base, fp8_tasks, 1e-5, [1.0, 1.0], out)
+scales = np.ones(4, np.float32).view(np.uint8)
+target = fp8.Fp8Target(np.empty_like(q), "F32", scales, np.empty_like(scales))
+ram_numba.merge_ram_fp8(fp8_base, fp8_tasks, 1e-5, [1.0, 1.0], target)
 print(json.dumps(counts()))
 ram_numba.overlap_counts(base, [*tasks, base], 1e-5)
 print(json.dumps(counts()))
@@ -95,15 +109,18 @@ def test_warm_compiles_into_the_cache_dir(warmed):
     cache, result = warmed
     assert result.returncode == 0, result.stderr
     assert f"numba cache: {cache}" in result.stdout
-    # 1 and 2 tasks of each kernel; the scan's three widths (16, 32, 64 bits); LoRA's bf16
-    # and its bf16 over an FP8 base's float32; one of each exact-sums kernel (float32).
+    # 1 and 2 tasks of each kernel (RAM's twice: bf16 and FP8 inputs); the scan's three
+    # widths (16, 32, 64 bits); LoRA's bf16 and its bf16 over an FP8 base's float32; one of
+    # each exact-sums kernel (float32).
     assert summary(result.stdout) == {
         **{k: (3 if k == "scan_numba._count" else 2, 0) for k in KERNELS},
+        **{k: (4, 0) for k in RAM_KERNELS},
+        FP8_OUT: (2, 0),
         **{k: (1, 0) for k in FLOAT32_KERNELS},
         **{k: (2, 0) for k in UNCALLED},
     }
-    assert "22 specializations" in result.stdout and "0 failed" in result.stdout
-    for kernel in KERNELS:
+    assert "28 specializations" in result.stdout and "0 failed" in result.stdout
+    for kernel in (*KERNELS, FP8_OUT):
         assert list(cache.glob(f"*/{kernel}-*.nbi")), kernel
         assert list(cache.glob(f"*/{kernel}-*.nbc")), kernel
 
@@ -114,11 +131,15 @@ def test_a_later_job_loads_the_warmed_kernels_instead_of_compiling(warmed):
     result = run([sys.executable, "-c", JOB], {"NUMBA_CACHE_DIR": str(cache)})
     assert result.returncode == 0, result.stderr
     job, after = (json.loads(line) for line in result.stdout.splitlines()[-2:])
-    # Each kernel was called with one signature, found in the cache: no compilation.
+    # Each kernel was called with one signature (RAM's with two: bf16 and FP8 inputs), found
+    # in the cache: no compilation.
     uncalled = (*FLOAT32_KERNELS, *UNCALLED)
-    assert job == {**{k: [1, 0] for k in KERNELS}, **{k: [0, 0] for k in uncalled}}
+    assert job == {
+        **{k: [1, 0] for k in KERNELS}, **{k: [2, 0] for k in RAM_KERNELS}, FP8_OUT: [1, 0],
+        **{k: [0, 0] for k in uncalled},
+    }  # fmt: skip
     # A signature that was not warmed is compiled (the counts do tell the two apart).
-    assert after["ram_numba._count_kernel"] == [1, 1]
+    assert after["ram_numba._count_kernel"] == [2, 1]
 
 
 def test_warm_exits_non_zero_when_it_cannot_cache(warmed, tmp_path):
@@ -137,9 +158,9 @@ def test_warm_exits_non_zero_when_it_cannot_cache(warmed, tmp_path):
     index.write_bytes(b"not a numba index")
     result = run([*WARM, *SMALL, "--cache-dir", str(broken)], {})
     assert result.returncode == 1
-    assert result.stderr.count("FAILED ram_numba._count_kernel") == 2, result.stderr
-    assert "2 failed" in result.stdout
-    assert summary(result.stdout)["ram_numba._merge_kernel"] == (0, 2)
+    assert result.stderr.count("FAILED ram_numba._count_kernel") == 4, result.stderr
+    assert "4 failed" in result.stdout
+    assert summary(result.stdout)["ram_numba._merge_kernel"] == (0, 4)
 
 
 def test_kernels_cache_in_the_temp_dir_when_nothing_else_is_writable(tmp_path):

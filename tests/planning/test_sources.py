@@ -87,6 +87,9 @@ class _Halves(NamedTuple):
     def unit_ranges(self) -> list[tuple[str, int, int]]:
         return []
 
+    def encoded(self, read):
+        return None  # no stored form a kernel reads: the values are decoded first
+
     def decode(self, start, stop, read, floats, base):
         out = floats(stop - start)
         out[:] = read[0].view(np.float16) * read[1].view(np.float32)[0]
