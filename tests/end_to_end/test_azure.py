@@ -137,7 +137,9 @@ def test_container_to_container_equals_reference_and_local_merge(
     assert _names(fs, "out") == local
     for name in local:
         if name not in LOCATION_DEPENDENT:
-            assert fs.cat_file(f"{CONTAINER}/out/{name}") == (tmp_path / "local" / name).read_bytes()
+            assert (
+                fs.cat_file(f"{CONTAINER}/out/{name}") == (tmp_path / "local" / name).read_bytes()
+            )
     _equal(_fetched(fs, "out", tmp_path), models["expected"])
 
     m = report["passes"]["map"]
@@ -324,7 +326,7 @@ def test_an_input_deleted_while_the_job_runs(models, options, fs, server, tmp_pa
 @pytest.mark.usefixtures("ray_azure")
 def test_missing_container_and_refused_credentials(models, options, server):
     with pytest.raises(StorageError) as e:
-        _merge(f"az://no-such-container/in/base", models["az"][1], f"az://{CONTAINER}/x", options)
+        _merge("az://no-such-container/in/base", models["az"][1], f"az://{CONTAINER}/x", options)
     assert "\n" not in str(e.value) and e.value.exit_status == 2
     assert "az://no-such-container/in/base" in str(e.value)
     assert "container no-such-container does not exist" in str(e.value), str(e.value)

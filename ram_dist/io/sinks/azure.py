@@ -6,9 +6,10 @@ Block ids are `azure.block_id(token, part number)`: the same length for every bl
 blob, in part order, and `token` is drawn per upload, so a block staged by another upload of
 the same blob (an older run's) is never committed. A re-run of the same job continues the
 upload the manifest records: blocks the store still holds uncommitted, of the right size and
-recorded in the manifest, are kept. Azure has no way to delete uncommitted blocks but the
-blob itself: an aborted shard's blocks are left to the store, which discards them at the
-next Put Block List of that blob (the re-run's commit) or a week after the last Put Block.
+recorded in the manifest, are kept. Azure deletes uncommitted blocks only with their blob:
+an aborted shard's blob is deleted when nothing of it was ever committed; otherwise, and
+after a killed run, the store discards uncommitted blocks at the next Put Block List of
+that blob (the re-run's commit) or a week after the blob's last Put Block.
 """
 
 from __future__ import annotations
@@ -128,4 +129,17 @@ class AzureSink(OutputSink):
         fs.invalidate_cache()
 
     def abort(self, shard: OpenShard) -> None:
-        """Nothing to do: uncommitted blocks cannot be deleted alone (see the module)."""
+        """Delete the blob when it holds only this upload's uncommitted blocks (the run's
+        record of them is dropped); a committed blob at that name (an older output) is left,
+        its uncommitted blocks to the store (see the module). Best effort: the job is failing
+        already."""
+        target = shard.target
+        assert isinstance(target, AzureTarget)
+        fs, _ = self.storage.fs(target.url)
+        client = _blob(fs, target.container, target.blob)
+        try:
+            committed, _ = sync(fs.loop, client.get_block_list, "committed")
+            if not committed:
+                sync(fs.loop, client.delete_blob)
+        except Exception:  # noqa: BLE001, S110  (gone already, or the store is failing)
+            pass
