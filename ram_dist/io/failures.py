@@ -3,7 +3,8 @@
 A store or disk fails with an `OSError` (its errno says why), with s3fs's translation of a
 botocore `ClientError` (a builtin `OSError` whose `__cause__` is the `ClientError`, holding
 the S3 error code and HTTP status), with a `ClientError` or another botocore error itself,
-with aiohttp's or gcsfs's HTTP errors, or with a timeout. `storage_error` turns any of them,
+with aiohttp's or gcsfs's HTTP errors, with azure-core's (whose `error_code` is Azure's own,
+see `azure`), or with a timeout. `storage_error` turns any of them,
 plus the URL being read or written, into a `StorageError`: one line naming the input or
 output and the file, saying what happened and what to do, with an exit status of 2 when the
 user must fix something (a missing file or bucket, a denied permission, refused or expired

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from fsspec.asyn import sync
 
-from ram_dist.io.azure import block_id
+from ram_dist.io.azure import block_id, error_code
 from ram_dist.io.failures import reported
 from ram_dist.io.s3 import MIN_PART_BYTES
 from ram_dist.io.sinks.base import (
@@ -106,15 +106,13 @@ class AzureSink(OutputSink):
         from azure.core.exceptions import ResourceNotFoundError
 
         client = _blob(fs, container, blob)
-        try:
-            with reported(url, "list", "output"):
+        with reported(url, "list", "output"):
+            try:
                 _, uncommitted = sync(fs.loop, client.get_block_list, "uncommitted")
-        except Exception as e:
-            if isinstance(e.__cause__, ResourceNotFoundError) and "BlobNotFound" in str(
-                getattr(e.__cause__, "error_code", "")
-            ):
+            except ResourceNotFoundError as e:
+                if (error_code(e) or (None,))[0] != "BlobNotFound":
+                    raise  # its container is gone
                 return {}
-            raise
         return {b.id: b.size for b in uncommitted}
 
     def complete(self, shard: OpenShard) -> None:
