@@ -231,14 +231,20 @@ def _handler(server: AzuriteServer) -> type[BaseHTTPRequestHandler]:
 def running_azurite() -> Iterator[AzuriteServer]:
     """A started Azurite (skipped or failed without `azurite-blob`), its connection string in
     `AZURE_STORAGE_CONNECTION_STRING` (Ray workers started meanwhile inherit it)."""
+    import adlfs
+
     program = need_azurite()
     with tempfile.TemporaryDirectory(prefix="azurite-") as location:
         srv = AzuriteServer(program, location)
         srv.start()
+        # fsspec keeps one client per set of options: one an earlier module built holds the
+        # connection string of its own server, now stopped.
+        adlfs.AzureBlobFileSystem.clear_instance_cache()
         try:
             with env(AZURE_STORAGE_CONNECTION_STRING=srv.connection_string):
                 yield srv
         finally:
+            adlfs.AzureBlobFileSystem.clear_instance_cache()
             srv.stop()
 
 
