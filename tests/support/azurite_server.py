@@ -12,9 +12,11 @@ that needs it fails under `CI=true` when it is missing, and is skipped elsewhere
 
 from __future__ import annotations
 
+import ctypes
 import http.client
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -100,8 +102,9 @@ class AzuriteServer:
                 "--location", self.location, "--skipApiVersionCheck", "--loose", "--silent",
                 "--disableTelemetry"]  # fmt: skip
         self._proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-        )
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -162,6 +165,14 @@ class AzuriteServer:
     def clear(self) -> None:
         with self._lock:
             self.log.clear()
+
+
+def _die_with_parent() -> None:
+    """In the child: Linux sends it SIGTERM when the test process dies, however it dies."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: `stop` still ends it
 
 
 #: Headers a proxy does not pass on (hop by hop, or recomputed here).
