@@ -136,6 +136,69 @@ def gcs(models: Models, workdir: Path) -> Iterator[Store]:
         server.stop()
 
 
+@store("azure")
+def azure(models: Models, workdir: Path) -> Iterator[Store]:
+    """Azurite (the npm package `azurite`, a Node process, blobs in a disk folder under
+    `workdir`): the Azure path, workers stage blocks, the driver commits each shard's block
+    list. `azurite-blob` from PATH or from `.ci/node` (where `.ci/run` installs it)."""
+    import shutil
+    import urllib.error
+    import urllib.request
+
+    import adlfs
+
+    program = shutil.which("azurite-blob") or str(
+        Path(__file__).resolve().parents[1] / ".ci/node/node_modules/.bin/azurite-blob"
+    )
+    if not Path(program).exists():
+        sys.exit("azurite-blob not found: npm install --prefix .ci/node azurite@3.37.0")
+    data = workdir / "azurite-data"
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True)
+    port = _free_port()
+    proc = subprocess.Popen(
+        [program, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(data),
+         "--skipApiVersionCheck", "--loose", "--silent", "--disableTelemetry"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    account = "devstoreaccount1"  # Azurite's development account and its published key
+    key = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+    endpoint = f"http://127.0.0.1:{port}/{account}"
+    env = {"AZURE_STORAGE_CONNECTION_STRING": f"DefaultEndpointsProtocol=http;AccountName="
+           f"{account};AccountKey={key};BlobEndpoint={endpoint};"}  # fmt: skip
+    os.environ.update(env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{endpoint}?comp=list", timeout=2)
+                break
+            except urllib.error.HTTPError:
+                break  # it answers (unsigned: 403)
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    sys.exit("azurite-blob did not start")
+                time.sleep(0.1)
+        options = {"az": {"use_listings_cache": False}}
+        fs = adlfs.AzureBlobFileSystem(skip_instance_cache=True, **options["az"])
+        fs.mkdir(BUCKET)
+        for name in model_names():
+            for f in sorted((models.folder / name).iterdir()):
+                fs.put_file(str(f), f"{BUCKET}/in/{name}/{f.name}")
+        yield Store(
+            "azure", lambda p: f"az://{BUCKET}/{p}", options, env,
+            lambda p: fs.cat_file(f"{BUCKET}/{p}"),
+        )  # fmt: skip
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(data, ignore_errors=True)
+
+
 def merge(st: Store, run: str, args: argparse.Namespace) -> dict[str, Any]:
     """One bucket-to-bucket merge into `out-RUN`; its report, read from the bucket."""
     cli, cli_env = cli_command()

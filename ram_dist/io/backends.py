@@ -47,6 +47,12 @@ LOCAL = Backend(
     in_process=True,
 )
 HTTP = Backend(client_errors=("aiohttp:ClientError",), retried_here=True)
+#: adlfs (`az://`, `abfs://`, `abfss://`): its client retries what is transient (see `azure`).
+AZURE = Backend(
+    lease="ram_dist.io.lease.azure:AzureStore",
+    sink="ram_dist.io.sinks.azure:AzureSink",
+    client_errors=("azure.core.exceptions:AzureError",),
+)
 BACKENDS: dict[str, Backend] = {
     "file": LOCAL,
     "local": LOCAL,
@@ -63,6 +69,9 @@ BACKENDS: dict[str, Backend] = {
         client_errors=("gcsfs.retry:HttpError",),
     ),
     "hf": Backend(threaded_reads=True),
+    "az": AZURE,
+    "abfs": AZURE,
+    "abfss": AZURE,
     "http": HTTP,
     "https": HTTP,
 }

@@ -3,7 +3,8 @@
 A store or disk fails with an `OSError` (its errno says why), with s3fs's translation of a
 botocore `ClientError` (a builtin `OSError` whose `__cause__` is the `ClientError`, holding
 the S3 error code and HTTP status), with a `ClientError` or another botocore error itself,
-with aiohttp's or gcsfs's HTTP errors, or with a timeout. `storage_error` turns any of them,
+with aiohttp's or gcsfs's HTTP errors, with azure-core's (whose `error_code` is Azure's own,
+see `azure`), or with a timeout. `storage_error` turns any of them,
 plus the URL being read or written, into a `StorageError`: one line naming the input or
 output and the file, saying what happened and what to do, with an exit status of 2 when the
 user must fix something (a missing file or bucket, a denied permission, refused or expired
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from ram_dist.errors import RamDistError, StorageError
-from ram_dist.io import s3
+from ram_dist.io import azure, s3
 from ram_dist.io.backends import client_errors
 
 #: errnos, by what they mean here.
@@ -67,7 +68,7 @@ def classify(error: BaseException) -> Failure:
     the store's error code first, then the HTTP status, then the exception's type and errno."""
     chain = causes(error)
     for e in chain:
-        code, status = s3.error_code(e) or (None, None)
+        code, status = s3.error_code(e) or azure.error_code(e) or (None, None)
         if code is not None:
             return _by_code(code, status, e)
     for e in chain:
@@ -159,6 +160,9 @@ def _explain(failure: Failure, url: str | None, action: str) -> str:
         bucket = _bucket(url)
         if "NoSuchBucket" in failure.detail and bucket:
             return f"bucket {bucket} does not exist{detail}; fix the URL or create the bucket"
+        if "ContainerNotFound" in failure.detail and bucket:
+            return (f"container {bucket} does not exist{detail}; fix the URL or create the "
+                    "container")  # fmt: skip
         if action == "read":
             return (f"no such file{detail}; was it deleted or moved while the job ran? "
                     "Restore it and run again")  # fmt: skip
@@ -173,8 +177,9 @@ def _explain(failure: Failure, url: str | None, action: str) -> str:
     if kind == "credentials":
         if any(w in failure.detail for w in ("Expired", "TokenRefresh")):
             return f"the credentials have expired{detail}; renew them and run again"
-        return (f"the store refused the credentials{detail}; check the access key, secret "
-                "and session token the job runs with")  # fmt: skip
+        return (f"the store refused the credentials{detail}; check the credentials the job "
+                "runs with (access key, secret and session token; Azure: connection string "
+                "or account key)")  # fmt: skip
     if kind == "full":
         return (f"no space left on the device{detail}; free space (or choose another "
                 "location) and run again: a re-run resumes")  # fmt: skip
@@ -193,13 +198,15 @@ def _explain(failure: Failure, url: str | None, action: str) -> str:
 
 
 def _by_code(code: str, status: int | None, e: BaseException) -> Failure:
-    message = s3.error_message(e)
+    message = azure.error_message(e) if azure.error_code(e) else s3.error_message(e)
     detail = f"HTTP {code}" if code.isdigit() else code
     if message and message not in (code, "Forbidden", "Not Found"):
         detail = f"{detail}: {message}"
-    for kind, codes in (("missing", s3.MISSING), ("denied", s3.DENIED),
-                        ("credentials", s3.CREDENTIALS), ("throttled", s3.THROTTLED),
-                        ("server", s3.SERVER)):  # fmt: skip
+    for kind, codes in (("missing", s3.MISSING | azure.MISSING),
+                        ("denied", s3.DENIED | azure.DENIED),
+                        ("credentials", s3.CREDENTIALS | azure.CREDENTIALS),
+                        ("throttled", s3.THROTTLED | azure.THROTTLED),
+                        ("server", s3.SERVER | azure.SERVER)):  # fmt: skip
         if code in codes:
             return Failure(kind, detail, status)
     if status is not None:
@@ -250,7 +257,7 @@ def _by_type(e: BaseException) -> Failure | None:
         return Failure("full", detail)
     if isinstance(e, (ConnectionError, TimeoutError)) or number in ERRNO_UNREACHABLE:
         return Failure("unreachable", detail)
-    kind = s3.client_failure(e)
+    kind = s3.client_failure(e) or azure.client_failure(e)
     if kind is not None:
         return Failure(kind, _words(e))
     if isinstance(e, OSError) and number is not None:
@@ -261,7 +268,7 @@ def _by_type(e: BaseException) -> Failure | None:
 def _bucket(url: str | None) -> str | None:
     if not url or "://" not in url:
         return None
-    return urlparse(url).netloc or None
+    return urlparse(url).netloc.split("@")[0] or None  # abfs://container@account...
 
 
 def _words(e: BaseException) -> str:

@@ -3,9 +3,10 @@
 Every read and write of ram-dist goes through a `Storage`, which the driver builds once and
 ships to the workers. Reads are byte ranges, cut into requests of at most `REQUEST_BYTES`
 that the filesystem may run concurrently. Retrying a transient failure is the store client's
-job: botocore's own retry mode for S3 (`s3.RETRIES`), gcsfs's and huggingface_hub's own
-retries for gs:// and hf://; only stores whose client has none (`retried_here` in `backends`)
-are retried here, and only for what is transient. A failed read is raised as a one-line
+job: botocore's own retry mode for S3 (`s3.RETRIES`), gcsfs's, huggingface_hub's and
+azure-storage-blob's own retries for gs://, hf:// and Azure Blob (`azure`); only stores whose
+client has none (`retried_here` in `backends`) are retried here, and only for what is
+transient. A failed read is raised as a one-line
 `StorageError` naming the input file (`failures`).
 """
 
