@@ -22,6 +22,7 @@ from reference import reference_merge
 from s3_server import CountingMotoServer
 
 from ram_dist.cli import main
+from ram_dist.io.names import PARTIAL_SUFFIX
 
 ONE_ROW_MB = str(256 / 2**20)  # one 128-wide bf16 row per unit: a slow, many-unit map pass
 
@@ -60,14 +61,22 @@ def _kill_after_first_shard(
     """Run the CLI, SIGKILL its whole process group once one shard (not all) is finished
     and, with `mid_shard`, the manifest records finished parts of a shard being written.
     The manifest is saved at most every 2 s, so a fast map pass can finish between two
-    looks: then, given the local `out`, the run is tried again from an empty output."""
+    looks: then, given the local `out`, the run is tried again from an empty output. So it
+    is when, given `out` and `mid_shard`, the driver published a shard it had recorded parts
+    of between the look and the kill (its partial file is gone: nothing left to resume in)."""
     for _ in range(2 if out is None else 4):
         manifest = _try_to_kill(args, env, read_manifest, mid_shard)
-        if manifest is not None:
+        if manifest is not None and (out is None or not mid_shard or _partial_kept(out, manifest)):
             return manifest
         if out is not None:
             shutil.rmtree(out)
     pytest.fail("the merge ended before it could be killed, every time")
+
+
+def _partial_kept(out: Path, manifest: dict) -> bool:
+    """Every shard the manifest records parts of is still a partial file in `out`."""
+    writing = [name for name, w in manifest.get("writing", {}).items() if w["parts"]]
+    return all((out / f"{name}{PARTIAL_SUFFIX}").exists() for name in writing)
 
 
 def _try_to_kill(args: list[str], env: dict, read_manifest, mid_shard: bool) -> dict | None:
