@@ -7,8 +7,8 @@ weights: every linear layer's weight (``*_proj``) in e4m3 with one F32 scale per
 block (``amax / 448``), each checkpoint quantized on its own; embeddings, norms and
 ``lm_head`` stay bf16; ``config.json`` declares the ``quantization_config``. Then it runs
 ``ram-dist merge`` (``ram_plus``, FP8 output) on both sets, alternating, and prints the wall
-time of the two passes from ``merge_report.json``, their ratio (target: FP8 at most 1.5x
-bf16), and the bytes each read.
+time of the two passes from ``merge_report.json``, their ratio (target, issue 36: FP8 at most
+1.0x bf16), and the bytes each read.
 
 Example::
 
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {k} | {m['passes_s']:.2f} | {m['reduce_s']:.2f} | {m['map_s']:.2f} | "
               f"{m['wall_s']:.2f} | {m['bytes_read'] / 1e9:.2f} GB |")  # fmt: skip
     ratio = med["fp8"]["passes_s"] / med["bf16"]["passes_s"]
-    print(f"\nFP8 passes / bf16 passes: {ratio:.2f}x (target: at most 1.5x)")
+    print(f"\nFP8 passes / bf16 passes: {ratio:.2f}x (target: at most 1.0x)")
 
 
 if __name__ == "__main__":
