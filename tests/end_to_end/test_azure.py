@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 from azurite_server import AzuriteServer, container_fs, running_azurite, storage_options
 from big_model import build_big_set
 from builders import INDEX_NAME, build_model_set, load_checkpoint, merge_config
+from killing import kill_once_recorded
 from reference import reference_merge
 from s3_server import LOCATION_DEPENDENT, header_read_bytes
 
@@ -181,29 +181,14 @@ def test_killed_mid_shard_resumes_with_the_staged_blocks(big, options, fs, serve
     out = f"az://{CONTAINER}/killed"
     args = _cli_args(*big["az"], out, options, "--unit-mb", "1", "--workers", "1")
 
-    def recorded() -> dict | None:
-        try:
-            manifest = json.loads(fs.cat_file(f"{CONTAINER}/killed/{MANIFEST}"))
-        except (FileNotFoundError, ValueError):
-            return None
-        return manifest if any(w["parts"] for w in manifest["writing"].values()) else None
-
     server.clear()
     server.block_delay_s = 1.0  # a shard's three blocks take longer than a manifest save
-    proc = subprocess.Popen(args, env=_env(), start_new_session=True, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 240
-        while (manifest := recorded()) is None:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "no block was ever recorded"
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        manifest = kill_once_recorded(
+            args, _env(), lambda: fs.cat_file(f"{CONTAINER}/killed/{MANIFEST}")
+        )
     finally:
         server.block_delay_s = 0.0
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     time.sleep(1.5)  # a block the proxy was still passing on ends either way
     unfinished = [n for n in manifest["shard_names"] if n not in manifest["shards"]]
     assert unfinished and not set(unfinished) & set(_names(fs, "killed"))  # nothing visible

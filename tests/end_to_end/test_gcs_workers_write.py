@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,6 +26,7 @@ import torch
 from big_model import build_big_set
 from builders import INDEX_NAME, build_model_set, load_checkpoint
 from gcs_server import PARTS_DIR, GcsServer, bucket_fs, running_gcs_server, storage_options
+from killing import kill_once_recorded
 from reference import reference_merge
 
 from ram_dist.api import run_merge
@@ -137,29 +136,14 @@ def test_killed_mid_shard_resumes_with_its_parts_and_composes_in_levels(
     argv = _argv(big, out, options, "--unit-mb", str(2**17 / 2**20), "--workers", "1")
     args = [sys.executable, "-m", "ram_dist.cli", *argv]
 
-    def recorded() -> dict | None:
-        try:
-            manifest = json.loads(fs.cat_file(f"{BUCKET}/killed/{MANIFEST}"))
-        except (FileNotFoundError, ValueError):
-            return None
-        return manifest if any(w["parts"] for w in manifest["writing"].values()) else None
-
     server.clear()
     server.part_delay_s = 0.2  # a shard's parts take longer than a manifest save
-    proc = subprocess.Popen(args, env=_cli_env(), start_new_session=True, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 240
-        while (manifest := recorded()) is None:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "no part was ever recorded"
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        manifest = kill_once_recorded(
+            args, _cli_env(), lambda: fs.cat_file(f"{BUCKET}/killed/{MANIFEST}")
+        )
     finally:
         server.part_delay_s = 0.0
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     time.sleep(1.0)  # a part the server was still receiving ends either way
     kept = {
         f"killed/{PARTS_DIR}/{name}/{w['upload_id']}/{int(n):05d}{PART_SUFFIX}"

@@ -18,6 +18,7 @@ import time
 import psutil
 import torch
 from builders import load_checkpoint
+from killing import kill_once_recorded
 
 from ram_dist.api import run_merge
 from ram_dist.io.storage import Storage
@@ -44,30 +45,14 @@ def test_driver_killed_mid_shard_resumes_inside_it(big, options, fs, server, tmp
         args += ["--task", t]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
 
-    def recorded() -> dict | None:
-        """The manifest, once it records a finished part of a shard still being written."""
-        try:
-            manifest = json.loads(fs.cat_file(f"{BUCKET}/killed/ram_dist_manifest.json"))
-        except (FileNotFoundError, ValueError):
-            return None
-        return manifest if any(w["parts"] for w in manifest["writing"].values()) else None
-
     server.clear()
     server.part_delay_s = 1.0  # a shard's three parts take longer than a manifest save
-    proc = subprocess.Popen(args, env=env, start_new_session=True, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 240
-        while (manifest := recorded()) is None:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "no part was ever recorded"
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        manifest = kill_once_recorded(
+            args, env, lambda: fs.cat_file(f"{BUCKET}/killed/ram_dist_manifest.json")
+        )
     finally:
         server.part_delay_s = 0.0
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     time.sleep(1.5)  # a part the server was still receiving ends either way
     kept = {
         (f"/{BUCKET}/killed/{name}", int(n))
