@@ -1,8 +1,13 @@
 """The geometric methods' map pass (numba): `((f_0 x_0 + f_1 x_1) + ...) / d + base` in
 float32, one rounding per operation in input order (no fused multiply-add), with the
-vectors `x_t` being the task vectors (`DELTAS`: task - base, one rounding), the base and
-the one model (`PAIR`), or the models (`MODELS`); written in the output's dtype. It is
+vectors `x_t` being the task vectors (`DELTAS`: task - base at the task's precision, one
+rounding), the base and the one model (`PAIR`), the models (`MODELS`, no base), or the models
+measured against the base (`REBASED`); written in the output's dtype. It is
 `methods.geometric.span.blend`, element for element, on the stored bytes.
+
+Where a model's update is measured against the base at its precision (`kernels.precision`),
+its value in `PAIR` and `REBASED` is `base + (model - base at its precision)`, as
+`methods.task_vectors.task_values` gives it.
 """
 
 from __future__ import annotations
@@ -13,37 +18,39 @@ import numpy as np
 from numba import njit
 
 from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.primitives import OPTIONS, TILE, load_tile, store
+from ram_dist.kernels.primitives import OPTIONS, TILE, base_rows, load_tile_bases, store
 from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
 #: What is blended.
-DELTAS, PAIR, MODELS = 0, 1, 2
+DELTAS, PAIR, MODELS, REBASED = 0, 1, 2, 3
 
 
 @njit(cache=True, **OPTIONS)
 def _blend_kernel(inputs, mode, factors, divide, divisor, add_base, out, nan_bits):  # noqa: ANN001, ANN201
     """out[:] = the blend of `inputs` (base first) cast to out's dtype."""
     n = inputs[0].size
-    count = len(inputs)
-    buf = np.empty((count, TILE), np.uint32)
+    ntasks = len(inputs) - 1
+    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
     vals = buf.view(np.float32)
+    rows = base_rows(inputs)
     res = np.empty(TILE, np.float32)
     vectors = factors.size
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        load_tile(inputs, lo, m, buf)
+        load_tile_bases(inputs, lo, m, buf)
         for i in range(m):
             b = vals[0, i]
             acc = np.float32(0.0)
             for t in range(vectors):
+                k = t - 1 if mode == 1 else t  # the task of vector t (PAIR: -1, the base)
                 if mode == 0:
-                    x = vals[t + 1, i] - b
-                elif mode == 1:
-                    x = vals[t, i]
-                else:
-                    x = vals[t + 1, i]
+                    x = vals[t + 1, i] - vals[rows[t], i]
+                elif mode == 2 or k < 0 or rows[k] == 0:
+                    x = vals[k + 1, i]
+                else:  # the model's update against the base at its precision, on the base
+                    x = b + (vals[k + 1, i] - vals[rows[k], i])
                 term = x * factors[t]  # the eager rule's operand order (NaN payloads)
                 acc = term if t == 0 else acc + term
             if divide:

@@ -30,7 +30,7 @@ from numba import njit
 from numba.extending import register_jitable
 
 from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.primitives import ABS32, OPTIONS, bits, load_tile, store
+from ram_dist.kernels.primitives import ABS32, OPTIONS, base_rows, bits, load_tile_bases, store
 from ram_dist.kernels.ties_numba import combine_tile
 from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
 
@@ -114,17 +114,18 @@ def _stats_kernel(
     size = inputs[0].size
     ntasks = len(inputs) - 1
     row = n * inner
-    buf = np.empty((ntasks + 1, row), np.uint32)
+    buf = np.empty((2 * ntasks + 1, row), np.uint32)  # `load_tile_bases`' rows
     vals = buf.view(np.float32)
-    base = vals[0]
+    rows = base_rows(inputs)
     work = np.empty((4, max(n, 257)), np.int64)
     probs = np.empty(row, np.float32)
     for lo in range(0, size, row):
-        load_tile(inputs, lo, row, buf)
+        load_tile_bases(inputs, lo, row, buf)
         for t in range(ntasks):
             if not sample[t]:
                 continue
             x = vals[t + 1]
+            base = vals[rows[t]]  # the base at task t's precision
             for i in range(row):
                 x[i] = x[i] - base[i]
             _probabilities(x, n, inner, lows[t], epss[t], work, probs)
@@ -146,9 +147,9 @@ def _merge_kernel(
     size = inputs[0].size
     ntasks = len(inputs) - 1
     row = n * inner
-    buf = np.empty((ntasks + 1, row), np.uint32)
+    buf = np.empty((2 * ntasks + 1, row), np.uint32)  # `load_tile_bases`' rows
     vals = buf.view(np.float32)
-    base = vals[0]
+    rows = base_rows(inputs)
     work = np.empty((4, max(n, 257)), np.int64)
     probs = np.empty(row, np.float32)
     total = np.empty(row, np.float32)
@@ -157,9 +158,10 @@ def _merge_kernel(
     zero = np.float32(0.0)
     one = np.float32(1.0)
     for lo in range(0, size, row):
-        load_tile(inputs, lo, row, buf)
+        load_tile_bases(inputs, lo, row, buf)
         for t in range(ntasks):
             x = vals[t + 1]
+            base = vals[rows[t]]  # the base at task t's precision
             w = weights[t]
             for i in range(row):
                 x[i] = x[i] - base[i]
@@ -174,7 +176,8 @@ def _merge_kernel(
             else:
                 for i in range(row):
                     x[i] = x[i] * w
-        combine_tile(vals, row, weights, consensus, normalize, divisor, lam, scale, total, div, res)
+        tile = vals[: ntasks + 1]  # the base and the weighted task vectors
+        combine_tile(tile, row, weights, consensus, normalize, divisor, lam, scale, total, div, res)
         store(res, out[lo : lo + row], nan_bits)
 
 

@@ -317,6 +317,90 @@ def load_tile(inputs: tuple[Any, ...], lo: int, m: int, buf: np.ndarray, at: int
         j += 1
 
 
+# ---- the base at a task's precision (`kernels.precision`) --------------------------------
+
+
+def narrows(base: Any, task: Any) -> bool:
+    """Whether a task input measures its update against the base rounded to its dtype (it
+    is bfloat16 or float16 and the base is not): a constant of the two inputs' types."""
+    raise NotImplementedError
+
+
+@overload(narrows)
+def _narrows_impl(base: Any, task: Any) -> Callable[..., bool]:
+    rounded = isinstance(task, types.Array) and task.dtype in (types.uint16, types.int16)
+    same = isinstance(base, types.Array) and rounded and base.dtype == task.dtype
+    if rounded and not same:
+
+        def yes(base: Any, task: Any) -> bool:
+            return True
+
+        return yes
+
+    def no(base: Any, task: Any) -> bool:
+        return False
+
+    return no
+
+
+def round_bits(task: Any, src: np.ndarray, dst: np.ndarray) -> None:
+    """dst[:] = float32 bits of src[:] (float32 bits) rounded to nearest even to the task
+    input's dtype (bfloat16 or float16) and widened back: `cast(x_B, p_t)`, exact; an
+    overflow gives inf, a NaN stays a quiet NaN (implemented per dtype below)."""
+    raise NotImplementedError
+
+
+@overload(round_bits, jit_options={"fastmath": False, "error_model": "numpy"})
+def _round_bits_impl(task: Any, src: Any, dst: Any) -> Callable[..., None] | None:
+    if isinstance(task, types.Array) and task.dtype == types.uint16:
+
+        def to_bf16(task: Any, src: Any, dst: Any) -> None:
+            for i in range(dst.size):
+                dst[i] = _U32(float_bits_to_bf16(src[i], -1)) << _U32(16)
+
+        return to_bf16
+    if isinstance(task, types.Array) and task.dtype == types.int16:
+
+        def to_f16(task: Any, src: Any, dst: Any) -> None:
+            for i in range(dst.size):
+                dst[i] = half_to_float_bits(float_bits_to_half(src[i]))
+
+        return to_f16
+
+    def untouched(task: Any, src: Any, dst: Any) -> None:
+        return None
+
+    return untouched
+
+
+@register_jitable
+def base_rows(inputs: tuple[Any, ...]) -> np.ndarray:
+    """Per task t (0-based), the row of a `load_tile_bases` tile that holds the base at its
+    precision: 0 (the base's own row) or `ntasks + 1 + t`."""
+    ntasks = len(inputs) - 1
+    rows = np.zeros(ntasks, np.int64)
+    j = 0
+    for src in literal_unroll(inputs):
+        if j > 0 and narrows(inputs[0], src):
+            rows[j - 1] = ntasks + j
+        j += 1
+    return rows
+
+
+@register_jitable
+def load_tile_bases(inputs: tuple[Any, ...], lo: int, m: int, buf: np.ndarray) -> None:
+    """`load_tile`, and, for each task t that measures against the base rounded to its dtype,
+    row `ntasks + 1 + t` of `buf` (which has `2 * ntasks + 1` rows) = the base's row rounded
+    to it (`base_rows` says which row each task's update is measured against)."""
+    load_tile(inputs, lo, m, buf)
+    ntasks = len(inputs) - 1
+    j = 0
+    for src in literal_unroll(inputs):
+        if j > 0 and narrows(inputs[0], src):
+            round_bits(src, buf[0, :m], buf[ntasks + j, :m])
+        j += 1
+
+
 # ---- no fused multiply-add -------------------------------------------------------------
 
 _FMA_ASM = re.compile(r"\bv?f(?:n?)m(?:add|sub)\w*", re.IGNORECASE)

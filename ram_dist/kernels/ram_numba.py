@@ -65,12 +65,13 @@ from ram_dist.kernels.primitives import (
     LANES,
     OPTIONS,
     TILE,
+    base_rows,
     bits,
     e4m3_code,
     float32_of,
     float_bits_to_bf16,
     fma_findings,
-    load_tile,
+    load_tile_bases,
     size_of,
     store,
 )
@@ -109,15 +110,15 @@ def _count_kernel(
     nonfinite has N+1 entries, nonfinite[j] += NaN and Inf count of input j."""
     n = size_of(inputs[0])
     ntasks = len(inputs) - 1
-    buf = np.empty((ntasks + 1, TILE), np.uint32)
+    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)
     vals = buf.view(np.float32)
-    base = vals[0]
+    rows = base_rows(inputs)
     code = np.empty(TILE, np.int32)
     small = ntasks <= code_tasks
     patterns = np.zeros((LANES, (1 << ntasks) if small else 1), np.int64)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        load_tile(inputs, lo, m, buf)
+        load_tile_bases(inputs, lo, m, buf)
         if nonfinite.size:
             for j in range(ntasks + 1):
                 row = buf[j, :m]
@@ -130,6 +131,7 @@ def _count_kernel(
         if small:  # code = bit pattern of the active tasks
             for t in range(ntasks):
                 x = vals[t + 1]
+                base = vals[rows[t]]  # the base at task t's precision
                 bit = np.int32(1 << t)
                 for i in range(m):
                     code[i] |= bit if abs(x[i] - base[i]) > eps else np.int32(0)
@@ -138,12 +140,14 @@ def _count_kernel(
         else:  # code = c, then one increment per active task
             for t in range(ntasks):
                 x = vals[t + 1]
+                base = vals[rows[t]]
                 for i in range(m):
                     code[i] += np.int32(1) if abs(x[i] - base[i]) > eps else np.int32(0)
             for i in range(m):
                 hist[ntasks, code[i]] += 1
             for t in range(ntasks):
                 x = vals[t + 1]
+                base = vals[rows[t]]
                 for i in range(m):
                     if abs(x[i] - base[i]) > eps:
                         hist[t, code[i]] += 1
@@ -164,6 +168,7 @@ def _count_kernel(
 @register_jitable
 def _ram_tile(
     vals: np.ndarray,
+    rows: np.ndarray,
     m: int,
     eps: np.float32,
     lam: np.ndarray,
@@ -172,8 +177,10 @@ def _ram_tile(
     scale: np.ndarray,
     res: np.ndarray,
 ) -> None:
-    """res[:m] = RAM merge of the tile's rows vals = (base, task_1, ..., task_N), float32."""
-    ntasks = vals.shape[0] - 1
+    """res[:m] = RAM merge of the tile's rows vals = (base, task_1, ..., task_N, then the
+    base at the tasks' precisions: `load_tile_bases`), float32; task t's update is measured
+    against row `rows[t]`, the merged value built on the base's own row."""
+    ntasks = rows.size
     base = vals[0]
     zero = np.float32(0.0)
     for i in range(m):
@@ -182,9 +189,10 @@ def _ram_tile(
         scale[i] = zero
     for t in range(ntasks):
         x = vals[t + 1]
+        at = vals[rows[t]]
         lam_t = lam[t]
         for i in range(m):
-            tau = x[i] - base[i]
+            tau = x[i] - at[i]
             active = abs(tau) > eps
             total[i] = total[i] + (tau if active else zero)
             count[i] += np.int32(1) if active else np.int32(0)
@@ -205,16 +213,17 @@ def _merge_kernel(
     """out[:] = RAM merge of inputs = (base, task_1, ..., task_N), cast to out's dtype."""
     n = size_of(inputs[0])
     ntasks = len(inputs) - 1
-    buf = np.empty((ntasks + 1, TILE), np.uint32)
+    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)
     vals = buf.view(np.float32)
+    rows = base_rows(inputs)
     total = np.empty(TILE, np.float32)
     count = np.empty(TILE, np.int32)
     scale = np.empty(TILE, np.float32)
     res = np.empty(TILE, np.float32)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        load_tile(inputs, lo, m, buf)
-        _ram_tile(vals, m, eps, lam, total, count, scale, res)
+        load_tile_bases(inputs, lo, m, buf)
+        _ram_tile(vals, rows, m, eps, lam, total, count, scale, res)
         store(res[:m], out[lo : lo + m], nan_bits)
 
 
@@ -242,8 +251,9 @@ def _merge_fp8_kernel(
     n = size_of(inputs[0])
     per = (cols + bn - 1) // bn
     ntasks = len(inputs) - 1
-    buf = np.empty((ntasks + 1, TILE), np.uint32)
+    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)
     vals = buf.view(np.float32)
+    rows = base_rows(inputs)
     total = np.empty(TILE, np.float32)
     count = np.empty(TILE, np.int32)
     scale = np.empty(TILE, np.float32)
@@ -262,8 +272,8 @@ def _merge_fp8_kernel(
         differ[:] = 0
         for lo in range(0, size, TILE):
             m = min(TILE, size - lo)
-            load_tile(inputs, b0 + lo, m, buf)
-            _ram_tile(vals, m, eps, lam, total, count, scale, res)
+            load_tile_bases(inputs, b0 + lo, m, buf)
+            _ram_tile(vals, rows, m, eps, lam, total, count, scale, res)
             y[lo : lo + m] = res[:m]
             # each run of one row within one block: its block's amax and bits compared
             col = lo % cols

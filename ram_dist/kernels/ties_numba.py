@@ -29,7 +29,16 @@ from numba import njit
 from numba.extending import register_jitable
 
 from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.primitives import ABS32, LANES, OPTIONS, TILE, bits, load_tile, store
+from ram_dist.kernels.primitives import (
+    ABS32,
+    LANES,
+    OPTIONS,
+    TILE,
+    base_rows,
+    bits,
+    load_tile_bases,
+    store,
+)
 from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
@@ -53,9 +62,9 @@ def _stats_kernel(
     bin (INDEX_LOW); `start` the flat index of the first element."""
     n = inputs[0].size
     ntasks = len(inputs) - 1
-    buf = np.empty((ntasks + 1, TILE), np.uint32)
+    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
     vals = buf.view(np.float32)
-    base = vals[0]
+    rows = base_rows(inputs)
     # HIGH: increments go to LANES sub-histograms in turn (int32, folded into `hist` every
     # FOLD elements): consecutive increments of one bin wait on each other, and sparse task
     # vectors (mostly zero deltas, bin 0) and narrow magnitude ranges hit few bins.
@@ -63,9 +72,10 @@ def _stats_kernel(
     lanes = np.zeros((ntasks, LANES, bins if kind == 0 else 0), np.int32)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        load_tile(inputs, lo, m, buf)
+        load_tile_bases(inputs, lo, m, buf)
         for t in range(ntasks):
             x = vals[t + 1]
+            base = vals[rows[t]]  # the base at task t's precision
             row = hist[t]
             if kind == 0:
                 sub = lanes[t]
@@ -160,9 +170,9 @@ def _merge_kernel(
     `divisor` is the plain weight sum (used without consensus); `scale`: multiply by lam."""
     n = inputs[0].size
     ntasks = len(inputs) - 1
-    buf = np.empty((ntasks + 1, TILE), np.uint32)
+    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
     vals = buf.view(np.float32)
-    base = vals[0]
+    rows = base_rows(inputs)
     total = np.empty(TILE, np.float32)
     div = np.empty(TILE, np.float32)
     res = np.empty(TILE, np.float32)
@@ -170,10 +180,11 @@ def _merge_kernel(
     one = np.float32(1.0)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        load_tile(inputs, lo, m, buf)
+        load_tile_bases(inputs, lo, m, buf)
         # weighted_t = sparse(delta_t) * w_t, written over the task's row
         for t in range(ntasks):
             x = vals[t + 1]
+            base = vals[rows[t]]  # the base at task t's precision
             w = weights[t]
             mode = keep[t]
             threshold = cut[t, 0]
@@ -189,7 +200,8 @@ def _merge_kernel(
                 elif mode == 1:
                     d = zero
                 x[i] = d * w
-        combine_tile(vals, m, weights, consensus, normalize, divisor, lam, scale, total, div, res)
+        tile = vals[: ntasks + 1]  # the base and the weighted task vectors
+        combine_tile(tile, m, weights, consensus, normalize, divisor, lam, scale, total, div, res)
         store(res[:m], out[lo : lo + m], nan_bits)
 
 

@@ -36,6 +36,7 @@ from ram_dist.methods import float64_math, rows
 from ram_dist.methods.generalized_task_arithmetic import topk
 from ram_dist.methods.parameters import Parameter
 from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
+from ram_dist.methods.task_vectors import task_values
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +80,13 @@ def importance(base: torch.Tensor, task: torch.Tensor, length: int) -> torch.Ten
     a = base.to(torch.float32).reshape(-1, length)
     b = task.to(torch.float32).reshape(-1, length)
     return (torch.abs(b - a) * row_kl(a, b, length).reshape(-1, 1)).reshape(-1)
+
+
+def _pair(base: torch.Tensor, tasks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The base and the one model in float32, the model's values measured against the base
+    at its precision (`task_values`)."""
+    a, (b,) = task_values(base, tasks[:1])
+    return a, b
 
 
 def order_keys(values: torch.Tensor) -> torch.Tensor:
@@ -155,7 +163,7 @@ class ArceeFusion(MergekitRule, Eager):
         import torch
 
         length = rows.row_length(tuple(chunk.shape))
-        keys = order_keys(importance(base, tasks[0], length))
+        keys = order_keys(importance(*_pair(base, tasks), length))
         if round_ == 0:
             hist = torch.bincount(keys >> 16, minlength=HIGH_BINS).to(torch.int64)
             return {chunk.tensor: hist}
@@ -199,8 +207,7 @@ class ArceeFusion(MergekitRule, Eager):
     ) -> torch.Tensor:
         import torch
 
-        a = base.to(torch.float32)
-        b = tasks[0].to(torch.float32)
+        a, b = _pair(base, tasks)
         info = state["tensors"].get(chunk.tensor)
         if info is None:  # an empty tensor
             return a

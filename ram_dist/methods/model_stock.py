@@ -31,9 +31,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
+from ram_dist.kernels import precision
 from ram_dist.methods import exact_sums, rows
 from ram_dist.methods.parameters import Parameter
 from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
+from ram_dist.methods.task_vectors import task_values, task_vectors
 
 if TYPE_CHECKING:
     import numpy as np
@@ -55,22 +57,12 @@ def pairs(n: int) -> list[tuple[int, int]]:
     return exact_sums.pairs_of(n)
 
 
-def as_float32(raw: np.ndarray) -> np.ndarray:
-    """A raw input array of the fused path (bfloat16 as its uint16 bits) as float32 values."""
-    import numpy as np
-
-    if raw.dtype == np.uint16:
-        return (raw.astype(np.uint32) << 16).view(np.float32)
-    return raw.astype(np.float32, copy=False)
-
-
 def fused_gram(inputs: Sequence[np.ndarray], pairs_: list[tuple[int, int]]) -> np.ndarray | None:
     """The exact sums of `pairs_` of the task vectors of a chunk's raw inputs (base first) by
     the numba kernel; None where numba is not installed."""
     import numpy as np
 
-    base, *tasks = (as_float32(x).reshape(-1) for x in inputs)
-    deltas = np.stack([t - base for t in tasks])  # float32, one rounding each, as torch
+    deltas = np.stack(precision.task_vectors(list(inputs))[1])  # float32, as the eager rule
     return exact_sums.gram(deltas, pairs_)
 
 
@@ -156,8 +148,7 @@ class ModelStock(MergekitRule, Eager):
     ) -> dict[str, torch.Tensor]:
         import torch
 
-        b = base.to(torch.float32)
-        deltas = [x.to(torch.float32) - b for x in tasks]
+        _, deltas = task_vectors(base, tasks)
         stats = [
             exact_sums.product_sum(deltas[i], None if i == j else deltas[j])
             for i, j in pairs(len(deltas))
@@ -203,14 +194,13 @@ class ModelStock(MergekitRule, Eager):
     ) -> torch.Tensor:
         import torch
 
-        b = base.to(torch.float32)
-        ws = [x.to(torch.float32) for x in tasks]
+        b, ws = task_values(base, tasks)  # each against the base at its precision
         n = len(ws)
         if not params["filter_wise"]:
             t = torch.tensor(float(state["t"][chunk.tensor]), dtype=torch.float32, device=b.device)
             return blend(b, ws, t)
         length = rows.row_length(tuple(chunk.shape))
-        deltas = [x - b for x in ws]
+        _, deltas = task_vectors(base, tasks)
         ts = [ratio(sums, n) for sums in _sums(deltas, length)]
         t = torch.tensor(ts, dtype=torch.float32, device=b.device).reshape(-1, 1)
         shape = b.shape

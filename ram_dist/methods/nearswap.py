@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ram_dist.methods.parameters import Parameter
 from ram_dist.methods.protocol import Chunk, MergekitRule, NoStatistics, State, TensorParams
+from ram_dist.methods.task_vectors import task_values
 
 if TYPE_CHECKING:
     import torch
@@ -35,8 +36,7 @@ def merge_chunk(base: torch.Tensor, task: torch.Tensor, t: float) -> torch.Tenso
     """nearswap's merged float32 values of one chunk."""
     import torch
 
-    a = base.to(torch.float32)
-    b = task.to(torch.float32)
+    a, (b,) = task_values(base, [task])
     distance = torch.abs(a - b).clamp(min=MIN_DISTANCE)
     weight = (torch.reciprocal(distance) * t).clamp(min=0, max=1)
     return weight * b + (1 - weight) * a

@@ -18,6 +18,7 @@ from ram_dist.errors import RamDistError
 from ram_dist.methods.decoder_layers import layer_index, layer_name
 from ram_dist.methods.parameters import ALPHA, EPSILON, SCOPE, Parameter, R, variant
 from ram_dist.methods.protocol import Chunk, State, TensorParams
+from ram_dist.methods.task_vectors import compute_dtype, task_vectors
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -26,22 +27,14 @@ if TYPE_CHECKING:
     import torch
 
 
-def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """float64 if any input of the tensor is float64, else float32 (the spec)."""
-    import torch
-
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
 def _masks(
     base: torch.Tensor, tasks: list[torch.Tensor], eps: float
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """Base in the compute dtype, task vectors, strict change masks and the count c."""
+    """Base in the compute dtype, task vectors (each against the base at the task's
+    precision), strict change masks and the count c."""
     import torch
 
-    cdt = compute_dtype(base, *tasks)
-    b = base.to(cdt)
-    taus = [t.to(cdt) - b for t in tasks]
+    b, taus = task_vectors(base, tasks, compute_dtype(base, *tasks))
     masks = [tau.abs() > eps for tau in taus]
     count = torch.zeros(b.shape, dtype=torch.int64, device=b.device)
     for m in masks:

@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from ram_dist.dtypes import itemsize
-from ram_dist.kernels import fp8, lora
+from ram_dist.kernels import fp8, lora, precision
 
 #: The dtype an FP8 weight's values are merged in: its FP8 inputs are dequantized to it, and
 #: its merged values are quantized from it when it is written as FP8 again.
@@ -351,8 +351,10 @@ class LoraSource(NamedTuple):
         floats: Callable[[int], np.ndarray],
         base: np.ndarray,
     ) -> np.ndarray:
-        """`cast(float32(theta) + float32(s) * P)`, P in the spec's fixed order."""
+        """`cast(float32(theta) + float32(s) * P)`, P in the spec's fixed order, `theta` the
+        base at the task's precision."""
         theta, read = _theta(self.theta, read, base)
+        theta, theta_dtype = _at_precision(theta, self.theta_dtype, self.values_dtype)
         first, last = self._rows(start, stop)
         if not self.transposed:
             coef = lora.as_float32(read[0], self.dtype).reshape(last - first, self.rank)
@@ -364,9 +366,7 @@ class LoraSource(NamedTuple):
             basis = np.ascontiguousarray(basis.T)
         out = floats(stop - start).view(np.uint8)
         scale = np.float32(self.scale)
-        return lora.values(
-            theta, self.theta_dtype, coef, basis, scale, start, self.values_dtype, out
-        )
+        return lora.values(theta, theta_dtype, coef, basis, scale, start, self.values_dtype, out)
 
 
 class LoraBiasSource(NamedTuple):
@@ -413,8 +413,9 @@ class LoraBiasSource(NamedTuple):
         base: np.ndarray,
     ) -> np.ndarray:
         theta, read = _theta(self.theta, read, base)
+        theta, theta_dtype = _at_precision(theta, self.theta_dtype, self.values_dtype)
         delta = np.float32(self.scale) * lora.as_float32(read[0], self.dtype)
-        value = lora.as_float32(theta, self.theta_dtype) + delta
+        value = lora.as_float32(theta, theta_dtype) + delta
         return lora.cast(value, self.values_dtype, floats(stop - start).view(np.uint8))
 
 
@@ -424,3 +425,13 @@ def _theta(
     """The base values a LoRA source adds to (the adapter's own copy, read first, or the
     base input's), and the rest of what was read."""
     return (read[0], read[1:]) if own is not None else (base, read)
+
+
+def _at_precision(theta: np.ndarray, dtype: str, values_dtype: str) -> tuple[np.ndarray, str]:
+    """The base values a LoRA task adds to, at the task's precision (`kernels.precision`):
+    rounded to `values_dtype` where that is a 16-bit dtype the base is not stored in (an FP8
+    base's adapter, trained on the base loaded in bfloat16), as bytes, and their dtype."""
+    if not precision.narrows(dtype, values_dtype):
+        return theta, dtype
+    rounded = np.empty(theta.size // itemsize(dtype) * itemsize(values_dtype), np.uint8)
+    return lora.cast(lora.as_float32(theta, dtype), values_dtype, rounded), values_dtype

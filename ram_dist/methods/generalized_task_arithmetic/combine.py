@@ -22,22 +22,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ram_dist.methods.task_vectors import task_vectors
+
 if TYPE_CHECKING:
     import torch
 
 
 #: mergekit's threshold below which a plain weight sum is treated as zero.
 WEIGHT_SUM_EPS = 1e-8
-
-
-def task_vectors(
-    base: torch.Tensor, tasks: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The base in float32 and `delta_t = float32(theta_t) - float32(theta_B)`."""
-    import torch
-
-    b = base.to(torch.float32)
-    return b, [t.to(torch.float32) - b for t in tasks]
 
 
 def ordered_sum(terms: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -30,12 +30,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from ram_dist.kernels import precision
 from ram_dist.methods.geometric import columns
 from ram_dist.methods.geometric.span import (
     Gram,
     SpanMethod,
     blend,
-    decoded,
     f32,
     float32,
     gram,
@@ -164,8 +164,7 @@ class Nuslerp(SpanMethod):
             return super().fused_statistics(round_, chunk, inputs, params, state, count_nonfinite)
         import numpy as np
 
-        base, *tasks = (decoded(a) for a in inputs)
-        vectors = np.stack([t - base for t in tasks])
+        vectors = np.stack(precision.task_vectors(list(inputs))[1])
         pairs = [(0, 0), (1, 1), (0, 1)]
         stats = columns.fused_column_sums(vectors, pairs, column_count(chunk.shape))
         return None if stats is None else ({chunk.tensor: stats}, None)

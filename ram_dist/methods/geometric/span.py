@@ -23,7 +23,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ram_dist.kernels import precision
 from ram_dist.methods import exact_sums
+from ram_dist.methods import task_vectors as measured
 from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
@@ -143,21 +145,9 @@ def float32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32)
 
 
-def decoded(a: np.ndarray) -> np.ndarray:
-    """A raw input array (the engine's: bf16 as its uint16 bits, fp16, fp32) as float32
-    values, flat."""
-    import numpy as np
-
-    flat = a.reshape(-1)
-    if flat.dtype == np.uint16:
-        return (flat.astype(np.uint32) << 16).view(np.float32)
-    return flat.astype(np.float32, copy=False)
-
-
 def task_vectors(base: torch.Tensor, tasks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """`float32(theta_t) - float32(theta_B)` per task."""
-    b = float32(base)
-    return [float32(t) - b for t in tasks]
+    """Each task's float32 update, against the base at the task's precision."""
+    return measured.task_vectors(base, tasks)[1]
 
 
 class SpanMethod(MergekitRule, Eager):
@@ -184,7 +174,8 @@ class SpanMethod(MergekitRule, Eager):
         if self.blends == "deltas":
             return task_vectors(base, tasks)
         if self.blends == "pair":
-            return [float32(base), float32(tasks[0])]
+            b, (model,) = measured.task_values(base, tasks[:1])
+            return [b, model]
         return [float32(t) for t in tasks]
 
     def fused_statistics(
@@ -200,13 +191,13 @@ class SpanMethod(MergekitRule, Eager):
         numba is missing (the eager rule then runs)."""
         import numpy as np
 
-        base, *tasks = (decoded(a) for a in inputs)
         if self.blends == "deltas":
-            vectors = [t - base for t in tasks]  # float32, one rounding: the eager rule's
+            vectors = precision.task_vectors(list(inputs))[1]  # float32, the eager rule's
         elif self.blends == "pair":
-            vectors = [base, tasks[0]]
+            base, (model,) = precision.task_values(list(inputs[:2]))
+            vectors = [base, model]
         else:
-            vectors = tasks
+            vectors = [precision.as_float32(a) for a in inputs[1:]]
         stats = exact_sums.gram(np.stack(vectors), pairs(len(vectors)))
         return None if stats is None else ({chunk.tensor: stats}, None)
 
@@ -230,8 +221,8 @@ class SpanMethod(MergekitRule, Eager):
         base, *tasks = inputs
         keep = self.passthrough(len(tasks))
         if keep is not None:  # the model as it is: 1.0 * x is x, sign and all
-            kernel.blend(base, [tasks[keep]], out, mode=kernel.MODELS, factors=[1.0],
-                         bf16_nan=bf16_nan)  # fmt: skip
+            mode = kernel.REBASED if self.needs_base else kernel.MODELS
+            kernel.blend(base, [tasks[keep]], out, mode=mode, factors=[1.0], bf16_nan=bf16_nan)
             return True
         info = state["tensors"][chunk.tensor]
         if info.get("zeros"):
@@ -317,8 +308,12 @@ class SpanMethod(MergekitRule, Eager):
         state: State,
     ) -> torch.Tensor:
         keep = self.passthrough(len(tasks))
-        if keep is not None:
-            return float32(tasks[keep])
+        if keep is not None:  # with a base, the model's values measured against it
+            return (
+                measured.task_values(base, tasks)[1][keep]
+                if self.needs_base
+                else float32(tasks[keep])
+            )
         if self.whole_rows(params):
             return self.merge_rows(chunk, base, tasks, params, state)
         info = state["tensors"][chunk.tensor]

@@ -1,0 +1,137 @@
+"""The base at a task's precision (docs/exactness.md), in numpy: a task that stores a tensor
+in bfloat16 or float16 measures its update against the base's value rounded to that dtype,
+`theta_B^t = cast(x_B, p_t)` (round to nearest even), never against `x_B` itself. A trainer
+that loads an FP8, INT4 or float32 base in bfloat16 trains from `cast(x_B, bf16)`, and saves
+an element it never touched as exactly that value; measured against `x_B`, the rounding
+alone would count as a change.
+
+The cast is the identity when the task stores float32 or float64, or a quantized form (its
+decoded float32 value is its value), and when it stores the base's own dtype: then nothing
+changes. This module is the rule's one home for numpy callers (the methods' numpy paths, a
+LoRA task's values); `methods.task_vectors` is the torch rule and `primitives.load_tile_bases`
+the numba one, each tested against this one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: The stored dtypes a base value is rounded to before a task stored in one measures its
+#: update (a float32, float64 or decoded task takes the base's value as it is).
+ROUNDED_DTYPES = ("BF16", "F16")
+
+#: The safetensors dtype of each numpy array the engine hands the methods (bfloat16 as its
+#: uint16 bits; float16 as itself, or as its int16 bits inside the kernels).
+_ARRAY_DTYPES = {
+    np.dtype(np.uint16): "BF16",
+    np.dtype(np.float16): "F16",
+    np.dtype(np.int16): "F16",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float64): "F64",
+}
+
+
+def narrows(base: str, task: str) -> bool:
+    """Whether a task whose values are of dtype `task` measures its update against the
+    base's values (of dtype `base`: an FP8 base's are F32) rounded to `task`."""
+    return task in ROUNDED_DTYPES and task != base
+
+
+def array_dtype(values: np.ndarray) -> str:
+    """The safetensors dtype of an input array as the engine hands it (bfloat16 as uint16)."""
+    return _ARRAY_DTYPES[values.dtype]
+
+
+def rounded(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 `values` rounded to nearest even to `dtype` (BF16 or F16) and widened back to
+    float32: torch's `x.to(dtype).float()`, bit for bit for finite values (an overflow gives
+    inf; a NaN stays a quiet NaN)."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if dtype == "F16":
+        with np.errstate(over="ignore", invalid="ignore"):
+            return values.astype(np.float16).astype(np.float32)
+    if dtype != "BF16":
+        raise ValueError(f"a base value is rounded to bfloat16 or float16, not {dtype}")
+    bits = values.view(np.uint32)
+    top = (bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16
+    top = np.where(np.isnan(values), (bits >> 16) | 0x40, top).astype(np.uint32)
+    return (top << 16).view(np.float32)
+
+
+def as_float32(values: np.ndarray) -> np.ndarray:
+    """An input array as the engine hands it (bfloat16 as its uint16 bits, float16, float32)
+    as float32 values, flat (exact)."""
+    flat = values.reshape(-1)
+    if flat.dtype == np.uint16:
+        return (flat.astype(np.uint32) << 16).view(np.float32)
+    if flat.dtype == np.int16:
+        flat = flat.view(np.float16)
+    return flat.astype(np.float32, copy=False)
+
+
+def task_vectors(inputs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The base's float32 values and each task's float32 update measured against the base at
+    the task's precision, `float32(theta_t) - float32(cast(x_B, p_t))` (one rounding), from
+    the inputs as the engine hands them (base first)."""
+    base, *tasks = inputs
+    b = as_float32(base)
+    kind = array_dtype(base)
+    out = []
+    for task in tasks:
+        own = array_dtype(task)
+        at = rounded(b, own) if narrows(kind, own) else b
+        out.append(as_float32(task) - at)
+    return b, out
+
+
+def task_values(inputs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The base's float32 values and each task's float32 values as a method that blends
+    values (not updates) takes them: the task's own where its update is measured against the
+    base itself, else the base plus its update, `x_B + tau_t` (one rounding), so that an
+    element the task never touched is the base's value."""
+    base, *tasks = inputs
+    b = as_float32(base)
+    kind = array_dtype(base)
+    out = []
+    for task in tasks:
+        own = array_dtype(task)
+        value = as_float32(task)
+        out.append(b + (value - rounded(b, own)) if narrows(kind, own) else value)
+    return b, out
+
+
+#: The columns of `check_counts`: per task, the elements it changed (`|tau_t| > eps`), those
+#: of them whose value is the base's rounded to bfloat16 or float16, and the elements whose
+#: finite base value overflows the task's precision.
+CHANGED, ROUNDING, OVERFLOW = 0, 1, 2
+
+
+def needs_check(base: str, tasks: list[str]) -> bool:
+    """Whether a tensor's precision check (`check_counts`) can find anything: the base holds
+    more than 16 bits (float32, float64, or a quantized form: a task's change may then be
+    the base rounded to a 16-bit dtype), or some task measures against the base rounded (a
+    base value may overflow it)."""
+    return base not in ROUNDED_DTYPES or any(narrows(base, t) for t in tasks)
+
+
+def check_counts(inputs: list[np.ndarray], eps: float) -> np.ndarray:
+    """int64 [N, 3] (`CHANGED`, `ROUNDING`, `OVERFLOW`) of one chunk of the inputs as the
+    engine hands them (base first), in float32: a change `tau_t` as the rule measures it
+    (one rounding, `|tau_t| > float32(eps)`) is rounding when the task's value equals
+    `cast(x_B, bf16)` or `cast(x_B, fp16)`. `precision_numba.check_counts` is this, fused."""
+    kind = array_dtype(inputs[0])
+    with np.errstate(over="ignore", invalid="ignore"):
+        b, taus = task_vectors(inputs)
+        roundings = [rounded(b, "BF16"), rounded(b, "F16")]
+        out = np.zeros((len(taus), 3), np.int64)
+        for t, (task, tau) in enumerate(zip(inputs[1:], taus, strict=True)):
+            value = as_float32(task)
+            changed = np.abs(tau) > np.float32(eps)
+            rounding = changed & ((value == roundings[0]) | (value == roundings[1]))
+            out[t, CHANGED] = int(changed.sum())
+            out[t, ROUNDING] = int(rounding.sum())
+            own = array_dtype(task)
+            if narrows(kind, own):
+                at = rounded(b, own)
+                out[t, OVERFLOW] = int((np.isfinite(b) & ~np.isfinite(at)).sum())
+    return out
