@@ -176,7 +176,9 @@ class HowToRun:
         "and the model card list them", flag="--drop-extra-tensors",
     )  # fmt: skip
     allow_nonfinite: bool = setting(
-        False, help="merge inputs that hold NaN or Inf instead of refusing them",
+        False, help="merge inputs that hold NaN or Inf instead of refusing them (this also "
+        "skips the check of base values that overflow a task's dtype, and the precision "
+        "check's counts and warnings)",
         flag="--allow-nonfinite",
     )  # fmt: skip
     unit_budget_bytes: int | None = setting(

@@ -51,7 +51,9 @@ from ram_dist.planning.output_state import (
     output_sink_for,
 )
 from ram_dist.planning.plan_report import ConnectedCluster, plan_report
+from ram_dist.planning.precision import checked_tensors
 from ram_dist.planning.written_config import render
+from ram_dist.report.rounding import precision_report
 
 #: What `probe` counts with when the configured method counts no overlap statistics.
 PROBE_METHOD = "ram_plus"
@@ -88,7 +90,9 @@ def probe_on(job: Job, cluster: Cluster) -> dict[str, Any]:
         progress = Progress(job.config.log_format)
         method_state, stats = reduce_pass(job, cluster, progress, devices=devices)
         passes = _pass_reports({"reduce": stats})
-        return _report(job, method_state, passes, [stats], devices)
+        report = _report(job, method_state, passes, [stats], devices, precision_of(job, stats))
+        _warn(progress, report)
+        return report
 
 
 @contextlib.contextmanager
@@ -210,6 +214,7 @@ def _merge_held(
         measured.append(reduce_stats)
         fs.makedirs(path, exist_ok=True)
         manifest.method_state = method_state
+        manifest.precision = precision_of(job, reduce_stats)
         save_manifest(job.out, manifest, job.storage)
     names = non_weight_files(job.base.url, job.storage)
     copy_files(job.base.url, job.out, names, job.storage, config.out_dtype)
@@ -229,7 +234,7 @@ def _merge_held(
     passes.update(_pass_reports(ran))
     cleaned = len(on_every_node(cache.remove)) if cache is not None else 0
 
-    report = _report(job, method_state, passes, measured, devices)
+    report = _report(job, method_state, passes, measured, devices, manifest.precision)
     report["input_cache"] = cache_report(job, cache, cache_note)
     report["input_cache"]["nodes_cleaned"] = cleaned
     report["output"] = {
@@ -239,6 +244,7 @@ def _merge_held(
         "shards_reused": done,
         "shards_written": [s for s in manifest.shard_names if s not in done],
     }
+    _warn(progress, report)
     write_json(join(job.out, REPORT_NAME), report, job.storage)
     with AtomicFile(join(job.out, MERGEKIT_CONFIG_NAME), job.storage) as f:
         f.write(render(job).encode())
@@ -324,12 +330,29 @@ def _pass_reports(ran: dict[str, PassStats]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _warn(progress: Progress, report: Mapping[str, Any]) -> None:
+    """The precision check's warnings as `warning` events (the text report prints them)."""
+    for line in (report.get("precision") or {}).get("warnings", []):
+        progress.event("warning", message=line)
+
+
+def precision_of(job: Job, reduce: PassStats) -> dict[str, Any] | None:
+    """The report's `precision` key from the reduce pass's check (None: it did not run, as
+    with `--allow-nonfinite`)."""
+    checked = reduce.precision
+    if checked is None:
+        return None
+    models = [t.url for t in job.tasks]
+    return precision_report(checked.changed, checked.rounding, models, checked_tensors(job.layout))
+
+
 def _report(
     job: Job,
     method_state: dict[str, Any],
     passes: dict[str, Any],
     measured: list[PassStats],
     devices: Devices,
+    precision: dict[str, Any] | None,
 ) -> dict[str, Any]:
     config = job.config
     report: dict[str, Any] = {
@@ -350,6 +373,8 @@ def _report(
         "extra_tensors": job.extra_tensors(),
     }
     report.update(job.method.report(method_state))
+    if precision is not None:
+        report["precision"] = precision
     for url, t in zip(config.tasks, report.get("tasks", []), strict=False):
         t["model"] = url
     report["passes"] = passes

@@ -8,7 +8,7 @@ from typing import Any
 
 from ram_dist.engine import memory
 from ram_dist.engine.timeline import PassTimeline
-from ram_dist.engine.unit_results import UnitResult
+from ram_dist.engine.unit_results import PrecisionCounts, UnitResult
 from ram_dist.io.range_cache import CacheTraffic
 
 
@@ -58,6 +58,9 @@ class PassStats:
     gpu_busy_share: float | None = None
     """The share of the pass's wall time the GPU workers spent on units (None: none ran)."""
     driver_memory: memory.PeakMemory = field(default_factory=memory.PeakMemory)
+    precision: PrecisionCounts | None = None
+    """Reduce pass: the first round's precision check (`kernels.precision`), when it ran
+    (not reported with the pass: the report has its own key)."""
     """The driver's own peak during the pass (the process that receives the results)."""
     backward: bool = False
     """Whether the pass (its last reduce round) read the units from the last to the first.

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ram_dist import kernels
-from ram_dist.dtypes import itemsize
+from ram_dist.dtypes import dtype_name, itemsize
 from ram_dist.engine.gpu import Devices, job_devices
 from ram_dist.engine.map_step import PartWork, map_part
 from ram_dist.engine.pass_stats import PassStats
@@ -29,6 +29,7 @@ from ram_dist.engine.progress import Progress
 from ram_dist.engine.reduce_step import add_up, reduce_group
 from ram_dist.engine.runtime import Cluster
 from ram_dist.engine.shard_book import ShardBook
+from ram_dist.engine.unit_results import PrecisionCounts
 from ram_dist.engine.worker import WorkFlags
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import InputCache
@@ -197,6 +198,7 @@ def _reduce_pass(
         stats.rounds_read += 1
         totals: dict[str, np.ndarray] = {}
         nonfinite: dict[str, list[int]] = {}
+        checked = PrecisionCounts.zeros(len(job.tasks)) if checking else None
         shared = (shipped.layout, storage, method, shipped.params, state, round_, checking,
                   work_flags(job))  # fmt: skip
         results = unordered_map(
@@ -209,11 +211,15 @@ def _reduce_pass(
         for group, node, result in results:
             stats.ran([u.index for u in group], node, result.traffic, node_of(group[0]))
             progress.advance(sum(result.bytes_read))
-            add_up(result, totals, nonfinite)
+            add_up(result, totals, nonfinite, checked)
             stats.add(result, units=len(group), node=node)
         progress.end_pass()
         if nonfinite:
             raise _nonfinite_error(job, nonfinite)
+        if checked is not None:
+            if checked.overflow:
+                raise _overflow_error(job, checked.overflow)
+            stats.precision = checked
         if round_ < method.rounds:
             sums = {key: torch.from_numpy(value) for key, value in totals.items()}
             state = method.finalize(round_, sums, job.params, numel, state)
@@ -232,6 +238,26 @@ def work_flags(job: Job) -> WorkFlags:
     from ram_dist.kernels.views import torch_bf16_nan
 
     return WorkFlags(fused=True, bf16_nan=torch_bf16_nan())
+
+
+def _overflow_error(job: Job, found: dict[str, list[int]]) -> RamDistError:
+    """Base values that have no value at a task's precision (`kernels.precision`): a finite
+    base value beyond the largest float16 (or bfloat16) of a task stored in that dtype."""
+    lines = []
+    for name, counts in sorted(found.items()):
+        entry = job.layout.tensors[name]
+        for task, count, src in zip(job.tasks, counts, entry.sources[1:], strict=True):
+            if count:
+                lines.append(
+                    f"tensor {name!r}: {count} finite base value(s) overflow "
+                    f"{dtype_name(src.values_dtype)}, the precision of {task.describe(name)}"
+                )
+    shown = "; ".join(lines[:10]) + (f"; and {len(lines) - 10} more" if len(lines) > 10 else "")
+    return RamDistError(
+        f"a task's update cannot be measured against the base at its precision: {shown}. "
+        "Such a base value has no value in the task's dtype (a trainer that loaded the base "
+        "in it saw inf there); save the task in float32 or in the base's dtype"
+    )
 
 
 def _nonfinite_error(job: Job, found: dict[str, list[int]]) -> RamDistError:

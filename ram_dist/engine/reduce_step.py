@@ -3,13 +3,15 @@ eager rule), and the NaN/Inf count of every input in the check round. Runs on Ra
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import numpy as np
 
+from ram_dist.dtypes import INFO
 from ram_dist.engine.blocks import BlockInputs, input_count, stream_blocks
 from ram_dist.engine.memory import peak_rss
-from ram_dist.engine.unit_results import Statistics, UnitResult
+from ram_dist.engine.unit_results import PrecisionCounts, Statistics, UnitResult
 from ram_dist.engine.worker import (
     EAGER,
     Fused,
@@ -20,7 +22,9 @@ from ram_dist.engine.worker import (
     worker_context,
 )
 from ram_dist.io.storage import Storage
+from ram_dist.kernels import precision
 from ram_dist.methods import MergeMethod
+from ram_dist.methods.parameters import EPSILON
 from ram_dist.methods.protocol import Chunk, State, TensorParams
 from ram_dist.planning.layout import Layout
 from ram_dist.planning.units import WorkUnit
@@ -53,6 +57,7 @@ def reduce_unit(
     encoded = bool(getattr(method, "fp8_kernels", False))  # FP8 inputs read as stored
     totals: dict[str, np.ndarray] = {}
     nonfinite: dict[str, list[int]] = {}
+    checked = PrecisionCounts.zeros(input_count(layout) - 1) if check_finite else None
     for block, inputs in stream_blocks(pieces, layout, storage, bytes_read, scope, dev == "cuda"):
         piece = pieces[block.piece]
         entry = layout.tensors[piece.tensor]
@@ -72,6 +77,8 @@ def reduce_unit(
         if counts is not None and any(counts):
             old = nonfinite.get(piece.tensor, [0] * len(counts))
             nonfinite[piece.tensor] = [a + b for a, b in zip(old, counts, strict=True)]
+        if checked is not None and _needs_check(tuple(s.values_dtype for s in entry.sources)):
+            checked.add(piece.tensor, _check_counts(inputs, fused, p))
         if not active:
             continue
         if stats is None:
@@ -81,7 +88,7 @@ def reduce_unit(
         _add(totals, integers(method, stats))
     return UnitResult(
         unit.index, totals, None, tuple(bytes_read), peak_rss(), nonfinite or None,
-        peak_private_bytes=scope.memory.note(),
+        peak_private_bytes=scope.memory.note(), precision=checked,
     )  # fmt: skip
 
 
@@ -107,11 +114,16 @@ def _add(totals: dict[str, np.ndarray], stats: Mapping[str, np.ndarray]) -> None
 
 
 def add_up(
-    result: UnitResult, totals: dict[str, np.ndarray], nonfinite: dict[str, list[int]]
+    result: UnitResult,
+    totals: dict[str, np.ndarray],
+    nonfinite: dict[str, list[int]],
+    checked: PrecisionCounts | None = None,
 ) -> None:
-    """Add a reduce result's statistics to `totals` and its NaN/Inf counts to `nonfinite`
-    (sums of integers: the order never matters)."""
+    """Add a reduce result's statistics to `totals`, its NaN/Inf counts to `nonfinite` and
+    its precision check to `checked` (sums of integers: the order never matters)."""
     _add(totals, result.stats or {})
+    if checked is not None:
+        checked.merge(result.precision)
     for name, counts in (result.nonfinite or {}).items():
         old = nonfinite.get(name, [0] * len(counts))
         nonfinite[name] = [a + b for a, b in zip(old, counts, strict=True)]
@@ -140,8 +152,9 @@ def reduce_group(
         ]
         totals: dict[str, np.ndarray] = {}
         nonfinite: dict[str, list[int]] = {}
+        checked = PrecisionCounts.zeros(input_count(layout) - 1) if check_finite else None
         for r in results:
-            add_up(r, totals, nonfinite)
+            add_up(r, totals, nonfinite, checked)
         return UnitResult(
             units[0].index,
             Statistics(totals),
@@ -150,6 +163,7 @@ def reduce_group(
             max(r.peak_rss_bytes for r in results),
             nonfinite or None,
             peak_private_bytes=scope.memory.note(),
+            precision=checked,
             traffic=scope.traffic.total(),
             times=scope.clock.times(len(units)),
             **ran_by(),
@@ -167,3 +181,28 @@ def _nonfinite(inputs: BlockInputs, fused: Fused, dev: str) -> list[int]:
     import torch
 
     return [int((~torch.isfinite(x)).sum()) for x in inputs.tensors(dev)]
+
+
+@functools.lru_cache(maxsize=256)
+def _needs_check(dtypes: tuple[str, ...]) -> bool:
+    """`precision.needs_check` of a tensor's inputs' value dtypes (base first), asked once
+    per dtypes."""
+    return precision.needs_check(dtypes[0], list(dtypes[1:]))
+
+
+def _check_counts(inputs: BlockInputs, fused: Fused, params: TensorParams) -> np.ndarray:
+    """The precision check of a block (int64 [N, 3]): by the fused kernel where kernels are
+    on (an FP8 input read as stored), else by the numpy rule; `epsilon` the method's
+    threshold of a change where it has one (RAM's), else RAM's default."""
+    eps = params.get("epsilon")
+    eps = float(eps) if isinstance(eps, float) else EPSILON.default
+    if fused.take(inputs.dtypes):
+        from ram_dist.kernels import precision_numba
+
+        counts = precision_numba.check_counts(inputs.arrays(encoded=True), eps)
+    else:
+        raw = zip(inputs.raw, inputs.dtypes, strict=True)
+        counts = precision.check_counts([r.view(INFO[d].numpy) for r, d in raw], eps)
+    if not precision.counts_rounding(inputs.dtypes[0]):  # a 16-bit base: overflow only
+        counts[:, [precision.CHANGED, precision.ROUNDING]] = 0
+    return counts

@@ -43,6 +43,43 @@ class UnitResult:
     """Bytes the task read from this node's input cache and wrote to it."""
     times: TaskTimes | None = None
     """When the task ran and where its time went (`engine.timeline`)."""
+    precision: PrecisionCounts | None = None
+    """Reduce round 0: the precision check of the unit's tensors that need one."""
+
+
+@dataclass
+class PrecisionCounts:
+    """The first reduce round's precision check (`kernels.precision.check_counts`) of some
+    units, per task: the elements it changed and those of them that are only the base
+    rounded to a 16-bit dtype, over the tensors checked; and per tensor whose base values
+    overflow a task's precision, the count per task."""
+
+    changed: list[int]
+    rounding: list[int]
+    overflow: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def zeros(cls, tasks: int) -> PrecisionCounts:
+        return cls([0] * tasks, [0] * tasks)
+
+    def add(self, tensor: str, counts: np.ndarray) -> None:
+        """Add a chunk's `check_counts` (int64 [N, 3]) of `tensor`."""
+        for t, (changed, rounding, overflow) in enumerate(counts.tolist()):
+            self.changed[t] += changed
+            self.rounding[t] += rounding
+            if overflow:
+                row = self.overflow.setdefault(tensor, [0] * len(self.changed))
+                row[t] += overflow
+
+    def merge(self, other: PrecisionCounts | None) -> None:
+        """Add another result's counts (sums of integers: any order)."""
+        if other is None:
+            return
+        self.changed = [a + b for a, b in zip(self.changed, other.changed, strict=True)]
+        self.rounding = [a + b for a, b in zip(self.rounding, other.rounding, strict=True)]
+        for name, row in other.overflow.items():
+            mine = self.overflow.setdefault(name, [0] * len(row))
+            self.overflow[name] = [a + b for a, b in zip(mine, row, strict=True)]
 
 
 class Statistics(dict[str, np.ndarray]):

@@ -37,6 +37,9 @@ class Manifest:
     """Shards being written: name -> {"plan": [[start, stop], ...], "parts": {number:
     record}, and the store's handle, e.g. "upload_id"}, so a re-run resumes inside them."""
     complete: bool = False
+    precision: dict[str, Any] | None = None
+    """The first reduce round's precision check, as the report says it (`report.rounding`),
+    kept with the statistics for a resumed run's report."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -48,6 +51,7 @@ class Manifest:
             "shards": self.shards,
             "writing": self.writing,
             "complete": self.complete,
+            "precision": self.precision,
         }
 
     @classmethod
@@ -61,6 +65,7 @@ class Manifest:
                 shards=dict(raw.get("shards") or {}),
                 writing=dict(raw.get("writing") or {}),
                 complete=bool(raw.get("complete")),
+                precision=raw.get("precision"),
             )
         except (KeyError, TypeError) as e:
             raise RamDistError(f"{where}: not a ram-dist manifest ({e})") from e
@@ -86,7 +91,7 @@ def save_manifest(out_url: str, manifest: Manifest, storage: Storage) -> None:
 def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """What changed between two job identities, in words a person can act on."""
     changes = []
-    for key in ("method", "out_dtype", "formats"):
+    for key in ("method", "out_dtype", "formats", "measured_against"):
         if old.get(key) != new.get(key):
             changes.append(f"{key}: {old.get(key)} -> {new.get(key)}")
     old_params, new_params = old.get("parameters", {}), new.get("parameters", {})

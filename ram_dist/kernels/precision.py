@@ -80,7 +80,8 @@ def task_vectors(inputs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]
     for task in tasks:
         own = array_dtype(task)
         at = rounded(b, own) if narrows(kind, own) else b
-        out.append(as_float32(task) - at)
+        with np.errstate(invalid="ignore"):  # inf - inf is NaN, as in torch
+            out.append(as_float32(task) - at)
     return b, out
 
 
@@ -96,7 +97,8 @@ def task_values(inputs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]
     for task in tasks:
         own = array_dtype(task)
         value = as_float32(task)
-        out.append(b + (value - rounded(b, own)) if narrows(kind, own) else value)
+        with np.errstate(invalid="ignore"):  # inf - inf is NaN, as in torch
+            out.append(b + (value - rounded(b, own)) if narrows(kind, own) else value)
     return b, out
 
 
@@ -106,12 +108,18 @@ def task_values(inputs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]
 CHANGED, ROUNDING, OVERFLOW = 0, 1, 2
 
 
+def counts_rounding(base: str) -> bool:
+    """Whether a task's change may be the base rounded to a 16-bit dtype: the base holds
+    more than 16 bits (float32, float64, or a quantized form). Only there does the check
+    count changes and rounding."""
+    return base not in ROUNDED_DTYPES
+
+
 def needs_check(base: str, tasks: list[str]) -> bool:
-    """Whether a tensor's precision check (`check_counts`) can find anything: the base holds
-    more than 16 bits (float32, float64, or a quantized form: a task's change may then be
-    the base rounded to a 16-bit dtype), or some task measures against the base rounded (a
-    base value may overflow it)."""
-    return base not in ROUNDED_DTYPES or any(narrows(base, t) for t in tasks)
+    """Whether a tensor's precision check (`check_counts`) can find anything: rounding
+    (`counts_rounding`), or a base value that overflows a task measuring against the base
+    rounded to its dtype."""
+    return counts_rounding(base) or any(narrows(base, t) for t in tasks)
 
 
 def check_counts(inputs: list[np.ndarray], eps: float) -> np.ndarray:
@@ -122,6 +130,8 @@ def check_counts(inputs: list[np.ndarray], eps: float) -> np.ndarray:
     kind = array_dtype(inputs[0])
     with np.errstate(over="ignore", invalid="ignore"):
         b, taus = task_vectors(inputs)
+        # finite as stored: a float64 beyond float32's range too (it overflows any 16 bits)
+        finite = np.isfinite(inputs[0].reshape(-1) if kind == "F64" else b)
         roundings = [rounded(b, "BF16"), rounded(b, "F16")]
         out = np.zeros((len(taus), 3), np.int64)
         for t, (task, tau) in enumerate(zip(inputs[1:], taus, strict=True)):
@@ -132,6 +142,5 @@ def check_counts(inputs: list[np.ndarray], eps: float) -> np.ndarray:
             out[t, ROUNDING] = int(rounding.sum())
             own = array_dtype(task)
             if narrows(kind, own):
-                at = rounded(b, own)
-                out[t, OVERFLOW] = int((np.isfinite(b) & ~np.isfinite(at)).sum())
+                out[t, OVERFLOW] = int((finite & ~np.isfinite(rounded(b, own))).sum())
     return out

@@ -24,6 +24,7 @@ a call failed, 2 if numba would not cache into `--cache-dir`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -57,6 +58,7 @@ def dispatchers() -> dict[str, Any]:
         della_numba,
         exact_sums_numba,
         lora_numba,
+        precision_numba,
         ram_numba,
         scan_numba,
         ties_numba,
@@ -67,7 +69,7 @@ def dispatchers() -> dict[str, Any]:
         ties_numba._stats_kernel, ties_numba._merge_kernel, scan_numba._count,
         lora_numba.lora_values, exact_sums_numba.gram, exact_sums_numba.row_gram,
         column_sums_numba.column_gram, blend_numba._blend_kernel,
-        della_numba._stats_kernel, della_numba._merge_kernel,
+        della_numba._stats_kernel, della_numba._merge_kernel, precision_numba._check_kernel,
     )  # fmt: skip
     return {f"{k.py_func.__module__.rsplit('.', 1)[-1]}.{k.__name__}": k for k in found}
 
@@ -82,6 +84,7 @@ def calls(
         blend_numba,
         della_numba,
         lora_numba,
+        precision_numba,
         ram_numba,
         scan_numba,
         ties_numba,
@@ -115,6 +118,9 @@ def calls(
             yield ties_numba._stats_kernel, label, stats
             della_stats = partial(della_numba.statistics, base, agents, **della_args)
             yield della_numba._stats_kernel, label, della_stats
+            if name == "float32":  # a float32 base's precision check (16-bit bases have none)
+                check = partial(precision_numba.check_counts, [base, *agents], EPS)
+                yield precision_numba._check_kernel, label, check
             for out_name in out_dtypes:
                 out = torch.empty(N, dtype=getattr(torch, out_name))
                 ram = partial(ram_numba.merge_ram, base, agents, EPS, [1.0] * n, out)
@@ -155,19 +161,22 @@ def calls(
 
 
 def _fp8_calls(tasks: int, out_dtypes: list[str]) -> Iterator[tuple[Any, str, Callable[[], Any]]]:
-    """The RAM kernels on FP8 base and tasks (`fp8.Fp8Values`): the counts, the merge into
-    each output dtype, and the merge written as FP8 blocks."""
+    """The RAM kernels on an FP8 base (`fp8.Fp8Values`) with FP8 tasks and with bfloat16
+    ones (an RL trainer's agents): the counts, the merge into each output dtype, the merge
+    written as FP8 blocks; and the first round's precision check."""
     import torch
 
-    from ram_dist.kernels import fp8, ram_numba
+    from ram_dist.kernels import fp8, precision_numba, ram_numba
 
     cols, block = 4, (2, 2)
     base = fp8.Fp8Values(np.zeros(N, np.uint8), np.ones(4, np.float32), cols, block)
-    for n in range(1, tasks + 1):
-        agents = [base] * n
-        label = f"{FP8} x {n}"
+    for n, agent in itertools.product(range(1, tasks + 1), (base, np.zeros(N, np.uint16))):
+        agents = [agent] * n
+        label = f"{FP8} x {n}" + (" bf16" if agent is not base else "")
         counts = partial(ram_numba.overlap_counts_nonfinite, base, agents, EPS)
         yield ram_numba._count_kernel, label, counts
+        check = partial(precision_numba.check_counts, [base, *agents], EPS)
+        yield precision_numba._check_kernel, label, check
         for out_name in out_dtypes:
             out = torch.empty(N, dtype=getattr(torch, out_name))
             ram = partial(ram_numba.merge_ram, base, agents, EPS, [1.0] * n, out)

@@ -23,6 +23,7 @@ from ram_dist.planning.adapters import check_trained_on
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.devices import DeviceChoice, job_device
 from ram_dist.planning.layout import Layout, TensorEntry, build_layout
+from ram_dist.planning.precision import measured_against
 from ram_dist.planning.sizing import auto_unit_budget, machine
 from ram_dist.planning.sources import TensorSource, same_as_base
 from ram_dist.planning.tensor_params import resolve_all
@@ -127,7 +128,15 @@ class Job:
         }
         if self.layout.decoded_inputs:  # how FP8 inputs are decoded decides the bytes
             identity["formats"] = list(self.layout.formats)
+        against = self.measured_against()
+        if against:  # what a task is measured against decides the bytes
+            identity["measured_against"] = against
         return identity
+
+    def measured_against(self) -> list[str]:
+        """The tasks measured against the base at another precision than the base's own,
+        in words (`planning.precision`)."""
+        return measured_against(self.layout, [t.label for t in self.tasks])
 
     def extra_tensors(self) -> dict[str, Any]:
         """`--drop-extra-tensors` and what it left out, per task (plan, report, card)."""
@@ -143,6 +152,7 @@ class Job:
                 for c, f in zip(inputs, self.layout.formats, strict=True)
             ],
             "output": self.layout.output_format(),
+            "measured_against": self.measured_against(),
         }
 
 

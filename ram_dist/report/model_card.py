@@ -199,6 +199,15 @@ def _format_section(report: Mapping[str, Any]) -> list[str]:
         lines += ["", "## Storage format", "", "| model | format |", "|---|---|"]
         lines += [f"| {md_cell(i['role'])} | {md_cell(i['format'])} |" for i in formats["inputs"]]
         lines.append(f"| **merged model** | {md_cell(formats['output'])} |")
+        against = formats.get("measured_against") or []
+        if against:
+            lines += ["", "Each task's update is measured against the base at the task's own "
+                      "precision (what a trainer that loaded the base in that dtype started "
+                      "from):", ""]  # fmt: skip
+            lines += [f"- {md_cell(sentence)}" for sentence in against]
+    warnings = (report.get("precision") or {}).get("warnings") or []
+    if warnings:
+        lines += ["", "**Precision check:**", ""] + [f"- {md_cell(w)}" for w in warnings]
     copied = (report.get("integers_from_base") or {}).get("copied_though_changed") or []
     if copied:
         lines += _named_list(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ram_dist.report.model_card import method_lines
+from ram_dist.report.rounding import precision_lines
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -46,7 +47,8 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def format_lines(report: dict[str, Any]) -> list[str]:
-    """Each input's storage format and the output's; the integer tensors copied from the
+    """Each input's storage format and the output's, the tasks measured against the base at
+    another precision and the precision check's warnings; the integer tensors copied from the
     base though a task changed them (`--integers-from-base`)."""
     formats = report.get("formats")
     lines = []
@@ -54,6 +56,7 @@ def format_lines(report: dict[str, Any]) -> list[str]:
         lines.append("formats:")
         lines += [f"  {i['role']}: {i['format']}" for i in formats["inputs"]]
         lines.append(f"  output: {formats['output']}")
+    lines += precision_lines(report)
     copied = (report.get("integers_from_base") or {}).get("copied_though_changed") or []
     if copied:
         more = f" (and {len(copied) - 3} more)" if len(copied) > 3 else ""

@@ -39,10 +39,13 @@ FLOAT32_KERNELS = (
 )  # fmt: skip
 #: Kernels warmed as the merge kernels are (1 and 2 tasks), which the job does not call.
 UNCALLED = ("blend_numba._blend_kernel",)
-#: RAM's kernels, which also read FP8 inputs as stored (1 and 2 tasks more each), and the
-#: one that writes FP8 blocks (FP8 inputs only).
+#: RAM's kernels, which also read FP8 inputs as stored (1 and 2 tasks more each, FP8 or
+#: bfloat16 tasks of the FP8 base), and the one that writes FP8 blocks (an FP8 base only).
 RAM_KERNELS = ("ram_numba._count_kernel", "ram_numba._merge_kernel")
 FP8_OUT = "ram_numba._merge_fp8_kernel"
+#: The first reduce round's precision check: an FP8 base's (a bfloat16 base has none), with
+#: FP8 and with bfloat16 tasks; the job below does not call it.
+CHECK = "precision_numba._check_kernel"
 
 #: RAM, TIES and DELLA on base + 2 bfloat16 tasks into bfloat16, through the methods as the engine
 #: calls them, and the finiteness scan; then numba's counts of cache hits and misses per
@@ -109,17 +112,18 @@ def test_warm_compiles_into_the_cache_dir(warmed):
     cache, result = warmed
     assert result.returncode == 0, result.stderr
     assert f"numba cache: {cache}" in result.stdout
-    # 1 and 2 tasks of each kernel (RAM's twice: bf16 and FP8 inputs); the scan's three
-    # widths (16, 32, 64 bits); LoRA's bf16 and its bf16 over an FP8 base's float32; one of
-    # each exact-sums kernel (float32).
+    # 1 and 2 tasks of each kernel (RAM's three times: bf16, FP8, and bf16 tasks of an FP8
+    # base); the scan's three widths (16, 32, 64 bits); LoRA's bf16 and its bf16 over an FP8
+    # base's float32; one of each exact-sums kernel (float32); the FP8 base's check.
     assert summary(result.stdout) == {
         **{k: (3 if k == "scan_numba._count" else 2, 0) for k in KERNELS},
-        **{k: (4, 0) for k in RAM_KERNELS},
-        FP8_OUT: (2, 0),
+        **{k: (6, 0) for k in RAM_KERNELS},
+        FP8_OUT: (4, 0),
+        CHECK: (4, 0),
         **{k: (1, 0) for k in FLOAT32_KERNELS},
         **{k: (2, 0) for k in UNCALLED},
     }
-    assert "28 specializations" in result.stdout and "0 failed" in result.stdout
+    assert "38 specializations" in result.stdout and "0 failed" in result.stdout
     for kernel in (*KERNELS, FP8_OUT):
         assert list(cache.glob(f"*/{kernel}-*.nbi")), kernel
         assert list(cache.glob(f"*/{kernel}-*.nbc")), kernel
@@ -136,7 +140,7 @@ def test_a_later_job_loads_the_warmed_kernels_instead_of_compiling(warmed):
     uncalled = (*FLOAT32_KERNELS, *UNCALLED)
     assert job == {
         **{k: [1, 0] for k in KERNELS}, **{k: [2, 0] for k in RAM_KERNELS}, FP8_OUT: [1, 0],
-        **{k: [0, 0] for k in uncalled},
+        **{k: [0, 0] for k in (*uncalled, CHECK)},
     }  # fmt: skip
     # A signature that was not warmed is compiled (the counts do tell the two apart).
     assert after["ram_numba._count_kernel"] == [2, 1]
@@ -158,9 +162,9 @@ def test_warm_exits_non_zero_when_it_cannot_cache(warmed, tmp_path):
     index.write_bytes(b"not a numba index")
     result = run([*WARM, *SMALL, "--cache-dir", str(broken)], {})
     assert result.returncode == 1
-    assert result.stderr.count("FAILED ram_numba._count_kernel") == 4, result.stderr
-    assert "4 failed" in result.stdout
-    assert summary(result.stdout)["ram_numba._merge_kernel"] == (0, 4)
+    assert result.stderr.count("FAILED ram_numba._count_kernel") == 6, result.stderr
+    assert "6 failed" in result.stdout
+    assert summary(result.stdout)["ram_numba._merge_kernel"] == (0, 6)
 
 
 def test_kernels_cache_in_the_temp_dir_when_nothing_else_is_writable(tmp_path):
