@@ -66,19 +66,20 @@ def reduce_unit(
         p = params[piece.tensor]
         stats: dict[str, np.ndarray] | None = None
         counts: list[int] | None = None
+        swept: np.ndarray | None = None  # the precision check, from the method's sweep
         if active and fused.take(inputs.dtypes):
             got = method.fused_statistics(
                 round_, chunk, inputs.arrays(encoded), p, state, check_finite
             )  # fmt: skip
             if got is not None:
-                stats, counts = got
+                stats, counts, swept = (*got, None)[:3]
         if check_finite and counts is None:
             counts = _nonfinite(inputs, fused, dev)
         if counts is not None and any(counts):
             old = nonfinite.get(piece.tensor, [0] * len(counts))
             nonfinite[piece.tensor] = [a + b for a, b in zip(old, counts, strict=True)]
         if checked is not None and _needs_check(tuple(s.values_dtype for s in entry.sources)):
-            checked.add(piece.tensor, _check_counts(inputs, fused, p))
+            checked.add(piece.tensor, _check_counts(inputs, fused, p, swept))
         if not active:
             continue
         if stats is None:
@@ -190,13 +191,18 @@ def _needs_check(dtypes: tuple[str, ...]) -> bool:
     return precision.needs_check(dtypes[0], list(dtypes[1:]))
 
 
-def _check_counts(inputs: BlockInputs, fused: Fused, params: TensorParams) -> np.ndarray:
-    """The precision check of a block (int64 [N, 3]): by the fused kernel where kernels are
-    on (an FP8 input read as stored), else by the numpy rule; `epsilon` the method's
-    threshold of a change where it has one (RAM's), else RAM's default."""
+def _check_counts(
+    inputs: BlockInputs, fused: Fused, params: TensorParams, swept: np.ndarray | None
+) -> np.ndarray:
+    """The precision check of a block (int64 [N, 3]): as the method's sweep counted it
+    (`swept`), else by the fused kernel where kernels are on (an FP8 input read as stored),
+    else by the numpy rule; `epsilon` the method's threshold of a change where it has one
+    (RAM's), else RAM's default."""
     eps = params.get("epsilon")
     eps = float(eps) if isinstance(eps, float) else EPSILON.default
-    if fused.take(inputs.dtypes):
+    if swept is not None:
+        counts = swept
+    elif fused.take(inputs.dtypes):
         from ram_dist.kernels import precision_numba
 
         counts = precision_numba.check_counts(inputs.arrays(encoded=True), eps)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ram_dist.kernels import fp8
+
 #: The stored dtypes a base value is rounded to before a task stored in one measures its
 #: update (a float32, float64 or decoded task takes the base's value as it is).
 ROUNDED_DTYPES = ("BF16", "F16")
@@ -37,8 +39,12 @@ def narrows(base: str, task: str) -> bool:
     return task in ROUNDED_DTYPES and task != base
 
 
-def array_dtype(values: np.ndarray) -> str:
-    """The safetensors dtype of an input array as the engine hands it (bfloat16 as uint16)."""
+def array_dtype(values: np.ndarray | fp8.Fp8Values | tuple) -> str:
+    """The safetensors dtype of an input's values as the engine or `views.kernel_view` hands
+    them (bfloat16 as uint16; an FP8 input as stored, or as the kernels' tuple, is decoded
+    to float32)."""
+    if isinstance(values, (fp8.Fp8Values, tuple)):
+        return "F32"
     return _ARRAY_DTYPES[values.dtype]
 
 
@@ -122,25 +128,36 @@ def needs_check(base: str, tasks: list[str]) -> bool:
     return counts_rounding(base) or any(narrows(base, t) for t in tasks)
 
 
+def rounding_tests(task: str) -> tuple[str, ...]:
+    """The 16-bit dtypes a changed value of a task stored in `task` is compared with the
+    base rounded to: those that can find something. A bfloat16 task's value that is the base
+    rounded to bfloat16 is no change (it is measured against that), and one that is the
+    base rounded to float16 is then that too; a float16 task's, likewise for float16."""
+    return {"BF16": (), "F16": ("BF16",)}.get(task, ("BF16", "F16"))
+
+
 def check_counts(inputs: list[np.ndarray], eps: float) -> np.ndarray:
     """int64 [N, 3] (`CHANGED`, `ROUNDING`, `OVERFLOW`) of one chunk of the inputs as the
     engine hands them (base first), in float32: a change `tau_t` as the rule measures it
-    (one rounding, `|tau_t| > float32(eps)`) is rounding when the task's value equals
-    `cast(x_B, bf16)` or `cast(x_B, fp16)`. `precision_numba.check_counts` is this, fused."""
+    (one rounding, `|tau_t| > float32(eps)`) is rounding when the task's value equals the
+    base rounded to a 16-bit dtype (`rounding_tests`). `precision_numba.check_counts` is
+    this, fused."""
     kind = array_dtype(inputs[0])
     with np.errstate(over="ignore", invalid="ignore"):
         b, taus = task_vectors(inputs)
         # finite as stored: a float64 beyond float32's range too (it overflows any 16 bits)
         finite = np.isfinite(inputs[0].reshape(-1) if kind == "F64" else b)
-        roundings = [rounded(b, "BF16"), rounded(b, "F16")]
+        roundings = {d: rounded(b, d) for d in ROUNDED_DTYPES}
         out = np.zeros((len(taus), 3), np.int64)
         for t, (task, tau) in enumerate(zip(inputs[1:], taus, strict=True)):
+            own = array_dtype(task)
             value = as_float32(task)
             changed = np.abs(tau) > np.float32(eps)
-            rounding = changed & ((value == roundings[0]) | (value == roundings[1]))
+            rounding = np.zeros_like(changed)
+            for d in rounding_tests(own):
+                rounding |= changed & (value == roundings[d])
             out[t, CHANGED] = int(changed.sum())
             out[t, ROUNDING] = int(rounding.sum())
-            own = array_dtype(task)
             if narrows(kind, own):
                 out[t, OVERFLOW] = int((finite & ~np.isfinite(rounded(b, own))).sum())
     return out

@@ -8,11 +8,12 @@ something (`precision.needs_check`): the counts are the same integers as the num
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from numba import njit
+from numba import literal_unroll, njit, types
+from numba.extending import overload, register_jitable
 
 from ram_dist.kernels import use_writable_cache
 from ram_dist.kernels.primitives import (
@@ -20,6 +21,7 @@ from ram_dist.kernels.primitives import (
     OPTIONS,
     TILE,
     base_rows,
+    float32_of,
     float_bits_to_bf16,
     float_bits_to_half,
     half_to_float_bits,
@@ -33,43 +35,98 @@ use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 _U32 = np.uint32
 
 
+def tests_of(task: Any) -> int:
+    """`precision.rounding_tests` of a task input, as a constant of its type: 0 none (a
+    bfloat16 task), 1 bfloat16 (a float16 task), 2 bfloat16 and float16 (float32, FP8)."""
+    raise NotImplementedError
+
+
+@overload(tests_of)
+def _tests_of_impl(task: Any) -> Callable[..., int]:
+    tests = 2
+    if isinstance(task, types.Array) and task.dtype == types.uint16:
+        tests = 0
+    elif isinstance(task, types.Array) and task.dtype == types.int16:
+        tests = 1
+
+    def constant(task: Any) -> int:
+        return tests
+
+    return constant
+
+
+@register_jitable
+def task_tests(inputs: tuple[Any, ...]) -> np.ndarray:
+    """Per task, `tests_of` (the base's entry, first, unused)."""
+    out = np.zeros(len(inputs), np.int64)
+    j = 0
+    for src in literal_unroll(inputs):
+        out[j] = tests_of(src)
+        j += 1
+    return out[1:]
+
+
+@register_jitable
+def check_tile(
+    buf: np.ndarray,
+    rows: np.ndarray,
+    tests: np.ndarray,
+    m: int,
+    eps: np.float32,
+    counts: np.ndarray,
+    to_bf16: np.ndarray,
+) -> None:
+    """counts[t] += (changed, rounding, overflow) of task t over the first `m` elements of a
+    `load_tile_bases` tile (`buf`, float32 bits; task t measured against row `rows[t]`, its
+    value compared with the base rounded as `tests[t]` says); `to_bf16` is scratch (uint32,
+    at least `m`). RAM's count kernel calls it on the tile it has loaded, so that its first
+    round reads and decodes each input once."""
+    ntasks = rows.size
+    vals = buf.view(np.float32)
+    base_bits = buf[0]
+    bf16 = to_bf16.view(np.float32)
+    rounded = False
+    for t in range(ntasks):
+        x = vals[t + 1]
+        at = vals[rows[t]]
+        at_bits = buf[rows[t]]
+        changed = 0
+        over = 0  # a finite base value whose rounding to the task's dtype is not
+        for i in range(m):
+            changed += 1 if abs(x[i] - at[i]) > eps else 0
+            finite = (base_bits[i] & INF32) != INF32
+            over += 1 if finite and (at_bits[i] & INF32) == INF32 else 0
+        counts[t, 0] += changed
+        counts[t, 2] += over
+        if changed and tests[t] > 0:
+            if not rounded:  # the base rounded to bfloat16: integer steps, vectorized
+                for i in range(m):
+                    to_bf16[i] = _U32(float_bits_to_bf16(base_bits[i], -1)) << _U32(16)
+                rounded = True
+            rounding = 0
+            for i in range(m):
+                rounding += 1 if abs(x[i] - at[i]) > eps and x[i] == bf16[i] else 0
+            if tests[t] > 1 and changed > rounding:  # float16: only what is left (rarely)
+                for i in range(m):
+                    if abs(x[i] - at[i]) > eps and x[i] != bf16[i]:
+                        f16 = float32_of(half_to_float_bits(float_bits_to_half(base_bits[i])))
+                        rounding += 1 if x[i] == f16 else 0
+            counts[t, 1] += rounding
+
+
 @njit(cache=True, **OPTIONS)
 def _check_kernel(inputs: tuple[Any, ...], eps: np.float32, counts: np.ndarray) -> None:
     """counts[t] += (changed, rounding, overflow) of task t over inputs = (base, tasks)."""
     n = size_of(inputs[0])
     ntasks = len(inputs) - 1
     buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
-    vals = buf.view(np.float32)
     rows = base_rows(inputs)
-    to_bf16 = np.empty(TILE, np.uint32)
-    to_f16 = np.empty(TILE, np.uint32)
-    bf16 = to_bf16.view(np.float32)
-    f16 = to_f16.view(np.float32)
+    tests = task_tests(inputs)
+    scratch = np.empty(TILE, np.uint32)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
         load_tile_bases(inputs, lo, m, buf)
-        base_bits = buf[0]
-        for i in range(m):
-            to_bf16[i] = _U32(float_bits_to_bf16(base_bits[i], -1)) << _U32(16)
-            to_f16[i] = half_to_float_bits(float_bits_to_half(base_bits[i]))
-        for t in range(ntasks):
-            x = vals[t + 1]
-            at = vals[rows[t]]
-            changed = 0
-            rounding = 0
-            for i in range(m):
-                moved = abs(x[i] - at[i]) > eps
-                changed += 1 if moved else 0
-                rounding += 1 if moved and (x[i] == bf16[i] or x[i] == f16[i]) else 0
-            counts[t, 0] += changed
-            counts[t, 1] += rounding
-            if rows[t] != 0:
-                at_bits = buf[rows[t]]
-                over = 0
-                for i in range(m):
-                    finite = (base_bits[i] & INF32) != INF32
-                    over += 1 if finite and (at_bits[i] & INF32) == INF32 else 0
-                counts[t, 2] += over
+        check_tile(buf, rows, tests, m, eps, counts, scratch)
 
 
 def check_counts(inputs: Sequence[Any], eps: float) -> np.ndarray:

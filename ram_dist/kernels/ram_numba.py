@@ -60,6 +60,7 @@ from numba.extending import register_jitable
 
 from ram_dist.kernels import handle, use_writable_cache
 from ram_dist.kernels.fp8 import Fp8Target, Fp8Values, stored_scales
+from ram_dist.kernels.precision_numba import check_tile, task_tests
 from ram_dist.kernels.primitives import (
     INF32,
     LANES,
@@ -105,14 +106,19 @@ def _count_kernel(
     hist: np.ndarray,
     nonfinite: np.ndarray,
     code_tasks: int,
+    checks: np.ndarray,
 ) -> None:
     """hist[:] += overlap statistics of inputs = (base, task_1, ..., task_N); when
-    nonfinite has N+1 entries, nonfinite[j] += NaN and Inf count of input j."""
+    nonfinite has N+1 entries, nonfinite[j] += NaN and Inf count of input j; when `checks`
+    has N rows, checks[t] += the precision check of task t (`precision_numba.check_tile`),
+    from the same tiles."""
     n = size_of(inputs[0])
     ntasks = len(inputs) - 1
     buf = np.empty((2 * ntasks + 1, TILE), np.uint32)
     vals = buf.view(np.float32)
     rows = base_rows(inputs)
+    tests = task_tests(inputs)
+    scratch = np.empty(TILE, np.uint32)
     code = np.empty(TILE, np.int32)
     small = ntasks <= code_tasks
     patterns = np.zeros((LANES, (1 << ntasks) if small else 1), np.int64)
@@ -126,6 +132,8 @@ def _count_kernel(
                 for i in range(m):
                     found += 1 if (row[i] & INF32) == INF32 else 0
                 nonfinite[j] += found
+        if checks.size:
+            check_tile(buf, rows, tests, m, eps, checks, scratch)
         for i in range(m):
             code[i] = 0
         if small:  # code = bit pattern of the active tasks
@@ -357,7 +365,7 @@ def overlap_counts(
     arrays = kernel_inputs(base, tasks)
     ntasks = len(arrays) - 1
     hist = np.zeros((ntasks + 1, ntasks + 1), np.int64)
-    _count_kernel(arrays, np.float32(eps), hist, np.zeros(0, np.int64), code_tasks)
+    _count_kernel(arrays, np.float32(eps), hist, np.zeros(0, np.int64), code_tasks, _NO_CHECKS)
     return hist
 
 
@@ -370,8 +378,27 @@ def overlap_counts_nonfinite(
     ntasks = len(arrays) - 1
     hist = np.zeros((ntasks + 1, ntasks + 1), np.int64)
     nonfinite = np.zeros(ntasks + 1, np.int64)
-    _count_kernel(arrays, np.float32(eps), hist, nonfinite, code_tasks)
+    _count_kernel(arrays, np.float32(eps), hist, nonfinite, code_tasks, _NO_CHECKS)
     return hist, nonfinite.tolist()
+
+
+def overlap_counts_checked(
+    base: ArrayLike, tasks: Sequence[ArrayLike], eps: float, *, code_tasks: int = CODE_TASKS
+) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """`overlap_counts_nonfinite`, plus the precision check of every task (int64 [N, 3],
+    `precision.check_counts`) from the same sweep: the first reduce round of an FP8 or
+    float32 base reads and decodes each input once."""
+    arrays = kernel_inputs(base, tasks)
+    ntasks = len(arrays) - 1
+    hist = np.zeros((ntasks + 1, ntasks + 1), np.int64)
+    nonfinite = np.zeros(ntasks + 1, np.int64)
+    checks = np.zeros((ntasks, 3), np.int64)
+    _count_kernel(arrays, np.float32(eps), hist, nonfinite, code_tasks, checks)
+    return hist, nonfinite.tolist(), checks
+
+
+#: `_count_kernel`'s `checks` when none is asked for (one signature either way).
+_NO_CHECKS = np.zeros((0, 3), np.int64)
 
 
 def merge_ram(

@@ -158,10 +158,16 @@ class MergeMethod(Protocol):
         params: TensorParams,
         state: State,
         count_nonfinite: bool,
-    ) -> tuple[dict[str, np.ndarray], list[int] | None] | None:
+    ) -> (
+        tuple[dict[str, np.ndarray], list[int] | None]
+        | tuple[dict[str, np.ndarray], list[int] | None, np.ndarray | None]
+        | None
+    ):
         """`chunk_statistics` by a fused kernel (int64 arrays) on the inputs' raw arrays
         (base first), with each input's NaN/Inf count from the same sweep when asked and
-        the kernel has it (else None: the engine counts them); None to decline."""
+        the kernel has it (else None: the engine counts them); None to decline. Where it
+        counts NaN/Inf it may add, third, the chunk's precision check from the same sweep
+        (`kernels.precision.check_counts`, int64 [N, 3]; None: the engine runs it)."""
         ...
 
     def fused_merge(

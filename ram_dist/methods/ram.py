@@ -245,15 +245,23 @@ class RamMethod:
         params: TensorParams,
         state: State,
         count_nonfinite: bool,
-    ) -> tuple[dict[str, np.ndarray], list[int] | None]:
-        """The overlap counts, and each input's NaN/Inf count, from one sweep."""
-        from ram_dist.kernels import ram_numba
+    ) -> tuple[dict[str, np.ndarray], list[int] | None, np.ndarray | None]:
+        """The overlap counts, and each input's NaN/Inf count and the precision check (where
+        it can find something: `precision.needs_check`), from one sweep."""
+        from ram_dist.kernels import precision, ram_numba
+        from ram_dist.kernels.views import kernel_inputs
 
         base, *tasks = inputs
+        dtypes = [precision.array_dtype(x) for x in kernel_inputs(base, tasks)]
+        if count_nonfinite and precision.needs_check(dtypes[0], dtypes[1:]):
+            hist, counts, checks = ram_numba.overlap_counts_checked(
+                base, tasks, params["epsilon"]
+            )  # fmt: skip
+            return {chunk.tensor: hist}, counts, checks
         if count_nonfinite:
             hist, counts = ram_numba.overlap_counts_nonfinite(base, tasks, params["epsilon"])
-            return {chunk.tensor: hist}, counts
-        return {chunk.tensor: ram_numba.overlap_counts(base, tasks, params["epsilon"])}, None
+            return {chunk.tensor: hist}, counts, None
+        return {chunk.tensor: ram_numba.overlap_counts(base, tasks, params["epsilon"])}, None, None
 
     def finalize(
         self,

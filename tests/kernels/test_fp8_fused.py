@@ -270,7 +270,8 @@ def test_no_fma_in_the_fp8_kernels():
     eps, lam = np.float32(EPS), np.array([1.1, 1.2], np.float32)
     fresh = {k: njit(cache=False, **primitives.OPTIONS)(getattr(ram, k).py_func)
              for k in ("_count_kernel", "_merge_kernel", "_merge_fp8_kernel")}  # fmt: skip
-    fresh["_count_kernel"](arrays, eps, np.zeros((3, 3), np.int64), np.zeros(3, np.int64), 10)
+    hist, checks = np.zeros((3, 3), np.int64), np.zeros((2, 3), np.int64)  # the check too
+    fresh["_count_kernel"](arrays, eps, hist, np.zeros(3, np.int64), 10, checks)
     fresh["_merge_kernel"](arrays, eps, lam, np.empty(70 * 45, np.float32), 0xFFFF)
     q = np.empty(70 * 45, np.uint8)
     s, same = np.empty(5 * 6, np.float32), np.empty(5 * 6, np.uint8)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from ram_dist.kernels import warm
+
 pytest.importorskip("numba")
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
@@ -195,3 +197,15 @@ def test_kernels_cache_in_the_temp_dir_when_nothing_else_is_writable(tmp_path):
     assert Path(where).is_relative_to(package)
     assert Path(path).parent == tmp_path / "tmp" / f"numba-cache-{os.getuid()}"
     assert (hits, misses) == ("0", "1") and second[2:] == ["1", "0"]
+
+
+def test_the_docs_count_the_specializations_warm_compiles():
+    """The number docs/architecture.md and the module's docstring give is `calls()`'s
+    count with the defaults (nothing is compiled to count them)."""
+    total = sum(
+        1
+        for _ in warm.calls(list(warm.DTYPES.values()), warm.TASKS, list(warm.OUT_DTYPES.values()))
+    )
+    text = (REPO / "docs" / "architecture.md").read_text()
+    assert f"{total} signatures" in text
+    assert f"{total} specializations" in " ".join(warm.__doc__.split())

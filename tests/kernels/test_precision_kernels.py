@@ -163,3 +163,34 @@ def test_the_fused_check_reads_an_fp8_base_as_stored():
     from_values = precision.check_counts([values, raw(agent), raw(moved)], EPS)
     assert np.array_equal(from_stored, from_values)
     assert from_values[:, precision.CHANGED].tolist() == [0, 20]
+
+
+def test_rams_count_kernel_checks_in_the_same_sweep():
+    """RAM's first round counts the precision check from the tiles it loaded: the same
+    counts as the check's own kernel, on an FP8 base as stored and on a float32 base."""
+    from ram_dist.kernels import precision_numba, ram_numba
+
+    stored, values = fp8_base()
+    agent = torch.from_numpy(values.copy()).to(torch.bfloat16)
+    trip = torch.from_numpy(values.copy()).to(torch.float16).to(torch.float32)
+    trip[7:19] += 0.5
+    for base in (stored, values):
+        tasks = [raw(agent), raw(trip)]
+        hist, nonfinite, checks = ram_numba.overlap_counts_checked(base, tasks, EPS)
+        assert np.array_equal(checks, precision_numba.check_counts([base, *tasks], EPS))
+        assert np.array_equal(hist, ram_numba.overlap_counts(base, tasks, EPS))
+        assert nonfinite == [0, 0, 0] and checks[1, precision.ROUNDING] > 0
+
+
+def test_no_fma_in_the_check_kernel():
+    """Compiled afresh (the disk cache cannot be inspected): no fused multiply-add."""
+    from numba import njit
+
+    from ram_dist.kernels import precision_numba, primitives
+    from ram_dist.kernels.views import kernel_inputs
+
+    stored, values = fp8_base()
+    arrays = kernel_inputs(stored, [raw(torch.from_numpy(values).to(torch.bfloat16)), values])
+    fresh = njit(cache=False, **primitives.OPTIONS)(precision_numba._check_kernel.py_func)
+    fresh(arrays, np.float32(EPS), np.zeros((2, 3), np.int64))
+    assert primitives.fma_findings(fresh) == []

@@ -334,7 +334,8 @@ def test_no_fma_in_compiled_code() -> None:
     arrays = views.kernel_inputs(base, tasks)
     eps = np.float32(EPS)
     counts = njit(cache=False, **primitives.OPTIONS)(kernels._count_kernel.py_func)
-    counts(arrays, eps, np.zeros((3, 3), np.int64), np.zeros(3, np.int64), kernels.CODE_TASKS)
+    hist, checks = np.zeros((3, 3), np.int64), np.zeros((2, 3), np.int64)  # the check too
+    counts(arrays, eps, hist, np.zeros(3, np.int64), kernels.CODE_TASKS, checks)
     assert kernels.fma_findings(counts) == []
     merge = njit(cache=False, **primitives.OPTIONS)(kernels._merge_kernel.py_func)
     for out_dtype in OUTS:
