@@ -248,6 +248,16 @@ def test_multislerp_antipodal_pair_falls_back_to_the_linear_blend():
         assert within_bound(merged, theirs, [base, task, other]) == 0
 
 
+def test_multislerp_keeps_a_tensor_no_task_changed():
+    """Every task vector zero (an agent measured against the base at its precision changed
+    nothing there): the base, where mergekit refuses the zero mean direction."""
+    base, _ = inputs(1, 0.5, seed=14)
+    params = {"weight": [0.6, 0.9, 0.7], "normalize_weights": True, "eps": 1e-8}
+    reference = multislerp(base, [base.clone()] * 3, [0.6, 0.9, 0.7])
+    merged, state = every_split("multislerp", params, base, [base.clone()] * 3, reference)
+    assert state["tensors"]["w"]["unchanged"] and torch.equal(merged, base.to(torch.float32))
+
+
 def test_multislerp_antipodal_three_is_an_error_naming_the_tensor():
     _, (task,) = inputs(1, 0.5, seed=13)
     base, other = torch.zeros(SHAPE), -task

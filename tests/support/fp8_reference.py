@@ -73,7 +73,8 @@ def requantize(
 
 
 def values(stored: State, block: tuple[int, int]) -> State:
-    """A checkpoint's tensors as the merge sees them: FP8 weights dequantized, scales gone."""
+    """A checkpoint's tensors as the merge sees them: FP8 weights dequantized (their value,
+    float32: the precision "decoded"), scales gone, plain tensors as stored."""
     out: State = {}
     for name, t in stored.items():
         if name.endswith(SCALE) and name[: -len(SCALE)] in stored:
@@ -90,7 +91,12 @@ def reference_fp8_merge(
     out_dtype: torch.dtype | None = None,
     **kw,
 ) -> tuple[State, dict]:
-    """The RAM methods on FP8 checkpoints (any mix of FP8 and plain inputs), in stored form."""
+    """The RAM methods on FP8 checkpoints (any mix of FP8 and plain inputs), in stored form.
+
+    Every input is handed to `reference_merge` as its `values`: an FP8 weight is `x`, float32,
+    so a bf16 task of an FP8 base weight measures its update against `cast(x_B, bf16)`, and
+    an FP8 task (decoded) against `x_B` itself ("The base at a task's precision",
+    `reference.base_at`)."""
     merged, stats = reference_merge(
         values(base, block), [values(t, block) for t in tasks], method, out_dtype=out_dtype, **kw
     )

@@ -7,6 +7,11 @@ exact); angles and coefficients in float64 with Python's `math` (here partly num
 matrix algebra on coefficient vectors: the same values up to float64 rounding, which the
 float32 factors do not see); each factor that multiplies a tensor rounded to float32 once;
 the blend element-wise in float32, one rounding per operation, in input order.
+
+Inputs are torch tensors as stored (an FP8 tensor as its float32 value) or numpy arrays (taken
+as float32 tensors). Task vectors (nuslerp, multislerp) are measured against the base at each
+model's precision (`reference.task_vector`); slerp's model, and the one model multislerp
+passes through, is its value as `reference.task_value` gives it; karcher has no base.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
+from reference import task_value, task_vector
 
 F32 = np.float32
 
@@ -47,14 +54,32 @@ def blend(vectors, factors, divisor=None, base=None) -> np.ndarray:
 
 
 def _np(x) -> np.ndarray:
+    """float32 values of a tensor (any float dtype, bf16 included) or an array."""
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.float32).numpy()
     return np.asarray(x, dtype=F32)
+
+
+def _torch(x) -> torch.Tensor:
+    """A stored tensor as it is; an array as a float32 tensor."""
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(_np(x))
+
+
+def _vector(base, model) -> np.ndarray:
+    """The model's task vector, float32, against the base at the model's precision."""
+    return task_vector(_torch(base), _torch(model)).numpy()
+
+
+def _value(base, model) -> np.ndarray:
+    """The model's float32 value as a method that blends values takes it."""
+    return task_value(_torch(base), _torch(model)).numpy()
 
 
 # ---------------------------------------------------------------- slerp
 
 
 def slerp(base, model, t: float) -> np.ndarray:
-    a, b = _np(base), _np(model)
+    a, b = _np(base), _value(base, model)
     t = f32(t)
     na, nb = math.sqrt(exact_dot(a, a)), math.sqrt(exact_dot(b, b))
     na = na if na > 1e-8 else 1.0
@@ -87,7 +112,7 @@ def nuslerp(base, models, weights, flatten: bool = True, row_wise: bool = False)
     """Task vectors of the two models, slerped whole (flatten), per vector along the last
     dimension, or (row_wise) per vector along the first dimension."""
     b = _np(base)
-    v0, v1 = _np(models[0]) - b, _np(models[1]) - b
+    v0, v1 = _vector(base, models[0]), _vector(base, models[1])
     total = weights[0] + weights[1]
     t = 0.5 if abs(total) < 1e-6 else weights[1] / total
     if flatten or b.ndim == 0:
@@ -112,9 +137,9 @@ def multislerp(base, models, weights, normalize_weights=True, eps=1e-8) -> np.nd
     """mergekit's steps on coefficient vectors over the task vectors x_i (all lie in their
     span), then the float32 blend of the x_i plus the base."""
     b = _np(base)
-    if len(models) == 1:
-        return _np(models[0])
-    xs = [_np(m) - b for m in models]
+    if len(models) == 1:  # the one model passed through, as a value
+        return _value(base, models[0])
+    xs = [_vector(base, m) for m in models]
     g = gram(xs)
     n = len(xs)
     w = np.array([f32(x) for x in weights], dtype=np.float64)
@@ -123,6 +148,8 @@ def multislerp(base, models, weights, normalize_weights=True, eps=1e-8) -> np.nd
         for x in w:
             total = F32(total + F32(x))
         w = np.array([f32(x / float(total)) for x in w])
+    if not np.diag(g).any():  # no task changed the tensor: the base (mergekit refuses it)
+        return blend(xs, [0.0] * n, base=b)
     norms = np.sqrt(np.diag(g))
     units = np.diag(1 / (norms + eps))  # row i: the coefficients of u_i
 

@@ -8,7 +8,8 @@ PEFT: the adapter's files are read here, and PEFT's one rule we follow, the matc
 `adapter_task_state(base, adapter_dir)` is the task's full state: every base tensor, those
 the adapter does not touch equal to the base. `materialize` writes it as a full checkpoint
 folder, to be given to ram-dist as an ordinary task. An FP8 base's weights are dequantized by
-`fp8_reference.dequantize` (the spec's FP8 rule, also independent of ram_dist).
+`fp8_reference.dequantize` (the spec's FP8 rule, also independent of ram_dist) and rounded to
+bf16, the adapter's precision there (`reference.base_at`), before the delta is added.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 from fp8_reference import FP8, SCALE, dequantize
+from reference import base_at
 from safetensors.torch import load_file, save_file
 
 State = dict[str, torch.Tensor]
@@ -183,14 +185,16 @@ def adapter_task_state(
 ) -> State:
     """The task's full state: the base with the adapter merged in, in the base's dtypes.
 
-    Spec: "The task's value": `theta_t = cast(float32(theta_B) + delta, dtype of theta_B)`
-    (RNE); `bias_t = cast(float32(bias_B) + float32(s) * float32(lora_B.bias), dtype)`; a
-    modules_to_save tensor is the task's value outright; `<module>.base_layer.weight` is the
-    value of that base tensor before the delta is added; an untouched tensor is the base's.
-    "For an FP8 base weight, theta_B is its dequantized value and theta_t is rounded to
-    bfloat16": such a weight (with `fp8_block`, the base's block size) is stored here as that
-    bf16 tensor, without its `_scale_inv` companion; an FP8 weight the adapter does not touch
-    stays the base's FP8 bytes and scale.
+    Spec: "The task's value": `theta_t = cast(float32(theta_B^t) + delta, p_t)` (RNE), where
+    the adapter's precision `p_t` is the base tensor's dtype (then `theta_B^t` is the base's
+    value), or bfloat16 for an FP8 base weight (then `theta_B^t = cast(x_B, bf16)`, `x_B` its
+    dequantized value: PEFT trains on the base as loaded in bf16); `bias_t =
+    cast(float32(bias_B) + float32(s) * float32(lora_B.bias), dtype)`; a modules_to_save
+    tensor is the task's value outright; `<module>.base_layer.weight` is the value of that
+    base tensor before the delta is added; an untouched tensor is the base's. An adapted FP8
+    weight (with `fp8_block`, the base's block size) is stored here as its bf16 tensor,
+    without its `_scale_inv` companion; an FP8 weight the adapter does not touch stays the
+    base's FP8 bytes and scale.
     """
     deltas, starts, outright = adapter_deltas(base, adapter_dir)
     out: State = dict(base)
@@ -202,9 +206,9 @@ def adapter_task_state(
         if base[name].dtype == FP8:
             if fp8_block is None:
                 raise ValueError(f"{name} is FP8: give the base's block size")
-            scale = base[name + SCALE]
-            theta_b = dequantize(base[name], scale, fp8_block)  # float32
-            out[name] = (theta_b + delta).to(torch.bfloat16)
+            x_b = dequantize(base[name], base[name + SCALE], fp8_block)  # float32
+            theta_b = base_at(x_b, torch.bfloat16)  # the base as PEFT loads it: bf16
+            out[name] = (theta_b.to(torch.float32) + delta).to(torch.bfloat16)
             del out[name + SCALE]
         else:
             out[name] = (out[name].to(torch.float32) + delta).to(base[name].dtype)

@@ -1,7 +1,14 @@
-"""An independent reference of breadcrumbs, breadcrumbs_ties, della and della_linear, written
-from the spec (`../shared/spec/ram.md`, "The rest of mergekit's methods") on whole tensors,
-plainly and slowly. It never imports `ram_dist`.
+"""An independent reference of mergekit's generalized task arithmetic family as the spec pins
+it (task_arithmetic, ties, dare_linear, dare_ties: "Baselines in the same engine";
+breadcrumbs, breadcrumbs_ties, della, della_linear: "The rest of mergekit's methods") and of
+`linear`, written from the spec (`../shared/spec/ram.md`) on whole tensors, plainly and slowly.
+It never imports `ram_dist`.
 
+* Task vectors: `delta_t` measured against the base at the task's precision
+  (`reference.task_vector`); the merge is built on the base's own value.
+* ties: keep the `max(1, int(density * n))` largest |delta| (ties at the cut: lowest flat
+  index first).
+* dare: keep element i where its counter-based draw (below) is below the density.
 * breadcrumbs: order the elements by (-|delta|, flat index); keep the positions
   [a, a + target) with target = int(density * n), a = min(int(gamma * n), n - target).
 * della: in each rank group (a 1-D tensor: the whole tensor; else along dimension 1), rank
@@ -11,6 +18,8 @@ plainly and slowly. It never imports `ram_dist`.
 * L1 rescale: exact sums (fractions) rounded once to float32, the float32 ratio, skipped
   below 1e-7.
 * Combine: float32, op by op, sums over tasks in task order from +0.
+* linear: `sum_t w_t theta_t / sum_t w_t` in float32 from a +0 accumulator, each product
+  rounded before its add; no base.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from fractions import Fraction
 
 import numpy as np
 import torch
+from reference import task_vector
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -160,6 +170,30 @@ def _combine(base: torch.Tensor, deltas, weights, consensus: bool, normalize: bo
     return base + mixed
 
 
+#: Each member's sign election and its mergekit defaults of normalize and rescale.
+CONSENSUS = ("ties", "dare_ties", "breadcrumbs_ties", "della")
+NORMALIZE = ("ties", "della")
+RESCALE = ("dare_linear", "dare_ties", "della", "della_linear")
+METHODS = (
+    "task_arithmetic", "ties", "dare_linear", "dare_ties",
+    "breadcrumbs", "breadcrumbs_ties", "della", "della_linear",
+)  # fmt: skip
+
+
+def ties_mask(delta: torch.Tensor, density: float) -> torch.Tensor:
+    """The `max(1, int(density * n))` largest |delta|, ties at the cut to the lowest index."""
+    keep = torch.zeros(delta.numel(), dtype=torch.bool)
+    k = max(1, int(density * delta.numel()))
+    keep[torch.from_numpy(_order(delta)[:k])] = True
+    return keep
+
+
+def dare_mask(delta: torch.Tensor, density: float, seed: int, task: int, name: str) -> torch.Tensor:
+    """Keep element i where its draw `u` (exact in float64) is below the density."""
+    u = draws(seed, task, name, delta.numel()).astype(np.float64)
+    return torch.from_numpy(u < density)
+
+
 def sparse_merge(
     method: str,
     base: torch.Tensor,
@@ -167,7 +201,7 @@ def sparse_merge(
     *,
     name: str,
     weights: Sequence[float],
-    densities: Sequence[float],
+    densities: Sequence[float] | None = None,
     gammas: Sequence[float] = (),
     epsilons: Sequence[float] = (),
     normalize: bool | None = None,
@@ -175,23 +209,48 @@ def sparse_merge(
     lam: float = 1.0,
     seed: int = 0,
 ) -> torch.Tensor:
-    """One tensor merged by `method` with mergekit's defaults where None."""
-    della = method.startswith("della")
-    consensus = method in ("della", "breadcrumbs_ties")
+    """One tensor merged by `method` (one of `METHODS`) with mergekit's defaults where None;
+    `base` and `tasks` as stored (an FP8 tensor as its float32 value)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    consensus = method in CONSENSUS
     if normalize is None:
-        normalize = method == "della"
+        normalize = method in NORMALIZE
     if rescale is None:
-        rescale = della
+        rescale = method in RESCALE
+    if densities is None:
+        densities = [1.0] * len(tasks)
     b = base.float()
     sparse = []
     for t, task in enumerate(tasks):
-        delta = task.float() - b
-        if densities[t] >= 1:
+        delta = task_vector(base, task)
+        if densities[t] >= 1 or method == "task_arithmetic":
             sparse.append(delta)
             continue
-        if della:
+        if densities[t] <= 0 and method == "ties":
+            sparse.append(torch.zeros_like(delta))
+            continue
+        if method.startswith("della"):
             keep = della_mask(delta, densities[t], epsilons[t], seed, t, name)
+        elif method.startswith("dare"):
+            keep = dare_mask(delta, densities[t], seed, t, name)
+        elif method == "ties":
+            keep = ties_mask(delta, densities[t])
         else:
             keep = breadcrumbs_mask(delta, densities[t], gammas[t])
         sparse.append(_masked(delta, keep, rescale))
     return _combine(b, sparse, weights, consensus, normalize, lam)
+
+
+def linear(tasks: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool = True):
+    """mergekit's `linear`: the weighted mean of the models (no base; no task vectors)."""
+    w = [torch.tensor(x, dtype=torch.float32) for x in weights]
+    total = torch.zeros(tasks[0].shape, dtype=torch.float32)
+    for x, wt in zip(tasks, w, strict=True):
+        total = total + x.float() * wt
+    if not normalize:
+        return total
+    divisor = torch.tensor(0.0)
+    for wt in w:
+        divisor = divisor + wt
+    return total / divisor

@@ -4,6 +4,11 @@ tensors, without ram_dist: exact sums by `math.fsum` over the float64 products, 
 factors in Python floats rounded once to float32, selections by a stable sort (ties to the
 lowest flat index), arcee_fusion's softmax and KL with Python's `math.exp` and `math.log`.
 Element-wise steps are float32 torch operations, as mergekit writes them.
+
+Inputs are handed as stored (an FP8 tensor as its float32 value). Task vectors are measured
+against the base at the task's precision (`reference.task_vector`: sce, model_stock's ratio);
+the methods that blend values (nearswap, arcee_fusion, model_stock's mean) take a task's
+value as `reference.task_value` gives it; passthrough takes the model as it is.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import math
 import struct
 
 import torch
+from reference import task_value, task_vector
 
 State = dict[str, torch.Tensor]
 
@@ -44,7 +50,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def nearswap(base: torch.Tensor, task: torch.Tensor, t: float) -> torch.Tensor:
-    a, b = base.float(), task.float()
+    a, b = base.float(), task_value(base, task)
     distance = (a - b).abs().clamp(min=1e-6)
     weight = ((1 / distance) * t).clamp(0, 1)  # torch's `t / x`: a reciprocal, then times t
     return weight * b + (1 - weight) * a
@@ -73,15 +79,17 @@ def stock_ratio(deltas: list[torch.Tensor]) -> float:
 
 
 def model_stock(base: torch.Tensor, tasks: list[torch.Tensor], filter_wise: bool = False):
+    """The ratio t from the task vectors; the blend of the base and the models' mean."""
     b = base.float()
-    ws = [t.float() for t in tasks]
+    ws = [task_value(base, t) for t in tasks]
+    deltas = [task_vector(base, t) for t in tasks]
     if filter_wise:
-        rows = [_rows(x) for x in [b, *ws]]
-        ts = [stock_ratio([w[r] - rows[0][r] for w in rows[1:]]) for r in range(rows[0].shape[0])]
+        rows = [_rows(d) for d in deltas]
+        ts = [stock_ratio([d[r] for d in rows]) for r in range(rows[0].shape[0])]
         t = torch.tensor(ts, dtype=torch.float32).reshape(-1, 1)
-        b, ws = rows[0], rows[1:]
+        b, ws = _rows(b), [_rows(w) for w in ws]
     else:
-        t = torch.tensor(stock_ratio([w - b for w in ws]), dtype=torch.float32)
+        t = torch.tensor(stock_ratio(deltas), dtype=torch.float32)
     average = sum(ws) / torch.tensor(float(len(ws)))
     return (t * average + (1 - t) * b).reshape(base.shape)
 
@@ -91,7 +99,7 @@ def model_stock(base: torch.Tensor, tasks: list[torch.Tensor], filter_wise: bool
 
 def sce(base: torch.Tensor, tasks: list[torch.Tensor], select_topk: float = 1.0):
     b = base.float()
-    deltas = [t.float() - b for t in tasks]
+    deltas = [task_vector(base, t) for t in tasks]
     n = len(deltas)
     if select_topk < 1:
         var = torch.var(torch.stack(deltas), dim=0, unbiased=False).reshape(-1)
@@ -150,7 +158,7 @@ def arcee_importance(base: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
 
 
 def arcee_fusion(base: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
-    a, b = base.float(), task.float()
+    a, b = base.float(), task_value(base, task)
     importance = arcee_importance(a, b).reshape(-1)
     ordered = sorted(importance.tolist())
     n = len(ordered)

@@ -199,8 +199,10 @@ def test_task_state_by_hand(tmp_path):
 
 
 def test_task_state_on_an_fp8_base(tmp_path):
-    """An FP8 weight: theta_B is its dequantized value, theta_t is rounded to bf16 (and its
-    scale is gone); an FP8 weight the adapter does not touch keeps its bytes and scale."""
+    """An FP8 weight: the adapter's precision is bf16, so theta_B^t is the dequantized value
+    rounded to bf16 (the base as PEFT loads it) and theta_t = bf16(float32(theta_B^t) +
+    delta) (its scale is gone); an FP8 weight the adapter does not touch keeps its bytes and
+    scale."""
     from fp8_reference import dequantize, quantize
 
     g = torch.Generator().manual_seed(4)
@@ -213,12 +215,46 @@ def test_task_state_on_an_fp8_base(tmp_path):
     with pytest.raises(ValueError, match="block"):
         adapter_task_state(base, folder)
     state = adapter_task_state(base, folder, fp8_block=block)
-    theta_b = dequantize(base["w.weight"], base["w.weight_scale_inv"], block)
+    x_b = dequantize(base["w.weight"], base["w.weight_scale_inv"], block)
+    theta_b = x_b.to(torch.bfloat16).float()  # the base at the adapter's precision
     delta = torch.tensor(f32(3 / 2)) * fixed_order_product(b, a)
     assert torch.equal(state["w.weight"], (theta_b + delta).to(torch.bfloat16))
     assert "w.weight_scale_inv" not in state
     assert state["u.weight"] is base["u.weight"]
     assert state["u.weight_scale_inv"] is base["u.weight_scale_inv"]
+
+
+def test_fp8_base_adapter_starts_from_the_bf16_base_by_hand(tmp_path):
+    """The rule change made visible on one element (bf16 spacing at 1 is u = 2**-7 = 16 *
+    2**-11): x_B = q * s = 1 * (1 + 5 * 2**-10) = 1 + 10 * 2**-11, not a bf16 value; the
+    adapter (r 2, alpha 3: s = 1.5) adds delta = 1.5 * -2**-10 = -3 * 2**-11.
+
+    - theta_B^t = bf16(x_B) = 1 + u (10/16 of u is past the midpoint);
+      theta_t = bf16((1 + 16 * 2**-11) - 3 * 2**-11) = bf16(1 + 13 * 2**-11) = 1 + u.
+    - Measured from x_B itself (the old rule) it would be bf16(1 + 7 * 2**-11) = 1.0.
+
+    A delta that rounds away leaves theta_B^t exactly (tau = 0): 2**-12 on a second element
+    whose x_B = 1 + 2**-8 + 2**-12 (bf16: 1 + u, past the midpoint): bf16(1 + u + 2**-12) =
+    1 + u, where the old rule gives bf16(1 + 2**-8 + 2**-11) = 1 + u as well. A third
+    element of x_B = -0.0 gets the product's +0.0: -0.0 + 0.0 = +0.0 (IEEE), tau = 0."""
+    from fp8_reference import FP8
+
+    u = 2.0**-7
+    q = torch.tensor([[1.0, 1.0, -0.0]]).to(FP8)
+    scale = torch.tensor([[1 + 5 * 2**-10, 1 + 2**-8 + 2**-12, 1.0]])
+    base = {"w.weight": q, "w.weight_scale_inv": scale}
+    a = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])  # A [r=2, in=3]
+    b = torch.tensor([[-(2.0**-10), 2.0**-12 / 1.5]])  # B [out=1, r=2]
+    assert f32(1.5 * (2.0**-12 / 1.5)) == 2.0**-12
+    folder = _write_adapter(tmp_path / "a", {}, {"w.lora_A.weight": a, "w.lora_B.weight": b})
+    state = adapter_task_state(base, folder, fp8_block=(1, 1))
+    got = state["w.weight"]
+    assert got.dtype == torch.bfloat16
+    assert got.float().tolist() == [[1 + u, 1 + u, 0.0]]
+    assert not torch.signbit(got[0, 2]).item()
+    x_b = q.float() * scale
+    old_rule = (x_b + torch.tensor([[-3 * 2**-11, 2**-12, 0.0]])).to(torch.bfloat16)
+    assert old_rule.float().tolist() == [[1.0, 1 + u, 0.0]]  # differs in the first element
 
 
 def test_reference_refusals(tmp_path):

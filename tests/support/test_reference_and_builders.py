@@ -12,9 +12,9 @@ import struct
 import pytest
 import torch
 from builders import build_model_set, load_checkpoint, make_agents, make_task_state
-from reference import reference_merge, reference_stats
+from reference import base_at, reference_merge, reference_stats, task_value, task_vector
 
-F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
+F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 
 
 def f32(x: float) -> float:
@@ -173,6 +173,137 @@ def test_bf16_output_round_to_nearest_even_and_negative_zero():
     lam = f32(1.2)
     assert vals(out32["w"]) == [1 + u / 2, 1 + 1.5 * u, f32(1 + lam * u), 0.0, f32(2 + lam * 2 * u)]
     assert torch.signbit(out32["w"][3]).item()
+
+
+def test_ramplus_tl_lambda_per_tensor():
+    # One tensor: its counts are the model's, unique [1, 1, 0], shared [2, 3, 2]. mergekit's
+    # rho = shared / max(unique, eps) = [2, 3, 2e5], clipped to alpha = 0.2 (its default):
+    # lambda = 1 + 0.1 * 0.2 in float32 for every task.
+    out, s = reference_merge(BASE, TASKS, "ramplus_tl")
+    lam = f32(1 + f32(f32(0.1) * f32(0.2)))
+    assert s["lambda_per_tensor"] == {"w": [lam, lam, lam]} and lam == 1.0199999809265137
+    # e0 = lam * 0.25 (exact); e3 = -1 + f32(lam * -0.5) (exact: lam/2 is a float32).
+    assert vals(out["w"]) == [lam / 4, 1.75, 2.75, f32(-1 - lam / 2), 0.875, 4.0]
+
+
+# ---- the base at a task's precision (spec: "Definitions", first bullet) ------------------
+# bf16 keeps 8 significant bits: its spacing in [1, 2) is u = 2**-7; fp16's smallest
+# subnormal is 2**-24 and its largest finite value 65504.
+
+
+def test_base_at_rounds_to_nearest_even_only_where_the_task_narrows():
+    u = 2.0**-7
+    x = t([1 + u / 2, 1 + 3 * u / 2, 1 + u / 2 + 2**-20, -0.0, 0.1])  # F32 base values
+    # Ties go to the even neighbour: 1 + u/2 -> 1.0, 1 + 3u/2 -> 1 + 2u; past a tie, up.
+    assert vals(base_at(x, BF16)) == [1.0, 1 + 2 * u, 1 + u, 0.0, 0.10009765625]
+    assert base_at(x, BF16).dtype == BF16 and torch.signbit(base_at(x, BF16)[3]).item()
+    assert base_at(x, t([0.0], BF16)).dtype == BF16  # a task tensor or its dtype
+    # The identity: F32 and F64 tasks, a decoded (float32) task, the base's own dtype.
+    for dtype in (F32, F64):
+        assert base_at(x, dtype) is x
+    xb = x.to(BF16)
+    assert base_at(xb, BF16) is xb
+    # A bf16 base and an fp16 task: bf16's range is wider, so fp16 rounds its subnormals
+    # (2**-25 is half of fp16's smallest step: a tie, to the even 0; 3 * 2**-25 is 1.5 steps:
+    # to 2 steps) and refuses what overflows it (65536 > 65504).
+    small = t([2.0**-25, 3 * 2.0**-25, 5 * 2.0**-26, 1 + u], BF16)
+    assert vals(base_at(small, F16)) == [0.0, 2.0**-23, 2.0**-24, 1 + u]
+    with pytest.raises(ValueError, match="overflows"):
+        base_at(t([65536.0], BF16), F16)
+    assert vals(base_at(t([math.inf], BF16), F16)) == [math.inf]  # not finite: no refusal
+    # float32's largest finite value rounds up to bf16's infinity: refused as well.
+    with pytest.raises(ValueError, match="overflows"):
+        base_at(t([torch.finfo(F32).max]), BF16)
+
+
+def test_task_vector_and_value_against_the_base_at_the_task_precision():
+    u = 2.0**-7
+    x = t([1 + u / 2, 1 + u / 2, 3.0])  # F32 base
+    task = t([1.0, 1 + u, 3.0], BF16)  # unchanged, one step up, unchanged
+    assert vals(task_vector(x, task)) == [0.0, u, 0.0]  # against bf16(x) = [1, 1, 3]
+    assert task_vector(x, task, F64).dtype == F64
+    # A value-blending method's view: x_B + tau, so an untouched element is x_B itself.
+    assert vals(task_value(x, task)) == [1 + u / 2, 1 + 3 * u / 2, 3.0]
+    # An F32 task of the same base is measured against x_B, and is its own value.
+    plain = t([1.0, 1 + u, 3.0])
+    assert vals(task_vector(x, plain)) == [-u / 2, u / 2, 0.0]
+    assert vals(task_value(x, plain)) == vals(plain)
+
+
+def test_float32_base_unchanged_bf16_agent_changes_nothing():
+    """An F32 base, an agent saved unchanged in bf16 (`base.to(bf16)`), an F32 agent and a
+    bf16 agent that each change one element. Measured against x_B itself, the unchanged
+    agent would count 3 changes (e0, e1: u/2 each; e4: bf16(0.1) - 0.1 = 9.8e-5 > eps)."""
+    u = 2.0**-7
+    base = {"w": t([1 + u / 2, 1 + 3 * u / 2, -0.0, 3.0, 0.1])}
+    unchanged = {"w": base["w"].to(BF16)}  # [1, 1 + 2u, -0, 3, 0.10009765625]
+    plain = {"w": t([1 + u / 2, 1 + 3 * u / 2, -0.0, 3.5, 0.1])}  # e3 += 0.5
+    agent = {"w": t([1 + u, 1 + 2 * u, -0.0, 3.0, 0.10009765625], BF16)}  # e0: bf16(x)+u
+    out, s = reference_merge(base, [unchanged, plain, agent], "ram_plus")
+    assert s["H"] == [[0, 0, 0], [1, 0, 0], [1, 0, 0]] and s["unchanged"] == 3
+    assert s["rho"] == [0.0, 0.0, 0.0] and s["lambda32"] == [1.0, 1.0, 1.0]
+    # e0: x_B + tau = (1 + u/2) + u; e1, e2, e4: c = 0, x_B itself (not bf16(x_B)), -0.0 kept.
+    assert vals(out["w"]) == [1 + 3 * u / 2, 1 + 3 * u / 2, 0.0, 3.5, f32(0.1)]
+    assert out["w"].dtype == F32 and torch.signbit(out["w"][2]).item()
+    # Its float32 copy is measured against x_B itself: the rounding alone counts 3 changes.
+    old = reference_stats(base, [{"w": unchanged["w"].float()}, plain, agent])
+    assert sum(old["H"][0]) == 3
+
+
+def test_bfloat16_base_float16_agent_subnormals_and_ties_to_even():
+    """A bf16 base of values that are fp16 subnormals, an fp16 agent saved unchanged
+    (`base.to(fp16)`) and one that changed two elements, eps 0 so that every rounding
+    would count: the unchanged agent changed nothing."""
+    step = 2.0**-24  # fp16's smallest subnormal
+    base = {"w": t([step / 2, 3 * step / 2, 1.0, 0.5], BF16)}
+    unchanged = {"w": base["w"].to(F16)}  # [0 (a tie, to even), 2 * step, 1, 0.5]
+    assert vals(unchanged["w"]) == [0.0, 2 * step, 1.0, 0.5]
+    agent = {"w": t([0.0, 4 * step, 1.0, 0.5 + 2**-11], F16)}  # e1: +2 steps, e3: +2**-11
+    out, s = reference_merge(base, [unchanged, agent], "ram", eps=0.0)
+    assert s["H"] == [[0, 0], [2, 0]] and s["unchanged"] == 2
+    # e1: x_B + tau = 1.5 * step + 2 * step = 3.5 * step (= 7 * 2**-25, a bf16 value);
+    # e3: 0.5 + 2**-11 rounds back to 0.5 in bf16 (spacing 2**-8 there); e0 stays x_B.
+    assert out["w"].dtype == BF16
+    assert vals(out["w"]) == [step / 2, 3.5 * step, 1.0, 0.5]
+    # Against x_B itself, both agents would have changed e0 and e1 by the rounding alone.
+    old = reference_stats(base, [{"w": x["w"].float()} for x in (unchanged, agent)], eps=0.0)
+    assert old["H"] == [[0, 2], [1, 2]]
+    with pytest.raises(ValueError, match="overflows"):
+        reference_merge({"w": t([65536.0], BF16)}, [{"w": t([1.0], F16)}] * 2, "ram")
+
+
+def test_value_blending_references_give_the_base_for_an_unchanged_agent():
+    """Every reference that blends task values (or task vectors) returns the F32 base
+    exactly for agents saved unchanged in bf16: nothing is merged from the rounding."""
+    import geometric_reference as geo
+    import sparse_reference as sparse
+    import stock_reference as stock
+
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(4, 8, generator=g)
+    same = base.to(BF16)
+
+    def same_bits(got) -> bool:
+        got = torch.as_tensor(got)
+        return torch.equal(got.view(torch.int32), base.view(torch.int32))
+
+    assert same_bits(stock.nearswap(base, same, 0.01))
+    assert same_bits(stock.arcee_fusion(base, same))
+    assert same_bits(stock.model_stock(base, [same, same]))
+    assert same_bits(stock.model_stock(base, [same, same], filter_wise=True))
+    assert same_bits(stock.sce(base, [same, same], 0.5))
+    assert same_bits(geo.multislerp(base, [same], [1.0]))
+    assert same_bits(geo.multislerp(base, [same, same], [1.0, 1.0]))
+    for method in sparse.METHODS:
+        merged = sparse.sparse_merge(method, base, [same, same], name="w", weights=[1.0, 1.0],
+                                     densities=[1.0, 1.0])  # fmt: skip
+        assert same_bits(merged), method
+    # One element changed by one bf16 step: the value-blending view is x_B + that step.
+    moved = same.clone()
+    moved[0, 0] = (same[0, 0].float() * (1 + 2**-7)).to(BF16)
+    step = moved[0, 0].float() - same[0, 0].float()
+    assert stock.nearswap(base, moved, 1.0)[0, 0] == base[0, 0] + step
+    assert geo.multislerp(base, [moved], [1.0])[0, 0] == base[0, 0] + step
 
 
 def test_mismatched_checkpoints_raise():

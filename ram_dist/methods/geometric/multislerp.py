@@ -5,7 +5,9 @@ mergekit 0.1.5 (`merge_methods/multislerp.py`), per tensor in float32, with `x_i
 vectors (the models minus the base) and `w_i` the weights (divided by their sum with
 `normalize_weights`, the default): unit vectors `u_i = x_i / (|x_i| + eps)`; their weighted
 mean `m = sum_i w_i u_i`, normalized (a norm below `eps` falls back to the linear blend
-`w_1 x_1 + w_2 x_2` for two models, and is an error for more); the tangent vectors
+`w_1 x_1 + w_2 x_2` for two models, and is an error for more, except where every task
+vector is zero: no task changed the tensor, which stays the base, where mergekit refuses
+it); the tangent vectors
 `u_i - (u_i . m) m` averaged with the weights into `v`; the exponential map back to the
 sphere, `m cos|v| + v sin|v| / |v|` (with `|v| + eps`), scaled by `sum_i w_i |x_i|`; the
 base added back. One model gives that model as it is.
@@ -65,6 +67,8 @@ def coefficients(g: Gram, raw_weights: list[float], normalize: bool, eps: float)
     """The float32 coefficients `r_i` of the merged task vector `sum_i r_i x_i`."""
     n = len(raw_weights)
     w = weights(raw_weights, normalize)
+    if all(g[i][i] == 0 for i in range(n)):  # no task changed the tensor: the base
+        return {"factors": [0.0] * n, "unchanged": True}
     norms = [math.sqrt(max(g[i][i], 0.0)) for i in range(n)]
     unit = [1.0 / (norms[i] + eps) for i in range(n)]  # u_i = unit[i] * x_i
     mean = [w[i] * unit[i] for i in range(n)]
