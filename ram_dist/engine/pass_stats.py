@@ -58,10 +58,10 @@ class PassStats:
     gpu_busy_share: float | None = None
     """The share of the pass's wall time the GPU workers spent on units (None: none ran)."""
     driver_memory: memory.PeakMemory = field(default_factory=memory.PeakMemory)
+    """The driver's own peak during the pass (the process that receives the results)."""
     precision: PrecisionCounts | None = None
     """Reduce pass: the first round's precision check (`kernels.precision`), when it ran
     (not reported with the pass: the report has its own key)."""
-    """The driver's own peak during the pass (the process that receives the results)."""
     backward: bool = False
     """Whether the pass (its last reduce round) read the units from the last to the first.
     Each pass reads in the opposite order of the one before it, the first backwards: what

@@ -21,7 +21,6 @@ from ram_dist.kernels.primitives import (
     OPTIONS,
     TILE,
     base_rows,
-    float32_of,
     float_bits_to_bf16,
     float_bits_to_half,
     half_to_float_bits,
@@ -74,18 +73,19 @@ def check_tile(
     m: int,
     eps: np.float32,
     counts: np.ndarray,
-    to_bf16: np.ndarray,
+    scratch: np.ndarray,
 ) -> None:
     """counts[t] += (changed, rounding, overflow) of task t over the first `m` elements of a
     `load_tile_bases` tile (`buf`, float32 bits; task t measured against row `rows[t]`, its
-    value compared with the base rounded as `tests[t]` says); `to_bf16` is scratch (uint32,
-    at least `m`). RAM's count kernel calls it on the tile it has loaded, so that its first
+    value compared with the base rounded as `tests[t]` says); `scratch` is uint32 [2, at
+    least `m`]. RAM's count kernel calls it on the tile it has loaded, so that its first
     round reads and decodes each input once."""
     ntasks = rows.size
     vals = buf.view(np.float32)
     base_bits = buf[0]
-    bf16 = to_bf16.view(np.float32)
-    rounded = False
+    to_bf16, to_f16 = scratch[0], scratch[1]
+    bf16, f16 = to_bf16.view(np.float32), to_f16.view(np.float32)
+    rounded = halved = False
     for t in range(ntasks):
         x = vals[t + 1]
         at = vals[rows[t]]
@@ -106,11 +106,14 @@ def check_tile(
             rounding = 0
             for i in range(m):
                 rounding += 1 if abs(x[i] - at[i]) > eps and x[i] == bf16[i] else 0
-            if tests[t] > 1 and changed > rounding:  # float16: only what is left (rarely)
+            if tests[t] > 1 and changed > rounding:  # float16: what bfloat16 left
+                if not halved:  # the base rounded to float16, once a tile: vectorized
+                    for i in range(m):
+                        to_f16[i] = half_to_float_bits(float_bits_to_half(base_bits[i]))
+                    halved = True
                 for i in range(m):
-                    if abs(x[i] - at[i]) > eps and x[i] != bf16[i]:
-                        f16 = float32_of(half_to_float_bits(float_bits_to_half(base_bits[i])))
-                        rounding += 1 if x[i] == f16 else 0
+                    moved = abs(x[i] - at[i]) > eps
+                    rounding += 1 if moved and x[i] != bf16[i] and x[i] == f16[i] else 0
             counts[t, 1] += rounding
 
 
@@ -122,7 +125,7 @@ def _check_kernel(inputs: tuple[Any, ...], eps: np.float32, counts: np.ndarray) 
     buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
     rows = base_rows(inputs)
     tests = task_tests(inputs)
-    scratch = np.empty(TILE, np.uint32)
+    scratch = np.empty((2, TILE), np.uint32)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
         load_tile_bases(inputs, lo, m, buf)

@@ -118,7 +118,7 @@ def _count_kernel(
     vals = buf.view(np.float32)
     rows = base_rows(inputs)
     tests = task_tests(inputs)
-    scratch = np.empty(TILE, np.uint32)
+    scratch = np.empty((2, TILE), np.uint32)  # the precision check's
     code = np.empty(TILE, np.int32)
     small = ntasks <= code_tasks
     patterns = np.zeros((LANES, (1 << ntasks) if small else 1), np.int64)

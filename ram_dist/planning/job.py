@@ -128,14 +128,15 @@ class Job:
         }
         if self.layout.decoded_inputs:  # how FP8 inputs are decoded decides the bytes
             identity["formats"] = list(self.layout.formats)
-        against = self.measured_against()
+        against = self.measured_against
         if against:  # what a task is measured against decides the bytes
-            identity["measured_against"] = against
+            identity["measured_against"] = list(against)
         return identity
 
+    @functools.cached_property
     def measured_against(self) -> list[str]:
         """The tasks measured against the base at another precision than the base's own,
-        in words (`planning.precision`)."""
+        in words (`planning.precision`; a pass over every tensor, made once per job)."""
         return measured_against(self.layout, [t.label for t in self.tasks])
 
     def extra_tensors(self) -> dict[str, Any]:
@@ -152,7 +153,7 @@ class Job:
                 for c, f in zip(inputs, self.layout.formats, strict=True)
             ],
             "output": self.layout.output_format(),
-            "measured_against": self.measured_against(),
+            "measured_against": list(self.measured_against),
         }
 
 
