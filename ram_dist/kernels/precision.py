@@ -14,6 +14,8 @@ the numba one, each tested against this one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ram_dist.kernels import fp8
@@ -75,20 +77,26 @@ def as_float32(values: np.ndarray) -> np.ndarray:
     return flat.astype(np.float32, copy=False)
 
 
-def task_vectors(inputs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The base's float32 values and each task's float32 update measured against the base at
-    the task's precision, `float32(theta_t) - float32(cast(x_B, p_t))` (one rounding), from
-    the inputs as the engine hands them (base first)."""
+def _measured(inputs: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[np.ndarray, Any]]]:
+    """The base's float32 values, and per task its float32 values and the base at its
+    precision where that is not the base itself (else None)."""
     base, *tasks = inputs
     b = as_float32(base)
     kind = array_dtype(base)
     out = []
     for task in tasks:
         own = array_dtype(task)
-        at = rounded(b, own) if narrows(kind, own) else b
-        with np.errstate(invalid="ignore"):  # inf - inf is NaN, as in torch
-            out.append(as_float32(task) - at)
+        out.append((as_float32(task), rounded(b, own) if narrows(kind, own) else None))
     return b, out
+
+
+def task_vectors(inputs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The base's float32 values and each task's float32 update measured against the base at
+    the task's precision, `float32(theta_t) - float32(cast(x_B, p_t))` (one rounding), from
+    the inputs as the engine hands them (base first)."""
+    b, measured = _measured(inputs)
+    with np.errstate(invalid="ignore"):  # inf - inf is NaN, as in torch
+        return b, [value - (b if at is None else at) for value, at in measured]
 
 
 def task_values(inputs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -96,16 +104,9 @@ def task_values(inputs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]
     values (not updates) takes them: the task's own where its update is measured against the
     base itself, else the base plus its update, `x_B + tau_t` (one rounding), so that an
     element the task never touched is the base's value."""
-    base, *tasks = inputs
-    b = as_float32(base)
-    kind = array_dtype(base)
-    out = []
-    for task in tasks:
-        own = array_dtype(task)
-        value = as_float32(task)
-        with np.errstate(invalid="ignore"):  # inf - inf is NaN, as in torch
-            out.append(b + (value - rounded(b, own)) if narrows(kind, own) else value)
-    return b, out
+    b, measured = _measured(inputs)
+    with np.errstate(invalid="ignore"):  # inf - inf is NaN, as in torch
+        return b, [value if at is None else b + (value - at) for value, at in measured]
 
 
 #: The columns of `check_counts`: per task, the elements it changed (`|tau_t| > eps`), those
