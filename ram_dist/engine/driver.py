@@ -217,7 +217,7 @@ def _merge_held(
         manifest.precision = precision_of(job, reduce_stats)
         save_manifest(job.out, manifest, job.storage)
     names = non_weight_files(job.base.url, job.storage)
-    copy_files(job.base.url, job.out, names, job.storage, config.out_dtype)
+    copy_files(job.base.url, job.out, names, job.storage, job.layout.config_dtype(config.out_dtype))
 
     done = [s for s in manifest.shard_names if s in manifest.shards and fs.exists(join(path, s))]
     for shard in done:

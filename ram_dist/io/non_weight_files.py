@@ -41,8 +41,8 @@ def copy_files(
 ) -> int:
     """Copy files by name from the base folder to the output, whatever either's protocol.
     With `out_dtype` (a safetensors dtype every merged tensor is written in), config.json says
-    so, as mergekit's does: `transformers` loads a model in the dtype it names (and an FP8
-    base's quantization_config is dropped: no FP8 tensor is left)."""
+    so, as mergekit's does: `transformers` loads a model in the dtype it names (and a
+    quantized base's quantization_config is dropped: no quantized tensor is left)."""
     src_fs, src = storage.fs(base_url)
     total = 0
     for name in names:
@@ -62,9 +62,9 @@ def copy_files(
 
 def _with_dtype(data: bytes, name: str) -> bytes:
     """config.json with its dtype (`torch_dtype`, or `dtype` in newer transformers) set to
-    `name`, and without a fine-grained FP8 `quantization_config`: every merged tensor, the
-    FP8 weights too, is written in that dtype, without scales. Unchanged if it is not a JSON
-    object."""
+    `name`, and without the base's `quantization_config` (fine-grained FP8, MXFP4): every
+    merged tensor, the quantized weights too, is written in that dtype, without scales.
+    Unchanged if it is not a JSON object."""
     try:
         config = json.loads(data)
     except ValueError:
@@ -73,7 +73,5 @@ def _with_dtype(data: bytes, name: str) -> bytes:
         return data
     keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
     config.update({k: name for k in keys})
-    quant = config.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
-        del config["quantization_config"]
+    config.pop("quantization_config", None)
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()

@@ -1,30 +1,39 @@
-"""What each input stores its weights as: floating point, or fine-grained FP8 blocks.
+"""What each input stores its weights as: floating point, fine-grained FP8 blocks, or
+gpt-oss's MXFP4 blocks and scales.
 
 Recognised per checkpoint, from its `config.json`'s `quantization_config` and its headers,
-on the driver before any tensor byte is read (`docs/exactness.md` and `docs/fp8.md` give
-the rule). An FP8 weight `W` (F8_E4M3, [R, C]) and its companion `W_scale_inv` (F32 or
-BF16, [ceil(R/bm), ceil(C/bn)]) are one tensor to the merge: its values are the dequantized
-ones, and the companion never takes part on its own. Every other quantized or packed format
-is refused here, naming the checkpoint, the file, the tensor and the format: merging its
-packed integers as numbers, or copying the base's, would drop the agents' updates without a
-word.
+on the driver before any tensor byte is read (`docs/exactness.md`, `docs/fp8.md` and
+`docs/quantized.md` give the rules). An FP8 weight `W` (F8_E4M3, [R, C]) and its companion
+`W_scale_inv` (F32 or BF16, [ceil(R/bm), ceil(C/bn)]) are one tensor to the merge: its
+values are the dequantized ones, and the companion never takes part on its own. An MXFP4
+weight `N` is stored as the pair `N_blocks` and `N_scales` and is, to the merge, the tensor
+`N` of their decoded shape (`kernels.mxfp4`): the name and layout of a bf16 checkpoint of
+the same model, and of its agents. Every other quantized or packed format is refused here,
+naming the checkpoint, the file, the tensor and the format: merging its packed integers as
+numbers, or copying the base's, would drop the agents' updates without a word.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ram_dist.dtypes import FLOATING, dtype_name
 from ram_dist.errors import CheckpointError
 from ram_dist.io.checkpoint import Checkpoint
 from ram_dist.io.safetensors_header import TensorInfo
-from ram_dist.planning.sources import Fp8Source, Source, TensorSource
+from ram_dist.kernels import mxfp4
+from ram_dist.planning.sources import Fp8Source, Mxfp4Source, Source, TensorSource
 
 FP8_DTYPE = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
+#: An MXFP4 weight's two stored tensors, by the suffix of its name, and their dtype.
+BLOCKS_SUFFIX, SCALES_SUFFIX, MXFP4_DTYPE = "_blocks", "_scales", "U8"
+#: The dtype an MXFP4 weight is written in, and is to a job before that: a 4-bit grid
+#: cannot hold an RL update, so requantizing would erase the merge.
+MXFP4_OUT_DTYPE = "BF16"
 SCALE_DTYPES = ("F32", "BF16")
 #: Tensor-name endings of packed formats, and the format they belong to.
 PACKED_SUFFIXES = {
@@ -56,29 +65,62 @@ class Fp8Blocks:
 
 
 @dataclass(frozen=True)
+class Mxfp4Pair:
+    """An MXFP4 weight's stored tensors."""
+
+    blocks: TensorInfo
+    scales: TensorInfo
+
+
+@dataclass(frozen=True)
 class Format:
-    """How one checkpoint stores its weights. The rest of the package asks it only for each
-    tensor's source (`source`), the tensors that are part of another's (`companions`),
-    whether any values are decoded (`decodes`) and its words (`describe`): `fp8` is read
-    here alone."""
+    """How one checkpoint stores its weights. The rest of the package asks it only for the
+    tensors the merge sees (`view`: an MXFP4 weight by its decoded name and shape), each
+    one's source (`source`), the stored tensors that are part of another's (`companions`),
+    whether any values are decoded (`decodes`) and its words (`describe`): `fp8` and `mxfp4`
+    are read here alone."""
 
     fp8: Fp8Blocks | None
+    mxfp4: dict[str, Mxfp4Pair] = field(default_factory=dict)
+    """Per MXFP4 weight (its decoded name), its blocks and scales."""
 
     @functools.cached_property
     def companions(self) -> frozenset[str]:
-        """Names of the scale tensors, which are part of their weights, not tensors."""
-        if self.fp8 is None:
-            return frozenset()
-        return frozenset(n + SCALE_SUFFIX for n in self.fp8.scales)
+        """Names of the stored tensors that are part of a weight, not tensors: FP8 scales,
+        and MXFP4 blocks and scales (the weight goes by its decoded name)."""
+        names = {n + SCALE_SUFFIX for n in self.fp8.scales} if self.fp8 is not None else set()
+        for name in self.mxfp4:
+            names |= {name + BLOCKS_SUFFIX, name + SCALES_SUFFIX}
+        return frozenset(names)
 
     @property
     def decodes(self) -> bool:
         """Whether some tensor's values are decoded from what the checkpoint stores."""
-        return self.fp8 is not None
+        return self.fp8 is not None or bool(self.mxfp4)
+
+    def view(self, ckpt: Checkpoint) -> dict[str, TensorInfo]:
+        """The checkpoint's tensors as the merge sees them: its stored ones but the
+        companions, and each MXFP4 weight by its decoded name and shape, at its blocks'
+        place and in `MXFP4_OUT_DTYPE` (what it is written in)."""
+        if not self.companions:
+            return ckpt.tensors
+        out = {n: i for n, i in ckpt.tensors.items() if n not in self.companions}
+        for name, pair in self.mxfp4.items():
+            b = pair.blocks
+            shape = mxfp4.decoded_shape(b.shape)
+            out[name] = TensorInfo(name, MXFP4_OUT_DTYPE, shape, b.file, b.start, b.end)
+        return out
 
     def source(self, info: TensorInfo) -> TensorSource:
-        """Where and how this checkpoint stores tensor `info` (`planning.sources`): the one
-        place that says which implementation a tensor's format is."""
+        """Where and how this checkpoint stores tensor `info` (of `view`; `planning.sources`):
+        the one place that says which implementation a tensor's format is."""
+        pair = self.mxfp4.get(info.name)
+        if pair is not None:
+            e, r, g, _ = pair.blocks.shape
+            return Mxfp4Source(
+                pair.blocks.file, pair.blocks.start, pair.blocks.dtype, pair.scales.file,
+                pair.scales.start, r, g,
+            )  # fmt: skip
         if self.fp8 is None or info.name not in self.fp8.scales:
             return Source(info.file, info.start, info.dtype)
         scale = self.fp8.scales[info.name]
@@ -92,6 +134,9 @@ class Format:
         floating = sorted({i.dtype for i in ckpt.tensors.values() if i.dtype in FLOATING}
                           - {ckpt.tensors[n].dtype for n in self.companions})  # fmt: skip
         plain = "/".join(dtype_name(d) for d in floating) or "no floating-point tensors"
+        if self.mxfp4:
+            n = len(self.mxfp4)
+            return f"MXFP4 (e2m1 codes, an e8m0 scale per 32, {n} weights; the rest {plain})"
         if self.fp8 is None:
             return plain
         bm, bn = self.fp8.block
@@ -103,6 +148,8 @@ def recognize(ckpt: Checkpoint) -> Format:
     """The checkpoint's format, or a `CheckpointError` saying why it cannot be merged."""
     quant = ckpt.quantization
     _refuse_packed(ckpt, quant)
+    if quant is not None and quant.get("quant_method") == MXFP4:
+        return Format(None, _mxfp4_pairs(ckpt))
     block = _fp8_block(ckpt, quant) if quant is not None else None
     scales: dict[str, TensorInfo] = {}
     for name, info in sorted(ckpt.tensors.items()):
@@ -131,29 +178,31 @@ def recognize(ckpt: Checkpoint) -> Format:
 
 
 def _refuse_packed(ckpt: Checkpoint, quant: Mapping[str, Any] | None) -> None:
-    """Any quantization but fine-grained FP8, declared or recognised by its tensor names."""
+    """Any quantization but fine-grained FP8 and MXFP4, declared or recognised by its
+    tensor names (an MXFP4 checkpoint's blocks are its own)."""
     method = quant.get("quant_method") if quant is not None else None
-    ends = tuple(PACKED_SUFFIXES)
+    ends = tuple(e for e in PACKED_SUFFIXES if not (method == MXFP4 and e == BLOCKS_SUFFIX))
     first = min((n for n in ckpt.tensors if n.endswith(ends)), default=None)
     packed = None
     if first is not None:
         packed = (first, next(f for e, f in PACKED_SUFFIXES.items() if first.endswith(e)))
-    if method == "fp8" and packed is None:
+    if method in ("fp8", MXFP4) and packed is None:
         return
-    if quant is not None and method != "fp8":
+    if quant is not None and method not in ("fp8", MXFP4):
         name = packed[0] if packed else _first_not_floating(ckpt)
         what = f"quant_method {method!r}" if method is not None else "a quantization_config"
         first = f"; first quantized tensor {name!r} in {ckpt.describe(name)}" if name else ""
         raise CheckpointError(
             f"{ckpt.label} ({ckpt.url}) is quantized ({what} in its config.json{first}): "
-            f"ram-dist merges floating-point and fine-grained FP8 checkpoints only; {DEQUANTIZE}"
+            f"ram-dist merges floating-point, fine-grained FP8 and MXFP4 checkpoints only; "
+            + DEQUANTIZE
         )
     if packed is not None:
         name, fmt = packed
         raise CheckpointError(
             f"tensor {name!r} in {ckpt.describe(name)} is a packed quantized tensor "
-            f"({fmt}): ram-dist merges floating-point and fine-grained FP8 checkpoints only; "
-            + DEQUANTIZE
+            f"({fmt}): ram-dist merges floating-point, fine-grained FP8 and MXFP4 checkpoints "
+            "only; " + DEQUANTIZE
         )
 
 
@@ -219,3 +268,52 @@ def _companion(ckpt: Checkpoint, info: TensorInfo, block: tuple[int, int]) -> Te
             f"{block[0]}x{block[1]} blocks) must be F32 or BF16 of shape {list(want)}"
         )
     return scale
+
+
+#: `quant_method` of gpt-oss's MXFP4 checkpoints.
+MXFP4 = "mxfp4"
+
+
+def _mxfp4_pairs(ckpt: Checkpoint) -> dict[str, Mxfp4Pair]:
+    """Every MXFP4 weight of a checkpoint whose config says `quant_method: mxfp4`, found by
+    its tensors' names (gpt-oss's `modules_to_not_convert` lists module globs, not every
+    plain tensor: it is not read); each pair checked against the other."""
+    pairs: dict[str, Mxfp4Pair] = {}
+    for name, info in sorted(ckpt.tensors.items()):
+        if name.endswith(SCALES_SUFFIX) and name[: -len(SCALES_SUFFIX)] + BLOCKS_SUFFIX not in (
+            ckpt.tensors
+        ):
+            raise CheckpointError(
+                f"tensor {name!r} in {ckpt.describe(name)} has no "
+                f"{name[: -len(SCALES_SUFFIX)] + BLOCKS_SUFFIX!r}: an MXFP4 weight is a pair "
+                f"of blocks and scales; {DEQUANTIZE}"
+            )
+        if not name.endswith(BLOCKS_SUFFIX):
+            continue
+        weight = name[: -len(BLOCKS_SUFFIX)]
+        scales = ckpt.tensors.get(weight + SCALES_SUFFIX)
+        where = f"tensor {name!r} in {ckpt.describe(name)}"
+        if scales is None:
+            raise CheckpointError(
+                f"{where} has no {weight + SCALES_SUFFIX!r}, so its values are unknown; "
+                + DEQUANTIZE
+            )
+        shape = info.shape
+        if info.dtype != MXFP4_DTYPE or len(shape) != 4 or shape[3] != mxfp4.GROUP // 2:
+            raise CheckpointError(
+                f"{where} is {info.dtype} {list(shape)}: MXFP4 blocks are {MXFP4_DTYPE} of "
+                f"shape [experts, rows, groups, 16]; {DEQUANTIZE}"
+            )
+        if scales.dtype != MXFP4_DTYPE or scales.shape != shape[:3]:
+            raise CheckpointError(
+                f"tensor {scales.name!r} in {ckpt.describe(scales.name)} is {scales.dtype} "
+                f"{list(scales.shape)}; the scales of {name!r} ({list(shape)}) must be "
+                f"{MXFP4_DTYPE} of shape {list(shape[:3])}"
+            )
+        pairs[weight] = Mxfp4Pair(info, scales)
+    if not pairs:
+        raise CheckpointError(
+            f"{ckpt.label} ({ckpt.url}): config.json declares quant_method mxfp4 but no tensor "
+            f"is a {BLOCKS_SUFFIX}/{SCALES_SUFFIX} pair; fix the config or the checkpoint"
+        )
+    return pairs

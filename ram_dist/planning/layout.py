@@ -129,6 +129,22 @@ class Layout:
             f"scales; the rest {words})"
         )
 
+    def config_dtype(self, out_dtype: str | None) -> str | None:
+        """The dtype the output's config.json names, dropping the base's quantization_config
+        (`io.non_weight_files.copy_files`): `out_dtype` when given; else, where the base has
+        decoded weights none of which is written quantized again (an MXFP4 base: its weights
+        in bfloat16), the one dtype of the merged tensors; else None (the base's config as it
+        is)."""
+        if out_dtype is not None:
+            return out_dtype
+        merged = [e for e in self.tensors.values() if e.participating]
+        if any(e.fp8_out is not None for e in merged):
+            return None
+        if not any(e.sources[0].decoded for e in merged):
+            return None
+        dtypes = {e.out_dtype for e in merged}
+        return dtypes.pop() if len(dtypes) == 1 else None
+
     def out_tensors(self, shard: str) -> list[OutTensor]:
         return [
             OutTensor(n, self.tensors[n].out_dtype, self.tensors[n].shape)
@@ -216,9 +232,10 @@ def build_layout(
             "trained on as the base, and the adapter as a task"
         )
     base_fmt = recognize(base)
-    companions = base_fmt.companions
-    base_sources = {n: base_fmt.source(i) for n, i in base.tensors.items() if n not in companions}
+    base_view = base_fmt.view(base)
+    base_sources = {n: base_fmt.source(i) for n, i in base_view.items()}
     formats: list[Format | None] = [base_fmt]
+    views: list[dict[str, TensorInfo]] = []
     words = [base_fmt.describe(base)]
     adapted: list[dict[str, TensorSource] | None] = []
     dropped: dict[str, tuple[str, ...]] = {}
@@ -227,29 +244,31 @@ def build_layout(
             config = lora_config(task)
             adapted.append(adapter_sources(base, base_sources, task, config))
             formats.append(None)
+            views.append({})
             words.append(config.describe())
             continue
         fmt = recognize(task)
-        extra = _check_names(base, base_fmt, task, fmt, drop_extra)
+        views.append(fmt.view(task))
+        extra = _check_names(base, base_view, task, views[-1], drop_extra)
         if extra:
             dropped[task.label] = extra
         adapted.append(None)
         formats.append(fmt)
         words.append(fmt.describe(task))
     tensors: dict[str, TensorEntry] = {}
-    for name, b in base.tensors.items():
-        if name in companions:
-            continue
+    for name, b in base_view.items():
         sources = (
             (base_sources[name],)
             + tuple(
-                own[name] if own is not None else fmt.source(task.tensors[name])  # type: ignore[union-attr]
-                for task, own, fmt in zip(tasks, adapted, formats[1:], strict=True)
+                own[name] if own is not None else fmt.source(view[name])  # type: ignore[union-attr]
+                for view, own, fmt in zip(views, adapted, formats[1:], strict=True)
             )
         )
         merged = [_merged(src) for src in sources]
-        for task, own, src, merges in zip(tasks, adapted, sources[1:], merged[1:], strict=True):
-            info = task.tensors[name] if own is None else None
+        for task, view, own, src, merges in zip(
+            tasks, views, adapted, sources[1:], merged[1:], strict=True
+        ):
+            info = view[name] if own is None else None
             if info is not None and info.shape != b.shape:
                 raise CheckpointError(
                     f"tensor {name!r}: shape {list(info.shape)} in {task.describe(name)} "
@@ -286,7 +305,7 @@ def build_layout(
             )
     shards: dict[str, tuple[str, ...]] = {}
     by_file: dict[str, list[TensorInfo]] = {}
-    for info in base.tensors.values():
+    for info in {**base.tensors, **base_view}.values():  # an MXFP4 weight at its blocks'
         by_file.setdefault(info.file, []).append(info)
     for file in base.files:
         in_file = sorted(by_file.get(join(base.url, file), []), key=lambda i: i.start)
@@ -364,12 +383,17 @@ def _more(names: list[str]) -> str:
 
 
 def _check_names(
-    base: Checkpoint, base_fmt: Format, task: Checkpoint, fmt: Format, drop_extra: bool
+    base: Checkpoint,
+    base_view: dict[str, TensorInfo],
+    task: Checkpoint,
+    view: dict[str, TensorInfo],
+    drop_extra: bool,
 ) -> tuple[str, ...]:
-    """The same tensors, an FP8 weight's scales not counted as tensors of their own; with
+    """The same tensors as the merge sees them (`Format.view`: an FP8 weight's scales not
+    counted as tensors of their own, an MXFP4 weight by its decoded name); with
     `drop_extra`, the task's tensors the base lacks are returned (left out), not refused."""
-    base_names = set(base.tensors) - base_fmt.companions
-    task_names = set(task.tensors) - fmt.companions
+    base_names = set(base_view)
+    task_names = set(view)
     if task_names == base_names:
         return ()
     if drop_extra and base_names < task_names:

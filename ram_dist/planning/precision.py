@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from ram_dist.dtypes import dtype_name
 from ram_dist.kernels import precision
 from ram_dist.planning.layout import Layout
-from ram_dist.planning.sources import BaseValues, Fp8Source, TensorSource
+from ram_dist.planning.sources import BaseValues, Fp8Source, Mxfp4Source, TensorSource
 
 
 def measured_against(layout: Layout, labels: Sequence[str]) -> list[str]:
@@ -35,8 +35,10 @@ def measured_against(layout: Layout, labels: Sequence[str]) -> list[str]:
 
 
 def _stored(base: TensorSource) -> str:
-    """How the base stores a tensor, in a word: FP8, or its dtype's name."""
-    return "FP8" if isinstance(base, Fp8Source) else dtype_name(base.values_dtype)
+    """How the base stores a tensor, in a word: FP8, MXFP4, or its dtype's name."""
+    if isinstance(base, Fp8Source):
+        return "FP8"
+    return "MXFP4" if isinstance(base, Mxfp4Source) else dtype_name(base.values_dtype)
 
 
 def checked_tensors(layout: Layout) -> int:

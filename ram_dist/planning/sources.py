@@ -1,6 +1,7 @@
 """Where and how one input stores one tensor: the `TensorSource` protocol, and its
-implementations: plain dtypes (`Source`), fine-grained FP8 blocks (`Fp8Source`), and a
-LoRA adapter's weight and bias (`LoraSource`, `LoraBiasSource`).
+implementations: plain dtypes (`Source`), fine-grained FP8 blocks (`Fp8Source`), gpt-oss's
+MXFP4 blocks and scales (`Mxfp4Source`), and a LoRA adapter's weight and bias (`LoraSource`,
+`LoraBiasSource`).
 
 An input's storage format has this one home. The planner asks a source only for its bytes
 per element and its atomic rows; a worker asks it which byte ranges to read for some rows
@@ -25,7 +26,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from ram_dist.dtypes import itemsize
-from ram_dist.kernels import fp8, lora, precision
+from ram_dist.kernels import fp8, lora, mxfp4, precision
 
 #: The dtype an FP8 weight's values are merged in: its FP8 inputs are dequantized to it, and
 #: its merged values are quantized from it when it is written as FP8 again.
@@ -266,6 +267,74 @@ class Fp8Source(NamedTuple):
         """The e4m3 bytes and the float32 scales of their bands, as the kernels read them."""
         q, scales = read[0], read[1]
         return fp8.Fp8Values(q, fp8.scale_values(scales, self.scale_dtype), self.cols, self.block)
+
+
+class Mxfp4Source(NamedTuple):
+    """An MXFP4 weight as gpt-oss ships it (`kernels.mxfp4`): `<name>_blocks` (uint8,
+    [experts, rows, groups, 16]) and `<name>_scales` (uint8, [experts, rows, groups]), whose
+    values are the tensor [experts, groups * 32, rows]. One expert's values need every byte
+    of its blocks (the values are its unpacked codes transposed), so an expert, one row of
+    the values, is never cut (`atomic_rows`). Its planned bytes are one per element: the
+    blocks' half byte and the scales' 1/32, rounded up."""
+
+    file: str
+    start: int
+    """Where `<name>_blocks` lies."""
+    dtype: str
+    scale_file: str
+    scale_start: int
+    rows: int
+    groups: int
+
+    @property
+    def itemsize(self) -> int:
+        return 1
+
+    @property
+    def values_dtype(self) -> str:
+        return FP8_VALUES_DTYPE
+
+    @property
+    def decoded(self) -> bool:
+        return True
+
+    @property
+    def atomic_rows(self) -> int | None:
+        return 1
+
+    @property
+    def per_expert(self) -> int:
+        """Values of one expert."""
+        return self.groups * mxfp4.GROUP * self.rows
+
+    def ranges(self, start: int, stop: int) -> list[Range]:
+        """The experts' blocks, then their scales."""
+        assert start % self.per_expert == 0, f"{self.file}: an MXFP4 weight not cut at an expert"
+        first, last = start // self.per_expert, -(-stop // self.per_expert)
+        codes = self.rows * self.groups * mxfp4.GROUP // 2
+        scales = self.rows * self.groups
+        return [
+            (self.file, self.start + first * codes, self.start + last * codes),
+            (self.scale_file, self.scale_start + first * scales, self.scale_start + last * scales),
+        ]
+
+    def unit_ranges(self) -> list[Range]:
+        return []
+
+    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
+        return None
+
+    def decode(
+        self,
+        start: int,
+        stop: int,
+        read: Sequence[np.ndarray],
+        floats: Callable[[int], np.ndarray],
+        base: np.ndarray,
+    ) -> np.ndarray:
+        """The experts' float32 values (`kernels.mxfp4.decode`), as bytes."""
+        out = floats(stop - start)
+        return mxfp4.decode(read[0], read[1], self.rows, self.groups, out).view(np.uint8)
 
 
 class LoraSource(NamedTuple):

@@ -1,5 +1,6 @@
-"""Nothing dropped without a word: every quantized or packed format but fine-grained FP8 is
-refused by name before any work (exit 2), and so is an FP8 tensor outside that layout and an
+"""Nothing dropped without a word: every quantized or packed format but fine-grained FP8 and
+gpt-oss's MXFP4 is refused by name before any work (exit 2), and so is an MXFP4 config
+without its blocks and scales, and so is an FP8 tensor outside that layout and an
 integer tensor a task changed, unless `--integers-from-base` asks for the base's copy."""
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ def _trio(tmp_path: Path, states: list[dict], configs: list[dict | None]) -> tup
         ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
         ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
-        ({"quant_method": "mxfp4"}, "quant_method 'mxfp4'"),
     ],
 )
 def test_other_quantization_is_refused_naming_it(tmp_path, capsys, quant, fragment):
@@ -57,6 +57,17 @@ def test_other_quantization_is_refused_naming_it(tmp_path, capsys, quant, fragme
     write(_plain(0), base, None)
     err = _fails(capsys, _argv(base, tasks, tmp_path / "out"), tmp_path / "out", fragment)
     assert "task 1" in err and "t1" in err and "dequantize it first" in err
+
+
+def test_an_mxfp4_config_without_blocks_is_refused(tmp_path, capsys):
+    base, tasks = _trio(
+        tmp_path, [_plain(0), _plain(1), _plain(2)], [None, {"quant_method": "mxfp4"}, None]
+    )
+    err = _fails(
+        capsys, _argv(base, tasks, tmp_path / "out"), tmp_path / "out",
+        "declares quant_method mxfp4 but no tensor is a _blocks/_scales pair",
+    )  # fmt: skip
+    assert "task 1" in err and "t1" in err
 
 
 @pytest.mark.parametrize(
