@@ -260,13 +260,20 @@ def _overflow_error(job: Job, found: dict[str, list[int]]) -> RamDistError:
     )
 
 
+#: What a NaN or Inf decoded from a quantized input means (an FP8 NaN code; an MXFP4 scale
+#: byte of 255, e8m0's NaN, or a value beyond float32: `kernels.fp8`, `kernels.mxfp4`).
+DECODED_NONFINITE = " (decoded: a NaN code or scale in its stored form, or a value beyond float32)"
+
+
 def _nonfinite_error(job: Job, found: dict[str, list[int]]) -> RamDistError:
     lines = []
     inputs = [job.base, *job.tasks]
     for name, counts in sorted(found.items()):
-        for ckpt, count in zip(inputs, counts, strict=True):
+        sources = job.layout.tensors[name].sources
+        for ckpt, count, src in zip(inputs, counts, sources, strict=False):
             if count:
-                lines.append(f"tensor {name!r}: {count} NaN/Inf in {ckpt.describe(name)}")
+                why = DECODED_NONFINITE if src.decoded else ""
+                lines.append(f"tensor {name!r}: {count} NaN/Inf{why} in {ckpt.describe(name)}")
     shown = "; ".join(lines[:10]) + (f"; and {len(lines) - 10} more" if len(lines) > 10 else "")
     return RamDistError(
         f"non-finite values in the inputs: {shown}. Fix the checkpoint, or pass "
