@@ -1,6 +1,6 @@
 """Wall time and peak memory of ``ram-dist plan`` on a large base and its tasks.
 
-Writes, in a temporary folder, checkpoints of one of three layouts (``--layout``) as sparse
+Writes, in a temporary folder, checkpoints of one of four layouts (``--layout``) as sparse
 files: each shard's real safetensors header, then ``truncate`` to its full size (holes, no
 data). Then it runs ``ram-dist plan --base B --task T1 ... --unit-mb 256`` as a subprocess and
 prints its wall time, CPU time and peak RSS (``os.wait4``) as a Markdown table, beside the
@@ -18,6 +18,12 @@ layout, the parameters of every tensor, the plan of the work units, the report.
   (``ram_dist.synthetic.deepseek``: 91,991 tensors, 45,808 of them FP8 with their F32 block
   scales, 163 shards and a ``config.json`` with its ``quantization_config``). Target: at most
   10 s and 2 GiB.
+* ``gpt-oss-120b``: gpt-oss-120b's published base and three bf16 agents
+  (``ram_dist.synthetic.gpt_oss``): the base's 687 tensors (36 layers of 128 experts, the
+  expert weights MXFP4 ``_blocks``/``_scales`` pairs, everything else bf16) in 15 shards
+  ``model-00000-of-00014.safetensors`` ... with the published ``quantization_config``; each
+  agent's 615 bf16 tensors (the experts' weights by their decoded names and shapes) in 72
+  shards of at most 5 GB, as ``save_pretrained`` writes them. Target: at most 10 s and 1 GiB.
 * ``small-100k``: a base and two tasks of 100,000 tensors of one bf16 element each
   (``model.layers.L.wJ.weight``, 1,000 layers of 100), in 4 shards each: the cost per tensor,
   with nothing else in it.
@@ -26,6 +32,7 @@ Example::
 
     python -m benchmarks.bench_plan --repeats 3
     python -m benchmarks.bench_plan --layout deepseek-v3 --profile /tmp/plan.prof
+    python -m benchmarks.bench_plan --layout gpt-oss-120b
     python -m pstats /tmp/plan.prof   # then: sort cumtime, stats 30
 
 from the repository root. The layouts and the sparse files are `ram_dist.synthetic`'s.
@@ -47,9 +54,10 @@ from typing import Any
 from benchmarks.commands import cli_command
 from benchmarks.running import run_process
 from ram_dist.io.checkpoint import INDEX_NAME
-from ram_dist.synthetic import deepseek
+from ram_dist.synthetic import deepseek, gpt_oss
 from ram_dist.synthetic.deepseek import DEEPSEEK_V3, split_evenly
 from ram_dist.synthetic.files import shard_name, write_sparse_checkpoint
+from ram_dist.synthetic.gpt_oss import GPT_OSS_120B
 from ram_dist.synthetic.llama import LLAMA_3_1_405B
 
 SHARDS = 191
@@ -76,13 +84,28 @@ def shard(tensors: Tensors) -> list[Tensors]:
 
 @dataclass(frozen=True)
 class Layout:
-    """What `--layout` writes: the shards of every checkpoint, the roles (base first)."""
+    """What `--layout` writes: the shards of every checkpoint, the roles (base first); the
+    tasks' own (`task_*`) where they are not the base's."""
 
     title: str
     roles: tuple[str, ...]
     shards: Callable[[], list]
     config: dict[str, Any] | None = None
     name: Callable[[int, int], str] = shard_name
+    task_shards: Callable[[], list] | None = None
+    task_config: dict[str, Any] | None = None
+    task_name: Callable[[int, int], str] = shard_name
+
+    def write(self, folders: list[Path]) -> None:
+        """The base in `folders[0]`, the tasks in the others (each folder emptied first)."""
+        base = self.shards()
+        tasks = self.task_shards() if self.task_shards is not None else None
+        for k, f in enumerate(folders):
+            shutil.rmtree(f, ignore_errors=True)
+            if k == 0 or tasks is None:
+                write_sparse_checkpoint(f, base, config=self.config, name=self.name)
+            else:
+                write_sparse_checkpoint(f, tasks, config=self.task_config, name=self.task_name)
 
 
 def small_shards() -> list[Tensors]:
@@ -106,6 +129,15 @@ LAYOUTS = {
         DEEPSEEK_V3.shards,
         DEEPSEEK_V3.config(),
         deepseek.shard_name,
+    ),
+    "gpt-oss-120b": Layout(
+        "gpt-oss-120b layout, MXFP4 base + 3 bf16 agents",
+        ROLES,
+        GPT_OSS_120B.shards,
+        GPT_OSS_120B.config(),
+        gpt_oss.shard_name,
+        lambda: GPT_OSS_120B.shards(mxfp4=False),
+        GPT_OSS_120B.config(mxfp4=False),
     ),
     "small-100k": Layout(
         "100,000 tensors of one bf16 element, base + 2 tasks", ROLES[:3], small_shards
@@ -137,10 +169,7 @@ def main() -> None:
         layout = LAYOUTS[args.layout]
         folders = [root / args.layout / role for role in layout.roles]
         if not all((f / INDEX_NAME).exists() for f in folders):  # else: written by an earlier run
-            shards = layout.shards()
-            for f in folders:
-                shutil.rmtree(f, ignore_errors=True)
-                write_sparse_checkpoint(f, shards, config=layout.config, name=layout.name)
+            layout.write(folders)
         paths = [p for f in folders for p in f.glob("*.safetensors")]
         files, logical = len(paths), sum(p.stat().st_size for p in paths)
         cmd, env = cli_command(args.cli)

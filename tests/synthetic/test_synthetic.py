@@ -15,6 +15,8 @@ from safetensors import safe_open
 from ram_dist.dtypes import ITEMSIZE
 from ram_dist.io.checkpoint import open_checkpoints
 from ram_dist.io.storage import Storage
+from ram_dist.planning.formats import recognize
+from ram_dist.synthetic import gpt_oss
 from ram_dist.synthetic.deepseek import DEEPSEEK_V3, DeepSeekDims, shard_name
 from ram_dist.synthetic.files import plan_shards, write_shards, write_sparse_checkpoint
 from ram_dist.synthetic.llama import LLAMA_3_1_405B, TINY, LlamaDims
@@ -162,3 +164,58 @@ def test_sparse_checkpoint_of_mixed_dtypes_and_its_config(tmp_path):
     with safe_open(str(tmp_path / shard_name(2, 5)), "pt") as f:
         name = next(n for n in f.keys() if n.endswith("proj.weight"))
         assert f.get_slice(name).get_dtype() == "F8_E4M3"
+
+
+def test_gpt_oss_120b_layout_is_transformers(tmp_path):
+    """gpt-oss-120b's headers as published (687 tensors in 15 files from
+    `model-00000-of-00014`, 65,248,815,744 bytes, the experts' weights MXFP4 pairs), and the
+    bf16 agents': what the merge sees of the base (`Format.view`) and the agents' tensors are
+    the names and shapes of transformers' `GptOssForCausalLM` of gpt-oss-120b's sizes."""
+    transformers = pytest.importorskip("transformers")
+    dims = gpt_oss.GPT_OSS_120B
+    config = transformers.GptOssConfig(
+        **{k: v for k, v in dims.config(mxfp4=False).items() if k != "architectures"}
+    )
+    assert (config.num_hidden_layers, config.num_local_experts, config.hidden_size) == (
+        36, 128, 2880
+    )  # fmt: skip
+    assert (config.intermediate_size, config.num_attention_heads, config.head_dim) == (
+        2880, 64, 64
+    )  # fmt: skip
+    assert (config.num_key_value_heads, config.vocab_size) == (8, 201088)
+    with torch.device("meta"):
+        model = transformers.GptOssForCausalLM(config)
+    expected = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    assert dims.params == sum(math.prod(s) for s in expected.values()) == 116_829_156_672
+
+    base, agent = tmp_path / "base", tmp_path / "agent"
+    write_sparse_checkpoint(base, dims.shards(), config=dims.config(), name=gpt_oss.shard_name)
+    write_sparse_checkpoint(agent, dims.shards(mxfp4=False), config=dims.config(mxfp4=False))
+    ckpts = open_checkpoints([(str(base), "base"), (str(agent), "task")], Storage())
+    stored = ckpts[0].tensors
+    assert len(stored) == 687 and len(ckpts[0].files) == 15
+    assert sorted(ckpts[0].files)[0] == "model-00000-of-00014.safetensors"
+    assert sorted(ckpts[0].files)[-1] == "model-00014-of-00014.safetensors"
+    index = json.loads((base / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 65_248_815_744  # the published index's
+    assert index["weight_map"]["lm_head.weight"] == "model-00014-of-00014.safetensors"
+    blocks = "model.layers.35.mlp.experts.gate_up_proj_blocks"
+    assert (stored[blocks].dtype, stored[blocks].shape) == ("U8", (128, 5760, 90, 16))
+    scales = stored["model.layers.0.mlp.experts.down_proj_scales"]
+    assert (scales.dtype, scales.shape) == ("U8", (128, 2880, 90))
+    assert {i.dtype for n, i in stored.items() if not n.endswith(("_blocks", "_scales"))} == {
+        "BF16"
+    }  # the sinks and the experts' biases included
+    assert json.loads((base / "config.json").read_text())["quantization_config"] == (
+        gpt_oss.QUANTIZATION_CONFIG
+    )
+    fmt = recognize(ckpts[0])
+    assert len(fmt.mxfp4) == 72
+    viewed = fmt.view(ckpts[0])
+    assert {n: i.shape for n, i in viewed.items()} == expected
+    assert {i.dtype for i in viewed.values()} == {"BF16"}
+    assert {n: i.shape for n, i in ckpts[1].tensors.items()} == expected
+    assert {i.dtype for i in ckpts[1].tensors.values()} == {"BF16"}
+    assert recognize(ckpts[1]).mxfp4 == {}
+    for s in dims.shards():  # Hugging Face's order: element size descending, then name
+        assert s == sorted(s, key=lambda t: (-ITEMSIZE[t[2]], t[0]))
