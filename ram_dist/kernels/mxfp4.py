@@ -31,6 +31,25 @@ BIAS, NAN_SCALE = 127, 255
 GROUP = 32
 
 
+def decode_bf16(
+    blocks: np.ndarray, scales: np.ndarray, rows: int, groups: int, out: np.ndarray
+) -> np.ndarray:
+    """`decode`'s values as bfloat16 bits (uint16, into `out`): every value is exact in
+    bfloat16 (an e2m1 code times a power of two), a NaN bfloat16's quiet NaN. By the numba
+    kernel (`mxfp4_numba`) where numba is installed, else from `decode`'s float32 values."""
+    from ram_dist.kernels import numba_module
+
+    kernel = numba_module("mxfp4_numba")
+    if kernel is not None:
+        return kernel.decode_bf16(blocks, scales, rows, groups, out)
+    values = decode(blocks, scales, rows, groups, np.empty(scales.size * GROUP, np.float32))
+    top = (values.view(np.uint32) >> 16).astype(np.uint16)
+    top[np.isnan(values)] = 0x7FC0
+    n = top.size
+    out[:n] = top
+    return out[:n]
+
+
 def decoded_shape(blocks_shape: tuple[int, ...]) -> tuple[int, int, int]:
     """[E, G*32, R] from the blocks' [E, R, G, 16]."""
     e, r, g, _ = blocks_shape

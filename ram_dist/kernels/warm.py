@@ -11,8 +11,8 @@ a job meets: base and tasks of one dtype (bfloat16, float16, float32, and fine-g
 which the RAM kernels read as stored and can write again, with FP8 or bfloat16 tasks; other
 mixed dtypes are not warmed), 1 to `--tasks` tasks, and every output dtype a merge kernel
 writes (those three and float64), the LoRA product in each dtype, the exact sums of
-products, and the first reduce round's precision check. All of it is 586 specializations
-(1,464 s on one core of the development machine).
+products, the first reduce round's precision check, and MXFP4's decoding. All of it is 587
+specializations (1,464 s on one core of the development machine, without the decoding).
 
 The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
 beside the kernel modules when that is writable, else numba's user-wide cache directory
@@ -59,6 +59,7 @@ def dispatchers() -> dict[str, Any]:
         della_numba,
         exact_sums_numba,
         lora_numba,
+        mxfp4_numba,
         precision_numba,
         ram_numba,
         scan_numba,
@@ -71,6 +72,7 @@ def dispatchers() -> dict[str, Any]:
         lora_numba.lora_values, exact_sums_numba.gram, exact_sums_numba.row_gram,
         column_sums_numba.column_gram, blend_numba._blend_kernel,
         della_numba._stats_kernel, della_numba._merge_kernel, precision_numba._check_kernel,
+        mxfp4_numba._decode,
     )  # fmt: skip
     return {f"{k.py_func.__module__.rsplit('.', 1)[-1]}.{k.__name__}": k for k in found}
 
@@ -159,6 +161,12 @@ def calls(
 
     by_column = partial(column_sums.fused_column_sums, vectors, pairs, N // 2)
     yield column_sums_numba.column_gram, "exact sums per column", by_column
+    # gpt-oss's MXFP4 weights decoded (one signature: bytes in, bfloat16 bits out)
+    from ram_dist.kernels import mxfp4_numba
+
+    codes, exponents = np.zeros(2 * 16, np.uint8), np.full(2, 127, np.uint8)
+    decode = partial(mxfp4_numba.decode_bf16, codes, exponents, 2, 1, np.empty(64, np.uint16))
+    yield mxfp4_numba._decode, "MXFP4", decode
 
 
 def _fp8_calls(tasks: int, out_dtypes: list[str]) -> Iterator[tuple[Any, str, Callable[[], Any]]]:

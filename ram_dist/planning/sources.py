@@ -32,6 +32,9 @@ from ram_dist.kernels import fp8, lora, mxfp4, precision
 #: its merged values are quantized from it when it is written as FP8 again.
 FP8_VALUES_DTYPE = "F32"
 
+#: The dtype an MXFP4 weight's values are merged in: each is exact in it.
+MXFP4_VALUES_DTYPE = "BF16"
+
 #: A byte range of an input file: (url, start, end).
 Range = tuple[str, int, int]
 
@@ -272,10 +275,12 @@ class Fp8Source(NamedTuple):
 class Mxfp4Source(NamedTuple):
     """An MXFP4 weight as gpt-oss ships it (`kernels.mxfp4`): `<name>_blocks` (uint8,
     [experts, rows, groups, 16]) and `<name>_scales` (uint8, [experts, rows, groups]), whose
-    values are the tensor [experts, groups * 32, rows]. One expert's values need every byte
-    of its blocks (the values are its unpacked codes transposed), so an expert, one row of
-    the values, is never cut (`atomic_rows`). Its planned bytes are one per element: the
-    blocks' half byte and the scales' 1/32, rounded up."""
+    values are the tensor [experts, groups * 32, rows]. Every value is exact in bfloat16, so
+    they are decoded into bfloat16 (`values_dtype`): the same values as float32, in half the
+    bytes, and a base that holds no bits finer than bfloat16 (`kernels.precision`). One
+    expert's values need every byte of its blocks (they are its unpacked codes transposed),
+    so an expert, one row of the values, is never cut (`atomic_rows`). Its planned bytes are
+    one per element: the blocks' half byte and the scales' 1/32, rounded up."""
 
     file: str
     start: int
@@ -292,7 +297,7 @@ class Mxfp4Source(NamedTuple):
 
     @property
     def values_dtype(self) -> str:
-        return FP8_VALUES_DTYPE
+        return MXFP4_VALUES_DTYPE
 
     @property
     def decoded(self) -> bool:
@@ -332,9 +337,9 @@ class Mxfp4Source(NamedTuple):
         floats: Callable[[int], np.ndarray],
         base: np.ndarray,
     ) -> np.ndarray:
-        """The experts' float32 values (`kernels.mxfp4.decode`), as bytes."""
-        out = floats(stop - start)
-        return mxfp4.decode(read[0], read[1], self.rows, self.groups, out).view(np.uint8)
+        """The experts' values as bfloat16 (`kernels.mxfp4.decode_bf16`), as bytes."""
+        out = floats(stop - start).view(np.uint16)
+        return mxfp4.decode_bf16(read[0], read[1], self.rows, self.groups, out).view(np.uint8)
 
 
 class LoraSource(NamedTuple):
