@@ -25,13 +25,8 @@ from ram_dist.dtypes import FLOATING
 from ram_dist.errors import CheckpointError
 from ram_dist.io.checkpoint import Checkpoint
 from ram_dist.io.safetensors_header import TensorInfo
-from ram_dist.planning.sources import (
-    BaseValues,
-    LoraBiasSource,
-    LoraSource,
-    Source,
-    TensorSource,
-)
+from ram_dist.planning.lora_sources import LoraBiasSource, LoraSource
+from ram_dist.planning.sources import BaseValues, Source, TensorSource
 
 #: What PEFT puts before every module name it saves.
 PREFIX = "base_model.model."

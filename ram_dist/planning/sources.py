@@ -1,7 +1,7 @@
 """Where and how one input stores one tensor: the `TensorSource` protocol, and its
-implementations: plain dtypes (`Source`), fine-grained FP8 blocks (`Fp8Source`), gpt-oss's
-MXFP4 blocks and scales (`Mxfp4Source`), and a LoRA adapter's weight and bias (`LoraSource`,
-`LoraBiasSource`).
+implementations: plain dtypes (`Source`), fine-grained FP8 blocks (`Fp8Source`) and gpt-oss's
+MXFP4 blocks and scales (`Mxfp4Source`); a LoRA adapter's weight and bias are in
+`planning.lora_sources`.
 
 An input's storage format has this one home. The planner asks a source only for its bytes
 per element and its atomic rows; a worker asks it which byte ranges to read for some rows
@@ -26,7 +26,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from ram_dist.dtypes import itemsize
-from ram_dist.kernels import fp8, lora, mxfp4, precision
+from ram_dist.kernels import fp8, mxfp4
 
 #: The dtype an FP8 weight's values are merged in: its FP8 inputs are dequantized to it, and
 #: its merged values are quantized from it when it is written as FP8 again.
@@ -340,172 +340,3 @@ class Mxfp4Source(NamedTuple):
         """The experts' values as bfloat16 (`kernels.mxfp4.decode_bf16`), as bytes."""
         out = floats(stop - start).view(np.uint16)
         return mxfp4.decode_bf16(read[0], read[1], self.rows, self.groups, out).view(np.uint8)
-
-
-class LoraSource(NamedTuple):
-    """A weight of a task given as a LoRA adapter (`planning.adapters`): its value is the
-    base's with the adapter's rank-r product added (`kernels.lora`), rounded to
-    `values_dtype`. A unit reads the rows' factors (`coef`: rows of `B`; for a transposed
-    product, columns of `A`) per block, and the factor every row shares (`basis`: `A`;
-    `B`) once. Its planned bytes per element are the rows' factors', rounded up."""
-
-    file: str
-    """The adapter's weights file."""
-    start: int
-    """Where `B` starts in it."""
-    dtype: str
-    """`B`'s dtype."""
-    a_start: int
-    a_dtype: str
-    rank: int
-    rows: int
-    """The weight's rows and columns, as the base stores it."""
-    cols: int
-    scale: float
-    """`lora_alpha / r` (or `/ sqrt(r)`), already rounded to float32."""
-    transposed: bool
-    """`delta = (B @ A)^T`: an embedding's, or a `fan_in_fan_out` layer's."""
-    theta_dtype: str
-    """The dtype of the base values `decode` gets (or of `theta`'s bytes)."""
-    values_dtype: str
-    """The task's dtype: the base's (bfloat16 for an FP8 base weight)."""
-    theta: Source | None = None
-    """The adapter's own copy of the base tensor (`base_layer.weight`), which then stands
-    for the base's values; None: the base's values."""
-
-    @property
-    def itemsize(self) -> int:
-        coef = -(-self.rank * itemsize(self.dtype if not self.transposed else self.a_dtype)
-                 // self.cols)  # fmt: skip
-        return coef + (self.theta.itemsize if self.theta is not None else 0)
-
-    @property
-    def decoded(self) -> bool:
-        return True
-
-    @property
-    def atomic_rows(self) -> int | None:
-        return None
-
-    def _rows(self, start: int, stop: int) -> tuple[int, int]:
-        return start // self.cols, -(-stop // self.cols)
-
-    def ranges(self, start: int, stop: int) -> list[Range]:
-        """The adapter's copy of the base elements (if any), then the rows' factors: rows of
-        `B` [rows, r]; for a transposed product, the rows' columns of each row of `A`
-        [r, rows]."""
-        out = self.theta.ranges(start, stop) if self.theta is not None else []
-        first, last = self._rows(start, stop)
-        if not self.transposed:
-            width = self.rank * itemsize(self.dtype)
-            return [*out, (self.file, self.start + first * width, self.start + last * width)]
-        size = itemsize(self.a_dtype)
-        row = self.rows * size
-        at = self.a_start
-        return out + [
-            (self.file, at + k * row + first * size, at + k * row + last * size)
-            for k in range(self.rank)
-        ]
-
-    def unit_ranges(self) -> list[Range]:
-        """The factor every row shares: `A` [r, cols], or `B` [cols, r] when transposed."""
-        if not self.transposed:
-            n = self.rank * self.cols * itemsize(self.a_dtype)
-            return [(self.file, self.a_start, self.a_start + n)]
-        return [(self.file, self.start, self.start + self.rank * self.cols * itemsize(self.dtype))]
-
-    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
-        return None
-
-    def decode(
-        self,
-        start: int,
-        stop: int,
-        read: Sequence[np.ndarray],
-        floats: Callable[[int], np.ndarray],
-        base: np.ndarray,
-    ) -> np.ndarray:
-        """`cast(float32(theta) + float32(s) * P)`, P in the spec's fixed order, `theta` the
-        base at the task's precision."""
-        theta, read = _theta(self.theta, read, base)
-        theta, theta_dtype = _at_precision(theta, self.theta_dtype, self.values_dtype)
-        first, last = self._rows(start, stop)
-        if not self.transposed:
-            coef = lora.as_float32(read[0], self.dtype).reshape(last - first, self.rank)
-            basis = lora.as_float32(read[1], self.a_dtype).reshape(self.rank, self.cols)
-        else:
-            columns = [lora.as_float32(a, self.a_dtype) for a in read[: self.rank]]
-            coef = np.ascontiguousarray(np.stack(columns, axis=1))
-            basis = lora.as_float32(read[self.rank], self.dtype).reshape(self.cols, self.rank)
-            basis = np.ascontiguousarray(basis.T)
-        out = floats(stop - start).view(np.uint8)
-        scale = np.float32(self.scale)
-        return lora.values(theta, theta_dtype, coef, basis, scale, start, self.values_dtype, out)
-
-
-class LoraBiasSource(NamedTuple):
-    """A bias of a task given as a LoRA adapter with `lora_bias`: `cast(float32(bias_B) +
-    float32(s) * float32(lora_B.bias))`."""
-
-    file: str
-    start: int
-    dtype: str
-    """Where `lora_B.bias` lies in the adapter's weights file, and its dtype."""
-    scale: float
-    theta_dtype: str
-    values_dtype: str
-    theta: Source | None = None
-
-    @property
-    def itemsize(self) -> int:
-        return itemsize(self.dtype) + (self.theta.itemsize if self.theta is not None else 0)
-
-    @property
-    def decoded(self) -> bool:
-        return True
-
-    @property
-    def atomic_rows(self) -> int | None:
-        return None
-
-    def ranges(self, start: int, stop: int) -> list[Range]:
-        out = self.theta.ranges(start, stop) if self.theta is not None else []
-        return out + Source(self.file, self.start, self.dtype).ranges(start, stop)
-
-    def unit_ranges(self) -> list[Range]:
-        return []
-
-    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
-        return None
-
-    def decode(
-        self,
-        start: int,
-        stop: int,
-        read: Sequence[np.ndarray],
-        floats: Callable[[int], np.ndarray],
-        base: np.ndarray,
-    ) -> np.ndarray:
-        theta, read = _theta(self.theta, read, base)
-        theta, theta_dtype = _at_precision(theta, self.theta_dtype, self.values_dtype)
-        delta = np.float32(self.scale) * lora.as_float32(read[0], self.dtype)
-        value = lora.as_float32(theta, theta_dtype) + delta
-        return lora.cast(value, self.values_dtype, floats(stop - start).view(np.uint8))
-
-
-def _theta(
-    own: Source | None, read: Sequence[np.ndarray], base: np.ndarray
-) -> tuple[np.ndarray, Sequence[np.ndarray]]:
-    """The base values a LoRA source adds to (the adapter's own copy, read first, or the
-    base input's), and the rest of what was read."""
-    return (read[0], read[1:]) if own is not None else (base, read)
-
-
-def _at_precision(theta: np.ndarray, dtype: str, values_dtype: str) -> tuple[np.ndarray, str]:
-    """The base values a LoRA task adds to, at the task's precision (`kernels.precision`):
-    rounded to `values_dtype` where that is a 16-bit dtype the base is not stored in (an FP8
-    base's adapter, trained on the base loaded in bfloat16), as bytes, and their dtype."""
-    if not precision.narrows(dtype, values_dtype):
-        return theta, dtype
-    rounded = np.empty(theta.size // itemsize(dtype) * itemsize(values_dtype), np.uint8)
-    return lora.cast(lora.as_float32(theta, dtype), values_dtype, rounded), values_dtype

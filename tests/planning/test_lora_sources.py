@@ -11,7 +11,8 @@ from ram_dist.engine import blocks, worker
 from ram_dist.io.storage import Storage
 from ram_dist.kernels import lora
 from ram_dist.planning.layout import Layout, TensorEntry
-from ram_dist.planning.sources import BaseValues, LoraBiasSource, LoraSource, Source
+from ram_dist.planning.lora_sources import LoraBiasSource, LoraSource
+from ram_dist.planning.sources import BaseValues, Source
 from ram_dist.planning.units import Piece
 
 ROWS, COLS, R = 12, 10, 3
