@@ -286,8 +286,8 @@ def _fp8_block(ckpt: Checkpoint, quant: Mapping[str, Any]) -> tuple[int, int]:
     ):
         raise CheckpointError(
             f"{where} has weight_block_size {block!r}: fine-grained FP8 needs two positive "
-            f"integers (e.g. [128, 128]); per-tensor or per-channel FP8 is not merged; "
-            + DEQUANTIZE
+            f"integers (e.g. [128, 128]); per-tensor or per-channel FP8 is merged in "
+            "compressed-tensors' or fbgemm_fp8's form only; " + DEQUANTIZE
         )
     return (block[0], block[1])
 

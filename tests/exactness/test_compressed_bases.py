@@ -176,6 +176,62 @@ def test_every_method_merges_an_fp8_base_exactly(fp8_set, tmp_path, method):
                           {n: y.to(BF16) for n, y in merged.items()})  # fmt: skip
 
 
+def _fbgemm_set(root: Path) -> CompressedSet:
+    """A tiny Llama in fbgemm_fp8's form: every decoder `*_proj.weight` e4m3 with a float32
+    scale per row (`amax / 448`), its value `float32(W) * scale` (no rounding after); agents
+    in bf16 measured against it rounded to bf16, built as `compressed_models.build_set`
+    builds them."""
+    from compressed_models import changed, changes, save_agent
+    from transformers import AutoModelForCausalLM
+
+    plain = build_tiny_base(root / "bf16")
+    stored, x = {}, {}
+    for name, t in plain.items():
+        if not name.endswith("proj.weight"):
+            stored[name] = x[name] = t
+            continue
+        w = t.float()
+        scale = (w.abs().amax(1, keepdim=True) / 448.0).to(F32)
+        stored[name] = e4m3fn(w / scale)
+        stored[name.removesuffix("weight") + "weight_scale"] = scale
+        x[name] = stored[name].to(F32) * scale
+    (root / "base").mkdir()
+    save_file(stored, str(root / "base" / "model.safetensors"), {"format": "pt"})
+    config = json.loads((root / "bf16" / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+        "modules_to_not_convert": ["lm_head"],
+    }  # fmt: skip
+    (root / "base" / "config.json").write_text(json.dumps(config))
+    s = CompressedSet(root / "base", stored, x, ())
+    model = AutoModelForCausalLM.from_pretrained(str(root / "bf16"), dtype=BF16)
+    model.load_state_dict({n: t.to(BF16) for n, t in x.items()})
+    shapes = {n: p.shape for n, p in model.state_dict().items()}
+    first = None
+    for i, density in enumerate((0.01, 0.01, 0.0)):
+        masks = changes(shapes, density, 10 + i, first if i == 1 else None)
+        first = masks if i == 0 else first
+        save_agent(model, changed(model, masks, 20 + i), root / f"agent{i}")
+        s.agent_dirs.append(root / f"agent{i}")
+        s.agents.append(load_checkpoint(root / f"agent{i}"))
+        s.masks.append(masks)
+    return s
+
+
+@pytest.mark.parametrize("method", ["ram_plus", "ties", "slerp"])
+def test_an_fbgemm_fp8_base_merges_exactly(tmp_path, method):
+    s = _fbgemm_set(tmp_path / "in")
+    picked = _tasks(method)
+    merged, _ = _reference(method, _input_set(s, [s.agents[i] for i in picked]),
+                           list(range(len(picked))))  # fmt: skip
+    report = _merge(s, picked, tmp_path / "out", method, unit_budget_bytes=ONE_ROW)
+    assert_same_bytes(load_checkpoint(tmp_path / "out"), _fp8_expected(s, merged))
+    if method == "ram_plus":
+        known = [sum(int(m.sum()) for m in masks.values()) for masks in s.masks]
+        assert [t["changed"] for t in report["tasks"]] == known
+        assert report["formats"]["inputs"][0]["format"].startswith("fbgemm_fp8 (FP8 per")
+
+
 # ---- 3. probe ----------------------------------------------------------------------------
 
 
