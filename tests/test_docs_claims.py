@@ -1,0 +1,162 @@
+"""What README.md and docs/ say of the code, checked against it: the tables made from the
+code (`ram_dist.flag_table`) are what the code makes now, every `ram_dist/...` path and
+`ram_dist.module` named exists, every `--flag` named is one of ram-dist's (or of the other
+tool the line runs), and the figures the pages quote from the code (the lease's periods, the
+dtypes the kernels read) are the code's."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from ram_dist import flag_table, kernels
+from ram_dist.cli import build_parser
+from ram_dist.io.backends import BACKENDS, backend
+from ram_dist.io.lease.output import RENEW_EVERY_S, STALE_AFTER_S
+from ram_dist.methods import METHODS
+from ram_dist.methods.parameters import cli_parameters
+
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+#: Paths a page names that are not meant to exist: docs/extending.md's example method, the
+#: file a reader of "Adding a method" creates.
+NOT_IN_THE_CODE = {"ram_dist/methods/mean.py"}
+#: Flags of other tools that pages show: pip, pytest-xdist, `ray job submit`, ruff, gcloud,
+#: the paper authors' script (docs/exactness.md), and docs/extending.md's example setting.
+OTHER_TOOLS_FLAGS = {
+    "--index-url", "--dist", "--address", "--working-dir", "--runtime-env", "--check",
+    "--lifecycle-file", "--rescale_factor", "--retries",
+}  # fmt: skip
+
+PATH = re.compile(r"\bram_dist/[\w/.]*\w/?")
+MODULE = re.compile(r"\bram_dist(?:\.\w+)+")
+FLAG = re.compile(r"(?<![\w-])--(?:\[no-\])?[a-z][\w-]*")
+
+
+def _page_id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+@pytest.mark.parametrize(
+    "table", flag_table.TABLES, ids=lambda t: f"{t[0].name}:{t[1].split(':')[0][5:]}"
+)
+def test_each_generated_table_is_what_the_code_makes(table):
+    path, begin, end, make = table
+    text = path.read_text()
+    assert flag_table.rewrite(text, begin, end, make) == text, (
+        f"{path.relative_to(ROOT)}'s table after {begin!r} differs from the code: "
+        "run `python -m ram_dist.flag_table`"
+    )
+
+
+def test_the_parameter_table_has_every_method_s_every_parameter_with_its_default():
+    rows = flag_table.render_parameters()
+    for name, method in METHODS.items():
+        for p in method.parameters:
+            if not p.effect:
+                continue
+            row = next(
+                r for r in rows.splitlines() if r.startswith(f"| `{p.name}` |")
+                and ("per task" if p.per_task else "once") in r.split(" | ")[2]
+            )  # fmt: skip
+            uses = row.split(" | ")[3]
+            shown = flag_table._shown(p.default)
+            assert re.search(rf"`{name}`(, `\w+`)*: {re.escape(shown)}(?![\w.])", uses), (name, p)
+
+
+def test_the_kernel_table_says_what_the_engine_asks_of_each_method():
+    """A map pass is "fused kernels" where the method gives `fused_merge` and its `fuses`
+    takes a tensor at the defaults: della's is, breadcrumbs' and DARE's are not."""
+    cells = {name: flag_table.kernel_cells(m) for name, m in METHODS.items()}
+    assert cells["della"][1] == "fused kernels"
+    assert cells["ram_plus"][:2] == ("fused kernels", "fused kernels")
+    assert cells["breadcrumbs"][1] == cells["dare_ties"][1] == "the eager rule"
+    assert cells["linear"][0] == "none" and cells["arcee_fusion"][0] == "the eager rule"
+    text = (DOCS / "methods.md").read_text()
+    stored = re.search(r"read the stored dtypes \(([^)]*)\)", text)
+    assert stored is not None
+    named = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+    listed = {named[d.strip()] for d in stored.group(1).split(",") if d.strip() in named}
+    assert listed == set(kernels.READS)
+
+
+def test_the_lease_table_names_every_protocol_of_the_backends():
+    rows = flag_table.lease_rows()
+    listed = [p for protocols, _, _ in rows for p in protocols]
+    assert set(BACKENDS) <= set(listed)
+    for protocols, lease, _ in rows:
+        assert all(backend(p).lease == lease for p in protocols)
+
+
+def test_the_output_page_names_every_store_and_the_lease_s_periods():
+    text = " ".join((DOCS / "output.md").read_text().split())
+    intro = text.split("## ")[0]
+    for protocol in ("s3", "gs", "az", "abfs", "hf"):
+        assert f"`{protocol}://`" in intro, protocol
+    renew = re.search(r"renewed every (\d+) s", text)
+    stale = re.search(r"not been renewed for (\d+) s", text)
+    margin = re.search(r"within (\d+) s of each other \((\d+) s less the (\d+) s", text)
+    assert renew and stale and margin
+    assert float(renew.group(1)) == RENEW_EVERY_S
+    assert float(stale.group(1)) == float(margin.group(2)) == STALE_AFTER_S
+    assert float(margin.group(3)) == RENEW_EVERY_S
+    assert float(margin.group(1)) == STALE_AFTER_S - RENEW_EVERY_S
+
+
+def _module_has(module_path: Path, name: str) -> bool:
+    """Whether a module file defines or imports `name` at its top level."""
+    source = module_path.read_text()
+    pattern = rf"^(def|class|async def) {name}\b|^{name}\s*[:=]|^\s*{name},?$|import .*\b{name}\b"
+    return re.search(pattern, source, re.M) is not None
+
+
+def _module_exists(dotted: str) -> bool:
+    """`ram_dist.a.b` as a package or module, or `ram_dist.a.NAME` an attribute of module
+    `a` (imported: the API's calls are made at import)."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:n])
+        if base.is_dir() or base.with_suffix(".py").exists():
+            rest = parts[n:]
+            if len(rest) > 1:
+                return False
+            return not rest or hasattr(importlib.import_module(".".join(parts[:n])), rest[0])
+    return False
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_every_path_and_module_a_page_names_exists(page: Path):
+    text = page.read_text()
+    missing = [
+        p for p in set(PATH.findall(text))
+        if p not in NOT_IN_THE_CODE and not (ROOT / p.rstrip("/.")).exists()
+    ]  # fmt: skip
+    missing += [m for m in set(MODULE.findall(text)) if not _module_exists(m)]
+    assert not missing, f"{_page_id(page)} names what the code does not have: {sorted(missing)}"
+
+
+def _known_flags() -> set[str]:
+    """Every flag of every ram-dist command, the methods' `--no-` forms, and the flags of
+    the benchmarks and of ram-dist's own modules run with `python -m`."""
+    known: set[str] = set()
+    parser = build_parser()
+    for sub in parser._subparsers._group_actions[0].choices.values():  # type: ignore[union-attr]
+        known |= {f for a in sub._actions for f in a.option_strings}
+    for p, _ in cli_parameters():
+        known |= {p.cli_flag, "--no-" + p.cli_flag.removeprefix("--")}
+    for source in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("ram_dist/**/*.py")]:
+        known |= set(re.findall(r"add_argument\(\s*\"(--[a-z][\w-]*)\"", source.read_text()))
+    return known
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_every_flag_a_page_names_exists(page: Path):
+    known = _known_flags() | OTHER_TOOLS_FLAGS
+    named = {f.replace("[no-]", "") for f in FLAG.findall(page.read_text())}
+    unknown = sorted(f for f in named if f not in known)
+    assert not unknown, f"{_page_id(page)} names flags no command has: {unknown}"
