@@ -7,6 +7,7 @@ dtypes the kernels read) are the code's."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -160,3 +161,67 @@ def test_every_flag_a_page_names_exists(page: Path):
     named = {f.replace("[no-]", "") for f in FLAG.findall(page.read_text())}
     unknown = sorted(f for f in named if f not in known)
     assert not unknown, f"{_page_id(page)} names flags no command has: {unknown}"
+
+
+def _said(page: str) -> str:
+    """A docs page with its line breaks and indentation as single spaces."""
+    return " ".join((DOCS / page).read_text().split())
+
+
+def _mib(n: int) -> str:
+    return f"{n // 2**20} MiB"
+
+
+def test_the_sizes_and_periods_the_pages_state_are_the_code_s():
+    """Each sentence quotes the constant the code holds: a change to one fails here until
+    the page says the new value."""
+    from ram_dist import settings
+    from ram_dist.engine import blocks, map_step
+    from ram_dist.engine.shard_book import ShardBook
+    from ram_dist.io import checkpoint, json_files, range_cache, s3, storage
+    from ram_dist.io.sinks.gcs import GcsSink
+    from ram_dist.kernels import warm
+    from ram_dist.planning import sizing, units
+
+    every_s = inspect.signature(ShardBook.__init__).parameters["every_s"].default
+    words = {5: "five", 8: "8", 3: "three"}
+    expected = {
+        "architecture.md": [
+            f"at most {units.MAX_PIECES:,} pieces a unit",
+            f"A compute block holds at most {sizing.COMPUTE_BLOCK // 2**20}M elements",
+            f"(at most {blocks.SMALL_BYTES // 2**10} KiB from each input) are read together, "
+            f"up to {blocks.GROUP_BLOCKS:,} of them and {_mib(blocks.GROUP_BYTES)} at a time",
+            f"at least {_mib(map_step.HAND_OFF_BYTES)} at a time",
+            f"{settings.UNITS_PER_SLOT} units per core over the largest input, at most "
+            f"1/{round(1 / settings.MEMORY_SHARE)} of a core's memory, "
+            f"{settings.MIN_UNIT_BUDGET // 2**20} to {_mib(settings.MAX_UNIT_BUDGET)}",
+            f"1 to {warm.TASKS} tasks",
+        ],
+        "storage.md": [
+            f"the first {checkpoint.FIRST_READ_BYTES // 2**10} KiB",
+            f"`hf://` headers are read by {checkpoint.READ_THREADS} threads",
+            f"requests of at most {_mib(storage.REQUEST_BYTES)}",
+            f"one request of at most {_mib(storage.REQUEST_BYTES)}",
+            f"with {s3.RETRIES['total_max_attempts']} attempts in all",
+            f"up to {words[storage.ATTEMPTS]} attempts with exponential backoff",
+            f"keeps {round(range_cache.RESERVE_FRACTION * 100)}% of its size (and at least "
+            f"{range_cache.RESERVE_MIN_BYTES // 2**30} GiB) free",
+            f"Parts are at least {GcsSink.min_part_bytes // 2**10} KiB (GCS composes any "
+            f"size; S3 needs {_mib(s3.MIN_PART_BYTES)})",
+        ],
+        "resume.md": [
+            f"at most every {every_s:g} s as parts finish",
+            f"A manifest over {_mib(json_files.MAX_MANIFEST_BYTES)}, or a stored "
+            f"`merge_report.json` over {_mib(json_files.MAX_REPORT_BYTES)}, is refused",
+        ],
+    }
+    for page, sentences in expected.items():
+        text = _said(page)
+        for sentence in sentences:
+            assert sentence in text, (page, sentence)
+    kernels_read = re.search(
+        r"It compiles inputs of one dtype \(([^)]*)\)", _said("architecture.md")
+    )
+    assert kernels_read is not None
+    for short in warm.DTYPES:
+        assert (short if short != warm.FP8 else "FP8") in kernels_read.group(1), short
