@@ -2,7 +2,8 @@
 `ram_dist.settings`, and each method parameter that has a flag, `methods.parameters`),
 README.md's table of methods (each method's `summary`), docs/methods.md's table of parameter
 defaults (each method's `parameters`) and of fused kernels (what each method offers the
-engine's fused path), and docs/output.md's table of leases (`io.backends.BACKENDS`).
+engine's fused path), docs/output.md's table of leases (`io.backends.BACKENDS`) and
+docs/mergekit-methods.md's tables of the sparsifying methods' parameters.
 
 `python -m ram_dist.flag_table` (from a checkout) rewrites each table between its two marker
 comments in place; a test fails while a file differs from what its `render` makes.
@@ -217,6 +218,43 @@ def render_leases() -> str:
     return "\n".join(out) + "\n"
 
 
+MERGEKIT_DOC = CLI_DOC.parent / "mergekit-methods.md"
+
+
+def method_begin(name: str) -> str:
+    return (
+        f"<!-- parameters of {name}: made by `python -m ram_dist.flag_table`; edit the methods -->"
+    )
+
+
+def method_end(name: str) -> str:
+    return f"<!-- /parameters of {name} -->"
+
+
+def render_method_parameters(names: tuple[str, ...]) -> Any:
+    """docs/mergekit-methods.md's table of the parameters of a family of methods (declared
+    alike but for their defaults): each with its flag, its scope (mergekit's per-model
+    parameters, or one global value), its default in each method and its help."""
+
+    def make() -> str:
+        out = ["| parameter | flag | scope | default | what it does |", "|---|---|---|---|---|"]
+        for p in METHODS[names[0]].parameters:
+            flag = "none (YAML only)" if p.cli_flag is None else f"`{p.cli_flag}`"
+            if p.cli_flag is not None and p.kind is bool:
+                flag = "`--[no-]" + p.cli_flag.removeprefix("--") + "`"
+            scope = "per model" if p.per_task else "global"
+            each = [(n, q) for n in names for q in METHODS[n].parameters if q.name == p.name]
+            shown = [(n, _shown(q.default) if q.effect else "accepted, no effect") for n, q in each]
+            default = shown[0][1] if len({d for _, d in shown}) == 1 else _grouped(shown)
+            out.append(f"| `{p.name}` | {flag} | {scope} | {default} | {_cell(p.help)} |")
+        return "\n".join(out) + "\n"
+
+    return make
+
+
+#: The families whose parameters docs/mergekit-methods.md shows in a generated table.
+MERGEKIT_TABLES = (("breadcrumbs", "breadcrumbs_ties"), ("della", "della_linear"))
+
 #: Each table: its file, its markers and what makes it.
 TABLES = (
     (CLI_DOC, BEGIN, END, render),
@@ -224,6 +262,10 @@ TABLES = (
     (METHODS_DOC, PARAMETERS_BEGIN, PARAMETERS_END, render_parameters),
     (METHODS_DOC, KERNELS_BEGIN, KERNELS_END, render_kernels),
     (OUTPUT_DOC, LEASES_BEGIN, LEASES_END, render_leases),
+    *(
+        (MERGEKIT_DOC, method_begin(f[0]), method_end(f[0]), render_method_parameters(f))
+        for f in MERGEKIT_TABLES
+    ),
 )
 
 

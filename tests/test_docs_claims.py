@@ -225,3 +225,61 @@ def test_the_sizes_and_periods_the_pages_state_are_the_code_s():
     assert kernels_read is not None
     for short in warm.DTYPES:
         assert (short if short != warm.FP8 else "FP8") in kernels_read.group(1), short
+
+
+def _same(said: str, value: object) -> bool:
+    """Whether a default as a page writes it (`true`, `1e-5`, `1`) is `value`."""
+    if isinstance(value, bool):
+        return said == ("true" if value else "false")
+    if isinstance(value, (int, float)):
+        try:
+            return float(said) == float(value)
+        except ValueError:
+            return False
+    return said == str(value)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_each_default_a_page_states_is_a_declared_one(page: Path):
+    """ "`name` (`--flag`, ..., default X" is a default some method declares for `name`;
+    "`--flag` ... `X` (the default)" is the setting's."""
+    from ram_dist import settings
+
+    text = " ".join(page.read_text().split())
+    declared: dict[str, list[object]] = {}
+    for method in METHODS.values():
+        for p in method.parameters:
+            declared.setdefault(p.name, []).append(p.default)
+    wrong = []
+    for m in re.finditer(
+        r"`([\w-]+)` \((?:[^()]|\([^()]*\))*?\bdefault (?:is )?`?([\w.+-]+)`?", text
+    ):
+        name, said = m.groups()
+        if name in declared and not any(_same(said, d) for d in declared[name]):
+            wrong.append((name, said, declared[name]))
+    flags = {s.meta.flag: s for s in settings.SETTINGS if s.meta.flag}
+    for m in re.finditer(r"`(--[\w-]+)(?: (\w+))?`[^.`]*?(?:`(\w+)` )?\(the default\)", text):
+        flag, value = m.group(1), m.group(2) or m.group(3)
+        if flag in flags and value is not None and not _same(value, flags[flag].default):
+            wrong.append((flag, value, flags[flag].default))
+    assert not wrong, f"{_page_id(page)} states defaults the code does not declare: {wrong}"
+
+
+def test_the_methods_page_lists_every_method_with_its_reference():
+    """docs/methods.md's table of methods: every method of the registry once, its paper's
+    first author and year as the method's `reference` names them."""
+    text = (DOCS / "methods.md").read_text()
+    rows = re.findall(r"^\| `(\w+)`(?: \(default\))? \| [^|]* \|([^|]*)\|$", text, re.M)
+    assert sorted(name for name, _ in rows) == sorted(METHODS)
+    for name, paper in rows:
+        paper = paper.strip()
+        if not paper:
+            continue
+        reference = METHODS[name].reference
+        assert paper.split()[0] in reference, (name, paper, reference)
+        assert set(re.findall(r"\b(?:19|20)\d\d\b", paper)) <= set(re.findall(r"\d{4}", reference))
+    headings = re.findall(
+        r"^### `(\w+)`(?: and `(\w+)`)?", (DOCS / "mergekit-methods.md").read_text(), re.M
+    )
+    covered = {n for pair in headings for n in pair if n}
+    assert {"slerp", "della", "della_linear", "breadcrumbs", "breadcrumbs_ties"} <= covered
