@@ -283,3 +283,30 @@ def test_the_methods_page_lists_every_method_with_its_reference():
     )
     covered = {n for pair in headings for n in pair if n}
     assert {"slerp", "della", "della_linear", "breadcrumbs", "breadcrumbs_ties"} <= covered
+
+
+def test_the_api_page_s_report_attributes_exist():
+    from ram_dist.report import api_reports
+
+    text = (DOCS / "api.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| `(\w+)` \| ([^|]*) \|$", text, re.M)
+    assert {call for call, _, _ in rows} == {"merge", "probe", "plan", "verify"}
+    for _, cls, attributes in rows:
+        report = getattr(api_reports, cls)
+        fields = set(getattr(report, "__dataclass_fields__", {})) | set(dir(report))
+        for name in re.findall(r"`(\w+)`", attributes):
+            assert name in fields, (cls, name)
+
+
+def test_the_readme_s_requirements_are_pyproject_s():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    text = " ".join((ROOT / "README.md").read_text().split())
+    python = re.search(r"Python (\d+\.\d+) or newer", text)
+    torch = re.search(r"PyTorch (\d+\.\d+) or newer", text)
+    assert python and torch
+    assert project["requires-python"] == f">={python.group(1)}"
+    assert f"torch>={torch.group(1)}" in project["dependencies"]
+    extras = set(re.findall(r"'\.\[(\w+)\]'", text))
+    assert extras and extras <= set(project["optional-dependencies"])
