@@ -310,3 +310,48 @@ def test_the_readme_s_requirements_are_pyproject_s():
     assert f"torch>={torch.group(1)}" in project["dependencies"]
     extras = set(re.findall(r"'\.\[(\w+)\]'", text))
     assert extras and extras <= set(project["optional-dependencies"])
+
+
+def _report_keys() -> set[str]:
+    """Every property the report's JSON Schema names, and every string literal of the
+    package's source (the keys the code writes beyond the schema's)."""
+    import json
+
+    schema = json.loads((ROOT / "ram_dist" / "report_schema.json").read_text())
+    names: set[str] = set()
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "properties" and isinstance(value, dict):
+                    names.update(value)
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(schema)
+    for source in (ROOT / "ram_dist").rglob("*.py"):
+        names |= set(re.findall(r"[\"'](\w+)[\"']", source.read_text()))
+    return names
+
+
+def test_the_report_keys_the_pages_name_are_written():
+    """observability.md's section on merge_report.json and output.md name report keys
+    (`passes.map.output_path`, `timeline`'s phases, `precision`'s keys): each is in the
+    report's schema or written by the code."""
+    keys = _report_keys()
+    text = (DOCS / "observability.md").read_text()
+    section = text[
+        text.index("## `merge_report.json`") : text.index(
+            "\n## ", text.index("## `merge_report.json`") + 5
+        )
+    ]
+    named = re.findall(r"`([a-z]\w*_\w+|[a-z]\w*(?:\.(?:<pass>|\w+))+)`", section)
+    named += re.findall(r"`(passes\.[\w.]+)`", (DOCS / "output.md").read_text())
+    assert len(named) > 20
+    missing = [
+        n for n in named if not n.endswith(".json")
+        and any(p not in keys for p in n.split(".") if p != "<pass>")
+    ]  # fmt: skip
+    assert not missing, missing
