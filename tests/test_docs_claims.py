@@ -355,3 +355,59 @@ def test_the_report_keys_the_pages_name_are_written():
         and any(p not in keys for p in n.split(".") if p != "<pass>")
     ]  # fmt: skip
     assert not missing, missing
+
+
+def _param(method: str, name: str):  # noqa: ANN202
+    return next(p for p in METHODS[method].parameters if p.name == name)
+
+
+def _refused(method: str, name: str, value: object) -> bool:
+    from ram_dist.errors import RamDistError
+
+    try:
+        _param(method, name).validate(value, "where")
+    except RamDistError:
+        return True
+    return False
+
+
+def test_the_methods_page_s_prose_defaults_and_checks_are_the_code_s():
+    text = _said("methods.md")
+    alpha = re.search(r"Its `alpha` defaults to ([\d.]+), mergekit's default", text)
+    scope_alpha = re.search(
+        r"`scope: tensor` gives the same per-tensor rule to `ram_plus` \(with `alpha` ([\d.]+)\)",
+        text,
+    )
+    density = re.search(r"`ties` keeps every element at its default `density` of ([\d.]+)", text)
+    normalize = re.search(r"the weights \(`normalize`, default (true|false)\)", text)
+    assert alpha and scope_alpha and density and normalize
+    assert float(alpha.group(1)) == _param("ramplus_tl", "alpha").default
+    assert float(scope_alpha.group(1)) == _param("ram_plus", "alpha").default
+    assert float(density.group(1)) == _param("ties", "density").default
+    assert _same(normalize.group(1), _param("linear", "normalize").default)
+    # "The checks: ..." as the declarations make them.
+    assert "The checks: `epsilon > 0` (RAM), `r >= 0`, `alpha >= 0`, `density` in (0, 1]" in text
+    assert _refused("ram", "epsilon", 0.0) and not _refused("ram", "epsilon", 1e-9)
+    assert _refused("ram", "r", -0.1) and not _refused("ram", "r", 0.0)
+    assert _refused("ram", "alpha", -0.1) and not _refused("ram", "alpha", 0.0)
+    assert _refused("ties", "density", 0.0) and not _refused("ties", "density", 1.0)
+    assert _refused("ties", "density", 1.01)
+    assert "`gamma` in [0, 1]" in text
+    assert not _refused("breadcrumbs", "gamma", 0.0) and not _refused("breadcrumbs", "gamma", 1.0)
+    assert _refused("breadcrumbs", "gamma", 1.01) and _refused("breadcrumbs", "gamma", -0.01)
+    assert "`select_topk` in (0, 1]" in text
+    assert _refused("sce", "select_topk", 0.0) and not _refused("sce", "select_topk", 1.0)
+    assert _refused("sce", "select_topk", 1.01)
+    assert "`max_iter`, `tol` and `eps` >= 0" in text
+    for method, name, value in (("karcher", "max_iter", -1), ("karcher", "tol", -1e-9),
+                                ("multislerp", "eps", -1e-9)):  # fmt: skip
+        assert _refused(method, name, value), name
+    assert "DELLA's `density - epsilon > 0` and `density + epsilon < 1`" in text
+    from ram_dist.errors import RamDistError
+
+    della = METHODS["della"]
+    with pytest.raises(RamDistError):
+        della.check({"density": [0.1], "epsilon": [0.1]}, "where")
+    with pytest.raises(RamDistError):
+        della.check({"density": [0.9], "epsilon": [0.1]}, "where")
+    della.check({"density": [0.5], "epsilon": [0.1]}, "where")
