@@ -411,3 +411,15 @@ def test_the_methods_page_s_prose_defaults_and_checks_are_the_code_s():
     with pytest.raises(RamDistError):
         della.check({"density": [0.9], "epsilon": [0.1]}, "where")
     della.check({"density": [0.5], "epsilon": [0.1]}, "where")
+
+
+def test_the_cli_page_counts_the_commands_and_ties_rounds():
+    numbers = {"four": 4, "five": 5, "six": 6}
+    text = _said("cli.md")
+    commands = re.search(r"`ram-dist` has (\w+) commands", text)
+    assert commands is not None
+    parser = build_parser()
+    subcommands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert numbers[commands.group(1)] == len(subcommands)
+    rounds = re.search(r"TIES needs up to (\w+) reduce rounds", text)
+    assert rounds is not None and numbers[rounds.group(1)] == METHODS["ties"].rounds
