@@ -141,12 +141,11 @@ def _offers(method: Any, member: str) -> bool:
 
 
 def kernel_cells(method: Any) -> tuple[str, str, str]:
-    """What the fused path runs of a method: its reduce rounds, its map pass at the
-    defaults, and when the map pass's kernels take a tensor (`fuses`' docstring)."""
-    if _offers(method, "fused_statistics"):
-        rounds = "fused kernels"
-    else:
-        rounds = "the eager rule" if method.rounds else "none"
+    """What the fused path runs of a method: its reduce rounds (how many at most, and on
+    what), its map pass at the defaults, and when the map pass's kernels take a tensor
+    (`fuses`' docstring)."""
+    how = "fused kernels" if _offers(method, "fused_statistics") else "the eager rule"
+    rounds = f"at most {method.rounds}, on {how}" if method.rounds else "the input check only"
     fused = _offers(method, "fused_merge") and method.fuses(default_params(method))
     when = ""
     if _offers(method, "fuses"):

@@ -75,9 +75,12 @@ def test_the_kernel_table_says_what_the_engine_asks_of_each_method():
     takes a tensor at the defaults: della's is, breadcrumbs' and DARE's are not."""
     cells = {name: flag_table.kernel_cells(m) for name, m in METHODS.items()}
     assert cells["della"][1] == "fused kernels"
-    assert cells["ram_plus"][:2] == ("fused kernels", "fused kernels")
+    assert cells["ram_plus"][:2] == ("at most 1, on fused kernels", "fused kernels")
     assert cells["breadcrumbs"][1] == cells["dare_ties"][1] == "the eager rule"
-    assert cells["linear"][0] == "none" and cells["arcee_fusion"][0] == "the eager rule"
+    assert cells["ties"][0] == "at most 4, on fused kernels"
+    assert cells["task_arithmetic"][0] == "the input check only"
+    assert cells["linear"][0] == "the input check only"
+    assert cells["arcee_fusion"][0] == "at most 2, on the eager rule"
     text = (DOCS / "methods.md").read_text()
     stored = re.search(r"read the stored dtypes \(([^)]*)\)", text)
     assert stored is not None
