@@ -426,3 +426,20 @@ def test_the_cli_page_counts_the_commands_and_ties_rounds():
     assert numbers[commands.group(1)] == len(subcommands)
     rounds = re.search(r"TIES needs up to (\w+) reduce rounds", text)
     assert rounds is not None and numbers[rounds.group(1)] == METHODS["ties"].rounds
+
+
+def _constant(module: str, name: str) -> int:
+    """An integer constant of a module, read from its source (the engine's modules import
+    Ray)."""
+    source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
+    found = re.search(rf"^{name}(?:: int)? = (\d+)$", source, re.M)
+    assert found is not None, (module, name)
+    return int(found.group(1))
+
+
+def test_the_retries_resume_md_states_are_the_engine_s():
+    text = _said("resume.md")
+    units = _constant("ram_dist.engine.passes", "SYSTEM_RETRIES")
+    restarts = _constant("ram_dist.engine.gpu", "RESTARTS")
+    assert f"Ray runs the unit again, up to {units} times" in text
+    assert f"is restarted by Ray (up to {restarts} times)" in text
