@@ -443,3 +443,13 @@ def test_the_retries_resume_md_states_are_the_engine_s():
     restarts = _constant("ram_dist.engine.gpu", "RESTARTS")
     assert f"Ray runs the unit again, up to {units} times" in text
     assert f"is restarted by Ray (up to {restarts} times)" in text
+
+
+def test_only_the_ram_family_reads_fp8_as_stored_as_the_readme_says():
+    from ram_dist.methods import ram
+
+    assert "Only the RAM family's kernels read FP8 inputs as stored" in (
+        " ".join((ROOT / "README.md").read_text().split())
+    )
+    fp8 = {name for name, m in METHODS.items() if getattr(m, "fp8_kernels", False)}
+    assert fp8 == {m.name for m in ram.METHODS}
