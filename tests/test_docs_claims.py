@@ -453,3 +453,15 @@ def test_only_the_ram_family_reads_fp8_as_stored_as_the_readme_says():
     )
     fp8 = {name for name, m in METHODS.items() if getattr(m, "fp8_kernels", False)}
     assert fp8 == {m.name for m in ram.METHODS}
+
+
+def test_the_trainer_names_inputs_md_lists_are_the_checks():
+    from ram_dist.planning import tensor_names
+
+    text = _said("inputs.md")
+    heads = re.search(r"a value or reward head \(([^)]*)\)", text)
+    assert heads is not None
+    assert set(re.findall(r"`(\w+)`", heads.group(1))) == tensor_names.VALUE_HEAD_PARTS
+    for wrapper in tensor_names.WRAPPERS:
+        assert f"`{wrapper}.`" in text, wrapper
+    assert f"`{tensor_names.DROP_EXTRA}`" in text
