@@ -20,6 +20,7 @@ module is a matter of module classes the headers do not hold.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -115,7 +116,7 @@ def recognize_compressed(ckpt: Checkpoint, quant: Mapping[str, Any]) -> Compress
     tensor and its file for anything else."""
     method = quant.get("quant_method")
     if method == FBGEMM:
-        widths: dict[str, set[Scheme]] = {FLOAT: {(8, "channel", 0)}}
+        widths: dict[str, frozenset[Scheme]] = {FLOAT: frozenset({(8, "channel", 0)})}
     else:
         widths = _schemes(ckpt, quant)
     packed: dict[str, PackedWeight] = {}
@@ -147,7 +148,7 @@ def recognize_compressed(ckpt: Checkpoint, quant: Mapping[str, Any]) -> Compress
     return Compressed(method, packed, fp8)
 
 
-def _schemes(ckpt: Checkpoint, quant: Mapping[str, Any]) -> dict[str, set[Scheme]]:
+def _schemes(ckpt: Checkpoint, quant: Mapping[str, Any]) -> dict[str, frozenset[Scheme]]:
     """Per format, the schemes of the config's groups; anything the spec does not define
     refused."""
     where = f"{ckpt.label} ({ckpt.url}): config.json quantization_config"
@@ -212,28 +213,33 @@ def _schemes(ckpt: Checkpoint, quant: Mapping[str, Any]) -> dict[str, set[Scheme
         raise CheckpointError(
             f"{where} has no config_groups, so no weight's scheme is known; " + DEQUANTIZE
         )
-    return out
+    return {fmt: frozenset(found) for fmt, found in out.items()}
 
 
 def _refuse_tensor(ckpt: Checkpoint, name: str, why: str) -> None:
     raise CheckpointError(f"tensor {name!r} in {ckpt.describe(name)} is {why}; {DEQUANTIZE}")
 
 
-def _packed(ckpt: Checkpoint, weight: str, words: TensorInfo, schemes: set[Scheme]) -> PackedWeight:
+def _packed(
+    ckpt: Checkpoint, weight: str, words: TensorInfo, schemes: frozenset[Scheme]
+) -> PackedWeight:
     """A packed weight's tensors, its width and its decoded shape, checked."""
     stem = weight[: -len(WEIGHT)]
     tensors = ckpt.tensors
     scale, zero, shape = (tensors.get(stem + s) for s in (SCALE, ZERO, SHAPE))
-    where = f"tensor {words.name!r} in {ckpt.describe(words.name)}"
+
+    def where() -> str:  # composed only for a message: a Kimi-K2 base has 69,120 weights
+        return f"tensor {words.name!r} in {ckpt.describe(words.name)}"
+
     if words.dtype != "I32" or len(words.shape) != 2:
         raise CheckpointError(
-            f"{where} is {words.dtype} {list(words.shape)}: packed weights "
+            f"{where()} is {words.dtype} {list(words.shape)}: packed weights "
             f"are I32 matrices; {DEQUANTIZE}"
         )
     for part, info in ((SCALE, scale), (SHAPE, shape)):
         if info is None:
             raise CheckpointError(
-                f"{where} has no {stem + part!r}, so its values are unknown; {DEQUANTIZE}"
+                f"{where()} has no {stem + part!r}, so its values are unknown; {DEQUANTIZE}"
             )
     assert scale is not None and shape is not None
     rows, per_row = words.shape
@@ -257,14 +263,14 @@ def _packed(ckpt: Checkpoint, weight: str, words: TensorInfo, schemes: set[Schem
             f"{shape.dtype} {list(shape.shape)}, not a shape ([2] integers)"
         )
     strategy = "tensor" if not groups else ("channel" if groups == 1 else "group")
-    widths = sorted({_width(scheme, strategy, groups, per_row) for scheme in schemes} - {None})
+    widths = _widths(schemes, strategy, groups, per_row)
     if len(widths) != 1:
         declared = ", ".join(
             f"{b}-bit {s}" + (f" of {g}" if g else "") for b, s, g in sorted(schemes)
         )
         why = "which no group of" if not widths else "which more than one group of"
         raise CheckpointError(
-            f"{where} is [{rows}, {per_row}] words with scales {list(scale.shape)} "
+            f"{where()} is [{rows}, {per_row}] words with scales {list(scale.shape)} "
             f"({strategy} strategy), {why} config.json ({declared}) fits; fix the config "
             f"or the checkpoint, or {DEQUANTIZE}"
         )
@@ -286,6 +292,15 @@ def _packed(ckpt: Checkpoint, weight: str, words: TensorInfo, schemes: set[Schem
     return PackedWeight(words, scale, zero, shape, bits, rows, cols, groups)
 
 
+@functools.lru_cache(maxsize=256)
+def _widths(
+    schemes: frozenset[Scheme], strategy: str, groups: int, per_row: int
+) -> list[tuple[int, int]]:
+    """Every (bits, columns) the schemes give such a weight (`_width`), cached: the
+    weights of a checkpoint come in a few shapes."""
+    return sorted({_width(scheme, strategy, groups, per_row) for scheme in schemes} - {None})  # type: ignore[arg-type]
+
+
 def _width(scheme: Scheme, strategy: str, groups: int, per_row: int) -> tuple[int, int] | None:
     """(bits, columns) of a weight of `per_row` words and `groups` scales per row under
     `scheme`, or None where it does not fit. A group's size fixes the columns; a channel or
@@ -301,7 +316,7 @@ def _width(scheme: Scheme, strategy: str, groups: int, per_row: int) -> tuple[in
 
 
 def _scaled_fp8(
-    ckpt: Checkpoint, info: TensorInfo, schemes: set[Scheme], rounded: bool
+    ckpt: Checkpoint, info: TensorInfo, schemes: frozenset[Scheme], rounded: bool
 ) -> ScaledFp8:
     """An FP8 weight's scale, checked: one per row, or one for the tensor."""
     name = info.name

@@ -166,14 +166,39 @@ def test_every_method_merges_an_fp8_base_exactly(fp8_set, tmp_path, method):
     picked = _tasks(method)
     merged, stats = _reference(method, _input_set(s, [s.agents[i] for i in picked]),
                                list(range(len(picked))))  # fmt: skip
-    report = _merge(s, picked, tmp_path / "fp8", method, unit_budget_bytes=ONE_ROW)
-    assert_same_bytes(load_checkpoint(tmp_path / "fp8"), _fp8_expected(s, merged))
-    if method in RAM_FAMILY:
-        assert [t["histogram"] for t in report["tasks"]] == stats["H"]
+    expected = _fp8_expected(s, merged)
+    for budget, kernels in ((ONE_ROW, "auto"), (WHOLE, "eager")):
+        report = _merge(s, picked, tmp_path / f"{budget}", method,
+                        unit_budget_bytes=budget, kernels=kernels)  # fmt: skip
+        assert_same_bytes(load_checkpoint(tmp_path / f"{budget}"), expected)
+        if method in RAM_FAMILY:
+            assert [t["histogram"] for t in report["tasks"]] == stats["H"]
     if method in ("ram_plus", "ties", "model_stock"):
-        _merge(s, picked, tmp_path / "bf16", method, kernels="eager", out_dtype="bfloat16")
+        _merge(s, picked, tmp_path / "bf16", method, out_dtype="bfloat16")
         assert_same_bytes(load_checkpoint(tmp_path / "bf16"),
                           {n: y.to(BF16) for n, y in merged.items()})  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["ram_plus", "ties", "multislerp"])
+def test_an_int4_agent_among_bf16_agents(int_set, tmp_path, method):
+    """Any input may be quantized: the first agent packed by compressed-tensors again is
+    measured by its decoded values."""
+    s = int_set
+    _, x = write_compressed(s.agents[0], s.agent_dirs[0], tmp_path / "agent0-int", INT_SCHEMES)
+    tasks = [x, s.agents[1], s.agents[2]]
+    merged, stats = _reference(method, _input_set(s, tasks), [0, 1, 2])
+    parameters = {"epsilon": EPSILON} if method in RAM_FAMILY else PARAMETERS.get(method, {})
+    per_task = tuple({"weight": TASK_WEIGHTS[i]} for i in range(3))
+    dirs = [tmp_path / "agent0-int", *s.agent_dirs[1:]]
+    report = run_merge(
+        merge_config(s.base_dir, dirs, tmp_path / "out", method=method, parameters=parameters,
+                     task_parameters=per_task if method in WEIGHTED else (),
+                     unit_budget_bytes=ONE_ROW)
+    ).data  # fmt: skip
+    assert_same_bytes(load_checkpoint(tmp_path / "out"), _int_expected(s, merged))
+    if method in RAM_FAMILY:
+        assert [t["histogram"] for t in report["tasks"]] == stats["H"]
+        assert report["formats"]["inputs"][1]["format"].startswith("compressed-tensors")
 
 
 def _fbgemm_set(root: Path) -> CompressedSet:
