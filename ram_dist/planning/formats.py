@@ -1,5 +1,6 @@
-"""What each input stores its weights as: floating point, fine-grained FP8 blocks, or
-gpt-oss's MXFP4 blocks and scales.
+"""What each input stores its weights as: floating point, fine-grained FP8 blocks,
+gpt-oss's MXFP4 blocks and scales, or compressed-tensors' and fbgemm_fp8's weights
+(`planning.compressed`).
 
 Recognised per checkpoint, from its `config.json`'s `quantization_config` and its headers,
 on the driver before any tensor byte is read (`docs/exactness.md`, `docs/fp8.md` and
@@ -8,7 +9,8 @@ on the driver before any tensor byte is read (`docs/exactness.md`, `docs/fp8.md`
 values are the dequantized ones, and the companion never takes part on its own. An MXFP4
 weight `N` is stored as the pair `N_blocks` and `N_scales` and is, to the merge, the tensor
 `N` of their decoded shape (`kernels.mxfp4`): the name and layout of a bf16 checkpoint of
-the same model, and of its agents. Every other quantized or packed format is refused here,
+the same model, and of its agents; a compressed-tensors packed weight is, likewise, the
+tensor `N.weight` of its `weight_shape`. Every other quantized or packed format is refused here,
 naming the checkpoint, the file, the tensor and the format: merging its packed integers as
 numbers, or copying the base's, would drop the agents' updates without a word.
 """
@@ -80,8 +82,8 @@ class Format:
     """How one checkpoint stores its weights. The rest of the package asks it only for the
     tensors the merge sees (`view`: an MXFP4 weight by its decoded name and shape), each
     one's source (`source`), the stored tensors that are part of another's (`companions`),
-    whether any values are decoded (`decodes`) and its words (`describe`): `fp8` and `mxfp4`
-    are read here alone."""
+    whether any values are decoded (`decodes`), an FP8 weight's scale tensor (`scale_name`)
+    and its words (`describe`): `fp8`, `mxfp4` and `compressed` are read here alone."""
 
     fp8: Fp8Blocks | None
     mxfp4: dict[str, Mxfp4Pair] = field(default_factory=dict)
