@@ -8,7 +8,6 @@ node it ran on (so a later pass can send the item back there).
 
 from __future__ import annotations
 
-import gc
 import logging
 import pickle
 import sys
@@ -21,6 +20,7 @@ from typing import Any, Protocol
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ram_dist.engine import collector
 from ram_dist.errors import RamDistError
 from ram_dist.io.failures import is_storage_failure, storage_error
 
@@ -49,30 +49,15 @@ class Shared:
             if key in Shared._kept:
                 Shared._kept.move_to_end(key)
                 return Shared._kept[key]
-        value = _settled(lambda: pickle.loads(ray.get(self.ref)))
+        # built with the collector paused, then left alone for good: the layout of 100k
+        # tensors is 400k objects, which every full collection in this process would
+        # otherwise scan again, while each later task's arguments are deserialized
+        value = collector.settled(lambda: pickle.loads(ray.get(self.ref)))
         with Shared._lock:
             Shared._kept[key] = value
             while len(Shared._kept) > Shared.KEPT:
                 Shared._kept.popitem(last=False)
         return value
-
-
-def _settled(make: Callable[[], Any]) -> Any:
-    """`make()`, with Python's cyclic garbage collector paused while it builds, then told to
-    leave what exists alone for good (`gc.freeze`): the layout of 100k tensors is 400k
-    objects, which every full collection in this process would otherwise scan again, while
-    it is built and then while each later task's arguments are deserialized (seconds per
-    pass). Cycles already unreachable are collected first, so that none is kept."""
-    collecting = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        value = make()
-        gc.freeze()
-    finally:
-        if collecting:
-            gc.enable()
-    return value
 
 
 def _quiet_cancel_hook(unraisable: Any) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import os
 import socket
 import threading
@@ -18,6 +17,7 @@ import numpy as np
 import ray
 
 from ram_dist import kernels
+from ram_dist.engine import collector
 from ram_dist.engine.memory import PeakMemory
 from ram_dist.engine.timeline import TaskClock
 from ram_dist.io.range_cache import Traffic
@@ -182,42 +182,16 @@ class WorkerContext:
     @contextlib.contextmanager
     def work(self) -> Iterator[WorkScope]:
         """The Ray task's scope, with Python's cyclic garbage collector paused
-        (`_collector_paused`)."""
+        (`collector.paused`): a unit of many small tensors makes objects by the hundred
+        thousand, and each full collection would scan them all again, and the job's layout;
+        a task makes no reference cycles to speak of, and they are collected after it."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("a worker context runs one task at a time")
         try:
-            with _collector_paused():
+            with collector.paused():
                 yield WorkScope(self._reads, self._output, self._memory, Traffic(), TaskClock())
         finally:
             self._busy.release()
-
-
-_PAUSES = [0, False]  # tasks running with the collector paused; whether it ran before
-
-
-_PAUSES_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while any task of this process runs: a unit of
-    many small tensors makes objects by the hundred thousand (blocks, statistics), and each
-    full collection would scan them all again, and the job's layout (a third of the time of
-    a unit of 100k tensors). A task makes no reference cycles to speak of; they are collected
-    after it. Counted, so that a GPU worker's second thread does not turn it back on under
-    the first."""
-    with _PAUSES_LOCK:
-        if _PAUSES[0] == 0:
-            _PAUSES[1] = gc.isenabled()
-            gc.disable()
-        _PAUSES[0] += 1
-    try:
-        yield
-    finally:
-        with _PAUSES_LOCK:
-            _PAUSES[0] -= 1
-            if _PAUSES[0] == 0 and _PAUSES[1]:
-                gc.enable()
 
 
 _THREAD = threading.local()

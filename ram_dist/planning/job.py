@@ -5,11 +5,8 @@ Built on the driver from headers only, before any tensor byte is read.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,31 +155,11 @@ class Job:
 
 
 def prepare(config: MergeConfig) -> Job:
-    """Resolve locations, read every header, check that the inputs fit, plan the work."""
-    with gc_paused():
-        return _prepare(config)
+    """Resolve locations, read every header, check that the inputs fit, plan the work.
 
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (as it was, afterwards).
-
-    Planning allocates a few objects per tensor and input (header entries, the layout, the
-    parameters, the units), millions for a large MoE checkpoint, and frees almost none until
-    it ends, none of them in reference cycles: every collection the allocations trigger
-    scans all that survived so far for nothing, and took as long as the planning itself
-    (DeepSeek-V3, base and three tasks: 5.6 s of CPU with the collector, 2.6 s without, to
-    read the headers). Garbage in cycles made meanwhile is collected once it is back on."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _prepare(config: MergeConfig) -> Job:
+    Planning allocates a few objects per tensor and input, millions for a large MoE
+    checkpoint, and frees almost none until it ends: the engine runs it with Python's
+    cyclic garbage collector paused (`engine.driver.prepare`, `engine.collector`)."""
     storage = Storage(config.storage_options)
     base_url = resolve_location(config.base, "base model")
     task_urls = [resolve_location(loc, f"task {i + 1}") for i, loc in enumerate(config.tasks)]
