@@ -17,7 +17,7 @@ import numpy as np
 import ray
 
 from ram_dist import kernels
-from ram_dist.engine import collector
+from ram_dist.engine import collector, ray_private
 from ram_dist.engine.memory import PeakMemory
 from ram_dist.engine.timeline import TaskClock
 from ram_dist.io.range_cache import Traffic
@@ -58,16 +58,11 @@ def ran_by() -> dict[str, Any]:
 
 
 def _attempt() -> int:
-    """The running task's attempt number (0 outside a Ray task). Ray has no public call for
-    it; its core worker does, and 0 is the answer when that ever changes."""
+    """The running task's attempt number (0 outside a Ray task): Ray has no public call for
+    it (`ray_private.task_attempt`)."""
     if given_gpus() is None:
         return 0
-    core = getattr(ray._private.worker.global_worker, "core_worker", None)
-    get = getattr(core, "get_current_task_attempt_number", None)
-    try:
-        return int(get()) if get is not None else 0
-    except Exception:  # noqa: BLE001  (a private call: never let it fail a task)
-        return 0
+    return ray_private.task_attempt()
 
 
 def warm_up() -> None:
