@@ -23,8 +23,9 @@ import ray
 from ram_dist import __version__
 from ram_dist.engine import collector, memory
 from ram_dist.engine.gpu import Devices, job_devices
+from ram_dist.engine.pass_context import MapOutput, PassContext, Shipped
 from ram_dist.engine.pass_stats import PassStats
-from ram_dist.engine.passes import Shipped, map_pass, reduce_pass
+from ram_dist.engine.passes import map_pass, reduce_pass
 from ram_dist.engine.pool import alive_nodes, on_every_node, this_node
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster
@@ -99,7 +100,7 @@ def probe_on(job: Job, cluster: Cluster) -> dict[str, Any]:
     job = job.replanned(device.slots, cluster.memory)
     with collector.frozen(), job_devices(device) as devices:
         progress = Progress(job.config.log_format)
-        method_state, stats = reduce_pass(job, cluster, progress, devices=devices)
+        method_state, stats = reduce_pass(PassContext(job, cluster, devices, progress=progress))
         passes = _pass_reports({"reduce": stats})
         report = _report(job, method_state, passes, [stats], devices, precision_of(job, stats))
         _warn(progress, report)
@@ -203,14 +204,14 @@ def _merge_held(
     sink, pin_to = output_sink(job)
     passes: dict[str, Any] = {}
     measured: list[PassStats] = []
-    shipped = Shipped.of(job)  # once for both passes
+    context = PassContext(
+        job, cluster, devices, Shipped.of(job), progress, cache, sink.min_part_bytes
+    )  # both passes': the layout and parameters shipped once, the parts planned once
     if manifest.method_state is not None:
         method_state = manifest.method_state
         passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
     else:
-        method_state, reduce_stats = reduce_pass(
-            job, cluster, progress, cache, sink.min_part_bytes, shipped, devices
-        )
+        method_state, reduce_stats = reduce_pass(context)
         first_node = reduce_stats.first_node
         measured.append(reduce_stats)
         fs.makedirs(path, exist_ok=True)
@@ -226,10 +227,8 @@ def _merge_held(
     todo = [s for s in manifest.shard_names if s not in done]
     book = ShardBook(manifest, lambda: save_manifest(job.out, manifest, job.storage), still_ours)
     backward = bool(measured) and not measured[0].backward  # against the last reduce round
-    map_stats = map_pass(
-        job, cluster, method_state, todo, sink, book, progress, cache, first_node, pin_to,
-        shipped, devices, backward,
-    )  # fmt: skip
+    output = MapOutput(todo, sink, book, first_node, pin_to, backward)
+    map_stats = map_pass(context, method_state, output)
     measured.append(map_stats)
     ran = {"reduce": measured[0], "map": map_stats} if len(measured) == 2 else {"map": map_stats}
     passes.update(_pass_reports(ran))

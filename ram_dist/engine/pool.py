@@ -8,6 +8,7 @@ node it ran on (so a later pass can send the item back there).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import sys
@@ -29,9 +30,10 @@ log = logging.getLogger(__name__)
 
 class Shared:
     """A value put in Ray's object store once (on the driver), for every task that takes it
-    among `unordered_map`'s `shared` values: each worker process fetches and deserializes
-    it once, and keeps it for the next task, instead of once per task (a layout of 100k
-    tensors takes seconds to deserialize). Handed to the task's function as the value."""
+    among `unordered_map`'s `shared` values (or as a field of a dataclass among them): each
+    worker process fetches and deserializes it once, and keeps it for the next task, instead
+    of once per task (a layout of 100k tensors takes seconds to deserialize). Handed to the
+    task's function as the value."""
 
     #: Values a worker process keeps, by object id: the latest few (one job's, mostly).
     KEPT = 4
@@ -73,8 +75,23 @@ def _quiet_cancel_hook(unraisable: Any) -> None:
 def run_item(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
     """`fn(item, *shared)` where a worker runs it, with the node it ran on."""
     sys.unraisablehook = _quiet_cancel_hook
-    values = [s.get() if isinstance(s, Shared) else s for s in shared]
+    values = [_resolved(s) for s in shared]
     return ray.get_runtime_context().get_node_id(), fn(item, *values)
+
+
+def _resolved(value: Any) -> Any:
+    """A shared value as the task's function takes it: a `Shared` one fetched (once per
+    process), and so is each `Shared` field of a dataclass (a pass's context)."""
+    if isinstance(value, Shared):
+        return value.get()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        got = {
+            f.name: v.get()
+            for f in dataclasses.fields(value)
+            if isinstance(v := getattr(value, f.name), Shared)
+        }
+        return dataclasses.replace(value, **got) if got else value
+    return value
 
 
 def _run(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:

@@ -9,9 +9,9 @@ import functools
 import os
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -21,6 +21,12 @@ from ram_dist.engine import collector, ray_private
 from ram_dist.engine.memory import PeakMemory
 from ram_dist.engine.timeline import TaskClock
 from ram_dist.io.range_cache import Traffic
+
+if TYPE_CHECKING:
+    from ram_dist.io.storage import Storage
+    from ram_dist.methods import MergeMethod
+    from ram_dist.methods.protocol import State, TensorParams
+    from ram_dist.planning.layout import Layout
 
 
 def given_gpus() -> tuple[str, ...] | None:
@@ -224,6 +230,21 @@ class WorkFlags:
 
 #: The eager path's flags: fused kernels off.
 EAGER = WorkFlags()
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What every task of a pass reads, the same for all of them: the job's layout, the
+    storage it reads through, the method, each tensor's parameters, the method's state and
+    the engine's flags. Shipped once per pass; the layout and the parameters may be
+    `pool.Shared` values there, which the worker resolves before the task runs."""
+
+    layout: Layout
+    storage: Storage
+    method: MergeMethod
+    params: Mapping[str, TensorParams]
+    state: State
+    flags: WorkFlags = EAGER
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,10 @@ def prepare(config: MergeConfig) -> Job:
     params = resolve_all(config, method, merging)
     layout = layout.in_whole_rows(n for n in merging if method.whole_rows(params[n]))
     out = resolve_output(config.out) if config.out is not None else None
-    job = Job(config, storage, base, tasks, layout, [], out, params, 0, integers_changed)
+    job = Job(
+        config=config, storage=storage, base=base, tasks=tasks, layout=layout, units=[],
+        out=out, params=params, unit_budget_bytes=0, integers_changed=integers_changed,
+    )  # fmt: skip
     budget = config.unit_budget_bytes
     if budget is None:  # this machine's default; `replanned` adapts it to the cluster
         budget = auto_unit_budget(job.largest_input_bytes(), *machine())
