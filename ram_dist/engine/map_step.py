@@ -16,7 +16,7 @@ import numpy as np
 
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
-from ram_dist.engine.blocks import BlockInputs, band_span, input_count, stream_blocks
+from ram_dist.engine.blocks import BlockInputs, BlockStream, band_span, input_count
 from ram_dist.engine.memory import peak_rss
 from ram_dist.engine.unit_results import UnitResult
 from ram_dist.engine.worker import Fused, TaskContext, WorkScope, device, ran_by, worker_context
@@ -156,7 +156,7 @@ def _merge_into(
     rows = making.scale_rows
     stream, writes = _with_scale_bands(unit.pieces, layout, rows)
     fused_elements = 0
-    blocks = stream_blocks(
+    blocks = BlockStream(
         stream, layout, context.storage, making.bytes_read, scope, dev == "cuda"
     )  # fmt: skip
     for block, inputs in blocks:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ram_dist.dtypes import INFO
-from ram_dist.engine.blocks import BlockInputs, input_count, stream_blocks
+from ram_dist.engine.blocks import BlockInputs, BlockStream, input_count
 from ram_dist.engine.memory import peak_rss
 from ram_dist.engine.unit_results import PrecisionCounts, Statistics, UnitResult
 from ram_dist.engine.worker import Fused, TaskContext, WorkScope, device, ran_by, worker_context
@@ -40,7 +40,7 @@ def reduce_unit(
     totals: dict[str, np.ndarray] = {}
     nonfinite: dict[str, list[int]] = {}
     checked = PrecisionCounts.zeros(input_count(layout) - 1) if check_finite else None
-    blocks = stream_blocks(pieces, layout, context.storage, bytes_read, scope, dev == "cuda")
+    blocks = BlockStream(pieces, layout, context.storage, bytes_read, scope, dev == "cuda")
     for block, inputs in blocks:
         piece = pieces[block.piece]
         entry = layout.tensors[piece.tensor]
