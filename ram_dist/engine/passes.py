@@ -25,7 +25,7 @@ from ram_dist.engine.gpu import Devices, job_devices
 from ram_dist.engine.map_step import PartWork, map_part
 from ram_dist.engine.pass_context import MapOutput, PassContext, Shipped
 from ram_dist.engine.pass_stats import PassStats
-from ram_dist.engine.pool import Place, near, unordered_map
+from ram_dist.engine.pool import Place, Routing, near, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.reduce_step import add_up, reduce_group
 from ram_dist.engine.unit_results import PrecisionCounts
@@ -126,10 +126,8 @@ def _reduce_pass(context: PassContext, devices: Devices) -> tuple[dict[str, Any]
         nonfinite: dict[str, list[int]] = {}
         checked = PrecisionCounts.zeros(len(job.tasks)) if checking else None
         shared = (shipped.context(storage, method, state, work_flags(job)), round_, checking)
-        results = unordered_map(
-            reduce_group, items, shared, workers, resources, lambda g: near(node_of(g[0])),
-            devices.gpu, devices.on_gpu,
-        )  # fmt: skip
+        routing = Routing(lambda g: near(node_of(g[0])), devices.gpu, devices.on_gpu)
+        results = unordered_map(reduce_group, items, shared, workers, resources, routing)
         progress = progress or Progress()
         total_bytes = sum(job.unit_bytes(u, wanted) for u in units)
         progress.start_pass(f"reduce {round_ + 1}", total_bytes, len(units))
@@ -284,10 +282,10 @@ def _map_pass(
         return near(node_of(units[work.part.units[0]])) if work.part.units else None
 
     try:
+        routing = Routing(placement, devices.gpu, lambda work: devices.on_gpu(work.units))
         for work, node, result in unordered_map(
-            map_part, parts_to_make(), shared, workers, resources, placement,
-            devices.gpu, lambda work: devices.on_gpu(work.units),
-        ):  # fmt: skip
+            map_part, parts_to_make(), shared, workers, resources, routing
+        ):
             if work.part.units:
                 first = node_of(units[work.part.units[0]])
                 stats.ran(work.part.units, node, result.traffic, first)

@@ -180,31 +180,40 @@ class TaskLane:
         self._in_flight -= 1
 
 
+@dataclass(frozen=True)
+class Routing:
+    """Where `unordered_map`'s items run: `place_of(item)` may say where an item should run;
+    the items `on_gpu` says so of go to the `gpu` lane (as it has room), unless it cannot
+    run them where `place_of` says they must run. By default, anywhere, as Ray tasks."""
+
+    place_of: Callable[[Any], Place | None] | None = None
+    gpu: Lane | None = None
+    on_gpu: Callable[[Any], bool] | None = None
+
+
 def unordered_map(
     fn: Callable[..., Any],
     items: Iterable[Any],
     shared: tuple[Any, ...],
     max_in_flight: int,
     resources: dict[str, Any],
-    place_of: Callable[[Any], Place | None] | None = None,
-    gpu: Lane | None = None,
-    on_gpu: Callable[[Any], bool] | None = None,
+    routing: Routing = Routing(),
 ) -> Iterator[tuple[Any, str, Any]]:
     """Yield `(item, node id, fn(item, *shared))` for each item as it finishes, with Ray
     doing the work and at most `max_in_flight` items submitted at once as tasks of
     `resources` (back-pressure bounds memory); one slow item never holds back the others'
-    results. Items `on_gpu` says so of go to the `gpu` lane instead, as it has room, unless
-    it cannot run them where `place_of` says they must run.
+    results. Items go where the `routing` says (`Routing`: a node, or the GPU lane).
 
     `shared` values are put in the object store once (a `Shared` one is already there, and
-    each worker process deserializes it once, whatever the map). `place_of(item)` may say
-    where an item should run. `resources` may hold `max_calls: 1` (a fresh worker process per
-    task). A worker's `RamDistError` (a `StorageError` naming the file it could not read or
-    write, among others) is raised again here as itself, and a store's failure no layer
-    named as a `StorageError`, so the user sees one line rather than a Ray traceback; the
-    task's traceback is logged at debug level.
+    each worker process deserializes it once, whatever the map). `resources` may hold
+    `max_calls: 1` (a fresh worker process per task). A worker's `RamDistError` (a
+    `StorageError` naming the file it could not read or write, among others) is raised
+    again here as itself, and a store's failure no layer named as a `StorageError`, so the
+    user sees one line rather than a Ray traceback; the task's traceback is logged at debug
+    level.
     """
     tasks = TaskLane(resources, max_in_flight)
+    place_of, gpu, on_gpu = routing.place_of, routing.gpu, routing.on_gpu
     shared_refs = tuple(v if isinstance(v, Shared) else ray.put(v) for v in shared)
     pending: dict[ray.ObjectRef, tuple[Any, Lane]] = {}
     queue = iter(items)
