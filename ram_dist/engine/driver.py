@@ -100,7 +100,8 @@ def probe_on(job: Job, cluster: Cluster) -> dict[str, Any]:
     job = job.replanned(device.slots, cluster.memory)
     with collector.frozen(), job_devices(device) as devices:
         progress = Progress(job.config.log_format)
-        method_state, stats = reduce_pass(PassContext(job, cluster, devices, progress=progress))
+        context = PassContext(job, cluster, devices=devices, progress=progress)
+        method_state, stats = reduce_pass(context)
         passes = _pass_reports({"reduce": stats})
         report = _report(job, method_state, passes, [stats], devices, precision_of(job, stats))
         _warn(progress, report)
@@ -204,9 +205,10 @@ def _merge_held(
     sink, pin_to = output_sink(job)
     passes: dict[str, Any] = {}
     measured: list[PassStats] = []
-    context = PassContext(
-        job, cluster, devices, Shipped.of(job), progress, cache, sink.min_part_bytes
-    )  # both passes': the layout and parameters shipped once, the parts planned once
+    context = PassContext(  # both passes': the values shipped once, the parts planned once
+        job, cluster, devices=devices, shipped=Shipped.of(job), progress=progress, cache=cache,
+        min_part_bytes=sink.min_part_bytes,
+    )  # fmt: skip
     if manifest.method_state is not None:
         method_state = manifest.method_state
         passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
@@ -227,7 +229,7 @@ def _merge_held(
     todo = [s for s in manifest.shard_names if s not in done]
     book = ShardBook(manifest, lambda: save_manifest(job.out, manifest, job.storage), still_ours)
     backward = bool(measured) and not measured[0].backward  # against the last reduce round
-    output = MapOutput(todo, sink, book, first_node, pin_to, backward)
+    output = MapOutput(todo, sink, book, first_node=first_node, pin_to=pin_to, backward=backward)
     map_stats = map_pass(context, method_state, output)
     measured.append(map_stats)
     ran = {"reduce": measured[0], "map": map_stats} if len(measured) == 2 else {"map": map_stats}
