@@ -189,75 +189,114 @@ def _groups(blocks: list[Block], pieces: tuple[Piece, ...], layout: Layout) -> l
     return groups
 
 
-def stream_blocks(
-    pieces: tuple[Piece, ...],
-    layout: Layout,
-    storage: Storage,
-    bytes_read: list[int],
-    scope: WorkScope,
-    pinned: bool = False,
-) -> Iterator[tuple[Block, BlockInputs]]:
-    """Each compute block of `pieces` with its inputs, in order. A thread reads the next
-    group of blocks (`_groups`: small tensors together, in one `read_ranges` call) while the
-    caller computes this one's (reads and the fused kernels release the GIL), into one of
-    the scope's two read buffers: a block's inputs are valid until the caller asks for the
-    block after it. `bytes_read[i]` grows by what is read from input i."""
-    blocks = [
-        Block(p, lo, hi)
-        for p, piece in enumerate(pieces)
-        for lo, hi in _blocks(piece.numel, layout.tensors[piece.tensor])
-    ]
-    groups = _groups(blocks, pieces, layout)
+class BlockStream:
+    """Each compute block of `pieces` with its inputs, in order, as it is iterated. A thread
+    reads the next group of blocks (`_groups`: small tensors together, in one `read_ranges`
+    call) while the caller computes this one's (reads and the fused kernels release the
+    GIL), into one of the scope's two read buffers: a block's inputs are valid until the
+    caller asks for the block after it. `bytes_read[i]` grows by what is read from input
+    i. What an input's source needs of a tensor whatever the elements (a LoRA factor) is
+    read once and kept until the stream moves to another tensor."""
 
-    shared: dict[tuple[str, int], list[np.ndarray]] = {}
+    def __init__(
+        self,
+        pieces: tuple[Piece, ...],
+        layout: Layout,
+        storage: Storage,
+        bytes_read: list[int],
+        scope: WorkScope,
+        pinned: bool = False,
+    ) -> None:
+        self._pieces = pieces
+        self._layout = layout
+        self._storage = storage
+        self._bytes_read = bytes_read
+        self._scope = scope
+        self._pinned = pinned
+        self._blocks = [
+            Block(p, lo, hi)
+            for p, piece in enumerate(pieces)
+            for lo, hi in _blocks(piece.numel, layout.tensors[piece.tensor])
+        ]
+        self._groups = _groups(self._blocks, pieces, layout)
+        self._unit: dict[tuple[str, int], list[np.ndarray]] = {}
 
-    def unit_arrays(tensor: str, i: int, src: TensorSource) -> list[np.ndarray]:
+    def __iter__(self) -> Iterator[tuple[Block, BlockInputs]]:
+        if not self._blocks:
+            return
+        clock, groups = self._scope.clock, self._groups
+        with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-read") as reader:
+            ahead = reader.submit(self._timed_read, 0)
+            for g, group in enumerate(groups):
+                with clock.timing("read_wait_s"):
+                    inputs = ahead.result()
+                if g + 1 < len(groups):
+                    ahead = reader.submit(self._timed_read, g + 1)
+                self._scope.memory.note()
+                for k, block_inputs in zip(group, inputs, strict=True):
+                    with clock.timing("compute_s"):
+                        yield self._blocks[k], block_inputs
+
+    def _timed_read(self, g: int) -> list[BlockInputs]:
+        with self._scope.clock.timing("read_s"):
+            return self._read(g)
+
+    def _unit_arrays(self, tensor: str, i: int, src: TensorSource) -> list[np.ndarray]:
         """What input i's source needs of `tensor` whatever the elements (a LoRA factor),
         read once per unit: kept until the stream moves to another tensor."""
         key = (tensor, i)
-        if key not in shared:
-            if any(t != tensor for t, _ in shared):
-                shared.clear()
+        if key not in self._unit:
+            if any(t != tensor for t, _ in self._unit):
+                self._unit.clear()
             requests = src.unit_ranges()
             arrays = [np.empty(end - start, dtype=np.uint8) for _, start, end in requests]
             if requests:
-                storage.read_ranges(
-                    requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic
+                self._storage.read_ranges(
+                    requests, into=[memoryview(a) for a in arrays], traffic=self._scope.traffic
                 )
-            bytes_read[i] += sum(a.size for a in arrays)
-            shared[key] = arrays
-        return shared[key]
+            self._bytes_read[i] += sum(a.size for a in arrays)
+            self._unit[key] = arrays
+        return self._unit[key]
 
-    def read_one(k: int, slot: int) -> BlockInputs:
+    def _views(self, slot: int, requests: list[Range]) -> list[np.ndarray]:
+        """`requests` read into the scope's read buffer `slot`."""
+        sizes = [end - start for _, start, end in requests]
+        arrays = self._scope.reads.views(slot, sizes, self._pinned)
+        self._storage.read_ranges(
+            requests, into=[memoryview(a) for a in arrays], traffic=self._scope.traffic
+        )
+        return arrays
+
+    def _read_one(self, k: int, slot: int) -> BlockInputs:
         """A block read on its own, its inputs decoded where their sources say so."""
-        block = blocks[k]
-        piece = pieces[block.piece]
-        entry = layout.tensors[piece.tensor]
+        block = self._blocks[k]
+        piece = self._pieces[block.piece]
+        entry = self._layout.tensors[piece.tensor]
         sources = entry.sources[: inputs_of(entry)]
         if not sources:  # new FP8 scales: made from their weight's bands, read nothing
             return BlockInputs((), ())
         start, stop = piece.start + block.lo, piece.start + block.hi
         requests, owner = _ranges(entry, start, stop)
-        arrays = scope.reads.views(slot, [end - start for _, start, end in requests], pinned)
-        storage.read_ranges(requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic)
+        arrays = self._views(slot, requests)
         for i, a in zip(owner, arrays, strict=True):
-            bytes_read[i] += a.size
+            self._bytes_read[i] += a.size
         read: list[list[np.ndarray]] = [[] for _ in sources]
         for i, a in zip(owner, arrays, strict=True):
             read[i].append(a)
         for i, src in enumerate(sources):
             if src.decoded:
-                read[i] += unit_arrays(piece.tensor, i, src)
-        return _decoded(sources, start, stop, read, scope.reads.floats, slot)
+                read[i] += self._unit_arrays(piece.tensor, i, src)
+        return _decoded(sources, start, stop, read, self._scope.reads.floats, slot)
 
-    def read(g: int) -> list[BlockInputs]:
-        if len(groups[g]) == 1:
-            return [read_one(groups[g][0], g % 2)]
-        requests: list[tuple[str, int, int]] = []
-        dtypes: list[tuple[str, ...]] = []
-        for block in (blocks[k] for k in groups[g]):
-            piece = pieces[block.piece]
-            entry = layout.tensors[piece.tensor]
+    def _read(self, g: int) -> list[BlockInputs]:
+        group = self._groups[g]
+        if len(group) == 1:
+            return [self._read_one(group[0], g % 2)]
+        requests: list[Range] = []
+        dtypes: list[tuple[tuple[str, ...], tuple[bool, ...]]] = []
+        for block in (self._blocks[k] for k in group):
+            piece = self._pieces[block.piece]
+            entry = self._layout.tensors[piece.tensor]
             lo, hi = piece.start + block.lo, piece.start + block.hi
             # a small tensor's inputs are plain (`_groupable`): one range each, in order,
             # none for a task whose source is the base's own
@@ -265,8 +304,7 @@ def stream_blocks(
             same = same_as_base(sources)
             requests += [s.ranges(lo, hi)[0] for i, s in enumerate(sources) if not same[i]]
             dtypes.append((tuple(s.dtype for s in sources), tuple(same)))
-        arrays = scope.reads.views(g % 2, [end - start for _, start, end in requests], pinned)
-        storage.read_ranges(requests, into=[memoryview(a) for a in arrays], traffic=scope.traffic)
+        arrays = self._views(g % 2, requests)
         out, at = [], 0
         for types, same in dtypes:
             raw: list[np.ndarray] = []
@@ -275,29 +313,10 @@ def stream_blocks(
                     raw.append(raw[0])
                     continue
                 raw.append(arrays[at])
-                bytes_read[i] += arrays[at].size
+                self._bytes_read[i] += arrays[at].size
                 at += 1
             out.append(BlockInputs(tuple(raw), types))
         return out
-
-    def timed_read(g: int) -> list[BlockInputs]:
-        with clock.timing("read_s"):
-            return read(g)
-
-    if not blocks:
-        return
-    clock = scope.clock
-    with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-read") as reader:
-        ahead = reader.submit(timed_read, 0)
-        for g, group in enumerate(groups):
-            with clock.timing("read_wait_s"):
-                inputs = ahead.result()
-            if g + 1 < len(groups):
-                ahead = reader.submit(timed_read, g + 1)
-            scope.memory.note()
-            for k, block_inputs in zip(group, inputs, strict=True):
-                with clock.timing("compute_s"):
-                    yield blocks[k], block_inputs
 
 
 def _decoded(

@@ -8,31 +8,21 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
-from ram_dist.engine.blocks import BlockInputs, band_span, input_count, stream_blocks
+from ram_dist.engine.blocks import BlockInputs, BlockStream, band_span, input_count
 from ram_dist.engine.memory import peak_rss
 from ram_dist.engine.unit_results import UnitResult
-from ram_dist.engine.worker import (
-    EAGER,
-    Fused,
-    WorkFlags,
-    WorkScope,
-    device,
-    ran_by,
-    worker_context,
-)
+from ram_dist.engine.worker import Fused, TaskContext, WorkScope, device, ran_by, worker_context
 from ram_dist.io.sinks import ShardTarget
-from ram_dist.io.storage import Storage
 from ram_dist.kernels import fp8
-from ram_dist.methods import MergeMethod
-from ram_dist.methods.protocol import Chunk, State, TensorParams
+from ram_dist.methods.protocol import Chunk
 from ram_dist.planning.layout import Layout, TensorEntry, unit_out_bytes
 from ram_dist.planning.units import Part, Piece, WorkUnit
 
@@ -48,20 +38,12 @@ class PartWork:
     target: ShardTarget
 
 
-def map_part(
-    work: PartWork,
-    layout: Layout,
-    storage: Storage,
-    method: MergeMethod,
-    params: Mapping[str, TensorParams],
-    state: State,
-    flags: WorkFlags = EAGER,
-) -> UnitResult:
+def map_part(work: PartWork, context: TaskContext) -> UnitResult:
     """Map pass: merge a part's units into this process's reused output buffer, hash them
     (in a thread, unit by unit, while the next unit is merged) and hand the part to its
     target, which writes it in place (direct) or sends it back (through the driver)."""
     with worker_context().work() as scope:
-        return _map_part(work, layout, storage, method, params, state, flags, scope)
+        return _map_part(work, context, scope)
 
 
 #: Bytes of a part made before they are handed, at once, to the thread that hashes (and
@@ -70,24 +52,15 @@ def map_part(
 HAND_OFF_BYTES = 1 << 20
 
 
-def _map_part(
-    work: PartWork,
-    layout: Layout,
-    storage: Storage,
-    method: MergeMethod,
-    params: Mapping[str, TensorParams],
-    state: State,
-    flags: WorkFlags,
-    scope: WorkScope,
-) -> UnitResult:
+def _map_part(work: PartWork, context: TaskContext, scope: WorkScope) -> UnitResult:
     part, target = work.part, work.target
-    bytes_read = [0] * input_count(layout)
+    layout = context.layout
+    making = _Making(context, scope, [0] * input_count(layout))
     data = scope.output.take(part.size)
     at = len(work.header)
     data[:at] = np.frombuffer(work.header, dtype=np.uint8)
     digest = hashlib.sha256()
     fused_elements = 0
-    scale_rows: ScaleRows = {}
     queued: list[Future[None]] = []
     clock = scope.clock
     with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-sha256") as behind:
@@ -122,10 +95,8 @@ def _map_part(
             size = unit_out_bytes(unit, layout)
             out = data[at : at + size]
             fused_elements += _merge_into(
-                unit, layout, storage, method, params, state, flags, out, bytes_read, scope,
-                on_block=lambda lo, hi, base=at: made(base + hi),
-                scale_rows=scale_rows,
-            )  # fmt: skip
+                unit, making, out, on_block=lambda lo, hi, base=at: made(base + hi)
+            )
             at += size
         made(at, last=True)
         with clock.timing("write_wait_s"):
@@ -137,7 +108,7 @@ def _map_part(
     with clock.timing("write_wait_s"), clock.timing("write_s"):
         receipt = target.write(part, data, digest.digest())
     return UnitResult(
-        part.units[0] if part.units else -1, None, None, tuple(bytes_read), peak_rss(),
+        part.units[0] if part.units else -1, None, None, tuple(making.bytes_read), peak_rss(),
         fused_elements=fused_elements, peak_private_bytes=scope.memory.note(),
         receipt=receipt, traffic=scope.traffic.total(),
         times=clock.times(len(work.units)), **ran_by(),
@@ -149,36 +120,45 @@ def _map_part(
 ScaleRows = dict[tuple[str, int], np.ndarray]
 
 
+@dataclass
+class _Making:
+    """What the units of one part share while they are merged: the pass's context, the
+    task's scope, the bytes read from each input so far, and the new scale rows of the FP8
+    bands merged so far (`ScaleRows`)."""
+
+    context: TaskContext
+    scope: WorkScope
+    bytes_read: list[int]
+    scale_rows: ScaleRows = field(default_factory=dict)
+
+
 def _merge_into(
     unit: WorkUnit,
-    layout: Layout,
-    storage: Storage,
-    method: MergeMethod,
-    params: Mapping[str, TensorParams],
-    state: State,
-    flags: WorkFlags,
+    making: _Making,
     data: np.ndarray,
-    bytes_read: list[int],
-    scope: WorkScope,
     on_block: Callable[[int, int], None] | None = None,
-    scale_rows: ScaleRows | None = None,
 ) -> int:
     """Merge a unit's pieces into `data` (its output bytes); returns the elements a fused
-    kernel merged. `bytes_read[i]` grows by what is read from input i; `on_block(lo, hi)` is
-    told, in order, of each range of `data` once it is final. `scale_rows` (kept by the
-    caller across its units) holds the new scale rows of the FP8 bands merged so far; the
-    bands a new scale tensor needs and no earlier piece merged are merged first, for their
-    scales only."""
+    kernel merged. `making.bytes_read[i]` grows by what is read from input i; `on_block(lo,
+    hi)` is told, in order, of each range of `data` once it is final. `making.scale_rows`
+    (kept across the part's units) holds the new scale rows of the FP8 bands merged so far;
+    the bands a new scale tensor needs and no earlier piece merged are merged first, for
+    their scales only."""
+    context, scope = making.context, making.scope
+    layout, method, params, state = context.layout, context.method, context.params, context.state
+    flags = context.flags
     dev = device()
     fused = Fused.of(flags, dev)
     encoded = bool(getattr(method, "fp8_kernels", False))  # FP8 inputs read as stored
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     offsets = list(itertools.accumulate(sizes, initial=0))
     address = data.ctypes.data
-    rows: ScaleRows = {} if scale_rows is None else scale_rows
+    rows = making.scale_rows
     stream, writes = _with_scale_bands(unit.pieces, layout, rows)
     fused_elements = 0
-    blocks = stream_blocks(stream, layout, storage, bytes_read, scope, dev == "cuda")
+    blocks = BlockStream(
+        stream, layout, context.storage, making.bytes_read, scope, dev == "cuda"
+    )  # fmt: skip
     for block, inputs in blocks:
         piece = stream[block.piece]
         entry = layout.tensors[piece.tensor]
@@ -197,7 +177,7 @@ def _merge_into(
             chunk = Chunk(piece.tensor, piece.start + block.lo, entry.shape)
             p = params[piece.tensor]
             out_dtype = entry.merged_dtype
-            if _fused_fp8(method, chunk, inputs, p, state, fused, entry, target, rows):
+            if _fused_fp8(making, chunk, inputs, fused, entry, target):
                 fused_elements += block.hi - block.lo if written is not None else 0
                 if on_block is not None and written is not None:
                     on_block(lo, hi)
@@ -215,9 +195,7 @@ def _merge_into(
             ):
                 fused_elements += block.hi - block.lo if written is not None else 0
             else:
-                _merge_eager(
-                    method, chunk, inputs, p, state, dev, out_dtype, raw
-                )  # fmt: skip
+                _merge_eager(context, chunk, inputs, dev, out_dtype, raw)
             if entry.fp8_out is not None:
                 _requantized(entry, piece.start + block.lo, merged, inputs, target, rows)
         if on_block is not None and written is not None:
@@ -269,20 +247,19 @@ def _runs(numbers: list[int]) -> list[tuple[int, int]]:
 
 
 def _fused_fp8(
-    method: MergeMethod,
+    making: _Making,
     chunk: Chunk,
     inputs: BlockInputs,
-    params: TensorParams,
-    state: State,
     fused: Fused,
     entry: TensorEntry,
     target: np.ndarray | None,
-    rows: ScaleRows,
 ) -> bool:
     """An FP8 output's bands merged and written as FP8 by the method's fused kernel in one
     sweep (`fp8_kernels`: it reads the inputs as stored, no float32 copy of any, and writes
-    the blocks and their scales), into `target` (None: the scales only) and `rows`; False
-    where it does not (then the engine merges to float32 and requantizes)."""
+    the blocks and their scales), into `target` (None: the scales only) and the part's scale
+    rows; False where it does not (then the engine merges to float32 and requantizes)."""
+    context, rows = making.context, making.scale_rows
+    method, params, state = context.method, context.params[chunk.tensor], context.state
     fp8_out = entry.fp8_out
     if (
         fp8_out is None
@@ -349,16 +326,15 @@ def _scales_into(
 
 
 def _merge_eager(
-    method: MergeMethod,
+    context: TaskContext,
     chunk: Chunk,
     inputs: BlockInputs,
-    params: TensorParams,
-    state: State,
     dev: str,
     out_dtype: str,
     target: np.ndarray,
 ) -> None:
     """The method's torch rule on one block, cast to the output dtype, into `target`."""
+    method, params, state = context.method, context.params[chunk.tensor], context.state
     import torch
 
     from ram_dist.dtypes import SAFETENSORS_DTYPES

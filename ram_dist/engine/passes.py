@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -23,41 +23,24 @@ from ram_dist import kernels
 from ram_dist.dtypes import dtype_name, itemsize
 from ram_dist.engine.gpu import Devices, job_devices
 from ram_dist.engine.map_step import PartWork, map_part
+from ram_dist.engine.pass_context import MapOutput, PassContext, Shipped
 from ram_dist.engine.pass_stats import PassStats
-from ram_dist.engine.pool import Place, Shared, near, unordered_map
+from ram_dist.engine.pool import Place, Routing, near, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.reduce_step import add_up, reduce_group
-from ram_dist.engine.runtime import Cluster
-from ram_dist.engine.shard_book import ShardBook
 from ram_dist.engine.unit_results import PrecisionCounts
 from ram_dist.engine.worker import WorkFlags
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import InputCache
-from ram_dist.io.sinks import OpenShard, OutputSink, plan_record
+from ram_dist.io.sinks import OpenShard, plan_record
 from ram_dist.io.storage import Storage
-from ram_dist.io.writer import shard_header
 from ram_dist.planning.devices import DeviceChoice
 from ram_dist.planning.job import Job
-from ram_dist.planning.layout import unit_out_bytes
-from ram_dist.planning.units import Part, WorkUnit, parts_as_recorded, plan_parts
+from ram_dist.planning.units import Part, WorkUnit, parts_as_recorded
 
 #: Ray re-runs a unit whose worker or node died this many times; a unit that raised is not
 #: re-run (bad data fails the same way twice).
 SYSTEM_RETRIES = 5
-
-
-@dataclass(frozen=True)
-class Shipped:
-    """What every task of a job reads that is the same for all of them, the layout and the
-    parameters of every tensor, put in Ray's object store once for all passes: each worker
-    process deserializes them once (`pool.Shared`), not with every task."""
-
-    layout: Shared
-    params: Shared
-
-    @classmethod
-    def of(cls, job: Job) -> Shipped:
-        return cls(Shared(job.layout), Shared(job.params))
 
 
 def _cpu_work(job: Job, choice: DeviceChoice) -> tuple[int, dict[str, Any]]:
@@ -70,13 +53,14 @@ def _cpu_work(job: Job, choice: DeviceChoice) -> tuple[int, dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _devices(job: Job, cluster: Cluster, given: Devices | None) -> Iterator[Devices]:
-    """The devices a pass runs on: those `given` (the job's, for all its passes), else this
-    pass's own, for this cluster."""
-    if given is not None:
-        yield given
+def _devices(context: PassContext) -> Iterator[Devices]:
+    """The devices a pass runs on: the context's (the job's, for all its passes), else this
+    pass's own, for the context's cluster."""
+    if context.devices is not None:
+        yield context.devices
         return
-    with job_devices(job.device_choice(cluster.gpus, cluster.cpus)) as devices:
+    cluster = context.cluster
+    with job_devices(context.job.device_choice(cluster.gpus, cluster.cpus)) as devices:
         yield devices
 
 
@@ -96,82 +80,24 @@ def _placement(
     return replace(storage, cache=cache), lambda unit: first_node.get(unit.index)
 
 
-def _parts_of(
-    job: Job, shards: Sequence[str], min_part_bytes: int
-) -> tuple[dict[int, WorkUnit], dict[str, bytes], dict[str, list[Part]]]:
-    """The units of `shards` by index, each shard's header, and its parts (`plan_parts`):
-    fresh containers (the caller may change them) over what `_planned` keeps."""
-    every_unit, every_header, every_plan = _planned(job, min_part_bytes)
-    wanted = set(shards)
-    units = {i: u for i, u in every_unit.items() if u.shard in wanted}
-    return units, {s: every_header[s] for s in shards}, {s: list(every_plan[s]) for s in shards}
-
-
-#: The latest job's `_planned`, kept for the next pass (the job itself too, so that its id
-#: is not reused while kept).
-_PLANNED: list[tuple[Job, int, Any]] = []
-
-
-def _planned(
-    job: Job, min_part_bytes: int
-) -> tuple[dict[int, WorkUnit], dict[str, bytes], dict[str, list[Part]]]:
-    """Every shard's header and parts, made once per job and part size (each header holds
-    every tensor of its shard: seconds for 100k tensors)."""
-    for kept, size, planned in _PLANNED:
-        if kept is job and size == min_part_bytes:
-            return planned
-    units = {u.index: u for u in job.units}
-    headers = {s: shard_header(job.layout.out_tensors(s)) for s in job.layout.shards}
-    sizes = {i: unit_out_bytes(u, job.layout) for i, u in units.items()}
-    plan: dict[str, list[Part]] = {s: [] for s in job.layout.shards}
-    lengths = {s: len(h) for s, h in headers.items()}
-    for part in plan_parts(list(units.values()), sizes, lengths, min_part_bytes):
-        plan[part.shard].append(part)
-    _PLANNED[:] = [(job, min_part_bytes, (units, headers, plan))]
-    return units, headers, plan
-
-
-def unit_groups(job: Job, min_part_bytes: int) -> list[tuple[WorkUnit, ...]]:
-    """The units of each output part the map pass will make, in order: a reduce task reads
-    one group, so that with an input cache the part's task finds all its bytes on one node.
-    Parts are single units unless units are smaller than a part must be."""
-    units, _, plan = _parts_of(job, list(job.layout.shards), min_part_bytes)
-    return [tuple(units[i] for i in p.units) for ps in plan.values() for p in ps if p.units]
-
-
-def reduce_pass(
-    job: Job,
-    cluster: Cluster,
-    progress: Progress | None = None,
-    cache: InputCache | None = None,
-    min_part_bytes: int = 0,
-    shipped: Shipped | None = None,
-    devices: Devices | None = None,
-) -> tuple[dict[str, Any], PassStats]:
+def reduce_pass(context: PassContext) -> tuple[dict[str, Any], PassStats]:
     """Every reduce round of the method: sum each unit's int64 statistics per key, then let
     the method fold the sums into its state. Rounds no tensor needs read nothing. The first
     round also counts NaN and Inf in every input (a check-only round for methods without
-    statistics), unless the job allows them. With a `cache`, what a round fetches is kept on
-    its node, and `stats.first_node` says which node first read each unit. A task reads the
-    units of one output part of at least `min_part_bytes` (see `unit_groups`). `shipped`:
-    the job's layout and parameters, already in the object store; `devices`: the job's
-    (else this pass's own)."""
-    with _devices(job, cluster, devices) as on:
-        return _reduce_pass(job, on, progress, cache, min_part_bytes, shipped)
+    statistics), unless the job allows them. With the context's input cache, what a round
+    fetches is kept on its node, and `stats.first_node` says which node first read each
+    unit. A task reads the units of one output part of at least the context's
+    `min_part_bytes` (`PartPlan.unit_groups`)."""
+    with _devices(context) as on:
+        return _reduce_pass(context, on)
 
 
-def _reduce_pass(
-    job: Job,
-    devices: Devices,
-    progress: Progress | None,
-    cache: InputCache | None,
-    min_part_bytes: int,
-    shipped: Shipped | None,
-) -> tuple[dict[str, Any], PassStats]:
+def _reduce_pass(context: PassContext, devices: Devices) -> tuple[dict[str, Any], PassStats]:
+    job, progress = context.job, context.progress
     stats = PassStats()
-    shipped = shipped or Shipped.of(job)
-    groups = unit_groups(job, min_part_bytes)
-    storage, node_of = _placement(job.storage, cache, stats.first_node)
+    shipped = context.shipped or Shipped.of(job)
+    groups = context.part_plan().unit_groups()
+    storage, node_of = _placement(job.storage, context.cache, stats.first_node)
     start = time.perf_counter()
     stats.timeline.begin()
     method, state = job.method, job.initial_state()
@@ -199,12 +125,9 @@ def _reduce_pass(
         totals: dict[str, np.ndarray] = {}
         nonfinite: dict[str, list[int]] = {}
         checked = PrecisionCounts.zeros(len(job.tasks)) if checking else None
-        shared = (shipped.layout, storage, method, shipped.params, state, round_, checking,
-                  work_flags(job))  # fmt: skip
-        results = unordered_map(
-            reduce_group, items, shared, workers, resources, lambda g: near(node_of(g[0])),
-            devices.gpu, devices.on_gpu,
-        )  # fmt: skip
+        shared = (shipped.context(storage, method, state, work_flags(job)), round_, checking)
+        routing = Routing(lambda g: near(node_of(g[0])), devices.gpu, devices.on_gpu)
+        results = unordered_map(reduce_group, items, shared, workers, resources, routing)
         progress = progress or Progress()
         total_bytes = sum(job.unit_bytes(u, wanted) for u in units)
         progress.start_pass(f"reduce {round_ + 1}", total_bytes, len(units))
@@ -281,60 +204,34 @@ def _nonfinite_error(job: Job, found: dict[str, list[int]]) -> RamDistError:
     )
 
 
-def map_pass(
-    job: Job,
-    cluster: Cluster,
-    state: dict[str, Any],
-    shards: list[str],
-    sink: OutputSink,
-    book: ShardBook,
-    progress: Progress | None = None,
-    cache: InputCache | None = None,
-    first_node: dict[int, str] | None = None,
-    pin_to: str | None = None,
-    shipped: Shipped | None = None,
-    devices: Devices | None = None,
-    backward: bool = False,
-) -> PassStats:
-    """Merge `shards` part by part, results taken as they finish: each task writes its part
-    through the `sink`'s target (or sends it back, through the driver), and each shard is
-    completed once all its parts are in, then recorded in the `book`. A resumed shard's
-    parts already in place are not made again. With a `cache`, the last reader of it, a
-    part runs on its first unit's `first_node` (while that node lives) and removes what it
-    reads from the cache there; with `pin_to`, every part runs on that node. `shipped`: the
-    job's layout and parameters, already in the object store; `devices`: the job's (else
-    this pass's own). `backward`: the last shard's last part first (`PassStats.backward`)."""
-    with _devices(job, cluster, devices) as on:
-        return _map_pass(
-            job, on, state, shards, sink, book, progress, cache, first_node, pin_to, shipped,
-            backward,
-        )  # fmt: skip
+def map_pass(context: PassContext, state: dict[str, Any], output: MapOutput) -> PassStats:
+    """Merge the `output`'s shards part by part, results taken as they finish: each task
+    writes its part through the sink's target (or sends it back, through the driver), and
+    each shard is completed once all its parts are in, then recorded in the book. A resumed
+    shard's parts already in place are not made again. With the context's input cache, the
+    last reader of it, a part runs on its first unit's first node (while that node lives)
+    and removes what it reads from the cache there; with `pin_to`, every part runs on that
+    node (`MapOutput`)."""
+    with _devices(context) as on:
+        return _map_pass(context, on, state, output)
 
 
 def _map_pass(
-    job: Job,
-    devices: Devices,
-    state: dict[str, Any],
-    shards: list[str],
-    sink: OutputSink,
-    book: ShardBook,
-    progress: Progress | None,
-    cache: InputCache | None,
-    first_node: dict[int, str] | None,
-    pin_to: str | None,
-    shipped: Shipped | None,
-    backward: bool,
+    context: PassContext, devices: Devices, state: dict[str, Any], output: MapOutput
 ) -> PassStats:
+    job, progress, cache = context.job, context.progress, context.cache
+    shards, sink, book, backward = output.shards, output.sink, output.book, output.backward
+    pin_to = output.pin_to
     assert job.out is not None
-    shipped = shipped or Shipped.of(job)
+    shipped = context.shipped or Shipped.of(job)
     stats = PassStats(output_path=sink.path, output_path_reason=sink.reason, backward=backward)
     last = cache.for_last_pass() if cache is not None else None
-    storage, node_of = _placement(job.storage, last, first_node or {})
+    storage, node_of = _placement(job.storage, last, output.first_node)
     start = time.perf_counter()
     stats.timeline.begin()
     workers, resources = _cpu_work(job, devices.choice)
-    shared = (shipped.layout, storage, job.method, shipped.params, state, work_flags(job))
-    units, headers, plan = _parts_of(job, shards, sink.min_part_bytes)
+    shared = (shipped.context(storage, job.method, state, work_flags(job)),)
+    units, headers, plan = context.part_plan(sink.min_part_bytes).of_shards(shards)
     for name in shards:  # a shard a killed run was writing keeps the parts it recorded
         recorded = (book.manifest.writing.get(name) or {}).get("plan")
         if recorded and recorded != plan_record(plan[name]):
@@ -385,10 +282,10 @@ def _map_pass(
         return near(node_of(units[work.part.units[0]])) if work.part.units else None
 
     try:
+        routing = Routing(placement, devices.gpu, lambda work: devices.on_gpu(work.units))
         for work, node, result in unordered_map(
-            map_part, parts_to_make(), shared, workers, resources, placement,
-            devices.gpu, lambda work: devices.on_gpu(work.units),
-        ):  # fmt: skip
+            map_part, parts_to_make(), shared, workers, resources, routing
+        ):
             if work.part.units:
                 first = node_of(units[work.part.units[0]])
                 stats.ran(work.part.units, node, result.traffic, first)

@@ -8,7 +8,7 @@ node it ran on (so a later pass can send the item back there).
 
 from __future__ import annotations
 
-import gc
+import dataclasses
 import logging
 import pickle
 import sys
@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ram_dist.engine import collector
 from ram_dist.errors import RamDistError
 from ram_dist.io.failures import is_storage_failure, storage_error
 
@@ -29,9 +30,10 @@ log = logging.getLogger(__name__)
 
 class Shared:
     """A value put in Ray's object store once (on the driver), for every task that takes it
-    among `unordered_map`'s `shared` values: each worker process fetches and deserializes
-    it once, and keeps it for the next task, instead of once per task (a layout of 100k
-    tensors takes seconds to deserialize). Handed to the task's function as the value."""
+    among `unordered_map`'s `shared` values (or as a field of a dataclass among them): each
+    worker process fetches and deserializes it once, and keeps it for the next task, instead
+    of once per task (a layout of 100k tensors takes seconds to deserialize). Handed to the
+    task's function as the value."""
 
     #: Values a worker process keeps, by object id: the latest few (one job's, mostly).
     KEPT = 4
@@ -49,30 +51,15 @@ class Shared:
             if key in Shared._kept:
                 Shared._kept.move_to_end(key)
                 return Shared._kept[key]
-        value = _settled(lambda: pickle.loads(ray.get(self.ref)))
+        # built with the collector paused, then left alone for good: the layout of 100k
+        # tensors is 400k objects, which every full collection in this process would
+        # otherwise scan again, while each later task's arguments are deserialized
+        value = collector.settled(lambda: pickle.loads(ray.get(self.ref)))
         with Shared._lock:
             Shared._kept[key] = value
             while len(Shared._kept) > Shared.KEPT:
                 Shared._kept.popitem(last=False)
         return value
-
-
-def _settled(make: Callable[[], Any]) -> Any:
-    """`make()`, with Python's cyclic garbage collector paused while it builds, then told to
-    leave what exists alone for good (`gc.freeze`): the layout of 100k tensors is 400k
-    objects, which every full collection in this process would otherwise scan again, while
-    it is built and then while each later task's arguments are deserialized (seconds per
-    pass). Cycles already unreachable are collected first, so that none is kept."""
-    collecting = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        value = make()
-        gc.freeze()
-    finally:
-        if collecting:
-            gc.enable()
-    return value
 
 
 def _quiet_cancel_hook(unraisable: Any) -> None:
@@ -88,8 +75,23 @@ def _quiet_cancel_hook(unraisable: Any) -> None:
 def run_item(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
     """`fn(item, *shared)` where a worker runs it, with the node it ran on."""
     sys.unraisablehook = _quiet_cancel_hook
-    values = [s.get() if isinstance(s, Shared) else s for s in shared]
+    values = [_resolved(s) for s in shared]
     return ray.get_runtime_context().get_node_id(), fn(item, *values)
+
+
+def _resolved(value: Any) -> Any:
+    """A shared value as the task's function takes it: a `Shared` one fetched (once per
+    process), and so is each `Shared` field of a dataclass (a pass's context)."""
+    if isinstance(value, Shared):
+        return value.get()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        got = {
+            f.name: v.get()
+            for f in dataclasses.fields(value)
+            if isinstance(v := getattr(value, f.name), Shared)
+        }
+        return dataclasses.replace(value, **got) if got else value
+    return value
 
 
 def _run(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
@@ -178,31 +180,40 @@ class TaskLane:
         self._in_flight -= 1
 
 
+@dataclass(frozen=True)
+class Routing:
+    """Where `unordered_map`'s items run: `place_of(item)` may say where an item should run;
+    the items `on_gpu` says so of go to the `gpu` lane (as it has room), unless it cannot
+    run them where `place_of` says they must run. By default, anywhere, as Ray tasks."""
+
+    place_of: Callable[[Any], Place | None] | None = None
+    gpu: Lane | None = None
+    on_gpu: Callable[[Any], bool] | None = None
+
+
 def unordered_map(
     fn: Callable[..., Any],
     items: Iterable[Any],
     shared: tuple[Any, ...],
     max_in_flight: int,
     resources: dict[str, Any],
-    place_of: Callable[[Any], Place | None] | None = None,
-    gpu: Lane | None = None,
-    on_gpu: Callable[[Any], bool] | None = None,
+    routing: Routing = Routing(),
 ) -> Iterator[tuple[Any, str, Any]]:
     """Yield `(item, node id, fn(item, *shared))` for each item as it finishes, with Ray
     doing the work and at most `max_in_flight` items submitted at once as tasks of
     `resources` (back-pressure bounds memory); one slow item never holds back the others'
-    results. Items `on_gpu` says so of go to the `gpu` lane instead, as it has room, unless
-    it cannot run them where `place_of` says they must run.
+    results. Items go where the `routing` says (`Routing`: a node, or the GPU lane).
 
     `shared` values are put in the object store once (a `Shared` one is already there, and
-    each worker process deserializes it once, whatever the map). `place_of(item)` may say
-    where an item should run. `resources` may hold `max_calls: 1` (a fresh worker process per
-    task). A worker's `RamDistError` (a `StorageError` naming the file it could not read or
-    write, among others) is raised again here as itself, and a store's failure no layer
-    named as a `StorageError`, so the user sees one line rather than a Ray traceback; the
-    task's traceback is logged at debug level.
+    each worker process deserializes it once, whatever the map). `resources` may hold
+    `max_calls: 1` (a fresh worker process per task). A worker's `RamDistError` (a
+    `StorageError` naming the file it could not read or write, among others) is raised
+    again here as itself, and a store's failure no layer named as a `StorageError`, so the
+    user sees one line rather than a Ray traceback; the task's traceback is logged at debug
+    level.
     """
     tasks = TaskLane(resources, max_in_flight)
+    place_of, gpu, on_gpu = routing.place_of, routing.gpu, routing.on_gpu
     shared_refs = tuple(v if isinstance(v, Shared) else ray.put(v) for v in shared)
     pending: dict[ray.ObjectRef, tuple[Any, Lane]] = {}
     queue = iter(items)

@@ -9,41 +9,23 @@ from collections.abc import Mapping
 import numpy as np
 
 from ram_dist.dtypes import INFO
-from ram_dist.engine.blocks import BlockInputs, input_count, stream_blocks
+from ram_dist.engine.blocks import BlockInputs, BlockStream, input_count
 from ram_dist.engine.memory import peak_rss
 from ram_dist.engine.unit_results import PrecisionCounts, Statistics, UnitResult
-from ram_dist.engine.worker import (
-    EAGER,
-    Fused,
-    WorkFlags,
-    WorkScope,
-    device,
-    ran_by,
-    worker_context,
-)
-from ram_dist.io.storage import Storage
+from ram_dist.engine.worker import Fused, TaskContext, WorkScope, device, ran_by, worker_context
 from ram_dist.kernels import precision
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.parameters import EPSILON
-from ram_dist.methods.protocol import Chunk, State, TensorParams
-from ram_dist.planning.layout import Layout
+from ram_dist.methods.protocol import Chunk, TensorParams
 from ram_dist.planning.units import WorkUnit
 
 
 def reduce_unit(
-    unit: WorkUnit,
-    layout: Layout,
-    storage: Storage,
-    method: MergeMethod,
-    params: Mapping[str, TensorParams],
-    state: State,
-    round_: int,
-    check_finite: bool,
-    scope: WorkScope,
-    flags: WorkFlags = EAGER,
+    unit: WorkUnit, context: TaskContext, round_: int, check_finite: bool, scope: WorkScope
 ) -> UnitResult:
     """One reduce round: the method's statistics of the unit's active pieces, summed by key;
     with `check_finite`, also the NaN and Inf count of every input of every piece."""
+    layout, method, params, state = context.layout, context.method, context.params, context.state
     method_rounds = round_ < method.rounds
 
     def wanted(tensor: str) -> bool:
@@ -53,12 +35,13 @@ def reduce_unit(
     pieces = tuple(p for p in unit.pieces if wanted(p.tensor))
     bytes_read = [0] * input_count(layout)
     dev = device()
-    fused = Fused.of(flags, dev)
+    fused = Fused.of(context.flags, dev)
     encoded = bool(getattr(method, "fp8_kernels", False))  # FP8 inputs read as stored
     totals: dict[str, np.ndarray] = {}
     nonfinite: dict[str, list[int]] = {}
     checked = PrecisionCounts.zeros(input_count(layout) - 1) if check_finite else None
-    for block, inputs in stream_blocks(pieces, layout, storage, bytes_read, scope, dev == "cuda"):
+    blocks = BlockStream(pieces, layout, context.storage, bytes_read, scope, dev == "cuda")
+    for block, inputs in blocks:
         piece = pieces[block.piece]
         entry = layout.tensors[piece.tensor]
         active = method_rounds and method.active(round_, state, piece.tensor)
@@ -131,29 +114,16 @@ def add_up(
 
 
 def reduce_group(
-    units: tuple[WorkUnit, ...],
-    layout: Layout,
-    storage: Storage,
-    method: MergeMethod,
-    params: Mapping[str, TensorParams],
-    state: State,
-    round_: int,
-    check_finite: bool,
-    flags: WorkFlags = EAGER,
+    units: tuple[WorkUnit, ...], context: TaskContext, round_: int, check_finite: bool
 ) -> UnitResult:
     """`reduce_unit` over units one task reads together (those of one output part, so the
     map pass, which makes the part in one task, finds all their bytes in this node's input
     cache), the results summed."""
     with worker_context().work() as scope:
-        results = [
-            reduce_unit(
-                u, layout, storage, method, params, state, round_, check_finite, scope, flags
-            )
-            for u in units
-        ]
+        results = [reduce_unit(u, context, round_, check_finite, scope) for u in units]
         totals: dict[str, np.ndarray] = {}
         nonfinite: dict[str, list[int]] = {}
-        checked = PrecisionCounts.zeros(input_count(layout) - 1) if check_finite else None
+        checked = PrecisionCounts.zeros(input_count(context.layout) - 1) if check_finite else None
         for r in results:
             add_up(r, totals, nonfinite, checked)
         return UnitResult(

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import psutil
 import ray
 
+from ram_dist.engine import ray_private
 from ram_dist.settings import ray_address
 
 T = TypeVar("T")
@@ -141,7 +142,7 @@ class _TokenNotice(logging.Filter):
 
 @contextmanager
 def _quiet_token_notice() -> Iterator[None]:
-    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    log = logging.getLogger(ray_private.TOKEN_NOTICE_LOGGER)
     notice = _TokenNotice()
     log.addFilter(notice)
     try:
@@ -160,15 +161,14 @@ def stop_embedded(earlier: frozenset[tuple[int, float]] = frozenset()) -> None:
     Last, any of Ray's processes below this one that were not there before it started
     (`earlier`) is killed: what a start cut short by a signal leaves, which Ray does not
     know of yet, or an agent whose raylet had to be killed."""
-    node = getattr(ray._private.worker, "_global_node", None)
-    processes = getattr(node, "all_processes", None)
+    processes = ray_private.node_processes()
     try:
-        if not isinstance(processes, dict):  # not started, or not what this was written for
+        if processes is None:  # not started, or not what this was written for
             ray.shutdown()
             return
         raylets = [p.process for p in processes.get("raylet", [])]
         rest = [p.process for kind, ps in processes.items() if kind != "raylet" for p in ps]
-        ray._private.worker._global_node = None  # so that shutdown() only disconnects
+        ray_private.forget_node()  # so that shutdown() only disconnects
         try:
             ray.shutdown()
         finally:

@@ -6,21 +6,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import os
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
 
 from ram_dist import kernels
+from ram_dist.engine import collector, ray_private
 from ram_dist.engine.memory import PeakMemory
 from ram_dist.engine.timeline import TaskClock
 from ram_dist.io.range_cache import Traffic
+
+if TYPE_CHECKING:
+    from ram_dist.io.storage import Storage
+    from ram_dist.methods import MergeMethod
+    from ram_dist.methods.protocol import State, TensorParams
+    from ram_dist.planning.layout import Layout
 
 
 def given_gpus() -> tuple[str, ...] | None:
@@ -58,16 +64,11 @@ def ran_by() -> dict[str, Any]:
 
 
 def _attempt() -> int:
-    """The running task's attempt number (0 outside a Ray task). Ray has no public call for
-    it; its core worker does, and 0 is the answer when that ever changes."""
+    """The running task's attempt number (0 outside a Ray task): Ray has no public call for
+    it (`ray_private.task_attempt`)."""
     if given_gpus() is None:
         return 0
-    core = getattr(ray._private.worker.global_worker, "core_worker", None)
-    get = getattr(core, "get_current_task_attempt_number", None)
-    try:
-        return int(get()) if get is not None else 0
-    except Exception:  # noqa: BLE001  (a private call: never let it fail a task)
-        return 0
+    return ray_private.task_attempt()
 
 
 def warm_up() -> None:
@@ -182,42 +183,16 @@ class WorkerContext:
     @contextlib.contextmanager
     def work(self) -> Iterator[WorkScope]:
         """The Ray task's scope, with Python's cyclic garbage collector paused
-        (`_collector_paused`)."""
+        (`collector.paused`): a unit of many small tensors makes objects by the hundred
+        thousand, and each full collection would scan them all again, and the job's layout;
+        a task makes no reference cycles to speak of, and they are collected after it."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("a worker context runs one task at a time")
         try:
-            with _collector_paused():
+            with collector.paused():
                 yield WorkScope(self._reads, self._output, self._memory, Traffic(), TaskClock())
         finally:
             self._busy.release()
-
-
-_PAUSES = [0, False]  # tasks running with the collector paused; whether it ran before
-
-
-_PAUSES_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while any task of this process runs: a unit of
-    many small tensors makes objects by the hundred thousand (blocks, statistics), and each
-    full collection would scan them all again, and the job's layout (a third of the time of
-    a unit of 100k tensors). A task makes no reference cycles to speak of; they are collected
-    after it. Counted, so that a GPU worker's second thread does not turn it back on under
-    the first."""
-    with _PAUSES_LOCK:
-        if _PAUSES[0] == 0:
-            _PAUSES[1] = gc.isenabled()
-            gc.disable()
-        _PAUSES[0] += 1
-    try:
-        yield
-    finally:
-        with _PAUSES_LOCK:
-            _PAUSES[0] -= 1
-            if _PAUSES[0] == 0 and _PAUSES[1]:
-                gc.enable()
 
 
 _THREAD = threading.local()
@@ -255,6 +230,21 @@ class WorkFlags:
 
 #: The eager path's flags: fused kernels off.
 EAGER = WorkFlags()
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What every task of a pass reads, the same for all of them: the job's layout, the
+    storage it reads through, the method, each tensor's parameters, the method's state and
+    the engine's flags. Shipped once per pass; the layout and the parameters may be
+    `pool.Shared` values there, which the worker resolves before the task runs."""
+
+    layout: Layout
+    storage: Storage
+    method: MergeMethod
+    params: Mapping[str, TensorParams]
+    state: State
+    flags: WorkFlags = EAGER
 
 
 @dataclass(frozen=True)

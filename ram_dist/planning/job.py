@@ -5,11 +5,8 @@ Built on the driver from headers only, before any tensor byte is read.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,31 +155,11 @@ class Job:
 
 
 def prepare(config: MergeConfig) -> Job:
-    """Resolve locations, read every header, check that the inputs fit, plan the work."""
-    with gc_paused():
-        return _prepare(config)
+    """Resolve locations, read every header, check that the inputs fit, plan the work.
 
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (as it was, afterwards).
-
-    Planning allocates a few objects per tensor and input (header entries, the layout, the
-    parameters, the units), millions for a large MoE checkpoint, and frees almost none until
-    it ends, none of them in reference cycles: every collection the allocations trigger
-    scans all that survived so far for nothing, and took as long as the planning itself
-    (DeepSeek-V3, base and three tasks: 5.6 s of CPU with the collector, 2.6 s without, to
-    read the headers). Garbage in cycles made meanwhile is collected once it is back on."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _prepare(config: MergeConfig) -> Job:
+    Planning allocates a few objects per tensor and input, millions for a large MoE
+    checkpoint, and frees almost none until it ends: the engine runs it with Python's
+    cyclic garbage collector paused (`engine.driver.prepare`, `engine.collector`)."""
     storage = Storage(config.storage_options)
     base_url = resolve_location(config.base, "base model")
     task_urls = [resolve_location(loc, f"task {i + 1}") for i, loc in enumerate(config.tasks)]
@@ -201,7 +178,10 @@ def _prepare(config: MergeConfig) -> Job:
     params = resolve_all(config, method, merging)
     layout = layout.in_whole_rows(n for n in merging if method.whole_rows(params[n]))
     out = resolve_output(config.out) if config.out is not None else None
-    job = Job(config, storage, base, tasks, layout, [], out, params, 0, integers_changed)
+    job = Job(
+        config=config, storage=storage, base=base, tasks=tasks, layout=layout, units=[],
+        out=out, params=params, unit_budget_bytes=0, integers_changed=integers_changed,
+    )  # fmt: skip
     budget = config.unit_budget_bytes
     if budget is None:  # this machine's default; `replanned` adapts it to the cluster
         budget = auto_unit_budget(job.largest_input_bytes(), *machine())

@@ -28,6 +28,7 @@ from s3_server import (
 from ram_dist.api import run_merge
 from ram_dist.cli import main
 from ram_dist.engine import driver
+from ram_dist.engine.pass_context import PassContext
 from ram_dist.engine.passes import reduce_pass
 from ram_dist.engine.runtime import ray_session
 from ram_dist.io.range_cache import InputCache, Traffic
@@ -226,7 +227,7 @@ def test_changed_input_never_hits_a_killed_jobs_cache(models, options, fs, serve
     cache, _ = choose_input_cache(killed)
     assert cache is not None
     with ray_session(None, lambda: None) as (cluster, _):
-        reduce_pass(killed, cluster, cache=cache)  # then "killed": its cache stays
+        reduce_pass(PassContext(killed, cluster, cache=cache))  # then "killed": its cache stays
     left = _job_folders(nodes)
     assert left
 
@@ -283,15 +284,15 @@ def test_node_removed_during_map_pass(models, options, fs, nodes, monkeypatch):
     real_map_pass = driver.map_pass
     read_there: list[int] = []
 
-    def map_pass_without_the_node(job, cluster, state, *args, **kwargs):
-        first_node = args[5] if len(args) > 5 else kwargs["first_node"]
+    def map_pass_without_the_node(context, state, output):
+        first_node = output.first_node
         read_there.append(sum(1 for n in first_node.values() if n == lost.node_id))
         nodes["cluster"].remove_node(lost)
         deadline = time.monotonic() + 60
         while any(n["NodeID"] == lost.node_id and n["Alive"] for n in ray.nodes()):
             assert time.monotonic() < deadline, "Ray still sees the removed node"
             time.sleep(0.1)
-        return real_map_pass(job, cluster, state, *args, **kwargs)
+        return real_map_pass(context, state, output)
 
     monkeypatch.setattr(driver, "map_pass", map_pass_without_the_node)
     reports = [run_merge(config).data]

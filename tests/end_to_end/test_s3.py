@@ -16,7 +16,7 @@ from s3_server import (
 )
 
 from ram_dist.api import run_merge
-from ram_dist.engine.blocks import stream_blocks
+from ram_dist.engine.blocks import BlockStream
 from ram_dist.engine.worker import worker_context
 from ram_dist.errors import StorageError
 from ram_dist.io.checkpoint import open_checkpoints
@@ -97,7 +97,7 @@ def test_range_read_fetches_only_the_rows_and_the_header(models, options, server
     rows = Piece(info.name, 10 * 128, 13 * 128)  # rows 10..12
     read = [0, 0, 0]
     with worker_context().work() as scope:
-        blocks = list(stream_blocks((rows,), layout, storage, read, scope))
+        blocks = list(BlockStream((rows,), layout, storage, read, scope))
         assert len(blocks) == 1
         base_rows = bytes(blocks[0][1].raw[0])
     served = [s for s in server.object_gets() if s.path == "/" + key]

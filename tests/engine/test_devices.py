@@ -173,7 +173,7 @@ def test_the_setting_from_flags_yaml_and_config(inputs, tmp_path):
 
 def test_gpu_workers_live_for_the_job_two_units_at_once(fake_gpus, tmp_path):
     from ram_dist.engine.gpu import GpuWorkers
-    from ram_dist.engine.pool import unordered_map
+    from ram_dist.engine.pool import Routing, unordered_map
 
     # Functions defined here travel to the workers by value (this module is not importable
     # there).
@@ -206,7 +206,8 @@ def test_gpu_workers_live_for_the_job_two_units_at_once(fake_gpus, tmp_path):
     workers = GpuWorkers(2)
     try:
         start = time.monotonic()
-        ran = [r for _, _, r in unordered_map(_where, range(12), (), 4, {}, None, workers, _all)]
+        on_workers = Routing(gpu=workers, on_gpu=_all)
+        ran = [r for _, _, r in unordered_map(_where, range(12), (), 4, {}, on_workers)]
         wall = time.monotonic() - start
         assert len({r["pid"] for r in ran}) == 2  # twelve items, two processes
         assert {len(r["gpus"]) for r in ran} == {1}
@@ -220,28 +221,28 @@ def test_gpu_workers_live_for_the_job_two_units_at_once(fake_gpus, tmp_path):
         assert workers.busy_share(wall) == 0.0  # counted once
         # items not for the GPUs run as CPU tasks, which hold no GPU (asking for no CPU
         # here: the two GPU workers hold this cluster's two)
-        odd = [r for _, _, r in unordered_map(_where, range(6), (), 2, {"num_cpus": 0},
-                                              None, workers, lambda i: i % 2)]  # fmt: skip
+        halves = Routing(gpu=workers, on_gpu=lambda i: i % 2)
+        odd = [r for _, _, r in unordered_map(_where, range(6), (), 2, {"num_cpus": 0}, halves)]
         assert sorted(len(r["gpus"]) for r in odd) == [0, 0, 0, 1, 1, 1]
         assert {r["pid"] for r in odd if r["gpus"]} <= {r["pid"] for r in ran}
         assert workers.processes == {f"{os.uname().nodename}:{r['pid']}" for r in ran}
 
         # a worker that dies is replaced, and the unit it held runs again
         marker = str(tmp_path / "died")
-        got = [r for _, _, r in unordered_map(_dies_once, range(8), (marker,), 4, {}, None,
-                                              workers, _all)]  # fmt: skip
+        got = [r for _, _, r in unordered_map(_dies_once, range(8), (marker,), 4, {},
+                                              on_workers)]  # fmt: skip
         assert os.path.exists(marker) and len(got) == 8
         assert len(workers.processes) == 3
         # a worker's error reaches the driver as itself: one line
         with pytest.raises(RamDistError, match=r"^tensor 'x' in item \d: bad$"):
-            list(unordered_map(_refuses, range(4), (), 4, {}, None, workers, _all))
+            list(unordered_map(_refuses, range(4), (), 4, {}, on_workers))
     finally:
         workers.close()
     once = GpuWorkers(1, restarts=0)
     try:
         with pytest.raises(RamDistError, match=r"^a GPU worker \(node \w+\) died and was not "
                            r"replaced after 0 restart\(s\)"):  # fmt: skip
-            list(unordered_map(_dies, range(2), (), 2, {}, None, once, _all))
+            list(unordered_map(_dies, range(2), (), 2, {}, Routing(gpu=once, on_gpu=_all)))
     finally:
         once.close()
 

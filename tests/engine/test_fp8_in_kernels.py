@@ -59,12 +59,14 @@ def _merge_inline(s, method_name: str, flags=FUSED, **kw) -> dict[str, bytes]:
     )  # fmt: skip
     job = driver.prepare(config)
     method, state = get_method(method_name), job.initial_state()
-    args = (job.layout, job.storage, method, job.params)
     for round_ in range(method.rounds):
         totals: dict[str, np.ndarray] = {}
         for unit in job.units:
             with worker.worker_context().work() as scope:
-                got = reduce_step.reduce_unit(unit, *args, state, round_, False, scope, flags)
+                context = worker.TaskContext(
+                    job.layout, job.storage, method, job.params, state, flags
+                )
+                got = reduce_step.reduce_unit(unit, context, round_, False, scope)
             reduce_step.add_up(got, totals, {})
         sums = {key: torch.from_numpy(value) for key, value in totals.items()}
         state = method.finalize(round_, sums, job.params, job.numel(), state)
@@ -72,7 +74,8 @@ def _merge_inline(s, method_name: str, flags=FUSED, **kw) -> dict[str, bytes]:
     for unit in job.units:
         part = Part(unit.shard, 1, (unit.index,), 0, map_step.unit_out_bytes(unit, job.layout))
         work = map_step.PartWork(part, (unit,), b"", DriverTarget("inline"))
-        data = map_step.map_part(work, *args, state, flags).receipt.data.tobytes()
+        context = worker.TaskContext(job.layout, job.storage, method, job.params, state, flags)
+        data = map_step.map_part(work, context).receipt.data.tobytes()
         at = 0
         for p in unit.pieces:
             size = p.numel * itemsize(job.layout.tensors[p.tensor].out_dtype)

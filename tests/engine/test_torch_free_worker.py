@@ -34,16 +34,17 @@ from ram_dist.planning.units import Part
 worker.warm_up()
 out = {}
 for round_ in range(args["method"].rounds):
-    r = reduce_step.reduce_group(args["units"], args["layout"], args["storage"],
-                                 args["method"], args["params"], args["state"], round_, True,
-                                 args["flags"])
+    context = worker.TaskContext(args["layout"], args["storage"], args["method"],
+                                 args["params"], args["state"], args["flags"])
+    r = reduce_step.reduce_group(args["units"], context, round_, True)
     out["stats"] = {k: v.tolist() for k, v in r.stats.items()}
     out["nonfinite"] = r.nonfinite
 for unit in args["units"]:
     part = Part(unit.shard, 1, (unit.index,), 0, map_step.unit_out_bytes(unit, args["layout"]))
     work = map_step.PartWork(part, (unit,), b"", DriverTarget("inline"))
-    r = map_step.map_part(work, args["layout"], args["storage"], args["method"],
-                          args["params"], args["final"], args["flags"])
+    context = worker.TaskContext(args["layout"], args["storage"], args["method"],
+                                 args["params"], args["final"], args["flags"])
+    r = map_step.map_part(work, context)
     out.setdefault("data", []).append(r.receipt.data.tobytes())
     out.setdefault("fused", []).append(r.fused_elements)
 out["torch"] = "torch" in sys.modules and sys.modules["torch"] is not None
@@ -123,17 +124,15 @@ def test_eager_method_in_the_same_worker_needs_torch(tmp_path) -> None:
 def _final_state(job) -> dict:
     """The method's state after its reduce rounds, computed inline with the kernels off."""
     from ram_dist.engine.reduce_step import add_up, reduce_unit
-    from ram_dist.engine.worker import worker_context
+    from ram_dist.engine.worker import TaskContext, worker_context
 
     state = job.initial_state()
     for round_ in range(job.method.rounds):
         totals: dict[str, np.ndarray] = {}
         for unit in job.units:
             with worker_context().work() as scope:
-                r = reduce_unit(
-                    unit, job.layout, job.storage, job.method, job.params, state, round_, False,
-                    scope,
-                )  # fmt: skip
+                context = TaskContext(job.layout, job.storage, job.method, job.params, state)
+                r = reduce_unit(unit, context, round_, False, scope)
             add_up(r, totals, {})
         sums = {k: torch.from_numpy(v) for k, v in totals.items()}
         state = job.method.finalize(round_, sums, job.params, job.numel(), state)
@@ -158,12 +157,12 @@ def test_part_task_pickles_without_torch_types(tmp_path) -> None:
     """A map task's own argument holds no torch object either: a real `PartWork` of a job's
     map pass (its part, units, the shard's header and a file target) is unpickled, with its
     every field, in a process where `import torch` fails."""
-    from ram_dist.engine.passes import _parts_of
+    from ram_dist.engine.pass_context import PartPlan
     from ram_dist.io.sinks.file import FileSink
 
     job, _, _ = _job(tmp_path, "ram_plus")
     shard = next(iter(job.layout.shards))
-    units, headers, plan = _parts_of(job, [shard], FileSink.min_part_bytes)
+    units, headers, plan = PartPlan.of(job, FileSink.min_part_bytes).of_shards([shard])
     part = plan[shard][0]
     target = (
         FileSink(str(tmp_path / "out"), job.storage, "test")

@@ -20,7 +20,8 @@ def _map(unit, layout, storage, method, params, state) -> np.ndarray:
     sent back through the driver. They live in the worker's reused output buffer."""
     part = Part(unit.shard, 1, (unit.index,), 0, map_step.unit_out_bytes(unit, layout))
     work = map_step.PartWork(part, (unit,), b"", DriverTarget("inline"))
-    return map_step.map_part(work, layout, storage, method, params, state).receipt.data
+    context = worker.TaskContext(layout, storage, method, params, state)
+    return map_step.map_part(work, context).receipt.data
 
 
 @pytest.mark.parametrize("block", [7, 1000, 1 << 22])
@@ -38,7 +39,9 @@ def test_units_and_compute_blocks_reassemble_the_reference(tmp_path, monkeypatch
     totals: dict[str, np.ndarray] = {}
     for unit in job.units:
         with worker.worker_context().work() as scope:
-            result = reduce_step.reduce_unit(unit, *args, state, 0, False, scope)
+            result = reduce_step.reduce_unit(
+                unit, worker.TaskContext(*args, state), 0, False, scope
+            )
         reduce_step.add_up(result, totals, {})
     sums = {key: torch.from_numpy(value) for key, value in totals.items()}
     state = method.finalize(0, sums, job.params, job.numel(), state)
@@ -89,7 +92,9 @@ def test_small_tensors_are_read_together(tmp_path, monkeypatch, small, group):
     totals: dict[str, np.ndarray] = {}
     for unit in job.units:
         with worker.worker_context().work() as scope:
-            result = reduce_step.reduce_unit(unit, *args, state, 0, False, scope)
+            result = reduce_step.reduce_unit(
+                unit, worker.TaskContext(*args, state), 0, False, scope
+            )
         reduce_step.add_up(result, totals, {})
     sums = {key: torch.from_numpy(value) for key, value in totals.items()}
     state = method.finalize(0, sums, job.params, job.numel(), state)

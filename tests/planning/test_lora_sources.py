@@ -38,7 +38,7 @@ def _stream(layout: Layout, pieces: tuple[Piece, ...], inputs: int) -> tuple[lis
     with worker.worker_context().work() as scope:
         got = [
             (b, [x.tobytes() for x in inputs_.raw], inputs_.dtypes)
-            for b, inputs_ in blocks.stream_blocks(pieces, layout, Storage(), read, scope)
+            for b, inputs_ in blocks.BlockStream(pieces, layout, Storage(), read, scope)
         ]
     return got, read
 

@@ -128,7 +128,7 @@ def test_the_reader_decodes_a_new_format_through_the_seam(tmp_path, monkeypatch)
     with worker.worker_context().work() as scope:
         got = [
             (b, inputs.raw[0].tobytes(), inputs.raw[1].tobytes(), inputs.dtypes, inputs.stored)
-            for b, inputs in blocks.stream_blocks(
+            for b, inputs in blocks.BlockStream(
                 (Piece("w", 10, 30),), layout, Storage(), read, scope
             )
         ]

@@ -101,24 +101,3 @@ def test_an_fp8_weight_that_fits_a_unit_starts_one_rather_than_be_cut():
         [("norm", 0, 60)],
         [("w", 0, 80), ("w_scale_inv", 0, 2)],
     ]
-
-
-def test_planning_pauses_the_garbage_collector_and_restores_it():
-    import gc
-
-    from ram_dist.planning.job import gc_paused
-
-    assert gc.isenabled()
-    with gc_paused():
-        assert not gc.isenabled()
-    assert gc.isenabled()
-    with pytest.raises(RamDistError), gc_paused():
-        raise RamDistError("a check failed")
-    assert gc.isenabled()
-    gc.disable()  # a caller that keeps it off keeps it off
-    try:
-        with gc_paused():
-            pass
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
