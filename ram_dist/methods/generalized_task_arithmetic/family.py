@@ -319,10 +319,10 @@ class TaskArithmeticFamily(MergekitRule):
     ) -> torch.Tensor:
         import torch
 
-        weights = _weights(params)
-        normalize = bool(params["normalize"])
         if self.tall:
             return self._tall_chunk(chunk, base, tasks, params, state)
+        weights = _weights(params)
+        normalize = bool(params["normalize"])
         lam = float(params["lambda"])
         if self.sparsify is None:
             return combine.merge_chunk(base, tasks, weights, normalize=normalize, lambda_=lam)
@@ -365,26 +365,22 @@ class TaskArithmeticFamily(MergekitRule):
         import torch
 
         b, deltas = combine.task_vectors(base, tasks)
-        sparse = deltas
-        if self.sparsify == "magnitude":
-            info = state["tensors"][chunk.tensor]
-            sparse, deltas = [], list(deltas)
-            for t, (d, c) in enumerate(zip(deltas, info["cuts"], strict=True)):
-                if c is None:  # density 1: untouched (density <= 0 is refused)
-                    sparse.append(d)
-                    continue
-                keys = topk.magnitude_keys(d)
-                keep = topk.keep_mask(keys, c["threshold"], chunk.start, c.get("index_cut"))
-                factor = c.get("factor")
-                if factor is not None:  # mergekitty: `delta *= factor`, then `delta * mask`
-                    d = deltas[t] = d * torch.tensor(factor, dtype=d.dtype, device=d.device)
-                sparse.append(d * keep.reshape(d.shape).to(d.dtype))
+        whole, sparse = list(deltas), list(deltas)  # what the masks see; what is combined
+        cuts = state["tensors"][chunk.tensor]["cuts"] if self.sparsify else [None] * len(tasks)
+        for t, (d, c) in enumerate(zip(deltas, cuts, strict=True)):
+            if c is None:  # no cut: density 1 (density <= 0 is refused) or consensus_ta
+                continue
+            keys = topk.magnitude_keys(d)
+            keep = topk.keep_mask(keys, c["threshold"], chunk.start, c.get("index_cut"))
+            if c.get("factor") is not None:  # mergekitty: `delta *= factor`, then the mask
+                whole[t] = d * torch.tensor(c["factor"], dtype=d.dtype, device=d.device)
+            sparse[t] = whole[t] * keep.reshape(d.shape).to(d.dtype)
         mixed = combine.mix(
             sparse, _weights(params), consensus=self.consensus,
             normalize=bool(params["normalize"]), lambda_=1.0,
         )  # fmt: skip
         lambdas = [float(x) for x in params["lambda"]]
-        return b + tall.consensus(deltas, mixed, lambdas, int(params["k"][0]))
+        return b + tall.consensus(whole, mixed, lambdas, int(params["k"][0]))
 
     def fused_statistics(
         self,
