@@ -252,7 +252,11 @@ def render_method_parameters(names: tuple[str, ...]) -> Any:
 
 
 #: The families whose parameters docs/mergekit-methods.md shows in a generated table.
-MERGEKIT_TABLES = (("breadcrumbs", "breadcrumbs_ties"), ("della", "della_linear"))
+MERGEKIT_TABLES = (
+    ("breadcrumbs", "breadcrumbs_ties"),
+    ("della", "della_linear"),
+    ("consensus_ta", "consensus_ties"),
+)
 
 #: Each table: its file, its markers and what makes it.
 TABLES = (

@@ -169,6 +169,14 @@ RESCALE = Parameter(
     cli_flag="--rescale",
 )  # fmt: skip
 SEED = Parameter("seed", 0, "seed of the random masks", kind=int, cli_flag="--seed")
+K = Parameter(
+    "k", 1, "TALL masks: the least number of tasks an element must matter to, to be kept",
+    kind=int, per_task=True, cli_flag="--k", check=_at_least_zero("k"),
+)  # fmt: skip
+TALL_LAMBDA = Parameter(
+    "lambda", 1.0, "TALL masks: a task's element matters where abs(delta) > lambda * "
+    "abs(merged - delta)", per_task=True, cli_flag="--lambda", check=_at_least_zero("lambda"),
+)  # fmt: skip
 INT8_MASK = Parameter(
     "int8_mask", False, "mergekit's dtype of the sign mask (no effect on the result)",
     kind=bool, effect=False, passed=False,

@@ -29,6 +29,7 @@ import geometric_reference as geo
 import pytest
 import sparse_reference as sparse
 import stock_reference as stock
+import tall_reference as tall
 import torch
 from builders import assert_same_bytes, load_checkpoint
 from fp8_models import BLOCK, PLAIN, UNTOUCHED, WEIGHTS
@@ -67,6 +68,8 @@ PARAMETERS = {
     "sce": {"select_topk": 0.5},
     "nearswap": {"t": 0.001},
     "slerp": {"t": 0.3},
+    "consensus_ta": {"k": 2, "lambda": 0.5},
+    "consensus_ties": {"density": 0.5, "k": 2, "lambda": 0.5},
 }
 TASK_WEIGHTS = (0.6, 0.9, 0.7)
 WEIGHTED = ("nuslerp", "multislerp")
@@ -206,6 +209,12 @@ def _reference(method: str, s: InputSet, picked: list[int]) -> tuple[dict, dict 
                 densities=[params.get("density", 1.0)] * n,
                 gammas=[params.get("gamma", 0.01)] * n,
                 epsilons=[params.get("epsilon", 0.15)] * n, seed=params.get("seed", 0),
+            )  # fmt: skip
+        elif method in tall.METHODS:
+            n = len(ts)
+            y = tall.consensus_merge(
+                method, b, ts, weights=[1.0] * n, densities=[params.get("density", 1.0)] * n,
+                k=params["k"], lambdas=[params["lambda"]] * n,
             )  # fmt: skip
         elif method == "linear":
             y = sparse.linear(ts, [1.0] * len(ts))

@@ -23,6 +23,8 @@ METHODS = [
     ("ties", {"density": 0.3, "rescale": True}),
     ("dare_linear", {"density": 0.4}),
     ("dare_ties", {"density": 0.4}),
+    ("consensus_ta", {"k": 2, "lambda": 0.5}),
+    ("consensus_ties", {"density": 0.3, "k": 2, "lambda": 0.4, "rescale": True}),
     ("breadcrumbs_ties", {"density": 0.3, "gamma": 0.05, "rescale": True}),
     ("della", {"density": 0.4, "epsilon": 0.1}),
     ("della_linear", {"density": 0.4, "epsilon": 0.3, "rescale": False}),

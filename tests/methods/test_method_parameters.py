@@ -40,6 +40,12 @@ def test_every_method_takes_the_parameters_the_table_declares() -> None:
     assert defaults["ties"]["normalize"] is True and defaults["ties"]["rescale"] is False
     assert defaults["dare_linear"]["rescale"] is True and defaults["dare_ties"]["seed"] == 0
     assert defaults["linear"] == {"weight": 1.0, "normalize": True}
+    # mergekitty's consensus methods: k and lambda per task (lambda the TALL threshold)
+    for name, normalize in (("consensus_ta", False), ("consensus_ties", True)):
+        assert defaults[name]["k"] == 1 and defaults[name]["lambda"] == 1.0
+        assert defaults[name]["normalize"] is normalize and defaults[name]["rescale"] is False
+        per_task = {p.name for p in PARAMETERS[name] if p.per_task}
+        assert per_task == {"weight", "density", "k", "lambda"}
     # the engine hands globals first, then per-task ones: the report's and the config's order
     assert [p.name for p in handed(PARAMETERS["dare_ties"])] == [
         "normalize", "lambda", "rescale", "seed", "weight", "density",
@@ -60,7 +66,7 @@ def test_cli_flags_and_their_help_come_from_the_table() -> None:
     assert flagged == {"--r", "--alpha", "--eps", "--weight", "--density", "--lambda",
                        "--normalize", "--rescale", "--seed", "--filter-wise", "--select-topk",
                        "--t", "--scale", "--nuslerp-flatten", "--nuslerp-row-wise",
-                       "--normalize-weights", "--max-iter", "--tol", "--gamma"}  # fmt: skip
+                       "--normalize-weights", "--max-iter", "--tol", "--gamma", "--k"}  # fmt: skip
     for p, text in cli_parameters():
         assert helps[p.cli_flag] == text and text.startswith(p.help)
     assert "ramplus_tl: default 0.2" in helps["--alpha"]

@@ -1,5 +1,6 @@
 """mergekit's generalized task arithmetic family: `task_arithmetic`, `ties`, `dare_linear`
-and `dare_ties`, one method class configured four ways (`family.TaskArithmeticFamily`);
+and `dare_ties`, and mergekitty's `consensus_ta` and `consensus_ties`, one method class
+configured six ways (`family.TaskArithmeticFamily`);
 beside it the sparsifiers with rounds of their own, `breadcrumbs` and `breadcrumbs_ties`
 (`breadcrumbs.Breadcrumbs`), `della` and `della_linear` (`della.Della`), all listed in
 `METHODS`. Each member takes the task vectors
@@ -16,6 +17,8 @@ The rules, one module each:
 * `breadcrumbs`: Model Breadcrumbs' two magnitude cuts per task (outliers and the smallest),
   each one of `topk`'s exact cuts.
 * `della`: DELLA's keep probabilities from magnitude ranks within rows, drawn with `rng`.
+* `tall`: the TALL masks of the consensus members: keep the merged task vector where it
+  matters to at least `k` tasks.
 """
 
 from __future__ import annotations

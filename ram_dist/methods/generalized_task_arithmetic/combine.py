@@ -42,8 +42,7 @@ def ordered_sum(terms: Sequence[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def combine(
-    base: torch.Tensor,
+def mix(
     deltas: Sequence[torch.Tensor],
     weights: Sequence[float],
     *,
@@ -51,12 +50,13 @@ def combine(
     normalize: bool,
     lambda_: float,
 ) -> torch.Tensor:
-    """Merged float32 values `base + mixed` from (sparsified) float32 task vectors."""
+    """The merged float32 task vector `mixed` from (sparsified) float32 task vectors: what
+    `combine` adds to the base, and what the TALL masks (`tall`) compare each task with."""
     import torch
 
     if len(deltas) != len(weights):
         raise ValueError(f"{len(deltas)} task vectors but {len(weights)} weights")
-    w = torch.tensor(list(weights), dtype=torch.float32, device=base.device)
+    w = torch.tensor(list(weights), dtype=torch.float32, device=deltas[0].device)
     weighted = [delta * w[t] for t, delta in enumerate(deltas)]
     if consensus:
         majority = (ordered_sum(weighted) >= 0).to(torch.float32) * 2 - 1
@@ -73,7 +73,20 @@ def combine(
         mixed = mixed / divisor
     if lambda_ != 1:
         mixed = mixed * lambda_
-    return base + mixed
+    return mixed
+
+
+def combine(
+    base: torch.Tensor,
+    deltas: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    *,
+    consensus: bool,
+    normalize: bool,
+    lambda_: float,
+) -> torch.Tensor:
+    """Merged float32 values `base + mixed` from (sparsified) float32 task vectors."""
+    return base + mix(deltas, weights, consensus=consensus, normalize=normalize, lambda_=lambda_)
 
 
 def merge_chunk(

@@ -92,13 +92,16 @@ def l1_float32(stat: torch.Tensor) -> float:
     return float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
 
 
-def rescale_factor(total: torch.Tensor, kept: torch.Tensor) -> float | None:
-    """float32 `||delta||_1 / ||kept||_1` from two L1 statistics; None when skipped."""
+def rescale_factor(
+    total: torch.Tensor, kept: torch.Tensor, eps: float = RESCALE_EPS
+) -> float | None:
+    """float32 `||delta||_1 / ||kept||_1` from two L1 statistics; None when either norm is
+    below `eps` (mergekit's 1e-7; mergekitty's consensus methods skip below 1e-8)."""
     import torch
 
     before = torch.tensor(l1_float32(total), dtype=torch.float32)
     after = torch.tensor(l1_float32(kept), dtype=torch.float32)
-    if before < RESCALE_EPS or after < RESCALE_EPS:
+    if before < eps or after < eps:
         return None
     return float(before / after)
 

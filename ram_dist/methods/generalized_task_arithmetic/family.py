@@ -1,8 +1,9 @@
 """mergekit's generalized task arithmetic family as one configured method class,
-`TaskArithmeticFamily`, and its four members (`METHODS`): `task_arithmetic`, `ties`,
-`dare_linear` and `dare_ties`, with mergekit's names, parameters and defaults. A member is
-an optional sparsification (by magnitude: TIES; at random: DARE), then the weighted combine
-step with optional sign consensus.
+`TaskArithmeticFamily`, and its members (`METHODS`): `task_arithmetic`, `ties`,
+`dare_linear` and `dare_ties`, with mergekit's names, parameters and defaults, and
+mergekitty's `consensus_ta` and `consensus_ties` with its own. A member is an optional
+sparsification (by magnitude: TIES; at random: DARE), then the weighted combine step with
+optional sign consensus, then, for the consensus members, TALL masks (`tall`).
 
 Whole-tensor quantities are reduce rounds: TIES's exact top-k cut (`topk`: rounds 0-1
 magnitude histograms, then, when the cut splits a group of equal magnitudes, rounds 2-3
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
-from ram_dist.methods.generalized_task_arithmetic import combine, dare, ties, topk
+from ram_dist.methods.generalized_task_arithmetic import combine, dare, tall, ties, topk
 from ram_dist.methods.parameters import (
     DENSITY,
     INT8_MASK,
@@ -26,11 +27,13 @@ from ram_dist.methods.parameters import (
     NORMALIZE,
     RESCALE,
     SEED,
+    TALL_LAMBDA,
     WEIGHT,
+    K,
     Parameter,
     variant,
 )
-from ram_dist.methods.protocol import Chunk, MergekitRule, State, TensorParams
+from ram_dist.methods.protocol import MERGEKIT_TEXT, Chunk, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
@@ -38,6 +41,9 @@ if TYPE_CHECKING:
 
 L1 = "#l1"
 L1_ABOVE = "#l1-above"
+#: mergekitty's tolerance below which an L1 norm counts as zero in its consensus methods'
+#: rescale (`sparsify.rescale_sum`; mergekit's is `dare.RESCALE_EPS`).
+TALL_RESCALE_EPS = 1e-8
 
 
 def _ordered(cut: dict[str, Any] | None) -> bool:
@@ -92,7 +98,8 @@ def _weights(params: TensorParams) -> list[float]:
 @dataclass(frozen=True)
 class TaskArithmeticFamily(MergekitRule):
     """mergekit's generalized task arithmetic: sparsify (none, magnitude, random), weight,
-    optional sign consensus, optional normalize, lambda."""
+    optional sign consensus, optional normalize, lambda; or, with `tall` (mergekitty's
+    consensus members), TALL masks in place of lambda's scaling."""
 
     name: str
     sparsify: str | None  # None, "magnitude" (TIES) or "random" (DARE)
@@ -102,26 +109,36 @@ class TaskArithmeticFamily(MergekitRule):
     summary: str = ""
     needs_base: bool = True
     task_counts: tuple[int, int | None] = (2, None)
+    tall: bool = False  # mergekitty's consensus_*: TALL masks (`tall`), lambda their threshold
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
         """mergekit's `GeneralizedTaskArithmeticMerge` parameters with this member's defaults
-        (normalize for TIES, rescale for DARE), and DARE's seed (ram-dist's own)."""
+        (normalize for TIES, rescale for DARE), and DARE's seed (ram-dist's own); the
+        consensus members take mergekitty's `k` and `lambda` per task instead of the one
+        `lambda`."""
         normalize = variant(NORMALIZE, self.sparsify == "magnitude")
+        lambda_ = (K, TALL_LAMBDA) if self.tall else (LAMBDA,)
         if self.sparsify is None:  # no sparsification: density and rescale do nothing
             return (
                 WEIGHT,
                 variant(DENSITY, effect=False),  # the method reads it; it must stay 1
                 normalize,
-                LAMBDA,
+                *lambda_,
                 variant(RESCALE, False, effect=False, passed=False),
                 INT8_MASK,
             )
         rescale = variant(RESCALE, self.sparsify == "random")
         seed = (SEED,) if self.sparsify == "random" else ()
-        return (WEIGHT, DENSITY, normalize, LAMBDA, rescale, *seed, INT8_MASK)
+        return (WEIGHT, DENSITY, normalize, *lambda_, rescale, *seed, INT8_MASK)
 
     reports_overlap = False
+
+    @property
+    def description(self) -> str:
+        if self.tall:
+            return MERGEKIT_TEXT.format(name=self.name).replace("mergekit", "mergekitty")
+        return MERGEKIT_TEXT.format(name=self.name)
 
     @property
     def rounds(self) -> int:
@@ -136,9 +153,24 @@ class TaskArithmeticFamily(MergekitRule):
         return ""
 
     def check(self, params: TensorParams, where: str) -> None:
-        """What the parameters' own checks cannot see: task arithmetic sparsifies nothing."""
+        """What the parameters' own checks cannot see: task arithmetic sparsifies nothing;
+        the TALL members' `k` is one count (mergekitty reads the first task's) and no more
+        than the tasks (else no element is kept: the merge would be the base)."""
         if self.sparsify is None and any(d != 1 for d in params["density"]):
             raise RamDistError(f"{where}: {self.name} has no density (use ties or dare_*)")
+        if not self.tall:
+            return
+        ks = list(params["k"])
+        if len(set(ks)) > 1:
+            raise RamDistError(
+                f"{where}: parameter k must be the same for every task ({self.name} counts "
+                f"tasks once per element; mergekitty reads only the first), got {ks}"
+            )
+        if ks and ks[0] > len(ks):
+            raise RamDistError(
+                f"{where}: parameter k is {ks[0]} but there are {len(ks)} tasks: no element "
+                f"would be kept; use k <= {len(ks)}"
+            )
 
     # -- reduce rounds ------------------------------------------------------------------
 
@@ -271,7 +303,8 @@ class TaskArithmeticFamily(MergekitRule):
                     found = topk.Cut(cut["threshold"], cut["need"], cut["equal"])
                     above = totals[name + L1_ABOVE][t]
                     before = torch.tensor(cut["l1"], dtype=torch.int64)
-                    cut["factor"] = dare.rescale_factor(before, ties.kept_l1(above, found))
+                    kept = ties.kept_l1(above, found)
+                    cut["factor"] = dare.rescale_factor(before, kept, self._rescale_eps)
         return state
 
     # -- map pass ----------------------------------------------------------------------
@@ -286,9 +319,11 @@ class TaskArithmeticFamily(MergekitRule):
     ) -> torch.Tensor:
         import torch
 
+        if self.tall:
+            return self._tall_chunk(chunk, base, tasks, params, state)
         weights = _weights(params)
-        lam = float(params["lambda"])
         normalize = bool(params["normalize"])
+        lam = float(params["lambda"])
         if self.sparsify is None:
             return combine.merge_chunk(base, tasks, weights, normalize=normalize, lambda_=lam)
         info = state["tensors"][chunk.tensor]
@@ -311,6 +346,41 @@ class TaskArithmeticFamily(MergekitRule):
         return combine.combine(
             b, sparse, weights, consensus=self.consensus, normalize=normalize, lambda_=lam
         )
+
+    @property
+    def _rescale_eps(self) -> float:
+        return TALL_RESCALE_EPS if self.tall else dare.RESCALE_EPS
+
+    def _tall_chunk(
+        self,
+        chunk: Chunk,
+        base: torch.Tensor,
+        tasks: list[torch.Tensor],
+        params: TensorParams,
+        state: State,
+    ) -> torch.Tensor:
+        """mergekitty's consensus members (`tall`): the combine step without lambda on the
+        (TIES-cut) task vectors, then TALL masks against each whole task vector (rescaled
+        by its L1 factor, if any, as mergekitty rescales it in place), then the base."""
+        import torch
+
+        b, deltas = combine.task_vectors(base, tasks)
+        whole, sparse = list(deltas), list(deltas)  # what the masks see; what is combined
+        cuts = state["tensors"][chunk.tensor]["cuts"] if self.sparsify else [None] * len(tasks)
+        for t, (d, c) in enumerate(zip(deltas, cuts, strict=True)):
+            if c is None:  # no cut: density 1 (density <= 0 is refused) or consensus_ta
+                continue
+            keys = topk.magnitude_keys(d)
+            keep = topk.keep_mask(keys, c["threshold"], chunk.start, c.get("index_cut"))
+            if c.get("factor") is not None:  # mergekitty: `delta *= factor`, then the mask
+                whole[t] = d * torch.tensor(c["factor"], dtype=d.dtype, device=d.device)
+            sparse[t] = whole[t] * keep.reshape(d.shape).to(d.dtype)
+        mixed = combine.mix(
+            sparse, _weights(params), consensus=self.consensus,
+            normalize=bool(params["normalize"]), lambda_=1.0,
+        )  # fmt: skip
+        lambdas = [float(x) for x in params["lambda"]]
+        return b + tall.consensus(whole, mixed, lambdas, int(params["k"][0]))
 
     def fused_statistics(
         self,
@@ -340,8 +410,8 @@ class TaskArithmeticFamily(MergekitRule):
         bf16_nan: int | None = None,
     ) -> bool:
         """`merge_chunk` by a fused kernel, written straight into `out`; False where none
-        applies (DARE, L1 rescaling)."""
-        if self.sparsify == "random":
+        applies (DARE, L1 rescaling, TALL masks)."""
+        if self.sparsify == "random" or self.tall:
             return False
         from ram_dist.kernels import ties_numba
 
@@ -370,8 +440,9 @@ class TaskArithmeticFamily(MergekitRule):
         return True
 
     def fuses(self, params: TensorParams) -> bool:
-        """The kernels take every chunk but DARE's (random masks) and L1 rescaling's."""
-        return self.sparsify != "random" and not _rescales(params)
+        """The kernels take every chunk but DARE's (random masks), L1 rescaling's and the
+        consensus methods' (TALL masks)."""
+        return self.sparsify != "random" and not self.tall and not _rescales(params)
 
     def whole_rows(self, params: TensorParams) -> bool:
         return False
@@ -422,5 +493,14 @@ METHODS = (
     TaskArithmeticFamily(
         "dare_ties", "random", True, "DARE (TIES)", "Yu et al. 2024",
         summary="DARE's random drop, then TIES's sign election",
+    ),
+    TaskArithmeticFamily(
+        "consensus_ta", None, False, "Consensus Task Arithmetic", "Wang et al. 2024",
+        summary="task arithmetic, kept only where at least k tasks' TALL masks hold",
+        tall=True,
+    ),
+    TaskArithmeticFamily(
+        "consensus_ties", "magnitude", True, "Consensus TIES", "Wang et al. 2024",
+        summary="TIES, kept only where at least k tasks' TALL masks hold", tall=True,
     ),
 )  # fmt: skip
