@@ -1,6 +1,7 @@
 """tests/README.md's table lists every test file once, and names no file that does not
-exist; no two test files share a name (pytest imports each by its bare name); every
-`tests/....py` path the repository's text names is a file."""
+exist; no two test files share a name (pytest imports each by its bare name); no test file
+imports another (what two share lives in `tests/support/`); every `tests/....py` path the
+repository's text names is a file."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 ROOT = next(p for p in TESTS.parents if (p / "pyproject.toml").exists())
 TEXT = {".md", ".py", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".sh"}
+#: An import of a test module, in code or in a script a test runs (`from test_x import`,
+#: `import test_x`, `from tests.x import`).
+IMPORTS_A_TEST = re.compile(
+    r"^\s*(?:from\s+(?:tests\.|test_)\S*\s+import|import\s+(?:tests\.|test_))", re.M
+)
 NAMED = re.compile(r"\btests/[\w/]+\.py\b")
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+) \| ([^|]+) \|$")
 
@@ -41,6 +47,20 @@ def test_every_row_says_what_the_file_covers_and_starts() -> None:
 def test_test_file_names_are_unique() -> None:
     names = Counter(Path(p).name for p in _test_files())
     assert [name for name, n in names.items() if n > 1] == []
+
+
+def test_no_test_file_imports_another() -> None:
+    importing = [
+        f"{path}: {m.group(0).strip()}"
+        for path in _test_files() + [p.relative_to(TESTS).as_posix() for p in TESTS.glob("*.py")]
+        for m in IMPORTS_A_TEST.finditer((TESTS / path).read_text(encoding="utf-8"))
+    ]
+    importing += [
+        f"support/{p.name}: {m.group(0).strip()}"
+        for p in (TESTS / "support").glob("*.py")
+        for m in IMPORTS_A_TEST.finditer(p.read_text(encoding="utf-8"))
+    ]
+    assert importing == [], "\n".join(importing)
 
 
 def _text_files() -> list[Path]:
