@@ -1,13 +1,19 @@
 """tests/README.md's table lists every test file once, and names no file that does not
 exist; no two test files share a name (pytest imports each by its bare name); no test file
-imports another (what two share lives in `tests/support/`); every `tests/....py` path the
-repository's text names is a file."""
+imports another (what two share lives in `tests/support/`); the quick tier
+(`pytest -m quick`) has tests of every package; every `tests/....py` path the repository's
+text names is a file."""
 
 from __future__ import annotations
 
 import re
 from collections import Counter
 from pathlib import Path
+
+import pytest
+
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
 
 TESTS = Path(__file__).resolve().parent
 ROOT = next(p for p in TESTS.parents if (p / "pyproject.toml").exists())
@@ -61,6 +67,19 @@ def test_no_test_file_imports_another() -> None:
         for m in IMPORTS_A_TEST.finditer(p.read_text(encoding="utf-8"))
     ]
     assert importing == [], "\n".join(importing)
+
+
+def test_the_quick_tier_touches_every_package() -> None:
+    """Each package of ram_dist (tests/<package>/, the folders follow them) and the entry
+    points (`cli`, `api`: tests/entry/) have a test file with quick tests."""
+    packages = sorted(p.parent.name for p in (ROOT / "ram_dist").glob("*/__init__.py"))
+    folders = {name: TESTS / name for name in packages} | {"cli and api": TESTS / "entry"}
+    missing = [
+        name
+        for name, folder in folders.items()
+        if not any("pytest.mark.quick" in f.read_text() for f in folder.glob("test_*.py"))
+    ]
+    assert missing == [], f"no quick test for {missing}"
 
 
 def _text_files() -> list[Path]:

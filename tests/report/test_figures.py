@@ -17,6 +17,9 @@ from hand_report import HAND_HIST, hand_report, png_size
 
 from ram_dist.report import figures
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 
 def test_figure2_data_is_the_hand_computed_numbers() -> None:
     data = figures.figure2_data(hand_report())

@@ -10,6 +10,9 @@ from hand_report import hand_report
 
 from ram_dist.report.model_card import format_parameters, hub_repo_id, model_card, redact_location
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 SHA = "ab" * 32
 
 
