@@ -1,6 +1,6 @@
 """Wall time and peak memory of ``ram-dist plan`` on a large base and its tasks.
 
-Writes, in a temporary folder, checkpoints of one of four layouts (``--layout``) as sparse
+Writes, in a temporary folder, checkpoints of one of five layouts (``--layout``) as sparse
 files: each shard's real safetensors header, then ``truncate`` to its full size (holes, no
 data). Then it runs ``ram-dist plan --base B --task T1 ... --unit-mb 256`` as a subprocess and
 prints its wall time, CPU time and peak RSS (``os.wait4``) as a Markdown table, beside the
@@ -24,6 +24,13 @@ layout, the parameters of every tensor, the plan of the work units, the report.
   ``model-00000-of-00014.safetensors`` ... with the published ``quantization_config``; each
   agent's 615 bf16 tensors (the experts' weights by their decoded names and shapes) in 72
   shards of at most 5 GB, as ``save_pretrained`` writes them. Target: at most 10 s and 1 GiB.
+* ``kimi-k2-thinking``: Kimi-K2-Thinking's published base and three bf16 agents
+  (``ram_dist.synthetic.kimi``): the base's 208,215 tensors (DeepSeek-V3's names, 61 layers,
+  60 of them with 384 routed experts, each expert's gate, up and down a compressed-tensors
+  INT4 triple ``weight_packed``/``weight_scale``/``weight_shape``, everything else bf16) in 62
+  shards ``model-00001-of-000062.safetensors`` ... with the published ``quantization_config``;
+  each agent's 69,975 bf16 tensors (the experts' weights as ``.weight``) in 412 shards of at
+  most 5 GB, as ``save_pretrained`` writes them. Target: at most 10 s and 1 GiB.
 * ``small-100k``: a base and two tasks of 100,000 tensors of one bf16 element each
   (``model.layers.L.wJ.weight``, 1,000 layers of 100), in 4 shards each: the cost per tensor,
   with nothing else in it.
@@ -33,6 +40,7 @@ Example::
     python -m benchmarks.bench_plan --repeats 3
     python -m benchmarks.bench_plan --layout deepseek-v3 --profile /tmp/plan.prof
     python -m benchmarks.bench_plan --layout gpt-oss-120b
+    python -m benchmarks.bench_plan --layout kimi-k2-thinking
     python -m pstats /tmp/plan.prof   # then: sort cumtime, stats 30
 
 from the repository root. The layouts and the sparse files are `ram_dist.synthetic`'s.
@@ -58,6 +66,7 @@ from ram_dist.synthetic import deepseek, gpt_oss
 from ram_dist.synthetic.deepseek import DEEPSEEK_V3, split_evenly
 from ram_dist.synthetic.files import shard_name, write_sparse_checkpoint
 from ram_dist.synthetic.gpt_oss import GPT_OSS_120B
+from ram_dist.synthetic.kimi import KIMI_K2_THINKING
 from ram_dist.synthetic.llama import LLAMA_3_1_405B
 
 SHARDS = 191
@@ -138,6 +147,15 @@ LAYOUTS = {
         gpt_oss.shard_name,
         lambda: GPT_OSS_120B.shards(mxfp4=False),
         GPT_OSS_120B.config(mxfp4=False),
+    ),
+    "kimi-k2-thinking": Layout(
+        "Kimi-K2-Thinking layout, INT4 base + 3 bf16 agents",
+        ROLES,
+        KIMI_K2_THINKING.shards,
+        KIMI_K2_THINKING.config(),
+        deepseek.shard_name,
+        lambda: KIMI_K2_THINKING.shards(int4=False),
+        KIMI_K2_THINKING.config(int4=False),
     ),
     "small-100k": Layout(
         "100,000 tensors of one bf16 element, base + 2 tasks", ROLES[:3], small_shards

@@ -1,5 +1,6 @@
-"""What each input stores its weights as: floating point, fine-grained FP8 blocks, or
-gpt-oss's MXFP4 blocks and scales.
+"""What each input stores its weights as: floating point, fine-grained FP8 blocks,
+gpt-oss's MXFP4 blocks and scales, or compressed-tensors' and fbgemm_fp8's weights
+(`planning.compressed`).
 
 Recognised per checkpoint, from its `config.json`'s `quantization_config` and its headers,
 on the driver before any tensor byte is read (`docs/exactness.md`, `docs/fp8.md` and
@@ -8,7 +9,8 @@ on the driver before any tensor byte is read (`docs/exactness.md`, `docs/fp8.md`
 values are the dequantized ones, and the companion never takes part on its own. An MXFP4
 weight `N` is stored as the pair `N_blocks` and `N_scales` and is, to the merge, the tensor
 `N` of their decoded shape (`kernels.mxfp4`): the name and layout of a bf16 checkpoint of
-the same model, and of its agents. Every other quantized or packed format is refused here,
+the same model, and of its agents; a compressed-tensors packed weight is, likewise, the
+tensor `N.weight` of its `weight_shape`. Every other quantized or packed format is refused here,
 naming the checkpoint, the file, the tensor and the format: merging its packed integers as
 numbers, or copying the base's, would drop the agents' updates without a word.
 """
@@ -25,6 +27,9 @@ from ram_dist.errors import CheckpointError
 from ram_dist.io.checkpoint import Checkpoint
 from ram_dist.io.safetensors_header import TensorInfo
 from ram_dist.kernels import mxfp4
+from ram_dist.planning import compressed as ct
+from ram_dist.planning.compressed import Compressed, recognize_compressed
+from ram_dist.planning.packed_sources import PackedIntSource
 from ram_dist.planning.sources import Fp8Source, Mxfp4Source, Source, TensorSource
 
 FP8_DTYPE = "F8_E4M3"
@@ -43,7 +48,7 @@ PACKED_SUFFIXES = {
     ".scales": "GPTQ/AWQ packed int4",
     "_blocks": "MXFP4 (blocks and scales)",
     ".weight_packed": "compressed-tensors packed",
-    ".weight_scale": "compressed-tensors",
+    ".weight_scale": "compressed-tensors or fbgemm_fp8",
     ".SCB": "bitsandbytes int8",
     ".absmax": "bitsandbytes 4-bit",
     ".quant_map": "bitsandbytes 4-bit",
@@ -77,12 +82,14 @@ class Format:
     """How one checkpoint stores its weights. The rest of the package asks it only for the
     tensors the merge sees (`view`: an MXFP4 weight by its decoded name and shape), each
     one's source (`source`), the stored tensors that are part of another's (`companions`),
-    whether any values are decoded (`decodes`) and its words (`describe`): `fp8` and `mxfp4`
-    are read here alone."""
+    whether any values are decoded (`decodes`), an FP8 weight's scale tensor (`scale_name`)
+    and its words (`describe`): `fp8`, `mxfp4` and `compressed` are read here alone."""
 
     fp8: Fp8Blocks | None
     mxfp4: dict[str, Mxfp4Pair] = field(default_factory=dict)
     """Per MXFP4 weight (its decoded name), its blocks and scales."""
+    compressed: Compressed | None = None
+    """compressed-tensors' packed INT and FP8 weights, or fbgemm_fp8's (`planning.compressed`)."""
 
     @functools.cached_property
     def companions(self) -> frozenset[str]:
@@ -91,12 +98,14 @@ class Format:
         names = {n + SCALE_SUFFIX for n in self.fp8.scales} if self.fp8 is not None else set()
         for name in self.mxfp4:
             names |= {name + BLOCKS_SUFFIX, name + SCALES_SUFFIX}
+        if self.compressed is not None:
+            names |= self.compressed.companions
         return frozenset(names)
 
     @property
     def decodes(self) -> bool:
         """Whether some tensor's values are decoded from what the checkpoint stores."""
-        return self.fp8 is not None or bool(self.mxfp4)
+        return self.fp8 is not None or bool(self.mxfp4) or self.compressed is not None
 
     def view(self, ckpt: Checkpoint) -> dict[str, TensorInfo]:
         """The checkpoint's tensors as the merge sees them: its stored ones but the
@@ -109,6 +118,9 @@ class Format:
             b = pair.blocks
             shape = mxfp4.decoded_shape(b.shape)
             out[name] = TensorInfo(name, MXFP4_OUT_DTYPE, shape, b.file, b.start, b.end)
+        for name, w in self.compressed.packed.items() if self.compressed is not None else ():
+            p = w.packed
+            out[name] = TensorInfo(name, ct.INT_OUT_DTYPE, (w.rows, w.cols), p.file, p.start, p.end)
         return out
 
     def source(self, info: TensorInfo) -> TensorSource:
@@ -121,6 +133,8 @@ class Format:
                 pair.blocks.file, pair.blocks.start, pair.blocks.dtype, pair.scales.file,
                 pair.scales.start, r, g,
             )  # fmt: skip
+        if self.compressed is not None:
+            return self._compressed_source(info, self.compressed)
         if self.fp8 is None or info.name not in self.fp8.scales:
             return Source(info.file, info.start, info.dtype)
         scale = self.fp8.scales[info.name]
@@ -129,11 +143,39 @@ class Format:
             self.fp8.block, info.shape[1],
         )  # fmt: skip
 
+    def _compressed_source(self, info: TensorInfo, found: Compressed) -> TensorSource:
+        w = found.packed.get(info.name)
+        if w is not None:
+            zero = w.zero
+            return PackedIntSource(
+                w.packed.file, w.packed.start, w.packed.dtype, info.name,
+                w.scale.file, w.scale.start, w.scale.dtype,
+                zero.file if zero else "", zero.start if zero else 0, zero.dtype if zero else "",
+                w.shape.file, w.shape.start, w.shape.dtype, w.bits, w.rows, w.cols, w.groups,
+            )  # fmt: skip
+        f = found.fp8.get(info.name)
+        if f is None:
+            return Source(info.file, info.start, info.dtype)
+        return Fp8Source(
+            info.file, info.start, info.dtype, f.scale.file, f.scale.start, f.scale.dtype,
+            f.block, info.shape[1], f.scale.dtype if f.rounded else "",
+        )  # fmt: skip
+
+    def scale_name(self, name: str) -> str:
+        """The stored scale tensor of FP8 weight `name`, which an FP8 output writes anew."""
+        if self.compressed is not None:
+            return ct.scale_name(name)
+        return name + SCALE_SUFFIX
+
     def describe(self, ckpt: Checkpoint) -> str:
         """In words, for `plan`, the report and the model card."""
-        floating = sorted({i.dtype for i in ckpt.tensors.values() if i.dtype in FLOATING}
-                          - {ckpt.tensors[n].dtype for n in self.companions})  # fmt: skip
+        floating = sorted({
+            i.dtype for n, i in ckpt.tensors.items()
+            if i.dtype in FLOATING and n not in self.companions
+        })  # fmt: skip
         plain = "/".join(dtype_name(d) for d in floating) or "no floating-point tensors"
+        if self.compressed is not None:
+            return self.compressed.describe(plain)
         if self.mxfp4:
             n = len(self.mxfp4)
             return f"MXFP4 (e2m1 codes, an e8m0 scale per 32, {n} weights; the rest {plain})"
@@ -150,6 +192,8 @@ def recognize(ckpt: Checkpoint) -> Format:
     _refuse_packed(ckpt, quant)
     if quant is not None and quant.get("quant_method") == MXFP4:
         return Format(None, _mxfp4_pairs(ckpt))
+    if quant is not None and quant.get("quant_method") in (ct.COMPRESSED, ct.FBGEMM):
+        return Format(None, compressed=recognize_compressed(ckpt, quant))
     block = _fp8_block(ckpt, quant) if quant is not None else None
     scales: dict[str, TensorInfo] = {}
     for name, info in sorted(ckpt.tensors.items()):
@@ -177,32 +221,41 @@ def recognize(ckpt: Checkpoint) -> Format:
     return Format(Fp8Blocks(block, scales) if block is not None else None)
 
 
+#: Per merged quant_method, the packed-tensor name endings that are its own.
+OWN_SUFFIXES = {
+    "fp8": (),
+    "mxfp4": (BLOCKS_SUFFIX,),
+    "compressed-tensors": (".weight_packed", ".weight_scale"),
+    "fbgemm_fp8": (".weight_scale",),
+}
+MERGED = "floating-point, fine-grained FP8, MXFP4, compressed-tensors and fbgemm_fp8"
+
+
 def _refuse_packed(ckpt: Checkpoint, quant: Mapping[str, Any] | None) -> None:
-    """Any quantization but fine-grained FP8 and MXFP4, declared or recognised by its
-    tensor names (an MXFP4 checkpoint's blocks are its own)."""
+    """Any quantization but those merged (`OWN_SUFFIXES`), declared or recognised by its
+    tensor names (a format's own packed tensors are its)."""
     method = quant.get("quant_method") if quant is not None else None
-    ends = tuple(e for e in PACKED_SUFFIXES if not (method == MXFP4 and e == BLOCKS_SUFFIX))
+    own = OWN_SUFFIXES.get(method, ()) if isinstance(method, str) else ()
+    ends = tuple(e for e in PACKED_SUFFIXES if e not in own)
     first = min((n for n in ckpt.tensors if n.endswith(ends)), default=None)
     packed = None
     if first is not None:
         packed = (first, next(f for e, f in PACKED_SUFFIXES.items() if first.endswith(e)))
-    if method in ("fp8", MXFP4) and packed is None:
+    if method in OWN_SUFFIXES and packed is None:
         return
-    if quant is not None and method not in ("fp8", MXFP4):
+    if quant is not None and method not in OWN_SUFFIXES:
         name = packed[0] if packed else _first_not_floating(ckpt)
         what = f"quant_method {method!r}" if method is not None else "a quantization_config"
         first = f"; first quantized tensor {name!r} in {ckpt.describe(name)}" if name else ""
         raise CheckpointError(
             f"{ckpt.label} ({ckpt.url}) is quantized ({what} in its config.json{first}): "
-            f"ram-dist merges floating-point, fine-grained FP8 and MXFP4 checkpoints only; "
-            + DEQUANTIZE
+            f"ram-dist merges {MERGED} checkpoints only; " + DEQUANTIZE
         )
     if packed is not None:
         name, fmt = packed
         raise CheckpointError(
             f"tensor {name!r} in {ckpt.describe(name)} is a packed quantized tensor "
-            f"({fmt}): ram-dist merges floating-point, fine-grained FP8 and MXFP4 checkpoints "
-            "only; " + DEQUANTIZE
+            f"({fmt}): ram-dist merges {MERGED} checkpoints only; " + DEQUANTIZE
         )
 
 
@@ -235,8 +288,8 @@ def _fp8_block(ckpt: Checkpoint, quant: Mapping[str, Any]) -> tuple[int, int]:
     ):
         raise CheckpointError(
             f"{where} has weight_block_size {block!r}: fine-grained FP8 needs two positive "
-            f"integers (e.g. [128, 128]); per-tensor or per-channel FP8 is not merged; "
-            + DEQUANTIZE
+            f"integers (e.g. [128, 128]); per-tensor or per-channel FP8 is merged in "
+            "compressed-tensors' or fbgemm_fp8's form only; " + DEQUANTIZE
         )
     return (block[0], block[1])
 

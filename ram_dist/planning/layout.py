@@ -26,7 +26,7 @@ from ram_dist.io.safetensors_header import TensorInfo
 from ram_dist.io.storage import join
 from ram_dist.io.writer import OutTensor
 from ram_dist.planning.adapters import adapter_sources, lora_config
-from ram_dist.planning.formats import FP8_DTYPE, SCALE_SUFFIX, Format, recognize
+from ram_dist.planning.formats import FP8_DTYPE, Format, recognize
 from ram_dist.planning.sources import (
     FP8_VALUES_DTYPE,
     Fp8Source,
@@ -124,7 +124,11 @@ class Layout:
         words = "/".join(dtype_name(d) for d in plain) or "no floating-point tensors"
         if not fp8:
             return words
-        bm, bn = fp8[0].fp8_out.block  # type: ignore[union-attr]
+        blocks = {e.fp8_out.block for e in fp8}  # type: ignore[union-attr]
+        if any(not e.fp8_out.scale_name.endswith("_scale_inv") for e in fp8):  # type: ignore[union-attr]
+            scales = "a scale per row or tensor, as the base's"
+            return f"FP8 (e4m3, {scales}, {len(fp8)} FP8 weights with new scales; the rest {words})"
+        bm, bn = blocks.pop()
         return (
             f"fine-grained FP8 (e4m3, {bm}x{bn} blocks, {len(fp8)} FP8 weights with new "
             f"scales; the rest {words})"
@@ -284,7 +288,7 @@ def build_layout(
         participating = merged[0]
         fp8_out = None
         if isinstance(sources[0], Fp8Source) and out_dtype is None:  # written as the base is
-            fp8_out = Fp8Out(sources[0].block, name + SCALE_SUFFIX, sources[0].scale_dtype)
+            fp8_out = Fp8Out(sources[0].block, base_fmt.scale_name(name), sources[0].scale_dtype)
             _check_band_heights(name, base, tasks, sources, fp8_out)
         tensors[name] = TensorEntry(
             name=name,

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from ram_dist.dtypes import dtype_name
 from ram_dist.kernels import precision
 from ram_dist.planning.layout import Layout
+from ram_dist.planning.packed_sources import PackedIntSource
 from ram_dist.planning.sources import BaseValues, Fp8Source, Mxfp4Source, TensorSource
 
 
@@ -38,6 +39,8 @@ def _stored(base: TensorSource) -> str:
     """How the base stores a tensor, in a word: FP8, MXFP4, or its dtype's name."""
     if isinstance(base, Fp8Source):
         return "FP8"
+    if isinstance(base, PackedIntSource):
+        return f"INT{base.bits}"
     return "MXFP4" if isinstance(base, Mxfp4Source) else dtype_name(base.values_dtype)
 
 

@@ -1,6 +1,7 @@
 """Where and how one input stores one tensor: the `TensorSource` protocol, and its
-implementations: plain dtypes (`Source`), fine-grained FP8 blocks (`Fp8Source`) and gpt-oss's
-MXFP4 blocks and scales (`Mxfp4Source`); a LoRA adapter's weight and bias are in
+implementations: plain dtypes (`Source`), FP8 with a scale per block, row or tensor
+(`Fp8Source`) and gpt-oss's MXFP4 blocks and scales (`Mxfp4Source`); compressed-tensors'
+packed INT4/INT8 are in `planning.packed_sources`, a LoRA adapter's weight and bias in
 `planning.lora_sources`.
 
 An input's storage format has this one home. The planner asks a source only for its bytes
@@ -26,7 +27,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from ram_dist.dtypes import itemsize
-from ram_dist.kernels import fp8, mxfp4
+from ram_dist.kernels import fp8, int_packed, mxfp4
 
 #: The dtype an FP8 weight's values are merged in: its FP8 inputs are dequantized to it, and
 #: its merged values are quantized from it when it is written as FP8 again.
@@ -205,8 +206,10 @@ class Source(NamedTuple):
 
 
 class Fp8Source(NamedTuple):
-    """An FP8 weight (`docs/fp8.md`): e4m3 bytes, and one scale per `block` of its
-    `cols`-wide rows in its companion. Its values are dequantized to `FP8_VALUES_DTYPE`, a
+    """An FP8 weight (`docs/fp8.md`, `docs/quantized.md`): e4m3 bytes, and one scale per
+    `block` of its `cols`-wide rows in its companion (fine-grained FP8's blocks; a row,
+    `(1, cols)`, or the whole tensor, `(rows, cols)`, for compressed-tensors' and fbgemm's
+    per-channel and per-tensor scales). Its values are dequantized to `FP8_VALUES_DTYPE`, a
     band of `block[0]` rows at a time; its planned bytes are its e4m3 bytes (one per
     element), as they always were."""
 
@@ -218,6 +221,10 @@ class Fp8Source(NamedTuple):
     scale_dtype: str
     block: tuple[int, int]
     cols: int
+    rounded_to: str = ""
+    """The dtype each value is rounded to after its multiplication (compressed-tensors'
+    FP8, decoded in its scale's dtype: bfloat16 for a bfloat16 scale); "" for none (block
+    FP8, fbgemm_fp8: float32)."""
 
     @property
     def itemsize(self) -> int:
@@ -225,7 +232,7 @@ class Fp8Source(NamedTuple):
 
     @property
     def values_dtype(self) -> str:
-        return FP8_VALUES_DTYPE
+        return self.rounded_to or FP8_VALUES_DTYPE
 
     @property
     def decoded(self) -> bool:
@@ -262,12 +269,22 @@ class Fp8Source(NamedTuple):
         floats: Callable[[int], np.ndarray],
         base: np.ndarray,
     ) -> np.ndarray:
-        """The spec's one float32 multiplication per element: `float32(q) * scale`."""
-        values = self.encoded(read).values(floats(read[0].size))
-        return values.view(np.uint8)
+        """The spec's one float32 multiplication per element: `float32(q) * scale`, then
+        rounded to `rounded_to` where it is set."""
+        values = self._stored(read).values(floats(read[0].size))
+        return (
+            int_packed.in_dtype(values, self.rounded_to)
+            if self.rounded_to
+            else values.view(np.uint8)
+        )
 
-    def encoded(self, read: Sequence[np.ndarray]) -> fp8.Fp8Values:
-        """The e4m3 bytes and the float32 scales of their bands, as the kernels read them."""
+    def encoded(self, read: Sequence[np.ndarray]) -> fp8.Fp8Values | None:
+        """The e4m3 bytes and the float32 scales of their bands, as the kernels read them;
+        None where each value is rounded after its multiplication (the kernels then take the
+        decoded values)."""
+        return None if self.rounded_to else self._stored(read)
+
+    def _stored(self, read: Sequence[np.ndarray]) -> fp8.Fp8Values:
         q, scales = read[0], read[1]
         return fp8.Fp8Values(q, fp8.scale_values(scales, self.scale_dtype), self.cols, self.block)
 

@@ -1,5 +1,6 @@
-"""Nothing dropped without a word: every quantized or packed format but fine-grained FP8 and
-gpt-oss's MXFP4 is refused by name before any work (exit 2), and so is an MXFP4 config
+"""Nothing dropped without a word: every quantized or packed format but fine-grained FP8,
+gpt-oss's MXFP4, compressed-tensors' and fbgemm_fp8 (`test_compressed_bases.py`) is refused
+by name before any work (exit 2), and so is an MXFP4 config
 without its blocks and scales, and so is an FP8 tensor outside that layout and an
 integer tensor a task changed, unless `--integers-from-base` asks for the base's copy."""
 
@@ -41,7 +42,7 @@ def _trio(tmp_path: Path, states: list[dict], configs: list[dict | None]) -> tup
     [
         ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
         ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
-        ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
+        ({"quant_method": "hqq", "nbits": 4}, "quant_method 'hqq'"),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
     ],
 )
@@ -78,6 +79,7 @@ def test_an_mxfp4_config_without_blocks_is_refused(tmp_path, capsys):
         ("model.mlp.experts.gate_up_proj_blocks", "MXFP4"),
         ("model.q_proj.qzeros", "GPTQ/AWQ"),
         ("model.q_proj.weight_packed", "compressed-tensors"),
+        ("model.q_proj.weight_scale", "compressed-tensors or fbgemm_fp8"),
         ("model.q_proj.SCB", "bitsandbytes int8"),
         ("model.q_proj.weight.absmax", "bitsandbytes 4-bit"),
     ],
@@ -109,7 +111,7 @@ def test_f8_tensors_outside_the_fine_grained_layout(tmp_path, capsys):
         ({"w": w, "w_scale_inv": s}, None,
          ["tensor 'w'", "declares no quantization_config"]),
         ({"w": w, "w_scale_inv": s}, {"quant_method": "fp8", "weight_block_size": 128},
-         ["weight_block_size 128", "per-tensor or per-channel FP8 is not merged"]),
+         ["weight_block_size 128", "per-channel FP8 is merged in compressed-tensors'"]),
         ({"w": w, "w_scale_inv": s}, {**_fp8_quant(), "activation_scheme": "static"},
          ["activation_scheme 'static'"]),
     ]  # fmt: skip

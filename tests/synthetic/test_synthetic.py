@@ -16,7 +16,7 @@ from ram_dist.dtypes import ITEMSIZE
 from ram_dist.io.checkpoint import open_checkpoints
 from ram_dist.io.storage import Storage
 from ram_dist.planning.formats import recognize
-from ram_dist.synthetic import gpt_oss
+from ram_dist.synthetic import gpt_oss, kimi
 from ram_dist.synthetic.deepseek import DEEPSEEK_V3, DeepSeekDims, shard_name
 from ram_dist.synthetic.files import plan_shards, write_shards, write_sparse_checkpoint
 from ram_dist.synthetic.llama import LLAMA_3_1_405B, TINY, LlamaDims
@@ -222,3 +222,189 @@ def test_gpt_oss_120b_layout_is_transformers(tmp_path):
     assert recognize(ckpts[1]).mxfp4 == {}
     for s in dims.shards():  # Hugging Face's order: element size descending, then name
         assert s == sorted(s, key=lambda t: (-ITEMSIZE[t[2]], t[0]))
+
+
+def _int4_modules(tensors) -> dict[str, tuple[int, ...]]:
+    """The INT4 weights of `tensors`: module name to decoded shape (from `weight_packed`)."""
+    return {
+        n.removesuffix(".weight_packed"): (shape[0], shape[1] * kimi.PACK)
+        for n, shape, _ in tensors
+        if n.endswith(".weight_packed")
+    }
+
+
+def test_kimi_k2_thinking_layout():
+    """Kimi-K2-Thinking as published: DeepSeek-V3's names at Kimi's sizes (61 layers, the
+    first dense, 384 routed experts, 64 heads, vocabulary 163840), no MTP layer and no FP8;
+    each routed expert's gate, up and down an INT4 triple (`weight_packed` I32 [out, in / 8],
+    `weight_scale` BF16 [out, in / 32], `weight_shape` I32 [2], no zero point: symmetric), the
+    rest BF16 but the routers' F32 correction biases. 1,026,408,232,448 parameters (the
+    decoded elements): Kimi-K2's "1T total", 1,014,686,023,680 of them the 60 x 384 x 3
+    routed experts' weights."""
+    dims = kimi.KIMI_K2_THINKING
+    tensors = dims.tensors()
+    by_name = {name: (shape, dtype) for name, shape, dtype in tensors}
+    assert len(tensors) == len(by_name) == 208_215
+    int4 = _int4_modules(tensors)
+    assert len(int4) == 60 * 384 * 3 == 69_120
+    assert dims.params == 1_026_408_232_448
+    assert 1.02e12 < dims.params < 1.04e12
+    assert sum(math.prod(int4[m]) for m in int4) == 60 * 384 * 3 * 2048 * 7168
+    base_bytes = sum(math.prod(shape) * ITEMSIZE[dtype] for _, shape, dtype in tensors)
+    assert base_bytes == 594_205_904_896
+    for module, (rows, cols) in int4.items():
+        assert ".mlp.experts." in module
+        assert by_name[module + ".weight_packed"] == ((rows, cols // 8), "I32")
+        assert by_name[module + ".weight_scale"] == ((rows, cols // 32), "BF16")
+        assert by_name[module + ".weight_shape"] == ((2,), "I32")
+    x = "model.layers.60.mlp.experts.383."
+    assert int4[x + "gate_proj"] == int4[x + "up_proj"] == (2048, 7168)
+    assert int4[x + "down_proj"] == (7168, 2048)
+    assert by_name[x + "gate_proj.weight_packed"] == ((2048, 896), "I32")
+    assert by_name[x + "down_proj.weight_scale"] == ((7168, 64), "BF16")
+    in_triples = {m + "." + s for m in int4 for s in kimi.INT4_SUFFIXES}
+    assert {dtype for n, _, dtype in tensors if n not in in_triples} == {"BF16", "F32"}
+    assert [n for n, _, dtype in tensors if dtype == "F32"] == [
+        f"model.layers.{n}.mlp.gate.e_score_correction_bias" for n in range(1, 61)
+    ]
+    assert not any(n.endswith(("_scale_inv", "weight_zero_point")) for n in by_name)
+    assert not any(n.startswith("model.layers.61.") for n in by_name)  # no MTP layer
+    assert "model.layers.0.mlp.gate.weight" not in by_name  # the first layer is dense
+    assert by_name["model.layers.0.mlp.down_proj.weight"] == ((7168, 18432), "BF16")
+    assert by_name["model.layers.1.mlp.gate.weight"] == ((384, 7168), "BF16")
+    assert by_name["model.layers.1.mlp.gate.e_score_correction_bias"] == ((384,), "F32")
+    assert by_name["model.layers.1.mlp.shared_experts.down_proj.weight"] == ((7168, 2048), "BF16")
+    a = "model.layers.60.self_attn."
+    assert by_name[a + "q_a_proj.weight"] == ((1536, 7168), "BF16")
+    assert by_name[a + "q_b_proj.weight"] == ((12288, 1536), "BF16")
+    assert by_name[a + "kv_a_proj_with_mqa.weight"] == ((576, 7168), "BF16")
+    assert by_name[a + "kv_b_proj.weight"] == ((16384, 512), "BF16")
+    assert by_name[a + "o_proj.weight"] == ((7168, 8192), "BF16")
+    for name in ["model.embed_tokens.weight", "lm_head.weight"]:
+        assert by_name[name] == ((163840, 7168), "BF16")
+    config = dims.config()
+    assert config["quantization_config"] == kimi.QUANTIZATION_CONFIG
+    assert config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    assert (config["num_hidden_layers"], config["first_k_dense_replace"]) == (61, 1)
+    assert (config["n_routed_experts"], config["vocab_size"]) == (384, 163840)
+    assert "quantization_config" not in dims.config(int4=False)
+
+
+def test_kimi_k2_thinking_agent_is_the_base_decoded():
+    """An agent's tensors are the base's, in the same order, with each INT4 triple replaced
+    by the decoded BF16 `.weight` of `weight_shape`; 69,975 tensors, 2,052,816,510,976
+    bytes."""
+    dims = kimi.KIMI_K2_THINKING
+    base, agent = dims.tensors(), dims.tensors(int4=False)
+    int4 = _int4_modules(base)
+    expected = []
+    for name, shape, dtype in base:
+        module, _, suffix = name.rpartition(".")
+        if module in int4:
+            if suffix == "weight_packed":
+                expected.append((module + ".weight", int4[module], "BF16"))
+        else:
+            expected.append((name, shape, dtype))
+    assert agent == expected
+    assert len(agent) == 208_215 - 2 * 69_120 == 69_975
+    assert sum(math.prod(s) * ITEMSIZE[d] for _, s, d in agent) == 2_052_816_510_976
+    assert dims.params == sum(math.prod(s) for _, s, _ in agent)
+
+
+def test_kimi_k2_thinking_files(tmp_path):
+    """The base in 62 files `model-00001-of-000062.safetensors` ... of about equal bytes, with
+    its `config.json`, read back by ram-dist as written; an agent in 412 of at most 5 GB as
+    `save_pretrained` names them."""
+    dims = kimi.KIMI_K2_THINKING
+    shards = dims.shards()
+    assert len(shards) == 62 and all(shards)
+    assert sorted(t for s in shards for t in s) == sorted(dims.tensors())
+    sizes = [sum(math.prod(shape) * ITEMSIZE[dtype] for _, shape, dtype in s) for s in shards]
+    assert 9.4e9 < min(sizes) and max(sizes) < 9.8e9
+    for s in shards:  # Hugging Face's order: element size descending, then name
+        assert s == sorted(s, key=lambda t: (-ITEMSIZE[t[2]], t[0]))
+    agent_shards = dims.shards(int4=False)
+    assert len(agent_shards) == 412
+    assert max(sum(math.prod(s) * ITEMSIZE[d] for _, s, d in f) for f in agent_shards) <= 5e9
+
+    base, agent = tmp_path / "base", tmp_path / "agent"
+    write_sparse_checkpoint(base, shards, config=dims.config(), name=shard_name)
+    write_sparse_checkpoint(agent, agent_shards, config=dims.config(int4=False))
+    ckpt = open_checkpoints([(str(base), "base")], Storage())[0]
+    files = sorted(ckpt.files)
+    assert files == [f"model-{k:05d}-of-000062.safetensors" for k in range(1, 63)]
+    assert {n: (i.shape, i.dtype) for n, i in ckpt.tensors.items()} == {
+        n: (shape, dtype) for n, shape, dtype in dims.tensors()
+    }
+    index = json.loads((base / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 594_205_904_896
+    assert index["weight_map"]["model.embed_tokens.weight"] == files[0]
+    assert index["weight_map"]["lm_head.weight"] == files[-1]
+    assert json.loads((base / "config.json").read_text())["quantization_config"] == (
+        kimi.QUANTIZATION_CONFIG
+    )
+    weight_map = json.loads((agent / "model.safetensors.index.json").read_text())["weight_map"]
+    assert weight_map == {
+        n: f"model-{k:05d}-of-00412.safetensors"
+        for k, s in enumerate(agent_shards, start=1)
+        for n, _, _ in s
+    }
+    assert "quantization_config" not in json.loads((agent / "config.json").read_text())
+
+
+def test_kimi_k2_thinking_is_what_transformers_and_compressed_tensors_make():
+    """The agent's names and shapes are what `transformers` saves of a `DeepseekV3ForCausalLM`
+    of Kimi's sizes (its experts fused in memory, saved one by one); the published
+    `quantization_config` parses under `compressed-tensors`, quantizes exactly the routed
+    experts (every other Linear is ignored by it) and packs each into our triple."""
+    transformers = pytest.importorskip("transformers")
+    ct_match = pytest.importorskip("compressed_tensors.utils.match")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from transformers.core_model_loading import revert_weight_conversion
+
+    dims = kimi.KIMI_K2_THINKING
+    skip = ("architectures", "model_type")
+    config = transformers.DeepseekV3Config(
+        **{k: v for k, v in dims.config(int4=False).items() if k not in skip}
+    )
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(config)
+    saved = revert_weight_conversion(model, model.state_dict())
+    assert {n: tuple(t.shape) for n, t in saved.items()} == {
+        n: shape for n, shape, _ in dims.tensors(int4=False)
+    }
+    assert sum(t.numel() for t in saved.values()) == dims.params
+
+    quantization = QuantizationConfig.model_validate(kimi.QUANTIZATION_CONFIG)
+    base = dims.tensors()
+    int4 = _int4_modules(base)
+    linears = {
+        n.removesuffix(".weight")
+        for n, shape, _ in dims.tensors(int4=False)
+        if len(shape) == 2 and not n.endswith(("embed_tokens.weight", "mlp.gate.weight"))
+    }
+    quantized = {
+        m for m in linears if not any(ct_match.match_name(m, t) for t in quantization.ignore)
+    }
+    assert quantized == set(int4)
+    scheme = quantization.config_groups["group_0"]
+    assert PackedQuantizationCompressor.compression_param_names(scheme) == kimi.INT4_SUFFIXES
+    by_name = {n: (shape, dtype) for n, shape, dtype in base}
+    for module in (
+        "model.layers.1.mlp.experts.0.up_proj",
+        "model.layers.60.mlp.experts.383.down_proj",
+    ):
+        rows, cols = int4[module]
+        scale = by_name[module + ".weight_scale"][0]
+        packed = PackedQuantizationCompressor.compress(
+            {
+                "weight": torch.empty(rows, cols, dtype=torch.bfloat16, device="meta"),
+                "weight_scale": torch.empty(scale, dtype=torch.bfloat16, device="meta"),
+            },
+            scheme,
+        )
+        assert tuple(packed["weight_packed"].shape) == by_name[module + ".weight_packed"][0]
+        assert packed["weight_packed"].dtype == torch.int32
+        assert packed["weight_shape"].tolist() == [rows, cols]
+        assert scale == (rows, cols // scheme.weights.group_size)
