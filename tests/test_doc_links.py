@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [ROOT / "README.md", *DOCS]

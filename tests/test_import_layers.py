@@ -9,6 +9,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 PACKAGE = ROOT / "ram_dist"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"

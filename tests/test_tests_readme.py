@@ -1,6 +1,8 @@
 """tests/README.md's table lists every test file once, and names no file that does not
-exist; no two test files share a name (pytest imports each by its bare name); every
-`tests/....py` path the repository's text names is a file."""
+exist; no two test files share a name (pytest imports each by its bare name); no test file
+imports another (what two share lives in `tests/support/`); the quick tier
+(`pytest -m quick`) has tests of every package; every `tests/....py` path the repository's
+text names is a file."""
 
 from __future__ import annotations
 
@@ -8,9 +10,19 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 TESTS = Path(__file__).resolve().parent
 ROOT = next(p for p in TESTS.parents if (p / "pyproject.toml").exists())
 TEXT = {".md", ".py", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".sh"}
+#: An import of a test module, in code or in a script a test runs (`from test_x import`,
+#: `import test_x`, `from tests.x import`).
+IMPORTS_A_TEST = re.compile(
+    r"^\s*(?:from\s+(?:tests\.|test_)\S*\s+import|import\s+(?:tests\.|test_))", re.M
+)
 NAMED = re.compile(r"\btests/[\w/]+\.py\b")
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+) \| ([^|]+) \|$")
 
@@ -41,6 +53,33 @@ def test_every_row_says_what_the_file_covers_and_starts() -> None:
 def test_test_file_names_are_unique() -> None:
     names = Counter(Path(p).name for p in _test_files())
     assert [name for name, n in names.items() if n > 1] == []
+
+
+def test_no_test_file_imports_another() -> None:
+    importing = [
+        f"{path}: {m.group(0).strip()}"
+        for path in _test_files() + [p.relative_to(TESTS).as_posix() for p in TESTS.glob("*.py")]
+        for m in IMPORTS_A_TEST.finditer((TESTS / path).read_text(encoding="utf-8"))
+    ]
+    importing += [
+        f"support/{p.name}: {m.group(0).strip()}"
+        for p in (TESTS / "support").glob("*.py")
+        for m in IMPORTS_A_TEST.finditer(p.read_text(encoding="utf-8"))
+    ]
+    assert importing == [], "\n".join(importing)
+
+
+def test_the_quick_tier_touches_every_package() -> None:
+    """Each package of ram_dist (tests/<package>/, the folders follow them) and the entry
+    points (`cli`, `api`: tests/entry/) have a test file with quick tests."""
+    packages = sorted(p.parent.name for p in (ROOT / "ram_dist").glob("*/__init__.py"))
+    folders = {name: TESTS / name for name in packages} | {"cli and api": TESTS / "entry"}
+    missing = [
+        name
+        for name, folder in folders.items()
+        if not any("pytest.mark.quick" in f.read_text() for f in folder.glob("test_*.py"))
+    ]
+    assert missing == [], f"no quick test for {missing}"
 
 
 def _text_files() -> list[Path]:

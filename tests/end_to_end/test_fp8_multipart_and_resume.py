@@ -13,7 +13,7 @@ import torch
 from builders import load_checkpoint
 from fp8_models import LARGE_BLOCK, LARGE_WEIGHTS, build_fp8_set
 from fp8_reference import reference_fp8_merge
-from test_resume import _env, _kill_after_first_shard, _manifest
+from killing import env_without_ray, kill_after_first_shard, manifest_or_none
 
 from ram_dist import api
 from ram_dist.api import run_merge
@@ -78,17 +78,19 @@ def test_killed_inside_an_fp8_shard_resumes_with_identical_bytes(large, options,
     # One band a unit (the budget is less than a band), one unit at a time.
     server.get_delay_s = 0.05
     try:
-        manifest = _kill_after_first_shard(
-            [*args, "--unit-mb", "0.1", "--workers", "1", "--input-cache", "off"], _env(),
-            lambda: _manifest((out / "ram_dist_manifest.json").read_text), mid_shard=True,
+        manifest = kill_after_first_shard(
+            [*args, "--unit-mb", "0.1", "--workers", "1", "--input-cache", "off"],
+            env_without_ray(),
+            lambda: manifest_or_none((out / "ram_dist_manifest.json").read_text),
+            mid_shard=True,
             out=out,
-        )  # fmt: skip
+        )
     finally:
         server.get_delay_s = 0.0
     assert any(w["parts"] for w in manifest["writing"].values())
     # Resumed with the default budget: the recorded parts are kept, cut at whole bands.
     done = subprocess.run(
-        [sys.executable, "-m", "ram_dist.cli", *args], env=_env(), capture_output=True,
+        [sys.executable, "-m", "ram_dist.cli", *args], env=env_without_ray(), capture_output=True,
         text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

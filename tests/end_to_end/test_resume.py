@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -18,11 +17,11 @@ import psutil
 import pytest
 import torch
 from builders import build_model_set, load_checkpoint, save_checkpoint
+from killing import env_without_ray, kill_after_first_shard, manifest_or_none
 from reference import reference_merge
 from s3_server import CountingMotoServer
 
 from ram_dist.cli import main
-from ram_dist.io.names import PARTIAL_SUFFIX
 
 ONE_ROW_MB = str(256 / 2**20)  # one 128-wide bf16 row per unit: a slow, many-unit map pass
 
@@ -42,83 +41,14 @@ def _args(models: dict, out: str, *extra: str) -> list[str]:
     return args
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(extra)
-    return env
-
-
-def _manifest(read_text) -> dict | None:
-    try:
-        return json.loads(read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _kill_after_first_shard(
-    args: list[str], env: dict, read_manifest, mid_shard: bool = False, out: Path | None = None
-) -> dict:
-    """Run the CLI, SIGKILL its whole process group once one shard (not all) is finished
-    and, with `mid_shard`, the manifest records finished parts of a shard being written.
-    The manifest is saved at most every 2 s, so a fast map pass can finish between two
-    looks: then, given the local `out`, the run is tried again from an empty output. So it
-    is when, given `out` and `mid_shard`, the driver published a shard it had recorded parts
-    of between the look and the kill (its partial file is gone: nothing left to resume in)."""
-    for _ in range(2 if out is None else 4):
-        manifest = _try_to_kill(args, env, read_manifest, mid_shard)
-        if manifest is not None and (out is None or not mid_shard or _partial_kept(out, manifest)):
-            return manifest
-        if out is not None:
-            shutil.rmtree(out)
-    pytest.fail("the merge ended before it could be killed, every time")
-
-
-def _partial_kept(out: Path, manifest: dict) -> bool:
-    """Every shard the manifest records parts of is still a partial file in `out`."""
-    writing = [name for name, w in manifest.get("writing", {}).items() if w["parts"]]
-    return all((out / f"{name}{PARTIAL_SUFFIX}").exists() for name in writing)
-
-
-def _try_to_kill(args: list[str], env: dict, read_manifest, mid_shard: bool) -> dict | None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ram_dist.cli", *args],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 240
-    try:
-        while time.monotonic() < deadline:
-            manifest = read_manifest()
-            inside = (
-                not mid_shard or any(w["parts"] for w in manifest.get("writing", {}).values())
-                if manifest
-                else False
-            )
-            if manifest and 1 <= len(manifest["shards"]) < len(manifest["shard_names"]) and inside:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-                return manifest
-            if proc.poll() is not None:
-                assert proc.returncode == 0, proc.stderr.read()
-                return None
-            time.sleep(0.01)
-        pytest.fail("the map pass never finished a first shard")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def crashed(models) -> tuple[Path, dict, dict[str, int]]:
     """An output whose driver was SIGKILLed in the map pass: (folder, manifest, shard mtimes)."""
     out = models["root"] / "crashed"
-    manifest = _kill_after_first_shard(
+    manifest = kill_after_first_shard(
         _args(models, str(out), "--unit-mb", ONE_ROW_MB, "--workers", "1"),
-        _env(),
-        lambda: _manifest((out / "ram_dist_manifest.json").read_text),
+        env_without_ray(),
+        lambda: manifest_or_none((out / "ram_dist_manifest.json").read_text),
         mid_shard=True,
         out=out,
     )
@@ -137,7 +67,7 @@ def test_rerun_after_sigkill_resumes_with_identical_bytes(models, crashed, tmp_p
     out, manifest, mtimes = crashed
     done = subprocess.run(
         [sys.executable, "-m", "ram_dist.cli", *_args(models, str(out))],
-        env=_env(),
+        env=env_without_ray(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -173,7 +103,7 @@ def test_rerun_after_sigkill_resumes_with_identical_bytes(models, crashed, tmp_p
     # A third run finds the merge complete and does nothing.
     again = subprocess.run(
         [sys.executable, "-m", "ram_dist.cli", *_args(models, str(out))],
-        env=_env(),
+        env=env_without_ray(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -285,7 +215,7 @@ def s3() -> Iterator[tuple[CountingMotoServer, dict]]:
 
     server = CountingMotoServer()
     server.start()
-    env = _env(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    env = env_without_ray(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
     options = {"s3": {"endpoint_url": server.endpoint, "use_listings_cache": False}}
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -309,7 +239,7 @@ def test_resume_on_s3_output(models, s3):
             return None
 
     args = _args(models, url, "--unit-mb", ONE_ROW_MB, "--workers", "1", *extra)
-    manifest = _kill_after_first_shard(args, conf["env"], read_manifest)
+    manifest = kill_after_first_shard(args, conf["env"], read_manifest)
     finished = sorted(manifest["shards"])
     etags = {n: fs.info(f"resume/out/{n}", refresh=True)["ETag"] for n in finished}
     server.clear()
@@ -348,11 +278,11 @@ def test_a_method_with_driver_factors_resumes_with_its_recorded_state(models, tm
     whole = tmp_path / "whole"
     assert main(_args(models, str(whole), "--method", "model_stock")) == 0
     out = tmp_path / "out"
-    _kill_after_first_shard(
+    kill_after_first_shard(
         _args(models, str(out), "--method", "model_stock", "--unit-mb", ONE_ROW_MB,
               "--workers", "1"),
-        _env(),
-        lambda: _manifest((out / "ram_dist_manifest.json").read_text),
+        env_without_ray(),
+        lambda: manifest_or_none((out / "ram_dist_manifest.json").read_text),
         out=out,
     )  # fmt: skip
     assert main(_args(models, str(out), "--method", "model_stock")) == 0

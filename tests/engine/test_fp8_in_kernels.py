@@ -23,6 +23,9 @@ from ram_dist.planning.units import Part
 
 pytest.importorskip("numba")
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 FUSED = worker.WorkFlags(fused=True)
 SETS = {
     "fp8": dict(base_format="fp8", task_formats=("fp8", "fp8", "fp8")),

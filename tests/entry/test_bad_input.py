@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from builders import load_checkpoint, save_checkpoint
+from refusals import command_refused, merge_argv
 
 from ram_dist.cli import main
 
@@ -49,27 +50,6 @@ def inputs(tmp_path) -> tuple[Path, list[Path]]:
     return tmp_path / "base", tasks
 
 
-def _argv(base, tasks, out, *extra) -> list[str]:
-    argv = ["merge", "--base", str(base), "--out", str(out), *map(str, extra)]
-    for t in tasks:
-        argv += ["--task", str(t)]
-    return argv
-
-
-def _fails(capsys, argv: list[str], out: Path, *fragments: str) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    err = err[err.index("ram-dist: error: ") :]  # Ray may log before it, on a closed stream
-    for fragment in fragments:
-        assert fragment in err, (fragment, err)
-    assert "Traceback" not in err
-    if out.exists():  # nothing published: no shard, no index
-        names = os.listdir(out)
-        assert not [n for n in names if n.endswith((".safetensors", "index.json"))], names
-    return err
-
-
 def _raw_file(path: Path, header: object, data: bytes = b"", length: int | None = None) -> None:
     body = header if isinstance(header, bytes) else json.dumps(header).encode()
     n = len(body) if length is None else length
@@ -80,7 +60,9 @@ def _raw_file(path: Path, header: object, data: bytes = b"", length: int | None 
 def test_missing_input_folder(inputs, tmp_path, capsys):
     base, tasks = inputs
     out = tmp_path / "out"
-    _fails(capsys, _argv(base, [tasks[0], tmp_path / "gone"], out), out, "task 2", "gone")
+    command_refused(
+        capsys, merge_argv(base, [tasks[0], tmp_path / "gone"], out), out, "task 2", "gone"
+    )
     assert not out.exists()
 
 
@@ -90,7 +72,9 @@ def test_index_names_a_missing_shard(inputs, tmp_path, capsys):
     missing = sorted(set(index["weight_map"].values()))[-1]
     (base / missing).unlink()
     out = tmp_path / "out"
-    _fails(capsys, _argv(base, tasks, out), out, "base model", f"shard {missing}", "not exist")
+    command_refused(
+        capsys, merge_argv(base, tasks, out), out, "base model", f"shard {missing}", "not exist"
+    )
 
 
 # 2. path traversal in weight_map
@@ -102,7 +86,9 @@ def test_weight_map_outside_the_folder(inputs, tmp_path, capsys, entry):
     index["weight_map"]["a.weight"] = entry
     index_path.write_text(json.dumps(index))
     out = tmp_path / "out"
-    _fails(capsys, _argv(base, tasks, out), out, "base model", repr(entry), "not a plain file")
+    command_refused(
+        capsys, merge_argv(base, tasks, out), out, "base model", repr(entry), "not a plain file"
+    )
 
 
 def _break_task(tasks: list[Path], header: object, data: bytes = b"", length=None) -> Path:
@@ -141,7 +127,7 @@ def test_malformed_safetensors(inputs, tmp_path, capsys, header, data, length, f
     base, tasks = inputs
     path = _break_task(tasks, header, data, length)
     out = tmp_path / "out"
-    _fails(capsys, _argv(base, tasks, out), out, str(path), *fragments)
+    command_refused(capsys, merge_argv(base, tasks, out), out, str(path), *fragments)
     assert not out.exists()
 
 
@@ -156,7 +142,7 @@ def test_tensor_in_two_shards(inputs, tmp_path, capsys):
     save_checkpoint(extra, tmp_path / "dup")
     os.replace(tmp_path / "dup" / "model.safetensors", tasks[0] / files[-1])
     out = tmp_path / "out"
-    _fails(capsys, _argv(base, tasks, out), out, "task 1", "appears in both")
+    command_refused(capsys, merge_argv(base, tasks, out), out, "task 1", "appears in both")
 
 
 # 7. name and shape mismatches
@@ -167,15 +153,15 @@ def test_names_and_shapes_must_match(inputs, tmp_path, capsys):
     task_file = str(tasks[0] / "model.safetensors")
     index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
     save_checkpoint({"a.weight": state["a.weight"]}, tasks[0])
-    _fails(
-        capsys, _argv(base, tasks, out), out, f"task 1 ({tasks[0]}) has no tensor 'b.weight'",
+    command_refused(
+        capsys, merge_argv(base, tasks, out), out, f"task 1 ({tasks[0]}) has no tensor 'b.weight'",
         f"base model ({base}), file {base / index['b.weight']}",
     )  # fmt: skip
     save_checkpoint(state | {"c": torch.zeros(2)}, tasks[0])
-    _fails(capsys, _argv(base, tasks, out), out, f"file {task_file} holds tensor 'c'")
+    command_refused(capsys, merge_argv(base, tasks, out), out, f"file {task_file} holds tensor 'c'")
     save_checkpoint(state | {"b.weight": torch.zeros(3, 2, dtype=torch.bfloat16)}, tasks[0])
-    _fails(
-        capsys, _argv(base, tasks, out), out, "tensor 'b.weight': shape [3, 2] in task 1",
+    command_refused(
+        capsys, merge_argv(base, tasks, out), out, "tensor 'b.weight': shape [3, 2] in task 1",
         task_file, "differs from [6] in base model", str(base / index["b.weight"]),
     )  # fmt: skip
 
@@ -184,14 +170,18 @@ def test_names_and_shapes_must_match(inputs, tmp_path, capsys):
 def test_task_list_mistakes(inputs, tmp_path, capsys):
     base, tasks = inputs
     out = tmp_path / "out"
-    _fails(
+    command_refused(
         capsys,
-        _argv(base, tasks[:1], out),
+        merge_argv(base, tasks[:1], out),
         out,
         "ram_plus merges two or more task models with the base; got 1",
     )
-    _fails(capsys, _argv(base, [tasks[0], tasks[0]], out), out, "task 1 and task 2 are the same")
-    _fails(capsys, _argv(base, [tasks[0], base], out), out, "task 2", "is the base model")
+    command_refused(
+        capsys, merge_argv(base, [tasks[0], tasks[0]], out), out, "task 1 and task 2 are the same"
+    )
+    command_refused(
+        capsys, merge_argv(base, [tasks[0], base], out), out, "task 2", "is the base model"
+    )
 
 
 # 9. pickle checkpoints are refused unopened
@@ -200,11 +190,15 @@ def test_pickle_checkpoints_are_never_opened(inputs, tmp_path, capsys):
     out = tmp_path / "out"
     for name in ("pytorch_model.bin", "weights.pt", "model.pth"):
         # The file does not even exist: the refusal comes from its name, before any open.
-        _fails(capsys, _argv(base, [tasks[0], tmp_path / name], out), out, "pickle", "safetensors")
+        command_refused(
+            capsys, merge_argv(base, [tasks[0], tmp_path / name], out), out, "pickle", "safetensors"
+        )
     folder = tmp_path / "pickled"
     folder.mkdir()
     (folder / "pytorch_model.bin").write_bytes(b"\x80\x04 not unpickled")
-    _fails(capsys, _argv(base, [tasks[0], folder], out), out, "pytorch_model.bin", "convert")
+    command_refused(
+        capsys, merge_argv(base, [tasks[0], folder], out), out, "pytorch_model.bin", "convert"
+    )
 
 
 # 10. NaN and Inf are counted in the reduce pass
@@ -214,41 +208,53 @@ def test_nonfinite_values_stop_the_job_unless_allowed(inputs, tmp_path, capsys):
     state["a.weight"][0, :3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
     save_checkpoint(state, tasks[1])
     out = tmp_path / "out"
-    err = _fails(capsys, _argv(base, tasks, out), out, "tensor 'a.weight': 3 NaN/Inf in task 2")
+    err = command_refused(
+        capsys, merge_argv(base, tasks, out), out, "tensor 'a.weight': 3 NaN/Inf in task 2"
+    )
     assert str(tasks[1] / "model.safetensors") in err and "--allow-nonfinite" in err
     assert not out.exists()
     # also without a statistics round, and on the eager path (torch.isfinite)
     for method in ("ram_plus", "task_arithmetic"):
         for kernels in ("auto", "eager"):
-            argv = _argv(base, tasks, out, "--method", method, "--kernels", kernels)
+            argv = merge_argv(base, tasks, out, "--method", method, "--kernels", kernels)
             assert main([*argv, "--overwrite"]) == 2
             assert "tensor 'a.weight': 3 NaN/Inf in task 2" in capsys.readouterr().err
-    assert main(_argv(base, tasks, out, "--allow-nonfinite")) == 0
+    assert main(merge_argv(base, tasks, out, "--allow-nonfinite")) == 0
     assert (out / "model.safetensors.index.json").exists()
 
 
 # 11. outputs that would harm an input, that hold another model, or that cannot be written
 def test_output_location_mistakes(inputs, tmp_path, capsys):
     base, tasks = inputs
-    _fails(capsys, _argv(base, tasks, tasks[0]), tasks[0] / "x", "is or lies inside task 1")
-    _fails(capsys, _argv(base, tasks, base / "merged"), base / "merged", "lies inside base model")
+    command_refused(
+        capsys, merge_argv(base, tasks, tasks[0]), tasks[0] / "x", "is or lies inside task 1"
+    )
+    command_refused(
+        capsys, merge_argv(base, tasks, base / "merged"), base / "merged", "lies inside base model"
+    )
     other = tmp_path / "other"
     other.mkdir()
     (other / "model.safetensors").write_bytes(b"someone else's model")
-    _fails(capsys, _argv(base, tasks, other), tmp_path / "none", "already holds files")
+    command_refused(
+        capsys, merge_argv(base, tasks, other), tmp_path / "none", "already holds files"
+    )
     assert (other / "model.safetensors").read_bytes() == b"someone else's model"
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    _fails(capsys, _argv(base, tasks, blocker / "out"), blocker / "out", "cannot be written")
+    command_refused(
+        capsys, merge_argv(base, tasks, blocker / "out"), blocker / "out", "cannot be written"
+    )
 
 
 def test_output_holding_another_finished_merge(inputs, tmp_path, capsys):
     base, tasks = inputs
     out = tmp_path / "out"
-    assert main(_argv(base, tasks, out)) == 0
+    assert main(merge_argv(base, tasks, out)) == 0
     capsys.readouterr()
     before = (out / "model.safetensors.index.json").read_bytes()
-    err = _fails(capsys, _argv(base, tasks, out, "--alpha", "1.5"), tmp_path / "none", "alpha")
+    err = command_refused(
+        capsys, merge_argv(base, tasks, out, "--alpha", "1.5"), tmp_path / "none", "alpha"
+    )
     assert "2.0 -> 1.5" in err
     assert (out / "model.safetensors.index.json").read_bytes() == before
 
@@ -273,7 +279,7 @@ def test_output_holding_another_finished_merge(inputs, tmp_path, capsys):
 def test_parameters_out_of_range(inputs, tmp_path, capsys, flags, fragment):
     base, tasks = inputs
     out = tmp_path / "out"
-    _fails(capsys, _argv(base, tasks, out, *flags), out, fragment)
+    command_refused(capsys, merge_argv(base, tasks, out, *flags), out, fragment)
     assert not out.exists()
 
 
@@ -282,10 +288,10 @@ def test_storage_options_never_leave_the_process(inputs, tmp_path, capsys):
     base, tasks = inputs
     options = json.dumps({"s3": {"key": SECRET_KEY, "secret": SECRET}})
     out = tmp_path / "out"
-    err = _fails(
-        capsys, _argv(base, [tasks[0]], out, "--storage-options", options), out, "two or more"
+    err = command_refused(
+        capsys, merge_argv(base, [tasks[0]], out, "--storage-options", options), out, "two or more"
     )
-    assert main(_argv(base, tasks, out, "--storage-options", options)) == 0
+    assert main(merge_argv(base, tasks, out, "--storage-options", options)) == 0
     captured = capsys.readouterr()
     written = "".join(p.read_text() for p in out.iterdir() if p.suffix in (".json", ".yml"))
     for text in (err, captured.out, captured.err, written):

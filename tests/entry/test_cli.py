@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 from builders import load_checkpoint, save_checkpoint
+from method_cases import case_id, every_method, task_count
 from reference import reference_merge, reference_stats
 
 CLI = [sys.executable, "-m", "ram_dist.cli"]
@@ -133,35 +134,40 @@ def test_demo_command_merges_its_generated_agents(tmp_path):
 
 
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.parametrize("method", ["ties", "task_arithmetic", "dare_ties", "linear"])
-def test_merge_prints_a_summary_for_every_method(inputs, tmp_path, capsys, method):
-    """The baselines have no overlap statistics: the CLI prints what they report instead."""
+@pytest.mark.parametrize("case", every_method(), ids=case_id)
+def test_merge_prints_a_summary_for_every_method(inputs, tmp_path, capsys, case):
+    """Every method of the registry through the command, its parameters given by their own
+    flags: the summary prints what its report adds (the method's `report_lines`), and the
+    file holds the merge the flags asked for."""
     from ram_dist.cli import main
+    from ram_dist.methods.registry import METHODS
 
+    method, params = case
+    declared = {p.name: p for p in METHODS[method].parameters}
     base, tasks = inputs
+    tasks = tasks[: task_count(method, len(tasks))]
     out = tmp_path / method
     argv = ["merge", "--base", base, *[a for t in tasks for a in ("--task", t)], "--out", out]
-    extra = ["--density", "0.5"] if method in ("ties", "dare_ties") else []
-    assert main([str(a) for a in [*argv, "--method", method, *extra]]) == 0
+    flags = [a for k, v in params.items() for a in (declared[k].cli_flag, v)]
+    assert main([str(a) for a in [*argv, "--method", method, *flags]]) == 0
     printed = capsys.readouterr().out
-    assert f"method: {method}" in printed and f"merged model written to {out}" in printed
+    assert f"written to {out}" in printed
     report = json.loads((out / "merge_report.json").read_text())
-    assert report["method"] == method and "tasks" not in report  # no overlap statistics
-    if method == "ties":
-        cuts = report["ties"]["cuts_through_equal_magnitudes"]
-        assert f"ties cuts through equal magnitudes: {cuts}\n" in printed
-    if method == "dare_ties":
-        assert f"dare seed: {report['dare']['seed']}\n" in printed
-    for i, task in enumerate(tasks, 1):
-        assert f"task {i}: {task}\n" in printed
+    assert report["method"] == method
+    assert ("tasks" in report) == METHODS[method].reports_overlap  # overlap statistics
+    for line in METHODS[method].report_lines(report):
+        assert line in printed, line
+    if not METHODS[method].reports_overlap:
+        assert f"method: {method}" in printed
+        for i, task in enumerate(tasks, 1):
+            assert f"task {i}: {task}\n" in printed
     # The file holds the merge the flags asked for: the Python API's bytes for the same job,
     # computed on the eager path with one unit per tensor (tests/methods/ and
-    # tests/exactness/ hold that path to mergekit).
+    # tests/exactness/ hold that path to the references and to mergekit).
     import ram_dist
 
-    params = {"density": 0.5} if extra else None
     again = tmp_path / f"{method}-api"
-    ram_dist.merge(base=base, tasks=tasks, out=again, method=method, parameters=params,
+    ram_dist.merge(base=base, tasks=tasks, out=again, method=method, parameters=params or None,
                    kernels="eager", unit_budget_bytes=1 << 20)  # fmt: skip
     merged, want, given = load_checkpoint(out), load_checkpoint(again), load_checkpoint(base)
     assert merged.keys() == want.keys() == given.keys()

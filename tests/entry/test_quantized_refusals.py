@@ -13,7 +13,7 @@ import pytest
 import torch
 from fp8_models import build_fp8_set
 from fp8_reference import FP8, write
-from test_bad_input import _argv, _fails
+from refusals import command_refused, merge_argv
 
 from ram_dist.cli import main
 
@@ -51,12 +51,14 @@ def test_other_quantization_is_refused_naming_it(tmp_path, capsys, quant, fragme
     base, tasks = _trio(tmp_path, [_plain(0), _plain(1), _plain(2)], [None, quant, None])
     base_state = {**_plain(0), **packed}
     write(base_state, base, None)  # the base holds packed tensors too, without a config
-    _fails(
-        capsys, _argv(base, tasks, tmp_path / "out"), tmp_path / "out",
+    command_refused(
+        capsys, merge_argv(base, tasks, tmp_path / "out"), tmp_path / "out",
         "is a packed quantized tensor", "'a.qweight'", "GPTQ/AWQ", "dequantize it first",
     )  # fmt: skip
     write(_plain(0), base, None)
-    err = _fails(capsys, _argv(base, tasks, tmp_path / "out"), tmp_path / "out", fragment)
+    err = command_refused(
+        capsys, merge_argv(base, tasks, tmp_path / "out"), tmp_path / "out", fragment
+    )
     assert "task 1" in err and "t1" in err and "dequantize it first" in err
 
 
@@ -64,8 +66,8 @@ def test_an_mxfp4_config_without_blocks_is_refused(tmp_path, capsys):
     base, tasks = _trio(
         tmp_path, [_plain(0), _plain(1), _plain(2)], [None, {"quant_method": "mxfp4"}, None]
     )
-    err = _fails(
-        capsys, _argv(base, tasks, tmp_path / "out"), tmp_path / "out",
+    err = command_refused(
+        capsys, merge_argv(base, tasks, tmp_path / "out"), tmp_path / "out",
         "declares quant_method mxfp4 but no tensor is a _blocks/_scales pair",
     )  # fmt: skip
     assert "task 1" in err and "t1" in err
@@ -86,8 +88,8 @@ def test_packed_tensors_are_refused_by_name(tmp_path, capsys, tensor, fmt):
     packed = {tensor: torch.zeros(4, 2, dtype=torch.uint8)}
     states = [_plain(0, **packed), _plain(1, **packed), _plain(2, **packed)]
     base, tasks = _trio(tmp_path, states, [None, None, None])
-    _fails(
-        capsys, _argv(base, tasks, tmp_path / "out"), tmp_path / "out",
+    command_refused(
+        capsys, merge_argv(base, tasks, tmp_path / "out"), tmp_path / "out",
         f"tensor {tensor!r}", "base model", "model.safetensors", fmt,
     )  # fmt: skip
 
@@ -119,7 +121,9 @@ def test_f8_tensors_outside_the_fine_grained_layout(tmp_path, capsys):
         base, tasks = _trio(root, [plain, state, plain], [None, quant, None])
         if quant is None:  # write() gave it no config at all
             (tasks[0] / "config.json").write_text("{}")
-        err = _fails(capsys, _argv(base, tasks, root / "out"), root / "out", *fragments)
+        err = command_refused(
+            capsys, merge_argv(base, tasks, root / "out"), root / "out", *fragments
+        )
         assert "task 1" in err, err
 
 
@@ -132,12 +136,12 @@ def test_changed_integer_tensor_is_refused_unless_asked(tmp_path, capsys):
     ]
     base, tasks = _trio(tmp_path, states, [None, None, None])
     out = tmp_path / "out"
-    _fails(
-        capsys, _argv(base, tasks, out), out,
+    command_refused(
+        capsys, merge_argv(base, tasks, out), out,
         "tensor 'ids' (I64) in task 2", "model.safetensors", "differs from the base model",
         "--integers-from-base",
     )  # fmt: skip
-    assert main(_argv(base, tasks, out, "--integers-from-base")) == 0
+    assert main(merge_argv(base, tasks, out, "--integers-from-base")) == 0
     printed = capsys.readouterr().out
     assert "copied from the base though a task changed them (--integers-from-base): ids" in printed
     report = json.loads((out / "merge_report.json").read_text())
@@ -149,7 +153,7 @@ def test_changed_integer_tensor_is_refused_unless_asked(tmp_path, capsys):
 def test_unchanged_integer_tensor_is_copied_without_a_word(tmp_path, capsys):
     ids = torch.arange(6, dtype=torch.int64)
     base, tasks = _trio(tmp_path, [_plain(k, ids=ids) for k in range(3)], [None, None, None])
-    assert main(_argv(base, tasks, tmp_path / "out")) == 0
+    assert main(merge_argv(base, tasks, tmp_path / "out")) == 0
     report = json.loads((tmp_path / "out" / "merge_report.json").read_text())
     assert report["integers_from_base"]["copied_though_changed"] == []
 

@@ -21,6 +21,9 @@ from ram_dist.methods.parameters import cli_parameters
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.job import prepare
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 CLI_DOC = ROOT / "docs" / "cli.md"
 EXTENDING = ROOT / "docs" / "extending.md"

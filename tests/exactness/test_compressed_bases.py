@@ -41,16 +41,16 @@ from compressed_models import (
     write_compressed,
 )
 from fp8_reference import block_view, e4m3fn, expand
-from safetensors.torch import load_file, save_file
-from test_base_at_task_precision import (
+from precision_sets import (
     PARAMETERS,
     RAM_FAMILY,
     TASK_WEIGHTS,
     WEIGHTED,
     InputSet,
-    _reference,
-    _tasks,
+    reference_for,
+    tasks_for,
 )
+from safetensors.torch import load_file, save_file
 
 from ram_dist import api
 from ram_dist.api import run_merge
@@ -147,8 +147,8 @@ def test_transformers_loads_each_scheme_as_compressed_tensors_decodes_it(tmp_pat
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_merges_an_int_base_exactly(int_set, tmp_path, method):
     s = int_set
-    picked = _tasks(method)
-    merged, stats = _reference(method, _input_set(s, [s.agents[i] for i in picked]),
+    picked = tasks_for(method)
+    merged, stats = reference_for(method, _input_set(s, [s.agents[i] for i in picked]),
                                list(range(len(picked))))  # fmt: skip
     expected = _int_expected(s, merged)
     for budget, kernels in ((ONE_ROW, "auto"), (WHOLE, "eager")):
@@ -163,8 +163,8 @@ def test_every_method_merges_an_int_base_exactly(int_set, tmp_path, method):
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_merges_an_fp8_base_exactly(fp8_set, tmp_path, method):
     s = fp8_set
-    picked = _tasks(method)
-    merged, stats = _reference(method, _input_set(s, [s.agents[i] for i in picked]),
+    picked = tasks_for(method)
+    merged, stats = reference_for(method, _input_set(s, [s.agents[i] for i in picked]),
                                list(range(len(picked))))  # fmt: skip
     expected = _fp8_expected(s, merged)
     for budget, kernels in ((ONE_ROW, "auto"), (WHOLE, "eager")):
@@ -186,7 +186,7 @@ def test_an_int4_agent_among_bf16_agents(int_set, tmp_path, method):
     s = int_set
     _, x = write_compressed(s.agents[0], s.agent_dirs[0], tmp_path / "agent0-int", INT_SCHEMES)
     tasks = [x, s.agents[1], s.agents[2]]
-    merged, stats = _reference(method, _input_set(s, tasks), [0, 1, 2])
+    merged, stats = reference_for(method, _input_set(s, tasks), [0, 1, 2])
     parameters = {"epsilon": EPSILON} if method in RAM_FAMILY else PARAMETERS.get(method, {})
     per_task = tuple({"weight": TASK_WEIGHTS[i]} for i in range(3))
     dirs = [tmp_path / "agent0-int", *s.agent_dirs[1:]]
@@ -246,8 +246,8 @@ def _fbgemm_set(root: Path) -> CompressedSet:
 @pytest.mark.parametrize("method", ["ram_plus", "ties", "slerp"])
 def test_an_fbgemm_fp8_base_merges_exactly(tmp_path, method):
     s = _fbgemm_set(tmp_path / "in")
-    picked = _tasks(method)
-    merged, _ = _reference(method, _input_set(s, [s.agents[i] for i in picked]),
+    picked = tasks_for(method)
+    merged, _ = reference_for(method, _input_set(s, [s.agents[i] for i in picked]),
                            list(range(len(picked))))  # fmt: skip
     report = _merge(s, picked, tmp_path / "out", method, unit_budget_bytes=ONE_ROW)
     assert_same_bytes(load_checkpoint(tmp_path / "out"), _fp8_expected(s, merged))

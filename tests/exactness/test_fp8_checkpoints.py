@@ -16,10 +16,10 @@ import torch
 from builders import load_checkpoint
 from fp8_models import BLOCK, UNTOUCHED, WEIGHTS, build_fp8_set
 from fp8_reference import SCALE, reference_fp8_merge, stored_output, values, write
+from method_cases import case_id, every_method, task_count
 
 from ram_dist import api
 from ram_dist.api import run_merge
-from ram_dist.methods import METHODS
 from ram_dist.planning.config import MergeConfig
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -107,31 +107,15 @@ def test_blocks_no_agent_touched_keep_the_base_bytes_and_scale(sets, tmp_path):
         assert not torch.equal(got[name + SCALE], s.base[name + SCALE])
 
 
-@pytest.mark.parametrize(
-    "method,params",
-    [
-        ("task_arithmetic", {}),
-        ("ties", {"density": 0.5}),
-        ("dare_linear", {"density": 0.6}),
-        ("dare_ties", {"density": 0.6}),
-        ("linear", {}),
-        ("ramplus_tl", {}),
-        ("slerp", {"t": 0.3}),
-        ("multislerp", {"weight": 0.6}),
-        ("model_stock", {"filter_wise": True}),
-        ("sce", {"select_topk": 0.5}),
-        ("breadcrumbs_ties", {"density": 0.5, "gamma": 0.1}),
-        ("della", {"density": 0.6, "epsilon": 0.1}),
-        ("nearswap", {"t": 0.01}),
-    ],
-)
-def test_every_method_merges_the_dequantized_values(sets, tmp_path, method, params):
-    """FP8 inputs give exactly the FP8 requantization of the same method's merge of their
-    dequantized values (written as float32 checkpoints, merged in float32), whatever the
-    method needs: exact sums, selections, whole rows (della, filter_wise)."""
+@pytest.mark.parametrize("case", every_method(rows=True), ids=case_id)
+def test_every_method_merges_the_dequantized_values(sets, tmp_path, case):
+    """Every method of the registry: FP8 inputs give exactly the FP8 requantization of the
+    same method's merge of their dequantized values (written as float32 checkpoints, merged
+    in float32), whatever the method needs: exact sums, selections, whole rows (della,
+    filter_wise, nuslerp per row)."""
+    method, params = case
     s = sets["fp8-base-bf16-agent"]
-    most = METHODS[method].task_counts[1]
-    tasks = s.task_dirs[:most] if most is not None else s.task_dirs
+    tasks = s.task_dirs[: task_count(method, len(s.task_dirs))]
     plain = tmp_path / "plain"
     write(values(s.base, BLOCK), plain / "base", None)
     for i, t in enumerate(s.tasks[: len(tasks)]):

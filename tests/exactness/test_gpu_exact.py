@@ -1,40 +1,62 @@
-"""On a machine with CUDA: every method gives the same bytes on the GPU workers
-(`--device cuda`, the eager rule on the GPU) as on the CPUs (`--device cpu`, the fused
-kernels where they apply), for bf16, fp16, fp32 and mixed inputs. Skipped without CUDA: the
-scheduling is tested with fake GPUs in `tests/engine/test_devices.py`, where the GPU workers
-compute on the CPU and so cannot tell whether CUDA rounds as the CPU does.
+"""On a machine with CUDA: every method of the registry (`support/method_cases.py`, with the
+switches that make a method compute on whole rows) gives the same bytes on the GPU workers
+(`--device cuda`, the eager rule on the GPU) as on the CPUs, fused (`--device cpu`, the
+kernels where they apply) and eager (`--kernels eager`, on the mixed set): for bf16, fp16,
+fp32 and mixed inputs; on fine-grained FP8 inputs (a method that reads FP8 in its kernels and
+one that does not); and with PEFT LoRA adapters as tasks (their products on the GPU).
+
+Skipped without CUDA: the scheduling is tested with fake GPUs in `tests/engine/test_devices.py`
+and `tests/engine/test_devices_mixed.py`, where the GPU workers compute on the CPU and so
+cannot tell whether CUDA rounds as the CPU does.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from builders import DTYPE_SETS, build_model_set
+from method_cases import case_id, case_parameters, every_method, task_count
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from ram_dist.methods.registry import METHODS
 
-METHODS = [
-    ("ram", {}),
-    ("ram_plus", {}),
-    ("ram_plus_soft", {}),
-    ("ramplus_tl", {}),
-    ("task_arithmetic", {"lambda": 0.8}),
-    ("ties", {"density": 0.3}),
-    ("ties", {"density": 0.3, "rescale": True}),
-    ("dare_linear", {"density": 0.4}),
-    ("dare_ties", {"density": 0.4}),
-    ("consensus_ta", {"k": 2, "lambda": 0.5}),
-    ("consensus_ties", {"density": 0.3, "k": 2, "lambda": 0.4, "rescale": True}),
-    ("breadcrumbs_ties", {"density": 0.3, "gamma": 0.05, "rescale": True}),
-    ("della", {"density": 0.4, "epsilon": 0.1}),
-    ("della_linear", {"density": 0.4, "epsilon": 0.3, "rescale": False}),
-    ("linear", {}),
-    ("slerp", {"t": 0.3}),
-    ("nuslerp", {"weight": 0.6}),
-    ("nuslerp", {"weight": 0.6, "nuslerp_flatten": False}),
-    ("multislerp", {"weight": 0.6}),
-    ("karcher", {}),
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (torch.cuda.is_available() is False here): it compares the "
+    "GPU's bytes with the CPU's; fake GPUs test the scheduling in tests/engine/test_devices.py",
+)
+
+#: One row of a 64-wide bf16 tensor is 128 bytes: many units a tensor.
+BUDGET = 64 * 2**10
+#: The FP8 cases: the first method that reads FP8 as stored in its kernels, and the first
+#: that decodes it first (`fp8_kernels`).
+FP8_METHODS = [
+    next(n for n, m in METHODS.items() if getattr(m, "fp8_kernels", False)),
+    next(n for n, m in METHODS.items() if not getattr(m, "fp8_kernels", False)),
 ]
+
+
+def _merged(base: Path, tasks, out: Path, device: str, kernels: str, **kw) -> dict[str, bytes]:
+    from ram_dist.api import run_merge
+    from ram_dist.planning.config import MergeConfig
+
+    config = MergeConfig(
+        base=str(base), tasks=tuple(map(str, tasks)), out=str(out), device=device,
+        kernels=kernels, unit_budget_bytes=BUDGET, **kw,
+    )  # fmt: skip
+    report = run_merge(config).data
+    on_gpu = report["passes"]["map"]["units_on_gpu"]
+    assert on_gpu == (report["passes"]["map"]["units"] if device == "cuda" else 0)
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+
+
+def _gpu_gives_the_cpus_bytes(base, tasks, tmp_path: Path, cpu_kernels, **kw) -> None:
+    gpu = _merged(base, tasks, tmp_path / "cuda", "cuda", "auto", **kw)
+    assert gpu
+    for kernels in cpu_kernels:
+        cpu = _merged(base, tasks, tmp_path / f"cpu-{kernels}", "cpu", kernels, **kw)
+        assert gpu == cpu, f"the GPU's bytes are not the CPU's ({kernels})"
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +68,42 @@ def model_sets(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("dtypes", list(DTYPE_SETS))
-@pytest.mark.parametrize(("method", "params"), METHODS)
-def test_the_gpu_gives_the_cpus_bytes(ray_local, model_sets, tmp_path, dtypes, method, params):
-    from ram_dist.api import run_merge
-    from ram_dist.methods import get_method
-    from ram_dist.planning.config import MergeConfig
-
+@pytest.mark.parametrize("case", every_method(rows=True), ids=case_id)
+def test_every_method_gives_the_cpus_bytes(ray_local, model_sets, tmp_path, dtypes, case):
+    method, params = case
     base, tasks = model_sets[dtypes][:2]
-    most = get_method(method).task_counts[1]  # the first tasks, for a method that takes fewer
-    tasks = tasks[:most] if most is not None else tasks
-    shards = {}
-    for device in ("cuda", "cpu"):
-        out = tmp_path / device
-        config = MergeConfig(
-            base=str(base), tasks=tuple(map(str, tasks)), out=str(out), method=method,
-            parameters=params, device=device, unit_budget_bytes=64 * 2**10,
-        )  # fmt: skip
-        report = run_merge(config).data
-        shards[device] = {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
-        on_gpu = report["passes"]["map"]["units_on_gpu"]
-        assert on_gpu == (report["passes"]["map"]["units"] if device == "cuda" else 0)
-    assert shards["cuda"] == shards["cpu"]
+    tasks = tasks[: task_count(method, len(tasks))]
+    kernels = ("auto", "eager") if dtypes == "mixed" else ("auto",)
+    _gpu_gives_the_cpus_bytes(base, tasks, tmp_path, kernels, method=method, parameters=params)
+
+
+@pytest.mark.parametrize("method", FP8_METHODS)
+def test_fp8_inputs_give_the_cpus_bytes(ray_local, tmp_path, method):
+    from fp8_models import build_fp8_set
+
+    s = build_fp8_set(tmp_path / "in", task_formats=("fp8", "fp8", "bf16"))
+    tasks = s.task_dirs[: task_count(method, len(s.task_dirs))]
+    _gpu_gives_the_cpus_bytes(
+        s.base_dir, tasks, tmp_path, ("auto", "eager"), method=method,
+        parameters=case_parameters(method),
+    )  # fmt: skip
+
+
+def test_lora_adapters_give_the_cpus_bytes(ray_local, tmp_path):
+    """Two PEFT adapters (one with an embedding, rank and alpha patterns) and a full
+    checkpoint as tasks: the adapters' products on the GPU give the CPU's bytes."""
+    from builders import build_tiny_base, make_task_state, save_checkpoint
+    from peft_adapters import build_adapter
+
+    base_dir = tmp_path / "base"
+    base = build_tiny_base(base_dir, kind="llama", dtype=torch.bfloat16)
+    tasks = [
+        build_adapter(base_dir, tmp_path / "adapter0", r=4, lora_alpha=8,
+                      target_modules=("q_proj", "v_proj"), seed=1),
+        build_adapter(base_dir, tmp_path / "adapter1", r=8, lora_alpha=16,
+                      target_modules=("embed_tokens", "q_proj", "up_proj", "down_proj"),
+                      rank_pattern={"down_proj": 2}, alpha_pattern={"q_proj": 4}, seed=2),
+        tmp_path / "full",
+    ]  # fmt: skip
+    save_checkpoint(make_task_state(base, 0.3, seed=7), tasks[2], copy_from=base_dir)
+    _gpu_gives_the_cpus_bytes(base_dir, tasks, tmp_path, ("auto", "eager"))

@@ -35,17 +35,17 @@ import pytest
 import torch
 from builders import assert_same_bytes, load_checkpoint, merge_config
 from mxfp4_models import BLOCKS, SCALES, GptOssSet, build_set, save_unchanged, values
-from reference import reference_merge, reference_stats
-from safetensors.torch import load_file, save_file
-from test_base_at_task_precision import (
+from precision_sets import (
     PARAMETERS,
     RAM_FAMILY,
     TASK_WEIGHTS,
     WEIGHTED,
     InputSet,
-    _reference,
-    _tasks,
+    reference_for,
+    tasks_for,
 )
+from reference import reference_merge, reference_stats
+from safetensors.torch import load_file, save_file
 
 from ram_dist import api
 from ram_dist.api import run_merge
@@ -71,7 +71,7 @@ def gptoss(tmp_path_factory) -> GptOssSet:
 
 
 def _input_set(s: GptOssSet, tasks: list[dict]) -> InputSet:
-    """What `test_base_at_task_precision._reference` reads: x_B decoded by the test's own
+    """What `precision_sets.reference_for` reads: x_B decoded by the test's own
     decoder, in bf16, which holds every MXFP4 value exactly (docs/quantized.md: the base's
     values are bf16, so a bf16 task is measured against them as they are, and a method that
     blends values takes its own), and the tasks' values (an MXFP4 task decoded the same
@@ -140,9 +140,9 @@ def test_the_agents_are_the_base_as_transformers_loads_it(gptoss):
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_merges_an_mxfp4_base_exactly(gptoss, tmp_path, method):
     s = gptoss
-    picked = _tasks(method)
+    picked = tasks_for(method)
     tasks = [s.agents[i] for i in picked]
-    merged, stats = _reference(method, _input_set(s, tasks), list(range(len(picked))))
+    merged, stats = reference_for(method, _input_set(s, tasks), list(range(len(picked))))
     expected = _expected(merged)
     for budget, kernels in ((ONE_EXPERT, "auto"), (WHOLE, "eager")):
         out = tmp_path / f"{budget}-{kernels}"
@@ -278,7 +278,7 @@ MIXED_METHODS = [*RAM_FAMILY, "task_arithmetic", "ties", "multislerp", "karcher"
 def test_an_mxfp4_agent_among_bf16_agents(gptoss, tmp_path, method):
     s = gptoss
     tasks = [values(s.requantized), s.agents[1], s.agents[2]]
-    merged, stats = _reference(method, _input_set(s, tasks), [0, 1, 2])
+    merged, stats = reference_for(method, _input_set(s, tasks), [0, 1, 2])
     report = _merge(s, [s.requantized_dir, *s.agent_dirs[1:]], tmp_path / "out", method,
                     unit_budget_bytes=ONE_EXPERT)  # fmt: skip
     assert_same_bytes(load_checkpoint(tmp_path / "out"), _expected(merged))

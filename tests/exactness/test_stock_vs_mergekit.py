@@ -120,14 +120,54 @@ def test_nearswap_is_byte_identical_to_mergekit(models, tmp_path):
     _same_bytes(_ours(config, tmp_path, "ours"), _mergekit(config, tmp_path / "theirs"))
 
 
+@pytest.fixture(scope="module")
+def moved_reference(models, moved) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per tensor of the `moved` task onto the base: mergekit's arcee_fusion computed exactly
+    (the reference, `stock_reference.arcee_fusion`, float32), and where the rounding of
+    mergekit's own float32 KL cannot change its choice (`arcee_settled`)."""
+    import stock_reference as ref
+
+    base, task = models[2], moved[1]
+    return {
+        name: (ref.arcee_fusion(base[name], task[name]), ref.arcee_settled(base[name], task[name]))
+        for name in base
+    }
+
+
+def _arcee_parity(ours: dict, theirs: dict, base: dict, reference: dict) -> tuple[int, int]:
+    """arcee_fusion against mergekit, whose KL is float32 arithmetic whose sums take an order
+    that depends on the CPU's vector width: ours is mergekit's algorithm computed exactly at
+    every element, and mergekit's bytes wherever the rounding of its KL cannot change its
+    choice (`reference`: `moved_reference`). Returns how many elements that rounding could
+    change, and how many settled ones took the task's value (where the bytes say something
+    of the selection)."""
+    assert ours.keys() == theirs.keys() == reference.keys()
+    undecided, taken = 0, 0
+    for name, want in theirs.items():
+        exact, settled = reference[name]
+        exact = exact.to(want.dtype)
+        _same_bytes({name: ours[name]}, {name: exact})
+        bits = torch.int16 if want.dtype == torch.bfloat16 else torch.int32
+        got, theirs_bits = ours[name].view(bits), want.view(bits)
+        differ = int((got[settled] != theirs_bits[settled]).sum())
+        assert differ == 0, f"{name}: {differ} settled elements differ from mergekit's"
+        undecided += int((~settled).sum())
+        taken += int((settled & (exact != base[name].to(want.dtype))).sum())
+    return undecided, taken
+
+
 def test_arcee_fusion_is_byte_identical_where_its_kl_is_above_float32_rounding(
-    models, moved, tmp_path
+    models, moved, moved_reference, tmp_path
 ):
     """A selection: where mergekit's float32 KL is accurate (and no tensor has over 1M
-    elements, so mergekit sorts them all rather than a sample), every element's choice, and
-    so every byte, is mergekit's."""
+    elements, so mergekit sorts them all rather than a sample), every element whose choice
+    that KL's rounding cannot change is mergekit's byte for byte (over 99 % of them here,
+    thousands taking the task's value); every element is the exact algorithm's."""
     config = _config("arcee_fusion", models[0], [moved[0]])
-    _same_bytes(_ours(config, tmp_path, "ours"), _mergekit(config, tmp_path / "theirs"))
+    ours = _ours(config, tmp_path, "ours")
+    theirs = _mergekit(config, tmp_path / "theirs")
+    undecided, taken = _arcee_parity(ours, theirs, models[2], moved_reference)
+    assert undecided <= 0.01 * sum(t.numel() for t in theirs.values()) and taken > 1000
 
 
 def test_arcee_fusion_differs_from_mergekit_where_its_float32_kl_is_rounding(models, tmp_path):
@@ -176,10 +216,11 @@ def test_passthrough_with_a_scale_per_layer_is_mergekit(models, tmp_path):
 # (in its test_basic_merges: its examples/ folder has none for them).
 
 
-def test_mergekit_example_arcee_fusion(models, moved, tmp_path):
+def test_mergekit_example_arcee_fusion(models, moved, moved_reference, tmp_path):
     """examples/arcee_fusion.yml: the base also listed under models, dtype bfloat16. ram-dist
     computes in float32 and writes bfloat16 (its note says so): mergekit's result with
-    dtype float32 and out_dtype bfloat16, to the byte."""
+    dtype float32 and out_dtype bfloat16, to the byte where its KL's rounding cannot change
+    its choice; the exact algorithm's everywhere."""
     base_dir = models[0]
     config = {
         "models": [{"model": str(base_dir)}, {"model": str(moved[0])}],
@@ -189,7 +230,8 @@ def test_mergekit_example_arcee_fusion(models, moved, tmp_path):
     }
     ours = _ours(config, tmp_path, "ours")
     theirs = _mergekit(config | {"dtype": "float32", "out_dtype": "bfloat16"}, tmp_path / "mk")
-    _same_bytes(ours, theirs)
+    undecided, taken = _arcee_parity(ours, theirs, models[2], moved_reference)
+    assert undecided <= 0.01 * sum(t.numel() for t in theirs.values()) and taken > 1000
 
 
 @pytest.mark.parametrize("filter_wise", [False, True])

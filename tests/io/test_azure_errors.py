@@ -15,6 +15,9 @@ from azure.core.exceptions import (
 from ram_dist.io.azure import block_id
 from ram_dist.io.failures import classify, storage_error
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 
 def _error(cls: type[HttpResponseError], code: str, message: str) -> HttpResponseError:
     e = cls(message=f"{message}\nRequestId:0\nTime:2026-11-27T00:00:00Z\nErrorCode:{code}")

@@ -15,6 +15,9 @@ from ram_dist.io.lease.store import LeaseStore
 from ram_dist.io.sinks import DriverSink, FileSink, OutputSink, choose_sink
 from ram_dist.io.storage import Storage
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 
 @pytest.mark.parametrize("protocol", sorted(BACKENDS) + ["<default>"])
 def test_every_entry_names_a_lease_store_and_a_sink(protocol: str) -> None:

@@ -169,14 +169,11 @@ def test_all_headers_in_flight_together(folders, storage, server):
     server.get_delay_s = delay
     try:
         server.clear()
-        began = time.monotonic()
         open_checkpoints(_inputs(folders["s3"]), storage)
-        took = time.monotonic() - began
     finally:
         server.get_delay_s = 0.0
     served = [s for s in server.object_gets(BUCKET) if s.path.endswith(".safetensors")]
     assert len(served) == 4 * SHARDS
-    assert took < len(served) * delay, took  # one after another takes 10 s at the least
     # Server side: how many requests it was handling at the busiest moment.
     events = sorted([(s.started, 1) for s in served] + [(s.finished, -1) for s in served])
     busiest = max(sum(step for _, step in events[: k + 1]) for k in range(len(events)))

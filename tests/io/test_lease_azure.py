@@ -1,6 +1,6 @@
-"""The output lease on Azure Blob, for real (adlfs over HTTP to Azurite): the lease tests of
-`test_lease` run again on an `az://` location, where conditional Put Blob and Delete Blob
-(`If-None-Match: *`, `If-Match`) make the claim exclusive."""
+"""The output lease on Azure Blob, for real (adlfs over HTTP to Azurite): the lease tests
+every store runs (`lease_cases`) on an `az://` location, where conditional Put Blob and
+Delete Blob (`If-None-Match: *`, `If-Match`) make the claim exclusive."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from azurite_server import container_fs, running_azurite, storage_options
-from test_lease import (  # noqa: F401  (collected here again, with this module's `loc`)
+from lease_cases import (  # noqa: F401  (every store's tests, run with this module's `loc`)
     Location,
     test_context_manager_releases_on_exception,
     test_dead_process_on_this_host_is_taken_over_at_once,

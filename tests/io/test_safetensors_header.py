@@ -13,6 +13,9 @@ from ram_dist.errors import CheckpointError
 from ram_dist.io.checkpoint import read_file_headers
 from ram_dist.io.storage import Storage
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 
 def _write_raw(path, header: object, data: bytes = b"") -> str:
     body = json.dumps(header).encode()

@@ -13,6 +13,9 @@ from ram_dist.methods import exact_sums
 
 pytest.importorskip("numba")
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 
 def _stack(n: int, rows: int = 3) -> np.ndarray:
     g = torch.Generator().manual_seed(n)

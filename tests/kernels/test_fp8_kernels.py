@@ -11,6 +11,9 @@ import torch
 from ram_dist import kernels
 from ram_dist.kernels import fp8
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 
 def _edge_values() -> np.ndarray:
     """Every e4m3fn value, every midpoint between neighbours and the floats next to them,

@@ -56,8 +56,8 @@ CHECK = "precision_numba._check_kernel"
 JOB = f"""
 import json, sys
 import torch
-sys.path.insert(0, {str(TESTS)!r})
-from test_ties_kernels import run, sparse_inputs, ties_params
+sys.path.insert(0, {str(TESTS.parent / "support")!r})
+from kernel_runs import della_params, run, run_rows, sparse_inputs, ties_params
 from ram_dist.kernels import ram_numba, scan_numba, warm
 
 def counts():
@@ -68,8 +68,7 @@ base, tasks = sparse_inputs(5000, (torch.bfloat16,) * 3, seed=0)
 ram = {{"r": 0.1, "alpha": 0.2, "epsilon": 1e-5, "scope": "model"}}
 run("ram", ram, base, tasks, [0, 1000, 5000], True, torch.bfloat16)
 run("ties", ties_params(2), base, tasks, [0, 5000], True, torch.bfloat16)
-from test_sparse_kernels import params_for, run as run_della
-run_della("della", params_for(2), base, tasks, (50, 100), [0, 10, 50], True, torch.bfloat16)
+run_rows("della", della_params(2), base, tasks, (50, 100), [0, 10, 50], True, torch.bfloat16)
 scan_numba.nonfinite_count(base)
 from ram_dist.kernels import lora
 import numpy as np

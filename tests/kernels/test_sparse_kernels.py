@@ -15,6 +15,8 @@ import torch
 
 pytest.importorskip("numba")
 
+from kernel_runs import della_params, run_rows  # noqa: E402
+
 from ram_dist.kernels import della_numba, primitives, ram_numba  # noqa: E402
 from ram_dist.methods import get_method  # noqa: E402
 from ram_dist.methods.protocol import Chunk  # noqa: E402
@@ -40,50 +42,6 @@ def inputs(shape, dtypes, seed: int, edges: bool):
     return base.to(dtypes[0]), [t.to(d) for t, d in zip(tasks, dtypes[1:], strict=True)]
 
 
-def run(method_name, params, base, tasks, shape, rows, fused, out_dtype, bounds=None):
-    """The engine's round and map pass over chunks of whole rows (or of any `bounds`, flat
-    indices, where no task is sampled); kernels on or off."""
-    method = get_method(method_name)
-    numel, row = base.numel(), Chunk("w", 0, shape).row
-    bounds = bounds or [r * row for r in rows]
-    chunks = [
-        (Chunk("w", lo, shape), base[lo:hi], [t[lo:hi] for t in tasks])
-        for lo, hi in zip(bounds, bounds[1:], strict=False)
-    ]
-    state = method.initial_state({"w": params}, {"w": numel}, len(tasks))
-    totals: dict[str, torch.Tensor] = {}
-    if method.active(0, state, "w"):
-        for chunk, b, ts in chunks:
-            if fused:
-                got = method.fused_statistics(0, chunk, [b, *ts], params, state, False)
-                stats = {k: torch.from_numpy(v) for k, v in got[0].items()}
-            else:
-                stats = method.chunk_statistics(0, chunk, b, ts, params, state)
-            for key, value in stats.items():
-                totals[key] = totals[key] + value if key in totals else value
-        state = method.finalize(0, totals, {"w": params}, {"w": numel}, state)
-        state = json.loads(json.dumps(state))
-    parts = []
-    for chunk, b, ts in chunks:
-        if fused:
-            out = torch.empty(b.numel(), dtype=out_dtype)
-            assert method.fused_merge(chunk, [b, *ts], params, state, out)
-            parts.append(out)
-        else:
-            parts.append(method.merge_chunk(chunk, b, ts, params, state).to(out_dtype))
-    return torch.cat(parts), state, totals
-
-
-def params_for(n_tasks: int, **kw) -> dict:
-    params = {
-        "weight": [0.7, -0.35, 1.25][:n_tasks], "density": [0.5, 0.3, 1.0][:n_tasks],
-        "epsilon": [0.2, 0.1, 0.15][:n_tasks], "normalize": True, "lambda": 1.0,
-        "rescale": True, "seed": 9,
-    }  # fmt: skip
-    params.update(kw)
-    return params
-
-
 CASES = [
     ("della", (40, 37), [0, 1, 17, 40], (F32, F32, F32, F32), F32, {}),
     ("della", (40, 37), [0, 40], (BF16, BF16, F16, F32), BF16, {"lambda": 0.7}),
@@ -97,9 +55,9 @@ CASES = [
 @pytest.mark.parametrize(("method", "shape", "rows", "dtypes", "out_dtype", "kw"), CASES)
 def test_fused_is_eager(method, shape, rows, dtypes, out_dtype, kw, edges) -> None:
     base, tasks = inputs(shape, dtypes, seed=len(rows), edges=edges)
-    params = params_for(len(tasks), **kw)
-    fused = run(method, params, base, tasks, shape, rows, True, out_dtype)
-    eager = run(method, params, base, tasks, shape, rows, False, out_dtype)
+    params = della_params(len(tasks), **kw)
+    fused = run_rows(method, params, base, tasks, shape, rows, True, out_dtype)
+    eager = run_rows(method, params, base, tasks, shape, rows, False, out_dtype)
     assert fused[1] == eager[1]
     assert fused[2].keys() == eager[2].keys()
     assert all(torch.equal(fused[2][k], eager[2][k]) for k in fused[2])
@@ -110,11 +68,11 @@ def test_fused_is_eager(method, shape, rows, dtypes, out_dtype, kw, edges) -> No
 def test_density_one_takes_chunks_of_any_length() -> None:
     """Nothing sampled (not `whole_rows`): chunks cut inside rows, an empty one included."""
     base, tasks = inputs((10, 7), (F32, BF16, F32), seed=3, edges=False)
-    params = params_for(2, density=[1.0, 1.0])
+    params = della_params(2, density=[1.0, 1.0])
     assert not get_method("della").whole_rows(params)
     bounds = [0, 13, 13, 69, 70]
-    fused = run("della", params, base, tasks, (10, 7), None, True, BF16, bounds)
-    eager = run("della", params, base, tasks, (10, 7), None, False, BF16, bounds)
+    fused = run_rows("della", params, base, tasks, (10, 7), None, True, BF16, bounds)
+    eager = run_rows("della", params, base, tasks, (10, 7), None, False, BF16, bounds)
     assert torch.equal(fused[0].view(torch.uint8), eager[0].view(torch.uint8))
 
 

@@ -10,13 +10,13 @@ several chunkings and lengths around the kernels' tile.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("numba")
+
+from kernel_runs import run, sparse_inputs, ties_params  # noqa: E402
 
 from ram_dist import kernels  # noqa: E402
 from ram_dist.kernels import primitives, ram_numba, ties_numba  # noqa: E402
@@ -29,19 +29,6 @@ TILE = ram_numba.TILE
 
 def bits(x: torch.Tensor) -> np.ndarray:
     return x.contiguous().view(torch.uint8).numpy()
-
-
-def sparse_inputs(n: int, dtypes: tuple[torch.dtype, ...], seed: int):
-    """A base (dtypes[0]) and tasks (dtypes[1:]) with 3 %, 46 %, 54 %, ... changed."""
-    g = torch.Generator().manual_seed(seed)
-    base32 = torch.randn(n, generator=g) * 0.02
-    base = base32.to(dtypes[0])
-    tasks = []
-    for t, dtype in enumerate(dtypes[1:]):
-        mask = torch.rand(n, generator=g) < (0.03, 0.46, 0.54, 0.3)[t % 4]
-        step = (1e-3 + base32.abs() * 2**-6) * torch.randn(n, generator=g)
-        tasks.append((base.float() + torch.where(mask, step, 0.0)).to(dtype))
-    return base, tasks
 
 
 def edge_inputs(n: int, dtypes: tuple[torch.dtype, ...], seed: int):
@@ -58,43 +45,6 @@ def edge_inputs(n: int, dtypes: tuple[torch.dtype, ...], seed: int):
     return base, tasks
 
 
-def run(method_name, params, base, tasks, bounds, fused, out_dtype):
-    """Reduce rounds then map, chunk by chunk, as the engine does; kernels on or off."""
-    method = get_method(method_name)
-    numel = base.numel()
-    state = method.initial_state({"w": params}, {"w": numel}, len(tasks))
-    pairs = zip(bounds, bounds[1:], strict=False)
-    chunks = [(lo, base[lo:hi], [t[lo:hi] for t in tasks]) for lo, hi in pairs]
-    totals_by_round = []
-    for round_ in range(method.rounds):
-        if not method.active(round_, state, "w"):
-            continue
-        totals: dict[str, torch.Tensor] = {}
-        for lo, b, ts in chunks:
-            chunk = Chunk("w", lo, (numel,))
-            got = method.fused_statistics(round_, chunk, [b, *ts], params, state, False)
-            if fused and got is not None:
-                stats = {k: torch.from_numpy(v) for k, v in got[0].items()}
-            else:
-                stats = method.chunk_statistics(round_, chunk, b, ts, params, state)
-            for key, value in stats.items():
-                assert value.dtype == torch.int64
-                totals[key] = totals[key] + value if key in totals else value
-        totals_by_round.append(totals)
-        state = method.finalize(round_, totals, {"w": params}, {"w": numel}, state)
-        state = json.loads(json.dumps(state))
-    parts = []
-    for lo, b, ts in chunks:
-        chunk = Chunk("w", lo, (numel,))
-        if fused:
-            out = torch.empty(b.numel(), dtype=out_dtype)
-            assert method.fused_merge(chunk, [b, *ts], params, state, out)
-            parts.append(out)
-        else:
-            parts.append(method.merge_chunk(chunk, b, ts, params, state).to(out_dtype))
-    return torch.cat(parts), state, totals_by_round
-
-
 def assert_same(fused, eager) -> None:
     (got, state_f, totals_f), (want, state_e, totals_e) = fused, eager
     assert state_f == state_e
@@ -102,15 +52,6 @@ def assert_same(fused, eager) -> None:
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     diff = np.flatnonzero(bits(got).reshape(-1, got.element_size()).any(axis=1) != 0)
     assert np.array_equal(bits(got), bits(want)), (diff[:5], got[:8], want[:8])
-
-
-def ties_params(n_tasks: int, **kw):
-    params = {
-        "weight": [0.7, -0.35, 1.25, 0.4][:n_tasks],
-        "density": [0.5, 0.3, 0.7, 1.0][:n_tasks],
-        "normalize": True, "lambda": 1.0, "rescale": False,
-    }  # fmt: skip
-    return params | kw
 
 
 DTYPE_SETS = [(BF16, BF16, BF16, BF16), (F32, BF16, F16, F32), (F16, F16, F16)]

@@ -77,6 +77,7 @@ parameters: {normalize: true, lambda: 1.5, epsilon: 1e-5}
 # Reading: the JobSpec
 
 
+@pytest.mark.quick
 def test_basic_config() -> None:
     spec = parse(BASIC)
     assert spec.merge_method == "ties"
@@ -104,6 +105,7 @@ def test_jobspec_is_hashable_and_picklable() -> None:
     assert hash(w) == hash(pickle.loads(pickle.dumps(w)))
 
 
+@pytest.mark.quick
 def test_param_map() -> None:
     m = ParamMap.of({"b": 1.0, "a": True})
     assert list(m) == ["a", "b"] and len(m) == 2 and m["b"] == 1.0 and "a" in m
@@ -112,6 +114,7 @@ def test_param_map() -> None:
         m["c"]
 
 
+@pytest.mark.quick
 def test_numbers_written_as_yaml_strings() -> None:
     spec = parse(
         "merge_method: ram_plus\nbase_model: b\nmodels: [{model: t1}, {model: t2}]\n"
@@ -255,6 +258,7 @@ def test_unknown_parameter_lists_the_valid_ones() -> None:
     )
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "text, needles",
     [
@@ -290,6 +294,7 @@ def test_structure_errors(text: str, needles: list[str]) -> None:
     fails(text, *needles)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "weight, needles",
     [
@@ -324,6 +329,7 @@ def test_storage_options_shape() -> None:
     fails(BASIC + "storage_options: {s3: 1}\n", "storage_options must map a protocol")
 
 
+@pytest.mark.quick
 def test_load_from_file(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
     path.write_text(BASIC)
@@ -415,6 +421,7 @@ def test_position() -> None:
         position("model.layers.4.mlp.up_proj.weight", 4)
 
 
+@pytest.mark.quick
 def test_resolve_gradient_by_hand() -> None:
     g = Gradient((0.0, 1.0, 0.5))
     names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(5)]
@@ -442,6 +449,7 @@ def test_parse_setting_for_raw_values() -> None:
         resolve([0.1, 0.2], "model.layers.0.mlp.up_proj.weight", 2)  # type: ignore[arg-type]
 
 
+@pytest.mark.quick
 def test_resolve_filters_by_hand() -> None:
     f = Filtered(
         (
@@ -463,6 +471,7 @@ def test_resolve_filters_by_hand() -> None:
     assert resolve(Filtered((FilterEntry("", 8.0),)), "", 3) is None  # empty name: no match
 
 
+@pytest.mark.quick
 def test_resolve_parameter_precedence_by_hand() -> None:
     spec = parse(
         "merge_method: ties\nbase_model: b\nmodels:\n"
@@ -532,6 +541,7 @@ storage_options: {{s3: {{key: AKIA-SECRET}}}}
 """
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("method", ["ties", "dare_ties", "ramplus_tl", "linear"])
 def test_written_config_resolves_every_tensor_as_the_run_did(method: str) -> None:
     """The one writer states what ran: read back, each tensor gets the same values; the

@@ -10,6 +10,9 @@ import torch
 
 from ram_dist.methods import exact_sums
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 
 def _values(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 values over most of float32's exponent range, subnormals and zeros included."""

@@ -29,6 +29,9 @@ from ram_dist.planning.config import MergeConfig, load_yaml
 from ram_dist.planning.tensor_params import resolve_all
 from ram_dist.report.model_card import model_card
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 
 def test_every_method_takes_the_parameters_the_table_declares() -> None:
     assert list(METHODS) == list(PARAMETERS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ram_dist.methods.generalized_task_arithmetic.rng import (
@@ -11,6 +12,9 @@ from ram_dist.methods.generalized_task_arithmetic.rng import (
     stream_key,
     uniform,
 )
+
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
 
 _GOLDEN = 0x9E3779B97F4A7C15
 

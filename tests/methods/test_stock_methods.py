@@ -156,8 +156,14 @@ def test_against_mergekit(method, n, params, shape):
     else:
         kw = {k: v for k, v in params.items() if k != "int8_mask"}
         theirs = mergekit(method, base, tasks, **kw)
-    if method in ("nearswap", "passthrough", "arcee_fusion"):
-        # element-wise, or a selection whose importances here are mergekit's (see below)
+    if method == "arcee_fusion":
+        # a selection by mergekit's float32 KL, whose sums take an order that depends on the
+        # CPU's vector width: mergekit's bytes where that KL's rounding cannot change its
+        # choice, the algorithm computed exactly (the reference) everywhere
+        settled = ref.arcee_settled(base, tasks[0])
+        assert same_bytes(ours, ref.arcee_fusion(base, tasks[0]))
+        assert same_bytes(ours[settled], theirs[settled]) and int(settled.sum()) > 0
+    elif method in ("nearswap", "passthrough"):  # element-wise
         assert same_bytes(ours, theirs)
     else:
         assert within_bound(ours, theirs, base, tasks)

@@ -15,6 +15,9 @@ from ram_dist.planning.layout import Layout, TensorEntry
 from ram_dist.planning.sources import FP8_VALUES_DTYPE, Fp8Source, Source, TensorSource
 from ram_dist.planning.units import plan_units
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 
 def _values(read: list[np.ndarray], source: TensorSource, start: int, stop: int) -> np.ndarray:
     return source.decode(start, stop, read, lambda n: np.empty(n, dtype=np.float32), read[0])

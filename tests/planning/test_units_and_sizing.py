@@ -7,6 +7,9 @@ import pytest
 from ram_dist.errors import RamDistError
 from ram_dist.planning.units import TensorSlot, plan_units
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 SLOTS = [
     TensorSlot("embed", "a.safetensors", numel=256 * 64, row=64, max_itemsize=2),
     TensorSlot("norm", "a.safetensors", numel=64, row=1, max_itemsize=4),

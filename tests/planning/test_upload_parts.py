@@ -15,6 +15,9 @@ from ram_dist.planning.units import (
     plan_units,
 )
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 
 def _units(shard_sizes: dict[str, list[int]]) -> tuple[list[WorkUnit], dict[int, int]]:
     units, sizes = [], {}

@@ -6,9 +6,12 @@ import copy
 
 import pytest
 import yaml
-from test_figures import hand_report  # the hand-written RAM+ report (a test of this folder)
+from hand_report import hand_report
 
 from ram_dist.report.model_card import format_parameters, hub_repo_id, model_card, redact_location
+
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
 
 SHA = "ab" * 32
 

@@ -8,10 +8,15 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from ram_dist.engine.passes import _overflow_error
 from ram_dist.planning.precision import measured_against
 from ram_dist.planning.sources import Fp8Source, Source
 from ram_dist.report.rounding import WARN_SHARE, precision_lines, warning
+
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 DOCS = ROOT / "docs"

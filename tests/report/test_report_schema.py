@@ -12,7 +12,7 @@ from importlib import resources
 
 import jsonschema
 import pytest
-from test_figures import hand_report, png_size  # a test of this folder
+from hand_report import hand_report, png_size
 
 from ram_dist.report import figures
 from ram_dist.report.model_card import model_card

@@ -1,15 +1,23 @@
 """Kill a `ram-dist merge` once its manifest records a finished part of a shard still being
-written: the one step every store's resume-inside-a-shard test shares."""
+written: the one step every store's resume-inside-a-shard test shares; and once a first
+shard is finished (`kill_after_first_shard`, the local and S3 resume tests)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import pytest
+
+from ram_dist.io.names import PARTIAL_SUFFIX
 
 
 def recorded_parts(cat: Callable[[], bytes]) -> dict[str, Any] | None:
@@ -36,6 +44,78 @@ def kill_once_recorded(
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         return manifest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def env_without_ray(**extra: str) -> dict[str, str]:
+    """This process's environment without `RAY_ADDRESS` (a `ram-dist` command starts its own
+    Ray), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(extra)
+    return env
+
+
+def manifest_or_none(read_text) -> dict | None:
+    """The manifest `read_text()` gives, or None where it is missing or half written."""
+    try:
+        return json.loads(read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def kill_after_first_shard(
+    args: list[str], env: dict, read_manifest, mid_shard: bool = False, out: Path | None = None
+) -> dict:
+    """Run the CLI, SIGKILL its whole process group once one shard (not all) is finished
+    and, with `mid_shard`, the manifest records finished parts of a shard being written.
+    The manifest is saved at most every 2 s, so a fast map pass can finish between two
+    looks: then, given the local `out`, the run is tried again from an empty output. So it
+    is when, given `out` and `mid_shard`, the driver published a shard it had recorded parts
+    of between the look and the kill (its partial file is gone: nothing left to resume in)."""
+    for _ in range(2 if out is None else 4):
+        manifest = _try_to_kill(args, env, read_manifest, mid_shard)
+        if manifest is not None and (out is None or not mid_shard or _partial_kept(out, manifest)):
+            return manifest
+        if out is not None:
+            shutil.rmtree(out)
+    pytest.fail("the merge ended before it could be killed, every time")
+
+
+def _partial_kept(out: Path, manifest: dict) -> bool:
+    """Every shard the manifest records parts of is still a partial file in `out`."""
+    writing = [name for name, w in manifest.get("writing", {}).items() if w["parts"]]
+    return all((out / f"{name}{PARTIAL_SUFFIX}").exists() for name in writing)
+
+
+def _try_to_kill(args: list[str], env: dict, read_manifest, mid_shard: bool) -> dict | None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ram_dist.cli", *args],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            manifest = read_manifest()
+            inside = (
+                not mid_shard or any(w["parts"] for w in manifest.get("writing", {}).values())
+                if manifest
+                else False
+            )
+            if manifest and 1 <= len(manifest["shards"]) < len(manifest["shard_names"]) and inside:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+                return manifest
+            if proc.poll() is not None:
+                assert proc.returncode == 0, proc.stderr.read()
+                return None
+            time.sleep(0.01)
+        pytest.fail("the map pass never finished a first shard")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -168,6 +168,74 @@ def arcee_fusion(base: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
     return a + (b - a) * mask
 
 
+#: The unit roundoff of float32.
+U32 = 2.0**-24
+#: Bounds on the relative error of torch's float32 exp and log on the CPU, whichever vector
+#: width its kernels take: ATen's `exp_u20` is within 20 ulps, Sleef's `logf_u10` within 1
+#: ulp (an ulp is at most 2 U32 of the value); doubled for margin.
+EXP_ERROR, LOG_ERROR = 80 * U32, 4 * U32
+
+
+def _gamma(k: int) -> float:
+    """The bound on the relative error of a float32 sum of k + 1 terms of one sign, or of
+    their absolute values, in any order (Higham's gamma_k)."""
+    return k * U32 / (1 - k * U32)
+
+
+def _softmax_error(row: list[float]) -> list[float]:
+    """Per element, a bound on the relative error of `softmax(row) + 1e-8` computed in
+    float32 by torch (x - max, exp, a sum in any order, the division, the addition)."""
+    top = max(row)
+    n = len(row)
+    return [abs(x - top) * U32 + EXP_ERROR + _gamma(n - 1) + 4 * U32 for x in row]
+
+
+def arcee_kl_float32_error(base_row: list[float], task_row: list[float]) -> float:
+    """A bound on |mergekit's KL of a row - the exact KL|: mergekit's float32 softmax, the
+    ratio, log, products and sum, whatever order torch's sums take (it depends on the CPU's
+    vector width) and whichever exp and log kernels it uses. First-order terms, times 1.01."""
+    p = [v + 1e-8 for v in _softmax(task_row)]
+    q = [v + 1e-8 for v in _softmax(base_row)]
+    ap, aq = _softmax_error(task_row), _softmax_error(base_row)
+    bound = 0.0
+    magnitude = 0.0
+    for pi, qi, ei, fi in zip(p, q, ap, aq, strict=True):
+        log = abs(math.log(pi / qi))
+        # the ratio's log: both errors, the division; then the log, the product, p's error
+        bound += pi * ((ei + fi + U32) + (LOG_ERROR + U32 + ei) * log)
+        magnitude += pi * log
+    return 1.01 * (bound + _gamma(len(p) - 1) * magnitude)
+
+
+def arcee_settled(base: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
+    """Where mergekit's arcee_fusion must choose what the exact algorithm chooses, whatever
+    its float32 KL's rounding: the elements whose importance, with each row's KL anywhere
+    within `arcee_kl_float32_error` of the exact one, stays on one side of every threshold
+    those importances can give. A boolean tensor of `base`'s shape."""
+    a, b = base.float(), task_value(base, task)
+    rows_a, rows_b = _rows(a), _rows(b)
+    kl, err = [], []
+    for ar, br in zip(rows_a.tolist(), rows_b.tolist(), strict=True):
+        kl.append(arcee_kl_float64(ar, br))
+        err.append(arcee_kl_float32_error(ar, br) + 1e-12 * abs(kl[-1]))
+    kl64 = torch.tensor(kl, dtype=torch.float64).reshape(-1, 1)
+    err64 = torch.tensor(err, dtype=torch.float64).reshape(-1, 1)
+    diff = (rows_b - rows_a).abs().double()  # exact in float32, as mergekit's
+    low = diff * (kl64 - err64)
+    high = diff * (kl64 + err64)
+    low, high = low - low.abs() * U32, high + high.abs() * U32  # the product's rounding
+    low, high = low.reshape(-1), high.reshape(-1)
+    n = low.numel()
+    lows, highs = sorted(low.tolist()), sorted(high.tolist())
+    lo = [lows[(i * (n - 1)) // 4] for i in (1, 2, 3)]  # each quartile's least and most
+    hi = [highs[(i * (n - 1)) // 4] for i in (1, 2, 3)]
+    # mergekit's threshold, median + 1.5 (q3 - q1), in float32: three roundings
+    spread = 4 * U32 * (max(abs(lo[1]), abs(hi[1])) + 1.5 * (abs(hi[2]) + abs(hi[0])))
+    least = lo[1] + 1.5 * (lo[2] - hi[0]) - spread
+    most = hi[1] + 1.5 * (hi[2] - lo[0]) + spread
+    return ((low > most) | (high < least)).reshape(a.shape)
+
+
 def merge(method: str, base: State, tasks: list[State], params: dict | None = None) -> State:
     """The reference's merge of whole checkpoints (float32 out): per tensor `method`."""
     params = params or {}

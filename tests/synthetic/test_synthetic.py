@@ -22,6 +22,9 @@ from ram_dist.synthetic.files import plan_shards, write_shards, write_sparse_che
 from ram_dist.synthetic.llama import LLAMA_3_1_405B, TINY, LlamaDims
 from ram_dist.synthetic.weights import base_state, base_tensor
 
+#: In the quick tier (`pytest -m quick`).
+pytestmark = pytest.mark.quick
+
 
 def test_tiny_layout_is_the_one_transformers_writes(tmp_path):
     state = build_tiny_base(tmp_path / "llama", "llama", torch.float32)
