@@ -89,6 +89,36 @@ def in_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
     return fp8.scale_bytes(values, dtype)
 
 
+def decode_in(
+    words: np.ndarray,
+    bits: int,
+    rows: int,
+    cols: int,
+    scales: np.ndarray,
+    zeros: np.ndarray | None,
+    dtype: str,
+    floats: np.ndarray,
+) -> np.ndarray:
+    """The rows' values in `dtype` (the scale's), as bytes: `words` their packed words'
+    bytes, `scales` float32 and `zeros` int16 ([rows, G], or [1, 1] for a tensor's), and
+    `floats` a float32 scratch of rows * cols. By the numba kernel (`int_packed_numba`) for
+    a 16-bit scale, straight into 16-bit bits; else, or without numba, by `decode` and
+    `in_dtype`."""
+    from ram_dist.kernels import numba_module
+
+    kernel = numba_module("int_packed_numba") if dtype in ("BF16", "F16") else None
+    n = rows * cols
+    if kernel is not None:
+        out = floats[: (n + 1) // 2].view(np.uint16)[:n]
+        kind = kernel.BF16 if dtype == "BF16" else kernel.F16
+        scales = np.ascontiguousarray(scales, np.float32)
+        if zeros is not None:
+            zeros = np.ascontiguousarray(zeros, np.int16)
+        return kernel.decode_16(words, bits, cols, scales, zeros, kind, out).view(np.uint8)
+    codes = unpack_rows(words, bits, rows, cols)
+    return in_dtype(decode(codes, zeros, scales, floats), dtype)
+
+
 def decode(
     codes: np.ndarray, zeros: np.ndarray | None, scales: np.ndarray, out: np.ndarray
 ) -> np.ndarray:

@@ -11,8 +11,9 @@ a job meets: base and tasks of one dtype (bfloat16, float16, float32, and fine-g
 which the RAM kernels read as stored and can write again, with FP8 or bfloat16 tasks; other
 mixed dtypes are not warmed), 1 to `--tasks` tasks, and every output dtype a merge kernel
 writes (those three and float64), the LoRA product in each dtype, the exact sums of
-products, the first reduce round's precision check, and MXFP4's decoding. All of it is 587
-specializations (1,464 s on one core of the development machine, without the decoding).
+products, the first reduce round's precision check, and MXFP4's and packed INT4/INT8's
+decoding. All of it is 588 specializations (1,464 s on one core of the development
+machine, without the decoding).
 
 The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
 beside the kernel modules when that is writable, else numba's user-wide cache directory
@@ -58,6 +59,7 @@ def dispatchers() -> dict[str, Any]:
         column_sums_numba,
         della_numba,
         exact_sums_numba,
+        int_packed_numba,
         lora_numba,
         mxfp4_numba,
         precision_numba,
@@ -72,7 +74,7 @@ def dispatchers() -> dict[str, Any]:
         lora_numba.lora_values, exact_sums_numba.gram, exact_sums_numba.row_gram,
         column_sums_numba.column_gram, blend_numba._blend_kernel,
         della_numba._stats_kernel, della_numba._merge_kernel, precision_numba._check_kernel,
-        mxfp4_numba._decode,
+        mxfp4_numba._decode, int_packed_numba._decode,
     )  # fmt: skip
     return {f"{k.py_func.__module__.rsplit('.', 1)[-1]}.{k.__name__}": k for k in found}
 
@@ -167,6 +169,15 @@ def calls(
     codes, exponents = np.zeros(2 * 16, np.uint8), np.full(2, 127, np.uint8)
     decode = partial(mxfp4_numba.decode_bf16, codes, exponents, 2, 1, np.empty(64, np.uint16))
     yield mxfp4_numba._decode, "MXFP4", decode
+    # compressed-tensors' packed INT4/INT8 weights decoded (one signature: bytes in, 16-bit
+    # bits out)
+    from ram_dist.kernels import int_packed_numba
+
+    packed = partial(
+        int_packed_numba.decode_16, np.zeros(16, np.uint8), 4, 32, np.ones((1, 1), np.float32),
+        None, int_packed_numba.BF16, np.empty(32, np.uint16),
+    )  # fmt: skip
+    yield int_packed_numba._decode, "INT4/INT8", packed
 
 
 def _fp8_calls(tasks: int, out_dtypes: list[str]) -> Iterator[tuple[Any, str, Callable[[], Any]]]:

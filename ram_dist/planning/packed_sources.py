@@ -128,15 +128,12 @@ class PackedIntSource(NamedTuple):
             scales = int_packed.scale_floats(arrays.pop(0), self.scale_dtype)
             raw = arrays.pop(0) if self.zero_dtype else None
             zeros = None if raw is None else raw.view(INFO[self.zero_dtype].numpy)[:1]
-        codes = int_packed.unpack_rows(words, self.bits, rows, self.cols)
         one = self.groups or 1
-        values = int_packed.decode(
-            codes,
+        return int_packed.decode_in(
+            words, self.bits, rows, self.cols, scales.reshape(-1, one),
             None if zeros is None else zeros.reshape(-1, one).astype(np.int16),
-            scales.reshape(-1, one),
-            floats(rows * self.cols),
-        )
-        return int_packed.in_dtype(values, self.scale_dtype)
+            self.scale_dtype, floats(rows * self.cols),
+        )  # fmt: skip
 
     def _check_shape(self, raw: np.ndarray) -> None:
         """`<name>_shape` must say the shape the packed words and scales give."""

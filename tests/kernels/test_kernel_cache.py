@@ -34,11 +34,12 @@ KERNELS = (
     "ties_numba._stats_kernel", "ties_numba._merge_kernel", "scan_numba._count",
     "lora_numba.lora_values", "della_numba._stats_kernel", "della_numba._merge_kernel",
 )  # fmt: skip
-#: Kernels of one signature each (exact sums of float32 products, MXFP4's decoding), which
+#: Kernels of one signature each (exact sums of float32 products, MXFP4's and packed INT's
+#: decoding), which
 #: the job below does not call.
 FLOAT32_KERNELS = (
     "exact_sums_numba.gram", "exact_sums_numba.row_gram", "column_sums_numba.column_gram",
-    "mxfp4_numba._decode",
+    "mxfp4_numba._decode", "int_packed_numba._decode",
 )  # fmt: skip
 #: Kernels warmed as the merge kernels are (1 and 2 tasks), which the job does not call.
 UNCALLED = ("blend_numba._blend_kernel",)
@@ -125,7 +126,7 @@ def test_warm_compiles_into_the_cache_dir(warmed):
         **{k: (1, 0) for k in FLOAT32_KERNELS},
         **{k: (2, 0) for k in UNCALLED},
     }
-    assert "39 specializations" in result.stdout and "0 failed" in result.stdout
+    assert "40 specializations" in result.stdout and "0 failed" in result.stdout
     for kernel in (*KERNELS, FP8_OUT):
         assert list(cache.glob(f"*/{kernel}-*.nbi")), kernel
         assert list(cache.glob(f"*/{kernel}-*.nbc")), kernel
