@@ -4,6 +4,7 @@ and sparse ones that hold only the headers (for planning at full scale without t
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterable, Sequence
@@ -13,8 +14,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ram_dist.dtypes import itemsize
 from ram_dist.io.names import INDEX_NAME, MODEL_CONFIG_NAME, SINGLE_NAME
 from ram_dist.io.writer import OutTensor, shard_header
+from ram_dist.synthetic.deepseek import Tensor, split_evenly
 from ram_dist.synthetic.llama import LlamaDims
 
 METADATA = {"format": "pt"}
@@ -41,6 +44,24 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[
         shards[-1].append(name)
         size += n
     return shards
+
+
+#: The most bytes `save_pretrained` puts in one of an agent's shards.
+AGENT_SHARD_BYTES = 5 * 10**9
+
+
+def in_files(tensors: list[Tensor], count: int | None) -> list[list[Tensor]]:
+    """`tensors` in files, each file's tensors in the order of Hugging Face's safetensors
+    writer (element size descending, then name): `count` files of about equal bytes (a
+    published base's), or, for None, files of at most `AGENT_SHARD_BYTES` filled greedily
+    (an agent's, as `save_pretrained` cuts them)."""
+    if count is not None:
+        shards = split_evenly(tensors, count)
+    else:
+        by_name = {t[0]: t for t in tensors}
+        sizes = [(t[0], math.prod(t[1]) * itemsize(t[2])) for t in tensors]
+        shards = [[by_name[n] for n in s] for s in plan_shards(sizes, AGENT_SHARD_BYTES)]
+    return [sorted(s, key=lambda t: (-itemsize(t[2]), t[0])) for s in shards]
 
 
 def write_shards(

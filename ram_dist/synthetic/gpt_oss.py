@@ -42,9 +42,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ram_dist.dtypes import itemsize
-from ram_dist.synthetic.deepseek import Tensor, split_evenly
-from ram_dist.synthetic.files import plan_shards
+from ram_dist.synthetic.deepseek import Tensor
+from ram_dist.synthetic.files import in_files
 
 #: The published `quantization_config` of gpt-oss.
 QUANTIZATION_CONFIG: dict[str, Any] = {
@@ -58,8 +57,6 @@ QUANTIZATION_CONFIG: dict[str, Any] = {
 }
 #: Codes per e8m0 scale, and per 16-byte block row.
 GROUP = 32
-#: The most bytes `save_pretrained` puts in one of an agent's shards.
-AGENT_SHARD_BYTES = 5 * 10**9
 #: The decoded names of the MXFP4 weights of a layer, after `model.layers.{n}.`.
 MXFP4_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
@@ -130,15 +127,8 @@ class GptOssDims:
     def shards(self, mxfp4: bool = True) -> list[list[Tensor]]:
         """`tensors(mxfp4)` in files, each file's tensors in the order of Hugging Face's
         safetensors writer (element size descending, then name): the base's `shard_count`
-        of about equal bytes, an agent's of at most `AGENT_SHARD_BYTES` filled greedily."""
-        tensors = self.tensors(mxfp4)
-        if mxfp4:
-            shards = split_evenly(tensors, self.shard_count)
-        else:
-            by_name = {t[0]: t for t in tensors}
-            sizes = [(t[0], math.prod(t[1]) * itemsize(t[2])) for t in tensors]
-            shards = [[by_name[n] for n in s] for s in plan_shards(sizes, AGENT_SHARD_BYTES)]
-        return [sorted(s, key=lambda t: (-itemsize(t[2]), t[0])) for s in shards]
+        of about equal bytes, an agent's of at most `files.AGENT_SHARD_BYTES` filled greedily."""
+        return in_files(self.tensors(mxfp4), self.shard_count if mxfp4 else None)
 
     @property
     def params(self) -> int:
