@@ -13,8 +13,8 @@ import pytest
 from builders import build_model_set
 
 import ram_dist
-from ram_dist import flag_table, settings
-from ram_dist.cli import build_parser, config_from_args
+from ram_dist import settings
+from ram_dist.cli import build_parser, config_from_args, flag_table
 from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config import TOP_KEYS
 from ram_dist.methods.parameters import cli_parameters
@@ -73,7 +73,7 @@ def test_docs_cli_holds_the_flag_table_the_declarations_make():
     text = CLI_DOC.read_text()
     assert flag_table.rewrite(text) == text, (
         "docs/cli.md's flag table differs from the declarations: "
-        "run `python -m ram_dist.flag_table` to regenerate it"
+        "run `python -m ram_dist.cli.flag_table` to regenerate it"
     )
 
 
@@ -85,7 +85,7 @@ def test_the_readme_holds_the_table_of_methods_the_registry_makes():
             text, flag_table.METHODS_BEGIN, flag_table.METHODS_END, flag_table.render_methods
         )
         == text
-    ), "README.md's table of methods differs: run `python -m ram_dist.flag_table`"
+    ), "README.md's table of methods differs: run `python -m ram_dist.cli.flag_table`"
     from ram_dist.methods import METHODS
 
     method_help = settings.BY_NAME["method"].meta.help()

@@ -220,7 +220,7 @@ def _dispatch(args: argparse.Namespace, last: contextlib.ExitStack) -> int:
     last.enter_context(ray_stopped_last())
     _stop_on_sigterm()
     if args.command == "demo":
-        from ram_dist.demo import run_demo
+        from ram_dist.cli.demo import run_demo
 
         run_demo(args.dir, address=args.address)
         return 0
@@ -260,7 +260,3 @@ def run() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    run()
