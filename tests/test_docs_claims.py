@@ -61,9 +61,12 @@ def test_the_parameter_table_has_every_method_s_every_parameter_with_its_default
         for p in method.parameters:
             if not p.effect:
                 continue
+            flag = p.cli_flag or ""  # one row per name, flag and scope
+            cells = {"none (YAML only)", f"`{flag}`", f"`--[no-]{flag.removeprefix('--')}`"}
             row = next(
                 r for r in rows.splitlines() if r.startswith(f"| `{p.name}` |")
                 and ("per task" if p.per_task else "once") in r.split(" | ")[2]
+                and r.split(" | ")[1] in cells
             )  # fmt: skip
             uses = row.split(" | ")[3]
             shown = flag_table._shown(p.default)

@@ -2,4 +2,5 @@
 
 from ram_dist.cli import run
 
-run()
+if __name__ == "__main__":  # not when a tool imports every module (pkgutil.walk_packages)
+    run()

@@ -61,6 +61,7 @@ def render() -> str:
             flag += " " + ("{" + ",".join(s.meta.choices) + "}" if s.meta.choices
                            else _metavar(flag, s.meta.metavar))  # fmt: skip
         text = s.meta.help() if callable(s.meta.help) else s.meta.help
+        text = text.split("\n", 1)[0]  # `--method`: its methods are the table below
         commands = ", ".join(c for c in settings.COMMANDS if c in s.meta.commands)
         rows.append(f"| `{flag}` | {commands} | {_cell(s.shown_default)} | {_cell(text)} |")
         if s.name == "method":
@@ -75,7 +76,8 @@ def render() -> str:
 
 
 def render_methods() -> str:
-    """README's table: one row per method, in the registry's order, the default marked."""
+    """README's and docs/cli.md's table: one row per method, in the registry's order, the
+    default marked."""
     default = settings.BY_NAME["method"].default
     rows = ["| `--method` | what it does |", "|---|---|"]
     for name, method in METHODS.items():
@@ -261,6 +263,7 @@ MERGEKIT_TABLES = (
 TABLES = (
     (CLI_DOC, BEGIN, END, render),
     (README, METHODS_BEGIN, METHODS_END, render_methods),
+    (CLI_DOC, METHODS_BEGIN, METHODS_END, render_methods),
     (METHODS_DOC, PARAMETERS_BEGIN, PARAMETERS_END, render_parameters),
     (METHODS_DOC, KERNELS_BEGIN, KERNELS_END, render_kernels),
     (OUTPUT_DOC, LEASES_BEGIN, LEASES_END, render_leases),
