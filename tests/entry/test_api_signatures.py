@@ -89,11 +89,26 @@ def test_each_call_takes_its_settings_with_their_declared_types(call):
     )
 
 
-def test_the_package_exports_the_same_calls():
+def test_the_package_exports_the_same_calls_and_type_checkers_see_them():
+    """`ram_dist.merge` is `api.merge` at run time (loaded on first use) and, for type
+    checkers and IDEs, through the package's `if TYPE_CHECKING:` import of every API name."""
+    import ast
+    from pathlib import Path
+
     import ram_dist
 
     for call in CALLS:
         assert getattr(ram_dist, call) is getattr(api, call), call
+    tree = ast.parse(Path(ram_dist.__file__).read_text())
+    seen = {
+        alias.name
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+        for inner in node.body
+        if isinstance(inner, ast.ImportFrom) and inner.module == "ram_dist.api"
+        for alias in inner.names
+    }
+    assert seen == set(ram_dist.API)
 
 
 def test_a_wrong_or_missing_keyword_is_pythons_type_error():
