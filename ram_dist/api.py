@@ -5,9 +5,9 @@ settings as keyword arguments, each returning a report object. Driver side.
     report = ram_dist.merge(base="./qwen-base", tasks=["./coder", "./tool-user"], out="./merged")
 
 The `ram-dist` command and `jobs/nightly.py` are layers over this module: the command builds
-its job with `build_job`, as every call here does. A setting left at
-None takes the mergekit config's value where `config` gives one, else `MergeConfig`'s default,
-which is the command line's too. An error the user can fix raises `RamDistError` with the
+its job with `build_job`, as every call here does. A setting left at None takes the mergekit
+config's value where `config` gives one, else `MergeConfig`'s default, which is the command
+line's too. An error the user can fix raises `RamDistError` with the
 message the command prints. A Ray this process is already connected to (a notebook's
 `ray.init()`) is used and left running; otherwise `address`, else `RAY_ADDRESS`, else an
 embedded Ray that is stopped before the call returns.
@@ -53,8 +53,9 @@ FlagValues = Callable[[str, int], tuple[dict[str, Any], list[dict[str, Any]]]]
 # --------------------------------------------------------------------------------------------
 # The calls. Their keywords are the job's settings (`ram_dist.settings`), each None or off by
 # default: the value then comes from the config file, else the setting's default. They are
-# written out, so that `help()`, IDEs and type checkers see them; `tests/entry/test_api.py`
-# holds them to `settings.py` (a setting added there fails it until the calls take it).
+# written out, so that `help()`, IDEs and type checkers see them;
+# `tests/entry/test_api_signatures.py` holds them to `settings.py` (a setting added there
+# fails it until the calls take it).
 
 
 def merge(
