@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.commands import cli_command
-from ram_dist.demo import make_demo_inputs
+from ram_dist.cli.demo import make_demo_inputs
 
 #: What a bare Ray costs: started as `ram-dist` starts its embedded one, and stopped.
 BARE_RAY = (

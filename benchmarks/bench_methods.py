@@ -60,7 +60,16 @@ METHODS: dict[str, dict[str, Any]] = {
     "model_stock": {"agents": 3, "flags": [], "top": {}, "each": {}},
     "della": {
         "agents": 3,
-        "flags": ["--density", "0.5", "--eps", "0.1", "--lambda", "1.0", "--weight", "1.0"],
+        "flags": [
+            "--density",
+            "0.5",
+            "--della-epsilon",
+            "0.1",
+            "--lambda",
+            "1.0",
+            "--weight",
+            "1.0",
+        ],
         "top": {"lambda": 1.0},
         "each": {"density": 0.5, "epsilon": 0.1, "weight": 1.0},
     },

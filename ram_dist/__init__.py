@@ -7,7 +7,7 @@ From Python: `ram_dist.merge(...)`, `ram_dist.probe(...)`, `ram_dist.plan(...)` 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -31,6 +31,23 @@ API = (
 )
 
 __all__ = ["RamDistError", "__version__", *API]
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: the calls' own signatures
+    from ram_dist.api import (  # noqa: F401  (exported: `__all__`)
+        MergeReport,
+        PlanReport,
+        ProbeReport,
+        Report,
+        VerifyResult,
+        job_config,
+        merge,
+        plan,
+        probe,
+        run_merge,
+        run_plan,
+        run_probe,
+        verify,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -4,9 +4,10 @@ settings as keyword arguments, each returning a report object. Driver side.
     import ram_dist
     report = ram_dist.merge(base="./qwen-base", tasks=["./coder", "./tool-user"], out="./merged")
 
-The `ram-dist` command and `jobs/nightly.py` are layers over this module. A setting left at
-None takes the mergekit config's value where `config` gives one, else `MergeConfig`'s default,
-which is the command line's too. An error the user can fix raises `RamDistError` with the
+The `ram-dist` command and `jobs/nightly.py` are layers over this module: the command builds
+its job with `build_job`, as every call here does. A setting left at None takes the mergekit
+config's value where `config` gives one, else `MergeConfig`'s default, which is the command
+line's too. An error the user can fix raises `RamDistError` with the
 message the command prints. A Ray this process is already connected to (a notebook's
 `ray.init()`) is used and left running; otherwise `address`, else `RAY_ADDRESS`, else an
 embedded Ray that is stopped before the call returns.
@@ -18,11 +19,10 @@ Light to import: torch, Ray and the engine are imported by the calls that need t
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ram_dist import API, settings
 from ram_dist.errors import RamDistError
@@ -45,73 +45,110 @@ if TYPE_CHECKING:
 __all__ = list(API)  # the package exports the same names (`ram_dist.API`)
 
 PathLike = settings.PathLike
-F = TypeVar("F", bound=Callable[..., Any])
+#: The command line's parameter flags, as `build_job` reads them once it knows the method and
+#: the number of tasks: (parameters set once, one mapping per task).
+FlagValues = Callable[[str, int], tuple[dict[str, Any], list[dict[str, Any]]]]
 
 
 # --------------------------------------------------------------------------------------------
 # The calls. Their keywords are the job's settings (`ram_dist.settings`), each None or off by
-# default (the value then comes from the config file, else the setting's default), made into
-# each call's signature by `_takes_settings`, so that `help()` shows them.
+# default: the value then comes from the config file, else the setting's default. They are
+# written out, so that `help()`, IDEs and type checkers see them;
+# `tests/entry/test_api_signatures.py` holds them to `settings.py` (a setting added there
+# fails it until the calls take it).
 
 
-def _takes_settings(command: str | None, *extra: inspect.Parameter) -> Callable[[F], F]:
-    """Give the decorated call the keywords `config` and `command`'s settings, then `extra`."""
-
-    def wrap(call: F) -> F:
-        def keyword(name: str, kind: Any, default: Any) -> inspect.Parameter:
-            return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                     annotation=kind)  # fmt: skip
-
-        params = [keyword("config", PathLike | Mapping[str, Any] | None, None)]
-        for s in settings.api_settings(command):
-            if s.type is bool:
-                params.append(keyword(s.name, bool, False))
-            elif command == "merge" and s.name == "out":  # merge's output is required
-                params.append(keyword(s.name, s.meta.api_type, inspect.Parameter.empty))
-            else:
-                params.append(keyword(s.name, (s.meta.api_type or s.type) | None, None))
-        call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-            [*params, *extra], return_annotation=call.__annotations__["return"]
-        )
-        return call
-
-    return wrap
-
-
-def _given(call: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The call's arguments with its defaults, or the `TypeError` Python would raise."""
-    bound = inspect.signature(call).bind(**kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-@_takes_settings("merge")
-def merge(**kwargs: Any) -> MergeReport:
+def merge(
+    *,
+    config: PathLike | Mapping[str, Any] | None = None,
+    base: PathLike | None = None,
+    tasks: Sequence[PathLike] | None = None,
+    method: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    task_parameters: Sequence[Mapping[str, Any]] | None = None,
+    out_dtype: str | None = None,
+    out: PathLike,
+    overwrite: bool = False,
+    output_shared: bool = False,
+    storage_options: Mapping[str, Mapping[str, Any]] | None = None,
+    integers_from_base: bool = False,
+    drop_extra_tensors: bool = False,
+    allow_nonfinite: bool = False,
+    unit_budget_bytes: int | None = None,
+    workers: int | None = None,
+    device: str | None = None,
+    address: str | None = None,
+    kernels: str | None = None,
+    input_cache: str | None = None,
+    cache_dir: PathLike | None = None,
+    log_format: str | None = None,
+) -> MergeReport:
     """Merge `tasks` into `base`, or run (resume) an unfinished merge into `out`, as
     `ram-dist merge` does; the arguments are `job_config`'s."""
-    given = _given(merge, kwargs)
-    return run_merge(partial(job_config, **given), address=given["address"])
+    given = dict(locals())
+    return run_merge(partial(job_config, **given), address=address)
 
 
-@_takes_settings(
-    "probe", inspect.Parameter("json_path", inspect.Parameter.KEYWORD_ONLY, default=None,
-                               annotation=PathLike | None),
-)  # fmt: skip
-def probe(**kwargs: Any) -> ProbeReport:
+def probe(
+    *,
+    config: PathLike | Mapping[str, Any] | None = None,
+    base: PathLike | None = None,
+    tasks: Sequence[PathLike] | None = None,
+    method: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    task_parameters: Sequence[Mapping[str, Any]] | None = None,
+    out_dtype: str | None = None,
+    storage_options: Mapping[str, Mapping[str, Any]] | None = None,
+    integers_from_base: bool = False,
+    drop_extra_tensors: bool = False,
+    allow_nonfinite: bool = False,
+    unit_budget_bytes: int | None = None,
+    workers: int | None = None,
+    device: str | None = None,
+    address: str | None = None,
+    kernels: str | None = None,
+    input_cache: str | None = None,
+    cache_dir: PathLike | None = None,
+    log_format: str | None = None,
+    json_path: PathLike | None = None,
+) -> ProbeReport:
     """RAM's first pass only, whatever `method` says (`ram-dist probe`): the statistics of
     the tasks. `json_path`: also write the report there, and beside it STEM.figure2.png,
     STEM.layers.csv and STEM.layers.png. The other arguments are `job_config`'s."""
-    given = _given(probe, kwargs)
-    json_path = given.pop("json_path")
-    return run_probe(partial(job_config, **given), address=given["address"], json_path=json_path)
+    given = dict(locals())
+    del given["json_path"]
+    return run_probe(partial(job_config, **given), address=address, json_path=json_path)
 
 
-@_takes_settings("plan")
-def plan(**kwargs: Any) -> PlanReport:
+def plan(
+    *,
+    config: PathLike | Mapping[str, Any] | None = None,
+    base: PathLike | None = None,
+    tasks: Sequence[PathLike] | None = None,
+    method: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    task_parameters: Sequence[Mapping[str, Any]] | None = None,
+    out_dtype: str | None = None,
+    out: PathLike | None = None,
+    overwrite: bool = False,
+    output_shared: bool = False,
+    storage_options: Mapping[str, Mapping[str, Any]] | None = None,
+    integers_from_base: bool = False,
+    drop_extra_tensors: bool = False,
+    allow_nonfinite: bool = False,
+    unit_budget_bytes: int | None = None,
+    workers: int | None = None,
+    device: str | None = None,
+    address: str | None = None,
+    kernels: str | None = None,
+    input_cache: str | None = None,
+    cache_dir: PathLike | None = None,
+    log_format: str | None = None,
+) -> PlanReport:
     """Headers only (`ram-dist plan`): every check that needs no tensor data, then what a
     merge would read, run and write. Writes nothing and starts no Ray. The arguments are
     `job_config`'s."""
-    return run_plan(partial(job_config, **_given(plan, kwargs)))
+    return run_plan(partial(job_config, **locals()))
 
 
 def verify(
@@ -127,8 +164,31 @@ def verify(
     return VerifyResult(out=location, problems=tuple(problems), shards_checked=checked)
 
 
-@_takes_settings(None)
-def job_config(**kwargs: Any) -> MergeConfig:
+def job_config(
+    *,
+    config: PathLike | Mapping[str, Any] | None = None,
+    base: PathLike | None = None,
+    tasks: Sequence[PathLike] | None = None,
+    method: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    task_parameters: Sequence[Mapping[str, Any]] | None = None,
+    out_dtype: str | None = None,
+    out: PathLike | None = None,
+    overwrite: bool = False,
+    output_shared: bool = False,
+    storage_options: Mapping[str, Mapping[str, Any]] | None = None,
+    integers_from_base: bool = False,
+    drop_extra_tensors: bool = False,
+    allow_nonfinite: bool = False,
+    unit_budget_bytes: int | None = None,
+    workers: int | None = None,
+    device: str | None = None,
+    address: str | None = None,
+    kernels: str | None = None,
+    input_cache: str | None = None,
+    cache_dir: PathLike | None = None,
+    log_format: str | None = None,
+) -> MergeConfig:
     """The checked job: `config` (a mergekit YAML file's path, or its keys as a mapping),
     then every argument given over it, as the command line's flags go over the file.
 
@@ -142,26 +202,43 @@ def job_config(**kwargs: Any) -> MergeConfig:
     in bytes. `storage_options`: fsspec options per protocol. The rest are the flags of the
     same names; see `ram_dist.settings` for each one's meaning and default.
     """
+    given = dict(locals())
+    return build_job(given.pop("config"), given)
+
+
+def build_job(
+    config: PathLike | Mapping[str, Any] | None,
+    given: Mapping[str, Any],
+    flags: FlagValues | None = None,
+) -> MergeConfig:
+    """The one builder of a job, for `job_config` (so for every call above) and for the
+    command line (`cli.config_from_args`): `config`'s settings, then each setting `given`
+    (None: not given) over them. `flags`: the command line's parameter flags, read once the
+    method and the number of tasks are known (the flags', else the file's)."""
     from ram_dist.planning.config import build, load_yaml
 
-    given = _given(job_config, kwargs)
-    config = given.pop("config")
     if config is None:
         file: dict[str, Any] = {}
     else:
         file = load_yaml(config if isinstance(config, Mapping) else os.fspath(config))
-    tasks = given["tasks"]
+    given = {name: _fspath(value) for name, value in given.items()}
+    tasks = given.get("tasks")
     if tasks is not None:
         if isinstance(tasks, (str, os.PathLike)):
             raise RamDistError(f"tasks must be a list of checkpoints, got one: {tasks!r}")
         given["tasks"] = tuple(os.fspath(t) for t in tasks)
-    if given["parameters"] is not None:
+    if given.get("parameters") is not None:
         given["parameters"] = _parameter_values(given["parameters"]) or None
-    if given["task_parameters"] is not None:
+    if given.get("task_parameters") is not None:
         given["task_parameters"] = tuple(_parameter_values(p) for p in given["task_parameters"])
-    if given["storage_options"] is not None:
+    if given.get("storage_options") is not None:
         given["storage_options"] = dict(given["storage_options"])
-    return build(file, {name: _fspath(value) for name, value in given.items()})
+    if flags is not None:
+        method = given.get("method") or file.get("method") or settings.BY_NAME["method"].default
+        parameters, per_task = flags(method, len(given.get("tasks") or file.get("tasks", ())))
+        given["parameters"] = parameters or None
+        given["task_parameters"] = tuple(per_task) or None
+    return build(file, given)
 
 
 def run_merge(config: ConfigSource, *, address: str | None = None) -> MergeReport:

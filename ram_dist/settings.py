@@ -92,10 +92,11 @@ def ray_address(given: str | None) -> str | None:
 
 
 def _method_help() -> str:
+    """A first line (what docs/cli.md's flag table shows), then one line per method."""
     from ram_dist.methods import METHODS
 
-    listed = "; ".join(f"{name}: {m.summary.replace('`', '')}" for name, m in METHODS.items())
-    return f"the merge rule, one of: {listed}"
+    listed = [f"{name}: {m.summary.replace('`', '')}" for name, m in METHODS.items()]
+    return "\n".join(["the merge rule, one of the methods below", *listed])
 
 
 def _mib(value: float) -> int:
@@ -243,7 +244,8 @@ class Declared:
 
     def help_text(self) -> str:
         text = self.meta.help() if callable(self.meta.help) else self.meta.help
-        return f"{text} (default: {self.shown_default.replace('`', '')})"
+        first, newline, rest = text.partition("\n")  # `--method`: one line per method after
+        return f"{first} (default: {self.shown_default.replace('`', '')}){newline}{rest}"
 
     def check(self, value: Any) -> None:
         """Refuse a value outside the setting's choices, in the words of its flag."""

@@ -1,5 +1,5 @@
 """What README.md and docs/ say of the code, checked against it: the tables made from the
-code (`ram_dist.flag_table`) are what the code makes now, every path of the repository and
+code (`ram_dist.cli.flag_table`) are what the code makes now, every path of the repository and
 `ram_dist.module` named exists, every `--flag` named is one of ram-dist's (or of the other
 tool the line runs), and the figures the pages quote from the code (the lease's periods, the
 dtypes the kernels read) are the code's."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ram_dist import flag_table, kernels
-from ram_dist.cli import build_parser
+from ram_dist import kernels
+from ram_dist.cli import build_parser, flag_table
 from ram_dist.io.backends import BACKENDS, backend
 from ram_dist.io.lease.output import RENEW_EVERY_S, STALE_AFTER_S
 from ram_dist.methods import METHODS
@@ -51,7 +51,7 @@ def test_each_generated_table_is_what_the_code_makes(table):
     text = path.read_text()
     assert flag_table.rewrite(text, begin, end, make) == text, (
         f"{path.relative_to(ROOT)}'s table after {begin!r} differs from the code: "
-        "run `python -m ram_dist.flag_table`"
+        "run `python -m ram_dist.cli.flag_table`"
     )
 
 
@@ -61,9 +61,12 @@ def test_the_parameter_table_has_every_method_s_every_parameter_with_its_default
         for p in method.parameters:
             if not p.effect:
                 continue
+            flag = p.cli_flag or ""  # one row per name, flag and scope
+            cells = {"none (YAML only)", f"`{flag}`", f"`--[no-]{flag.removeprefix('--')}`"}
             row = next(
                 r for r in rows.splitlines() if r.startswith(f"| `{p.name}` |")
                 and ("per task" if p.per_task else "once") in r.split(" | ")[2]
+                and r.split(" | ")[1] in cells
             )  # fmt: skip
             uses = row.split(" | ")[3]
             shown = flag_table._shown(p.default)

@@ -20,8 +20,6 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 RANK = {
     "cli": 6,
     "api": 6,
-    "demo": 6,
-    "flag_table": 6,
     "engine": 5,
     "planning": 4,
     "report": 3,

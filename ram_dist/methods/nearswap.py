@@ -28,7 +28,7 @@ MIN_DISTANCE = 1e-6
 #: mergekit's `t`, without a default (a merge must give it).
 T = Parameter(
     "t", None, "distance scale: the model's value is taken where |base - model| <= t",
-    cli_flag="--t",
+    cli_flag="--nearswap-t",
 )  # fmt: skip
 
 

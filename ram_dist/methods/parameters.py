@@ -4,7 +4,10 @@ of their values.
 Each method declares what it takes (`MergeMethod.parameters`, a tuple of `Parameter`): each
 parameter's name (mergekit's key under `parameters:`, and the name in the report and in
 `mergekit_config.yml`), its default, whether it is set per task (mergekit's per-model
-parameters) or once, how a YAML value is read, the CLI flag and its help. `PARAMETERS[method]`
+parameters) or once, how a YAML value is read, the CLI flag and its help. A flag has one
+meaning: where methods give one name different meanings (RAM's `epsilon`, a threshold, and
+DELLA's, a half-width), each meaning has a flag of its own (`--eps`, `--della-epsilon`), while
+the YAML key stays mergekit's name. `PARAMETERS[method]`
 collects them from `ram_dist.methods.METHODS`; the YAML reader and writer
 (`ram_dist.mergekit_config`), the resolution per tensor (`planning.tensor_params`), the CLI
 flags and the model card all read it from there.
@@ -43,7 +46,8 @@ class Parameter:
     once for the whole merge (read from the top-level `parameters` only)."""
     cli_flag: str | None = None
     """The command-line flag that sets it (a per-task flag is given once, or once per task);
-    None: YAML only."""
+    None: YAML only. One flag, one meaning: a method that gives the name another meaning
+    declares it with a flag named after the method (`--della-epsilon`, `--nearswap-t`)."""
     choices: tuple[str, ...] = ()
     """The values a str parameter may take."""
     check: Check | None = None
@@ -143,7 +147,7 @@ EPSILON = Parameter(
 )  # fmt: skip
 DELLA_EPSILON = Parameter(
     "epsilon", 0.15, "half-width of della's keep probabilities around the density, by rank",
-    per_task=True, cli_flag="--eps", check=_at_least_zero("epsilon"),
+    per_task=True, cli_flag="--della-epsilon", check=_at_least_zero("epsilon"),
 )  # fmt: skip
 SCOPE = Parameter(
     "scope", "model", "where rho and lambda are counted: the whole model, or each tensor",
@@ -175,7 +179,8 @@ K = Parameter(
 )  # fmt: skip
 TALL_LAMBDA = Parameter(
     "lambda", 1.0, "TALL masks: a task's element matters where abs(delta) > lambda * "
-    "abs(merged - delta)", per_task=True, cli_flag="--lambda", check=_at_least_zero("lambda"),
+    "abs(merged - delta)", per_task=True, cli_flag="--consensus-lambda",
+    check=_at_least_zero("lambda"),
 )  # fmt: skip
 INT8_MASK = Parameter(
     "int8_mask", False, "mergekit's dtype of the sign mask (no effect on the result)",
@@ -219,50 +224,42 @@ def __getattr__(name: str) -> Any:
 
 
 def cli_parameters() -> list[tuple[Parameter, str]]:
-    """The parameters that have a flag, in table order, each with its help: what it does,
-    and which methods it changes, with their defaults. Where methods declare a name
-    differently (per task in one, once in another), the flag takes a value per task
-    (`per_task`) and the chosen method's declaration says how many it accepts
-    (`flag_values`)."""
-    out = []
-    from ram_dist.methods.parameters import BY_NAME, PARAMETERS
+    """One parameter per flag, in table order, each with its help: what it does, and which
+    methods take it, with their defaults (`check_table`: a flag means one thing)."""
+    from ram_dist.methods.parameters import PARAMETERS
 
-    for name, p in BY_NAME.items():
-        if p.cli_flag is None:
-            continue
-        declared = [(m, q) for m, params in PARAMETERS.items() for q in params if q.name == name]
-        mixed = len({q.per_task for _, q in declared}) > 1
-        per_task = any(q.per_task for _, q in declared)
+    by_flag: dict[str, list[tuple[str, Parameter]]] = {}
+    for method, params in PARAMETERS.items():
+        for q in params:
+            if q.cli_flag is not None:
+                by_flag.setdefault(q.cli_flag, []).append((method, q))
+    out = []
+    for declared in by_flag.values():
+        p = declared[0][1]
         defaults: dict[str, list[str]] = {}
-        helps: dict[str, list[str]] = {p.help: []}
         for method, q in declared:
             if q.effect:
-                shown = _shown(q.default) + (", per task" if mixed and q.per_task else "")
-                defaults.setdefault(shown, []).append(method)
-            if q.help != p.help:
-                helps.setdefault(q.help, []).append(method)
+                defaults.setdefault(_shown(q.default), []).append(method)
         uses = "; ".join(f"{', '.join(ms)}: default {d}" for d, ms in defaults.items())
-        text = p.help + "".join(f"; {', '.join(ms)}: {h}" for h, ms in helps.items() if ms)
-        given = ", once for all tasks or once per --task, in order" if per_task else ""
-        out.append((replace(p, per_task=per_task), f"{text}{given} ({uses})"))
+        given = ", once for all tasks or once per --task, in order" if p.per_task else ""
+        out.append((p, f"{p.help}{given} ({uses})"))
     return out
 
 
-def flag_values(flag: Parameter, method: str, values: list[Any]) -> list[Any] | Any:
-    """A per-task flag's values as `method` declares the parameter: the list (per task), or
-    its one value (a parameter set once), or an error where it was given more than once. A
-    method that does not declare it reads it as its first declaration does."""
-    from ram_dist.methods.parameters import BY_NAME, PARAMETERS
+def check_flag(flag: str, name: str, method: str) -> None:
+    """Refuse `flag` (which sets parameter `name`) for `method` where `method` gives `name`
+    another meaning, set by a flag of its own: `--eps` is RAM's threshold, never DELLA's
+    half-width (`--della-epsilon`)."""
+    from ram_dist.methods.parameters import PARAMETERS
 
-    first = BY_NAME.get(flag.name, flag)
-    declared = next((q for q in PARAMETERS.get(method, ()) if q.name == flag.name), first)
-    if declared.per_task:
-        return values
-    if len(values) > 1:
-        raise RamDistError(
-            f"{flag.cli_flag} is one value for {method} (not one per task); given {len(values)}"
-        )
-    return values[0]
+    own = next((q for q in PARAMETERS.get(method, ()) if q.name == name), None)
+    if own is None or own.cli_flag in (None, flag):
+        return
+    owners = [m for m, params in PARAMETERS.items() for q in params if q.cli_flag == flag]
+    raise RamDistError(
+        f"{flag} sets {name} for {', '.join(owners)}; {method}'s {name} ({own.help}) is "
+        f"{own.cli_flag}"
+    )
 
 
 def _shown(value: Any) -> str:
@@ -274,23 +271,32 @@ def _shown(value: Any) -> str:
 
 
 def check_table(table: Mapping[str, tuple[Parameter, ...]]) -> None:
-    """A name is read the same way in every method (its kind, its choices) and has one flag,
-    and a flag sets one name; its scope, default, help and checks are each method's own
-    (DELLA's `epsilon` is per task, RAM's is one value)."""
+    """A name is read the same way in every method (its kind, its choices); its scope,
+    default, help and checks are each method's own (DELLA's `epsilon` is per task, RAM's is
+    one value). A flag sets one name with one meaning: the same help and scope wherever it
+    is declared, so that `--help` says one thing of it."""
     by_name = _by_name(table)
-    flags: dict[str, str] = {}
+    flags: dict[str, Parameter] = {}
     for method, params in table.items():
         names = [p.name for p in params]
         if len(set(names)) != len(names):
             raise ValueError(f"{method} declares a parameter twice: {names}")
         for p in params:
             q = by_name[p.name]
-            if (p.kind, p.choices, p.cli_flag) != (q.kind, q.choices, q.cli_flag):
+            if (p.kind, p.choices) != (q.kind, q.choices):
                 raise ValueError(
                     f"parameter {p.name} of {method} is read differently from its first "
-                    "declaration (kind, choices or flag)"
+                    "declaration (kind or choices)"
                 )
-            if p.cli_flag is not None and flags.setdefault(p.cli_flag, p.name) != p.name:
-                raise ValueError(f"flag {p.cli_flag} sets both {flags[p.cli_flag]} and {p.name}")
             if p.effect and not p.passed:
                 raise ValueError(f"{method}: {p.name} has an effect, so it must be passed")
+            if p.cli_flag is None:
+                continue
+            first = flags.setdefault(p.cli_flag, p)
+            if first.name != p.name:
+                raise ValueError(f"flag {p.cli_flag} sets both {first.name} and {p.name}")
+            if (first.help, first.per_task) != (p.help, p.per_task):
+                raise ValueError(
+                    f"flag {p.cli_flag} means two things ({method}'s {p.name}: {p.help!r}): "
+                    f"give {method}'s a flag of its own (--{method}-{p.name})"
+                )

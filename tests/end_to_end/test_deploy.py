@@ -615,10 +615,10 @@ def test_image_recipe_installs_this_package_at_the_version_the_manifests_call():
         # The entrypoint runs a program the image provides.
         words = shlex.split(spec["entrypoint"])
         if words[:3] == CLI_MODULE:
-            assert (REPO / "ram_dist" / "cli.py").is_file()
-            assert 'if __name__ == "__main__":' in (REPO / "ram_dist" / "cli.py").read_text()
+            main = REPO / "ram_dist" / "cli" / "__main__.py"
+            assert 'if __name__ == "__main__":' in main.read_text()
         elif words[:1] == ["ram-dist"]:
-            assert PYPROJECT["project"]["scripts"]["ram-dist"] == "ram_dist.cli:main"
+            assert PYPROJECT["project"]["scripts"]["ram-dist"] == "ram_dist.cli:run"
         else:
             script = Path(words[1])
             assert script.parent == Path(copied["jobs"]), (label, script)

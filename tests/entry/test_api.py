@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 import json
 import os
 import pkgutil
@@ -30,7 +29,6 @@ from ram_dist.api import MergeReport, PlanReport, ProbeReport, VerifyResult, job
 from ram_dist.cli import build_parser, config_from_args, main
 from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config import Gradient
-from ram_dist.planning.config import MergeConfig
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 README = ROOT / "README.md"
@@ -270,27 +268,6 @@ def test_settings_and_defaults_are_the_commands(tmp_path):
         job_config(config={**mergekit, "slerp_t": 0.5})
     with pytest.raises(RamDistError, match="tasks must be a list of checkpoints"):
         job_config(base="b", tasks="t1")
-
-
-def test_every_call_takes_job_configs_arguments_and_defaults():
-    """One list of settings: every MergeConfig field is an argument of `job_config`, and
-    `merge`, `probe` and `plan` take its arguments with its defaults (None or off: the value
-    itself comes from the config file or MergeConfig)."""
-    settings = inspect.signature(job_config).parameters
-    fields = {f.name for f in dataclasses.fields(MergeConfig)} - {"notes"}
-    assert set(settings) == fields | {"config"}
-    assert all(p.kind is p.KEYWORD_ONLY and p.default in (None, False) for p in settings.values())
-    job_only = {"out", "overwrite", "output_shared"}
-    for call, left_out in ((ram_dist.merge, set()), (ram_dist.plan, set()),
-                           (ram_dist.probe, job_only)):  # fmt: skip
-        params = dict(inspect.signature(call).parameters)
-        params.pop("json_path", None)
-        assert set(params) == set(settings) - left_out, call.__name__
-        for name, p in params.items():
-            assert p.kind is p.KEYWORD_ONLY, (call.__name__, name)
-            if not (call is ram_dist.merge and name == "out"):  # merge's out is required
-                assert p.default == settings[name].default, (call.__name__, name)
-    assert inspect.signature(ram_dist.merge).parameters["out"].default is inspect.Parameter.empty
 
 
 def test_the_package_names_stay_the_api_after_every_module_is_imported():

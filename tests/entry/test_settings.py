@@ -4,7 +4,6 @@ API's keywords, the YAML keys, docs/cli.md's flag table and the job's identity a
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 import textwrap
 from pathlib import Path
@@ -13,8 +12,8 @@ import pytest
 from builders import build_model_set
 
 import ram_dist
-from ram_dist import flag_table, settings
-from ram_dist.cli import build_parser, config_from_args
+from ram_dist import settings
+from ram_dist.cli import build_parser, config_from_args, flag_table
 from ram_dist.errors import RamDistError
 from ram_dist.mergekit_config import TOP_KEYS
 from ram_dist.methods.parameters import cli_parameters
@@ -73,7 +72,7 @@ def test_docs_cli_holds_the_flag_table_the_declarations_make():
     text = CLI_DOC.read_text()
     assert flag_table.rewrite(text) == text, (
         "docs/cli.md's flag table differs from the declarations: "
-        "run `python -m ram_dist.flag_table` to regenerate it"
+        "run `python -m ram_dist.cli.flag_table` to regenerate it"
     )
 
 
@@ -85,7 +84,7 @@ def test_the_readme_holds_the_table_of_methods_the_registry_makes():
             text, flag_table.METHODS_BEGIN, flag_table.METHODS_END, flag_table.render_methods
         )
         == text
-    ), "README.md's table of methods differs: run `python -m ram_dist.flag_table`"
+    ), "README.md's table of methods differs: run `python -m ram_dist.cli.flag_table`"
     from ram_dist.methods import METHODS
 
     method_help = settings.BY_NAME["method"].meta.help()
@@ -116,7 +115,7 @@ def test_each_command_has_a_flag_per_setting_with_the_declared_help(command):
     for s in settings.flagged(command):
         action = actions[s.name]
         assert action.option_strings == [s.meta.flag] and action.default is None
-        assert action.help == s.help_text() and action.help.endswith(
+        assert action.help == s.help_text() and action.help.split("\n")[0].endswith(
             f"(default: {s.shown_default.replace('`', '')})"
         )
         assert tuple(action.choices or ()) == s.meta.choices
@@ -124,18 +123,6 @@ def test_each_command_has_a_flag_per_setting_with_the_declared_help(command):
         s.name for s in settings.flagged(command)
     }
     assert untaken.isdisjoint(actions)
-
-
-def test_each_api_call_takes_its_commands_settings_as_keywords():
-    for call, command in ((ram_dist.merge, "merge"), (ram_dist.probe, "probe"),
-                          (ram_dist.plan, "plan"), (ram_dist.job_config, None)):  # fmt: skip
-        params = inspect.signature(call).parameters
-        names = {s.name for s in settings.api_settings(command)}
-        assert set(params) - {"config", "json_path"} == names, command
-    with pytest.raises(TypeError, match="unexpected keyword argument 'wokers'"):
-        ram_dist.plan(base="b", tasks=["t1", "t2"], wokers=2)
-    with pytest.raises(TypeError, match="missing a required argument: 'out'"):
-        ram_dist.merge(base="b", tasks=["t1", "t2"])
 
 
 def test_the_config_is_both_models_and_the_yaml_keys_are_settings():
@@ -183,3 +170,59 @@ def test_the_identity_records_what_to_merge_and_nothing_of_how_to_run(tmp_path):
     assert prepare(dataclasses.replace(config, **how)).identity() == identity
     changed = prepare(dataclasses.replace(config, out_dtype="float32")).identity()
     assert changed["out_dtype"] != identity["out_dtype"]
+
+
+_PLAN = ["plan", "--base", "b", "--task", "t1", "--task", "t2"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "method_flag"),
+    [
+        (["--method", "della", "--eps", "0.1"], "--della-epsilon"),
+        (["--method", "ram", "--della-epsilon", "0.1"], "--eps"),
+        (["--method", "nearswap", "--t", "0.1"], "--nearswap-t"),
+        (["--method", "consensus_ties", "--lambda", "2"], "--consensus-lambda"),
+    ],
+)
+def test_a_flag_the_method_means_otherwise_exits_2_naming_the_methods_flag(
+    flags, method_flag, capsys
+):
+    """A flag has one meaning: given to a method whose parameter of that name means another
+    thing, it is refused with the method's own flag, never read as it (docs/cli.md)."""
+    from ram_dist.cli import main
+
+    tasks = ["--task", "t1"] if "nearswap" in flags else _PLAN[3:]  # nearswap takes one
+    assert main([*_PLAN[:3], *tasks, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ram-dist: error: {flags[2]} sets "), err
+    assert f"; {flags[1]}'s " in err and err.endswith(f") is {method_flag}\n"), err
+
+
+def test_the_method_a_config_file_names_decides_which_flag_is_its_own(tmp_path, capsys):
+    from ram_dist.cli import main
+
+    config = tmp_path / "della.yaml"
+    config.write_text('{"merge_method": "della", "base_model": "b", "models": '
+                      '[{"model": "t1"}, {"model": "t2"}]}')  # fmt: skip
+    assert main(["plan", str(config), "--eps", "0.1"]) == 2
+    assert "della's epsilon" in capsys.readouterr().err
+    parse = build_parser().parse_args
+    job = config_from_args(parse(["plan", str(config), "--della-epsilon", "0.1"]))
+    assert job.task_parameters == ({"epsilon": 0.1}, {"epsilon": 0.1})
+    job = config_from_args(parse([*_PLAN, "--method", "ram", "--eps", "1e-4"]))
+    assert job.parameters == {"epsilon": 1e-4}
+
+
+def test_the_method_flag_says_one_method_a_line():
+    """`--help` lists the methods one a line after the flag's first line; docs/cli.md's flag
+    table shows that first line, and the table of methods below it."""
+    from ram_dist.methods import METHODS
+
+    merge = build_parser()._subparsers._group_actions[0].choices["merge"]  # type: ignore[union-attr]
+    text = merge.format_help()
+    for name, method in METHODS.items():
+        first = " ".join(f"{name}: {method.summary.replace('`', '')}".split()[:3])
+        assert any(line.strip().startswith(first) for line in text.splitlines()), name
+    row = next(line for line in flag_table.render().splitlines() if "`--method" in line)
+    assert len(row) < 200, row
+    assert flag_table.render_methods() in CLI_DOC.read_text()

@@ -270,7 +270,10 @@ def test_a_mergekitty_config(models, tmp_path):
             ["--method", "consensus_ties", "--k", "1", "--k", "2", "--k", "2"],
             "parameter k must be the same for every task",
         ),  # fmt: skip
-        (["--method", "consensus_ta", "--lambda", "-0.5"], "parameter lambda must be >= 0"),
+        (
+            ["--method", "consensus_ta", "--consensus-lambda", "-0.5"],
+            "parameter lambda must be >= 0",
+        ),
         (["--method", "consensus_ta", "--density", "0.5"], "consensus_ta has no density"),
         (["--method", "consensus_ties", "--density", "0"], "density must be in (0, 1]"),
         (["--method", "consensus_ties", "--gamma", "0.1"], "gamma"),

@@ -320,7 +320,8 @@ def test_mergekit_example_shape(models, tmp_path, method):
 @pytest.mark.parametrize(
     ("method", "flags", "line", "cited"),
     [
-        ("della_linear", ["--eps", "0.1", "--seed", "2"], "della seed: 2", "Deep et al. 2024"),
+        ("della_linear", ["--della-epsilon", "0.1", "--seed", "2"], "della seed: 2",
+         "Deep et al. 2024"),
         ("breadcrumbs", ["--gamma", "0.1"], "breadcrumbs cuts through equal magnitudes: ",
          "Davari and Belilovsky 2023"),
     ],
@@ -346,11 +347,17 @@ def test_the_command_prints_the_report_and_the_card_cites(models, tmp_path, caps
     ("extra", "message"),
     [
         (
-            ["--method", "della", "--density", "0.66", "--eps", "1.35"],
+            ["--method", "della", "--density", "0.66", "--della-epsilon", "1.35"],
             "parameter epsilon must keep",
         ),
-        (["--method", "della_linear", "--density", "0.2", "--eps", "0.2"], "epsilon < 0.2"),
-        (["--method", "della", "--density", "0.5", "--eps", "-0.1"], "epsilon must be >= 0"),
+        (
+            ["--method", "della_linear", "--density", "0.2", "--della-epsilon", "0.2"],
+            "epsilon < 0.2",
+        ),
+        (
+            ["--method", "della", "--density", "0.5", "--della-epsilon", "-0.1"],
+            "epsilon must be >= 0",
+        ),
         (["--method", "della", "--density", "0"], "density must be in (0, 1]"),
         (["--method", "breadcrumbs", "--density", "1.5"], "density must be in (0, 1]"),
         (["--method", "breadcrumbs", "--gamma", "1.5"], "gamma must be in [0, 1]"),

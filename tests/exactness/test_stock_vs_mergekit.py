@@ -263,7 +263,7 @@ def test_mergekit_examples_sce_and_nearswap(models, tmp_path):
     ("method", "n", "extra", "words"),
     [
         ("model_stock", 1, [], "model_stock merges two or more task models"),
-        ("nearswap", 2, ["--t", "0.1"], "nearswap merges exactly one task model"),
+        ("nearswap", 2, ["--nearswap-t", "0.1"], "nearswap merges exactly one task model"),
         ("arcee_fusion", 2, [], "arcee_fusion merges exactly one task model"),
         ("passthrough", 2, [], "passthrough merges exactly one task model"),
         ("nearswap", 1, [], "parameter t is required"),

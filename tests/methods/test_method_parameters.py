@@ -65,11 +65,12 @@ def _merge_args(*flags: str) -> list[str]:
 def test_cli_flags_and_their_help_come_from_the_table() -> None:
     merge = build_parser()._subparsers._group_actions[0].choices["merge"]  # type: ignore[union-attr]
     helps = {s: a.help for a in merge._actions for s in a.option_strings}
-    flagged = {p.cli_flag for p in BY_NAME.values() if p.cli_flag}
+    flagged = {p.cli_flag for ps in PARAMETERS.values() for p in ps if p.cli_flag}
     assert flagged == {"--r", "--alpha", "--eps", "--weight", "--density", "--lambda",
                        "--normalize", "--rescale", "--seed", "--filter-wise", "--select-topk",
                        "--t", "--scale", "--nuslerp-flatten", "--nuslerp-row-wise",
-                       "--normalize-weights", "--max-iter", "--tol", "--gamma", "--k"}  # fmt: skip
+                       "--normalize-weights", "--max-iter", "--tol", "--gamma", "--k",
+                       "--della-epsilon", "--nearswap-t", "--consensus-lambda"}  # fmt: skip
     for p, text in cli_parameters():
         assert helps[p.cli_flag] == text and text.startswith(p.help)
     assert "ramplus_tl: default 0.2" in helps["--alpha"]

@@ -5,7 +5,7 @@ task models it merges, and parameters of its own scope under a name other method
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,7 +19,7 @@ from ram_dist import methods
 from ram_dist.api import run_merge
 from ram_dist.errors import RamDistError
 from ram_dist.methods import exact_sums
-from ram_dist.methods.parameters import Parameter, check_table, cli_parameters, flag_values
+from ram_dist.methods.parameters import PARAMETERS, Parameter, check_flag, check_table
 from ram_dist.methods.protocol import Chunk, NoStatistics, State, TensorParams
 from ram_dist.planning.config import MergeConfig, check_task_count
 
@@ -134,27 +134,40 @@ def test_task_counts_are_the_methods(counts, needs_base, given, message):
     check_task_count(method, counts[0])
 
 
-def test_a_name_may_be_per_task_in_one_method_and_once_in_another():
+def test_a_name_may_mean_two_things_each_with_a_flag_of_its_own():
+    """A name is read one way everywhere; a flag means one thing (its help and scope)."""
     once = Parameter("epsilon", 1e-5, "a threshold", cli_flag="--eps")
-    per_task = Parameter("epsilon", 0.0, "a width per task", per_task=True, cli_flag="--eps")
-    check_table({"a": (once,), "b": (per_task,)})
+    width = Parameter("epsilon", 0.0, "a width per task", per_task=True, cli_flag="--b-epsilon")
+    check_table({"a": (once,), "b": (width,)})
     with pytest.raises(ValueError, match="read differently"):
         check_table(
             {"a": (once,), "b": (Parameter("epsilon", "x", "", kind=str, cli_flag="--eps"),)}
         )
     with pytest.raises(ValueError, match="flag --eps sets both epsilon and eps2"):
         check_table({"a": (once,), "b": (Parameter("eps2", 1.0, "", cli_flag="--eps"),)})
+    with pytest.raises(ValueError, match=r"flag --eps means two things .* \(--b-epsilon\)"):
+        check_table({"a": (once,), "b": (replace(width, cli_flag="--eps"),)})
 
 
-def test_a_flag_given_per_task_is_one_value_for_a_method_that_takes_one(monkeypatch):
-    """`--eps` of a method that takes epsilon per task is a list; of RAM's, one value."""
-    flag = next(p for p, _ in cli_parameters() if p.cli_flag == "--eps")
-    per_task = dict(flag.__dict__, per_task=True)
-    monkeypatch.setitem(
-        methods.METHODS, "per_task_eps",
-        SimpleNamespace(name="per_task_eps", parameters=(Parameter(**per_task),)),
-    )  # fmt: skip
-    assert flag_values(flag, "per_task_eps", [0.1, 0.2]) == [0.1, 0.2]
-    assert flag_values(flag, "ram_plus", [0.1]) == 0.1
-    with pytest.raises(RamDistError, match="--eps is one value for ram_plus"):
-        flag_values(flag, "ram_plus", [0.1, 0.2])
+@pytest.mark.parametrize(
+    ("flag", "name", "method", "own"),
+    [
+        ("--eps", "epsilon", "della", "--della-epsilon"),
+        ("--della-epsilon", "epsilon", "ram_plus", "--eps"),
+        ("--t", "t", "nearswap", "--nearswap-t"),
+        ("--nearswap-t", "t", "slerp", "--t"),
+        ("--lambda", "lambda", "consensus_ta", "--consensus-lambda"),
+        ("--consensus-lambda", "lambda", "ties", "--lambda"),
+    ],
+)
+def test_a_flag_of_another_meaning_is_refused_naming_the_methods_own(flag, name, method, own):
+    owners = ", ".join(m for m, ps in PARAMETERS.items() for p in ps if p.cli_flag == flag)
+    meaning = next(p.help for p in PARAMETERS[method] if p.name == name)
+    with pytest.raises(RamDistError) as refused:
+        check_flag(flag, name, method)
+    assert (
+        str(refused.value)
+        == f"{flag} sets {name} for {owners}; {method}'s {name} ({meaning}) is {own}"
+    )
+    check_flag(own, name, method)  # the method's own flag
+    check_flag(flag, name, "passthrough")  # a method without the parameter: the reader notes it

@@ -30,7 +30,7 @@ def validator() -> jsonschema.Draft202012Validator:
 def real(ray_local, tmp_path_factory) -> dict:
     """The demo's merge report as written to disk, a probe and a TIES merge of its inputs."""
     from ram_dist.api import run_merge, run_probe
-    from ram_dist.demo import run_demo
+    from ram_dist.cli.demo import run_demo
     from ram_dist.planning.config import MergeConfig
 
     folder = tmp_path_factory.mktemp("demo")

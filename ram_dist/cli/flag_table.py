@@ -5,7 +5,7 @@ defaults (each method's `parameters`) and of fused kernels (what each method off
 engine's fused path), docs/output.md's table of leases (`io.backends.BACKENDS`) and
 docs/mergekit-methods.md's tables of the sparsifying methods' parameters.
 
-`python -m ram_dist.flag_table` (from a checkout) rewrites each table between its two marker
+`python -m ram_dist.cli.flag_table` (from a checkout) rewrites each table between its two marker
 comments in place; a test fails while a file differs from what its `render` makes.
 """
 
@@ -21,22 +21,23 @@ from ram_dist import settings
 from ram_dist.methods import METHODS
 from ram_dist.methods.parameters import cli_parameters
 
-BEGIN = "<!-- flag-table: made by `python -m ram_dist.flag_table`; edit the declarations -->"
+MADE_BY = "made by `python -m ram_dist.cli.flag_table`"
+BEGIN = f"<!-- flag-table: {MADE_BY}; edit the declarations -->"
 END = "<!-- /flag-table -->"
 #: The file the table lives in, in a checkout.
-CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
-METHODS_BEGIN = "<!-- method-table: made by `python -m ram_dist.flag_table`; edit the methods -->"
+CLI_DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
+METHODS_BEGIN = f"<!-- method-table: {MADE_BY}; edit the methods -->"
 METHODS_END = "<!-- /method-table -->"
 README = CLI_DOC.parents[1] / "README.md"
 METHODS_DOC = CLI_DOC.parent / "methods.md"
 PARAMETERS_BEGIN = (
-    "<!-- parameter-table: made by `python -m ram_dist.flag_table`; edit the methods -->"
+    "<!-- parameter-table: made by `python -m ram_dist.cli.flag_table`; edit the methods -->"
 )
 PARAMETERS_END = "<!-- /parameter-table -->"
-KERNELS_BEGIN = "<!-- kernel-table: made by `python -m ram_dist.flag_table`; edit the methods -->"
+KERNELS_BEGIN = f"<!-- kernel-table: {MADE_BY}; edit the methods -->"
 KERNELS_END = "<!-- /kernel-table -->"
 OUTPUT_DOC = CLI_DOC.parent / "output.md"
-LEASES_BEGIN = "<!-- lease-table: made by `python -m ram_dist.flag_table`; edit io.backends -->"
+LEASES_BEGIN = "<!-- lease-table: made by `python -m ram_dist.cli.flag_table`; edit io.backends -->"
 LEASES_END = "<!-- /lease-table -->"
 
 
@@ -60,6 +61,7 @@ def render() -> str:
             flag += " " + ("{" + ",".join(s.meta.choices) + "}" if s.meta.choices
                            else _metavar(flag, s.meta.metavar))  # fmt: skip
         text = s.meta.help() if callable(s.meta.help) else s.meta.help
+        text = text.split("\n", 1)[0]  # `--method`: its methods are the table below
         commands = ", ".join(c for c in settings.COMMANDS if c in s.meta.commands)
         rows.append(f"| `{flag}` | {commands} | {_cell(s.shown_default)} | {_cell(text)} |")
         if s.name == "method":
@@ -74,7 +76,8 @@ def render() -> str:
 
 
 def render_methods() -> str:
-    """README's table: one row per method, in the registry's order, the default marked."""
+    """README's and docs/cli.md's table: one row per method, in the registry's order, the
+    default marked."""
     default = settings.BY_NAME["method"].default
     rows = ["| `--method` | what it does |", "|---|---|"]
     for name, method in METHODS.items():
@@ -221,9 +224,7 @@ MERGEKIT_DOC = CLI_DOC.parent / "mergekit-methods.md"
 
 
 def method_begin(name: str) -> str:
-    return (
-        f"<!-- parameters of {name}: made by `python -m ram_dist.flag_table`; edit the methods -->"
-    )
+    return f"<!-- parameters of {name}: {MADE_BY}; edit the methods -->"
 
 
 def method_end(name: str) -> str:
@@ -262,6 +263,7 @@ MERGEKIT_TABLES = (
 TABLES = (
     (CLI_DOC, BEGIN, END, render),
     (README, METHODS_BEGIN, METHODS_END, render_methods),
+    (CLI_DOC, METHODS_BEGIN, METHODS_END, render_methods),
     (METHODS_DOC, PARAMETERS_BEGIN, PARAMETERS_END, render_parameters),
     (METHODS_DOC, KERNELS_BEGIN, KERNELS_END, render_kernels),
     (OUTPUT_DOC, LEASES_BEGIN, LEASES_END, render_leases),

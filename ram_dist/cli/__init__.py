@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 import threading
 import typing
 from functools import partial
@@ -20,12 +21,24 @@ from ram_dist import __version__, settings
 from ram_dist.errors import RamDistError
 from ram_dist.io.failures import is_storage_failure, storage_error
 from ram_dist.io.storage import parse_storage_options
-from ram_dist.methods.parameters import Parameter, cli_parameters, flag_values
+from ram_dist.methods.parameters import Parameter, check_flag, cli_parameters
 
 if TYPE_CHECKING:  # imported where used: `--help` and `verify` load neither torch nor Ray
     from ram_dist.planning.config import MergeConfig
 
 log = logging.getLogger("ram_dist.cli")
+
+
+class _Lines(argparse.HelpFormatter):
+    """Help that keeps its line breaks (`--method`: one line per method), each line wrapped
+    on its own, its continuation indented."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return [
+            wrapped
+            for line in text.splitlines()
+            for wrapped in textwrap.wrap(" ".join(line.split()), width, subsequent_indent="  ")
+        ]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,18 +49,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ram-dist {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    merge = sub.add_parser("merge", help="merge task checkpoints into one model")
+    merge = sub.add_parser(
+        "merge", help="merge task checkpoints into one model", formatter_class=_Lines
+    )
     _add_job_arguments(merge, "merge")
     merge.add_argument(
         "--dry-run", action="store_true", help="check and plan only (as `ram-dist plan`)"
     )
 
     plan = sub.add_parser(
-        "plan", help="read headers only: check everything and print what a merge would do"
+        "plan",
+        help="read headers only: check everything and print what a merge would do",
+        formatter_class=_Lines,
     )
     _add_job_arguments(plan, "plan")
 
-    probe = sub.add_parser("probe", help="reduce pass only: print sparsity and overlap statistics")
+    probe = sub.add_parser(
+        "probe",
+        help="reduce pass only: print sparsity and overlap statistics",
+        formatter_class=_Lines,
+    )
     _add_job_arguments(probe, "probe")
     probe.add_argument(
         "--json",
@@ -117,8 +138,9 @@ def _add_parameter_flags(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> MergeConfig:
-    """Flags override the YAML file; the YAML file overrides the defaults."""
-    from ram_dist.planning.config import build, load_yaml
+    """The job the flags ask for, built by `api.build_job`, the builder every API call uses:
+    the flags over the YAML file's settings, the file's over the defaults."""
+    from ram_dist.api import build_job
 
     given: dict[str, Any] = {}
     for s in settings.flagged(args.command):
@@ -126,28 +148,32 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
         if value is not None and s.meta.convert is not None:
             value = s.meta.convert(value)
         given[s.name] = value
-    file = load_yaml(args.config) if args.config else {}
-    method = given.get("method") or file.get("method") or settings.BY_NAME["method"].default
-    given["parameters"] = {}
-    per_task_flags = []
-    for param, _ in cli_parameters():
-        values = getattr(args, param.cli_dest)
-        if values is None:
-            continue
-        if param.per_task:
-            values = flag_values(param, method, values)
-        if isinstance(values, list):
-            per_task_flags.append((param, values))
-        else:
-            given["parameters"][param.name] = values
-    n_tasks = len(given["tasks"] or file.get("tasks", ()))
-    given["task_parameters"] = _per_task_flags(per_task_flags, n_tasks) or None
     positional = args.out_positional
     if positional is not None:
         if given.get("out") is not None and given["out"] != positional:
             raise RamDistError("give the output once: either --out or after CONFIG")
         given["out"] = positional
-    return build(file, given)
+    return build_job(args.config, given, partial(_parameter_flags, args))
+
+
+def _parameter_flags(
+    args: argparse.Namespace, method: str, n_tasks: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The parameter flags given, as `method` reads them: (those set once, one mapping per
+    task). A flag that `method` gives another meaning than its own is refused, naming the
+    method's flag (`--eps` of della: `--della-epsilon`)."""
+    once: dict[str, Any] = {}
+    per_task = []
+    for param, _ in cli_parameters():
+        values = getattr(args, param.cli_dest)
+        if values is None:
+            continue
+        check_flag(param.cli_flag, param.name, method)
+        if param.per_task:
+            per_task.append((param, values))
+        else:
+            once[param.name] = values
+    return once, _per_task_flags(per_task, n_tasks)
 
 
 def _per_task_flags(flags: list[tuple[Parameter, list[Any]]], n_tasks: int) -> list[dict[str, Any]]:
@@ -220,7 +246,7 @@ def _dispatch(args: argparse.Namespace, last: contextlib.ExitStack) -> int:
     last.enter_context(ray_stopped_last())
     _stop_on_sigterm()
     if args.command == "demo":
-        from ram_dist.demo import run_demo
+        from ram_dist.cli.demo import run_demo
 
         run_demo(args.dir, address=args.address)
         return 0
@@ -260,7 +286,3 @@ def run() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    run()

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ram_dist.api import run_merge
-from ram_dist.planning.config import MergeConfig
+from ram_dist.api import job_config, run_merge
 from ram_dist.report.text import format_report
 from ram_dist.synthetic.files import save_checkpoint, write_config
 from ram_dist.synthetic.llama import TINY
@@ -40,9 +39,7 @@ def run_demo(folder: str, address: str | None = None) -> dict:
     """Generate the inputs, merge them with RAM+ and print the statistics."""
     base_dir, task_dirs = make_demo_inputs(folder)
     out = os.path.join(folder, "merged")
-    config = MergeConfig(
-        base=base_dir, tasks=tuple(task_dirs), out=out, address=address, overwrite=True
-    )
+    config = job_config(base=base_dir, tasks=task_dirs, out=out, address=address, overwrite=True)
     report = run_merge(config).data
     print(format_report(report))
     print(f"\nmerged model (RAM+, r=0.1, alpha=2.0) written to {out}")
