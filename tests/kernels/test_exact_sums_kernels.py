@@ -1,5 +1,6 @@
 """The numba exact sums (`kernels.exact_sums`) give the eager rule's bins, bin for bin:
-whole vectors and per row, with subnormals, zeros, infinities and NaN."""
+whole vectors and per row, with subnormals, zeros, infinities and NaN; and the exact sum of
+the products (exact rationals, `math.fsum`) on the vectorized path, one addend or two."""
 
 from __future__ import annotations
 
