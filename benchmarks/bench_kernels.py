@@ -10,7 +10,15 @@ outputs are checked for byte equality. With `--compile` (default), the first-cal
 the kernels is also measured in fresh processes: with an empty numba cache (compilation),
 then with the cache that run left (loading).
 
+With `--exact-sums`, it times the exact sums of products instead (`kernels.exact_sums.gram`,
+model_stock's round and the geometric methods' norms and dots): the vectorized kernel against
+the scalar binning it replaced (`scalar_gram`, kept here), alternating, on the task vectors
+of `--tasks` agents (every pair: n(n+1)/2 products per element), on bfloat16 values and on
+float32 values, checking that both give the same bins. Rates are products per second of CPU
+time (`time.process_time`, one thread), so that a busy machine's waits are not counted.
+
     python -m benchmarks.bench_kernels --elements 16M --tasks 3 --dtype bf16 --repeats 5
+    python -m benchmarks.bench_kernels --exact-sums --elements 4M --tasks 3 --repeats 7
 
 from the repository root.
 """
@@ -25,11 +33,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from ram_dist.kernels import ram_numba
+from ram_dist.kernels import exact_sums, precision, ram_numba
 from ram_dist.methods import ram
 from ram_dist.synthetic.weights import AGENT_DENSITIES, base_tensor, task_tensor
 
@@ -150,6 +160,77 @@ def compile_times(tasks: int, dtype: torch.dtype) -> None:
             print(f"  {label:<24}{result.stdout.strip()}")
 
 
+def scalar_gram(stack: np.ndarray, pairs: np.ndarray, out: np.ndarray) -> None:
+    """The exact sums as they were binned before vectorizing: each product's float64 bits
+    split into two addends, one scalar add each (`exact_sums_numba._add_products`)."""
+    _scalar_kernel()(stack, pairs, exact_sums._SPLIT, exact_sums._POS_INF, out)
+
+
+@cache
+def _scalar_kernel() -> Callable[..., None]:
+    """The pre-vectorizing `gram`, compiled here (not cached on disk)."""
+    from numba import njit
+
+    from ram_dist.kernels import exact_sums_numba
+    from ram_dist.kernels.primitives import OPTIONS
+
+    add_products = exact_sums_numba._add_products
+
+    @njit(**OPTIONS)
+    def gram(stack, pairs, split, special, out):  # noqa: ANN001, ANN202  (numba arrays)
+        scratch = np.empty(512, dtype=np.float64)
+        for lo in range(0, stack.shape[1], 512):
+            w = min(512, stack.shape[1] - lo)
+            for k in range(pairs.shape[0]):
+                i, j = pairs[k, 0], pairs[k, 1]
+                for t in range(w):
+                    scratch[t] = np.float64(stack[i, lo + t]) * np.float64(stack[j, lo + t])
+                add_products(scratch[:w], out[k], split, special)
+
+    return gram
+
+
+def exact_sums_inputs(n: int, tasks: int, seed: int) -> dict[str, np.ndarray]:
+    """float32 rows as the callers hand them to `gram`: model_stock's task vectors of bf16
+    agents (`precision.task_vectors`), the agents' own bf16 values (a geometric method's
+    norms), and float32 agents' values (two addends per product)."""
+    base, agents = make_inputs(n, tasks, torch.bfloat16, seed)
+    raw = [x.view(torch.uint16).numpy() for x in (base, *agents)]
+    deltas = np.stack(precision.task_vectors(raw)[1])
+    values = np.stack([a.float().numpy() for a in agents])
+    base32, agents32 = make_inputs(n, tasks, torch.float32, seed)
+    wide = np.stack([a.numpy() - base32.numpy() for a in agents32])
+    return {"bf16 task vectors": deltas, "bf16 values": values, "fp32 task vectors": wide}
+
+
+def bench_exact_sums(n: int, tasks: int, repeats: int) -> None:
+    pairs = np.array(exact_sums.pairs_of(tasks), dtype=np.int64)
+    products = n * len(pairs)
+    print(f"exact sums of products: {n} elements, {tasks} rows, {len(pairs)} pairs "
+          f"({products} products), CPU time, median of {repeats} (alternating)")  # fmt: skip
+    print(f"{'inputs':<20}{'scalar s':>10}{'vector s':>10}{'scalar Gp/s':>13}"
+          f"{'vector Gp/s':>13}{'speedup':>9}  same bins")  # fmt: skip
+    for name, stack in exact_sums_inputs(n, tasks, seed=0).items():
+        small = np.ascontiguousarray(stack[:, :64])
+        scalar_gram(small, pairs, np.zeros((len(pairs), exact_sums.BINS), np.int64))
+        exact_sums.gram(small, pairs.tolist())  # compile (or load) outside the timings
+        samples: dict[str, list[float]] = {"s": [], "v": []}
+        for _ in range(repeats):
+            old = np.zeros((len(pairs), exact_sums.BINS), np.int64)
+            began = time.process_time()
+            scalar_gram(stack, pairs, old)
+            samples["s"].append(time.process_time() - began)
+            began = time.process_time()
+            new = exact_sums.gram(stack, pairs.tolist())
+            samples["v"].append(time.process_time() - began)
+        s, v = (statistics.median(samples[k]) for k in ("s", "v"))
+        same = new is not None and np.array_equal(old, new)
+        print(f"{name:<20}{s:>10.4f}{v:>10.4f}{products / s / 1e9:>13.3f}"
+              f"{products / v / 1e9:>13.3f}{s / v:>8.2f}x  {same}")  # fmt: skip
+        for key, values in samples.items():
+            print(f"  samples {key}: " + " ".join(f"{x:.4f}" for x in values))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--elements", default="16M", help="chunk length, e.g. 16M (default)")
@@ -158,12 +239,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-dtype", choices=sorted(DTYPES), default=None)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument(
+        "--exact-sums", action="store_true", help="time the exact sums of products instead"
+    )
     args = parser.parse_args(argv)
     dtype = DTYPES[args.dtype]
     out_dtype = DTYPES[args.out_dtype] if args.out_dtype else dtype
     torch.set_num_threads(1)  # one Ray worker per core: compare single-threaded
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")  # fmt: skip
+    if args.exact_sums:
+        bench_exact_sums(parse_count(args.elements), args.tasks, args.repeats)
+        return
     bench(parse_count(args.elements), args.tasks, dtype, out_dtype, args.repeats)
     if args.compile:
         compile_times(args.tasks, dtype)

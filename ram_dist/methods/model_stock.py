@@ -164,7 +164,7 @@ class ModelStock(MergekitRule, Eager):
         state: State,
         count_nonfinite: bool,
     ) -> tuple[dict[str, np.ndarray], None] | None:
-        """The round's exact sums by `exact_sums.gram`'s kernel (~3 ns a product), bin for
+        """The round's exact sums by `exact_sums.gram`'s vectorized kernel, bin for
         bin `chunk_statistics`'; None where numba is not installed."""
         stats = fused_gram(inputs, pairs(len(inputs) - 1))
         return None if stats is None else ({chunk.tensor: stats}, None)

@@ -1,9 +1,11 @@
 """The numba exact sums (`kernels.exact_sums`) give the eager rule's bins, bin for bin:
-whole vectors and per row, with subnormals, zeros, infinities and NaN."""
+whole vectors and per row, with subnormals, zeros, infinities and NaN; and the exact sum of
+the products (exact rationals, `math.fsum`) on the vectorized path, one addend or two."""
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -50,3 +52,165 @@ def test_row_gram_is_gram_of_each_row():
     for r in range(3):
         rows = stack[:, r * 700 : (r + 1) * 700]
         assert np.array_equal(got[r], exact_sums.gram(rows, pairs))
+
+
+# ---- the vectorized path: one addend or two, at the edges, against exact references ----
+
+TILE = 1024  # `exact_sums_numba.TILE`: the cases below cross tile boundaries
+
+F32 = np.finfo(np.float32)
+EDGES = [
+    float(F32.max), -float(F32.max), float(F32.tiny), -float(F32.tiny),  # largest, 2**-126
+    float(F32.smallest_subnormal), -float(F32.smallest_subnormal),  # 2**-149
+    float(np.float32(3.5e-39)), 1.0, -1.0, 0.0, -0.0,
+    float(np.float32(1 + 2**-23)), -float(np.float32(2 - 2**-23)),  # 24 significant bits
+]  # fmt: skip
+
+
+def _exact_products(stack: np.ndarray, i: int, j: int) -> Fraction:
+    """The exact sum of stack[i] * stack[j], from Python's exact rationals."""
+    a, b = (stack[k].astype(np.float64).tolist() for k in (i, j))
+    return sum((Fraction(x) * Fraction(y) for x, y in zip(a, b, strict=True)), Fraction(0))
+
+
+def _fsum_products(stack: np.ndarray, i: int, j: int) -> float:
+    """math.fsum of the products, each exact in float64: the exact sum rounded once."""
+    return math.fsum((stack[i].astype(np.float64) * stack[j].astype(np.float64)).tolist())
+
+
+def _check(stack: np.ndarray) -> None:
+    """gram's bins are the eager rule's, and they stand for the exact sum of each pair."""
+    pairs = exact_sums.pairs_of(stack.shape[0])
+    got = exact_sums.gram(stack, pairs)
+    for (i, j), bins in zip(pairs, got, strict=True):
+        x, y = torch.from_numpy(stack[i].copy()), torch.from_numpy(stack[j].copy())
+        assert np.array_equal(bins, exact_sums.product_sum(x, y).numpy()), (i, j)
+        assert exact_sums.exact(bins) == _exact_products(stack, i, j), (i, j)
+        assert exact_sums.value(bins) == _fsum_products(stack, i, j), (i, j)
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """float32 values representable in `dtype` (bfloat16, float16 or float32)."""
+    return x.to(dtype).to(torch.float32).numpy()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gram_of_each_dtype_is_the_exact_sum(dtype):
+    """bfloat16 and float16 values take the one-addend path (16 and 22 significant bits a
+    product), float32 the two-addend one; every product's magnitude from tiny to large."""
+    g = torch.Generator().manual_seed(7)
+    n = 3 * TILE + 77
+    scale = torch.exp2(torch.randint(-20, 12, (3, n), generator=g).float())
+    stack = _rounded(torch.randn(3, n, generator=g) * scale, dtype)
+    stack[:, ::5] = 0.0  # zero products between the others
+    _check(stack)
+
+
+def test_edges_one_and_two_addends_mixed():
+    """The largest finite value, the smallest normal and subnormal, signed zeros and
+    24-bit significands, beside one-addend (bfloat16) tiles: every product of every pair."""
+    g = torch.Generator().manual_seed(11)
+    n = 4 * TILE
+    stack = _rounded(torch.randn(3, n, generator=g) * 0.02, torch.bfloat16)
+    edges = np.array(EDGES, dtype=np.float32)
+    for r in range(3):  # the second tile: every product of two edge values
+        m = len(edges)
+        stack[r, TILE : TILE + m * m] = np.tile(edges, m) if r else np.repeat(edges, m)
+    stack[2, 2 * TILE : 3 * TILE] = (torch.randn(TILE, generator=g) / 3).numpy()  # 24 bits
+    _check(stack)
+
+
+@pytest.mark.parametrize("bits", [16, 17])
+def test_the_one_addend_boundary(bits):
+    """11- and 16-bit values: products of at most 27 bits, one addend; 11- and 17-bit ones:
+    some of 28 bits, whose low addend is not zero (two addends)."""
+    a = np.float32(2 - 2.0**-10)  # 11 significant bits
+    b = np.float32(2 - 2.0 ** (1 - bits))  # `bits` significant bits
+    stack = np.array([[a, 1.0, a] * TILE, [b, -b, b] * TILE], dtype=np.float32)
+    stack[0, 5] = 3.0
+    _check(stack)
+
+
+def test_subnormal_inputs_and_lone_values():
+    """Only subnormal values in a tile, a tile of zeros, and one value in a tile."""
+    stack = np.zeros((2, 3 * TILE), dtype=np.float32)
+    sub = np.float32(F32.smallest_subnormal)
+    stack[0, :TILE] = sub * np.arange(1, TILE + 1, dtype=np.float32)
+    stack[1, :TILE] = -sub * np.arange(TILE, 0, -1, dtype=np.float32)
+    stack[:, 2 * TILE + 3] = [F32.max, -F32.max]
+    _check(stack)
+
+
+def test_cancellation_to_zero():
+    """Products that cancel exactly, in one addend and in two: every bin sums to zero."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _rounded(torch.randn(TILE + 9, generator=g), dtype)
+        stack = np.stack([np.concatenate([x, x]), np.concatenate([x, -x])])
+        got = exact_sums.gram(stack, [(0, 1)])[0]
+        assert not got.any()
+        assert exact_sums.value(got) == 0.0 == _fsum_products(stack, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("special", "want"),
+    [(math.inf, math.inf), (-math.inf, -math.inf), (math.nan, math.nan)],
+)
+def test_infinity_and_nan_as_the_eager_rule(special, want):
+    """A tile with an infinity or NaN counts them as the eager rule does (inf * 0 is NaN);
+    the other tiles keep the vectorized path."""
+    g = torch.Generator().manual_seed(5)
+    stack = _rounded(torch.randn(2, 3 * TILE, generator=g), torch.bfloat16)
+    stack[0, TILE + 4], stack[1, TILE + 4] = special, 1.5
+    _check_bins_only(stack)
+    value = exact_sums.value(exact_sums.gram(stack, [(0, 1)])[0])
+    assert value == want or (math.isnan(want) and math.isnan(value))
+    stack[1, TILE + 4] = 0.0  # special * 0: NaN
+    assert math.isnan(exact_sums.value(exact_sums.gram(stack, [(0, 1)])[0]))
+    _check_bins_only(stack)
+
+
+def _check_bins_only(stack: np.ndarray) -> None:
+    pairs = exact_sums.pairs_of(stack.shape[0])
+    for (i, j), bins in zip(pairs, exact_sums.gram(stack, pairs), strict=True):
+        x, y = torch.from_numpy(stack[i].copy()), torch.from_numpy(stack[j].copy())
+        assert np.array_equal(bins, exact_sums.product_sum(x, y).numpy()), (i, j)
+
+
+@pytest.mark.parametrize("row", [1, 300, TILE, TILE + 333])
+def test_row_gram_is_the_eager_rules_rows(row):
+    """Rows shorter and longer than a tile, mixing bfloat16 and float32 values: the eager
+    rule's bins per row, each the exact sum of its products."""
+    g = torch.Generator().manual_seed(row)
+    rows = 3 if row > 1 else 50
+    x = torch.randn(2, rows * row, generator=g) * 0.05
+    stack = np.concatenate([_rounded(x[:, : rows * row // 2], torch.bfloat16),
+                            x[:, rows * row // 2 :].numpy()], axis=1)  # fmt: skip
+    stack = np.ascontiguousarray(stack)
+    pairs = [(0, 0), (0, 1), (1, 1)]
+    got = exact_sums.row_gram(stack, pairs, row)
+    for k, (i, j) in enumerate(pairs):
+        xi, xj = torch.from_numpy(stack[i].copy()), torch.from_numpy(stack[j].copy())
+        first, want = exact_sums.row_sums(xi, xj, 0, row)
+        assert first == 0 and np.array_equal(got[:, k], want.numpy()), (i, j)
+        for r in (0, rows - 1):
+            part = stack[:, r * row : (r + 1) * row]
+            assert exact_sums.exact(got[r, k]) == _exact_products(part, i, j)
+
+
+def test_no_fused_multiply_add():
+    """The kernels compiled here (not loaded from the cache) have no FMA."""
+    from numba import njit
+
+    from ram_dist.kernels import exact_sums_numba
+    from ram_dist.kernels.primitives import OPTIONS, fma_findings
+
+    stack = np.ones((2, 8), np.float32)
+    pairs = np.array([[0, 1]], np.int64)
+    for name in ("gram", "row_gram"):
+        fresh = njit(**OPTIONS)(getattr(exact_sums_numba, name).py_func)
+        out = np.zeros((1, exact_sums.BINS) if name == "gram" else (2, 1, exact_sums.BINS),
+                       np.int64)  # fmt: skip
+        args = (stack, pairs, 26, exact_sums._POS_INF, out)
+        fresh(*args) if name == "gram" else fresh(stack, pairs, 4, *args[2:])
+        assert fresh.signatures and fma_findings(fresh) == [], name
