@@ -3,7 +3,8 @@ conversions between the stored dtypes and float32 bits, the compile options, and
 that compiled code has no fused multiply-add.
 
 A kernel works on tiles of `TILE` elements: `load_tile` widens every input into float32 bits
-(each by its own dtype's loop, picked at compile time), the rule runs in float32, and
+(each by its own dtype's loop, picked at compile time; an FP8 or quantized input's values
+computed from its codes and scales, `load_span`), the rule runs in float32, and
 `store` narrows the result into the output's dtype. numba has no float16 or bfloat16 arrays,
 so both come as raw bits (`NUMBA_ARRAYS`): bfloat16 as uint16, float16 as int16.
 """
