@@ -96,7 +96,9 @@ def int_values(
 
 def kernel_tuple(x: QuantizedValues) -> tuple:
     """The tuple `primitives.load_span` takes: (marker, codes, scales, zeros, format, bits,
-    rows, cols, groups, size), its type set by the marker (the values' dtype) alone."""
+    rows, cols, groups, size, panel, key), its type set by the marker (the values' dtype)
+    alone; `panel` and `key` are MXFP4's scratch (`quantized_spans.load_mxfp4`), empty and
+    unused for INT."""
     if x.format == MXFP4:
         need = (x.size // (x.cols * x.rows)) * x.rows * x.groups
         ok = x.size % (x.cols * x.rows) == 0 and x.scales.size == need
@@ -110,11 +112,12 @@ def kernel_tuple(x: QuantizedValues) -> tuple:
         raise ValueError(f"quantized input of {x.size} values does not match its codes "
                          f"({x.codes.size} bytes) and scales ({x.scales.size})")  # fmt: skip
     marker = np.empty(0, MARKERS[x.values_dtype])
+    panel = np.empty(x.rows * mxfp4.GROUP if x.format == MXFP4 else 0, np.uint16)
     return (
         marker, x.codes, x.scales, x.zeros, int(x.format), int(x.bits), int(x.rows),
-        int(x.cols), int(x.groups), int(x.size),
+        int(x.cols), int(x.groups), int(x.size), panel, np.full(1, -1, np.int64),
     )  # fmt: skip
 
 
 #: Members of `kernel_tuple`'s tuple (an FP8 input's has 5).
-FIELDS = 10
+FIELDS = 12

@@ -99,9 +99,9 @@ def kernel_inputs(
 
 def input_size(kernel_input: Any) -> int:
     """Elements of an input as `kernel_view` makes it (an FP8 input's: its e4m3 bytes; a
-    quantized input's: its values, the tuple's last member)."""
+    quantized input's: its values, the tuple's `size`)."""
     if isinstance(kernel_input, tuple):
-        return int(kernel_input[-1] if len(kernel_input) == FIELDS else kernel_input[0].size)
+        return int(kernel_input[9] if len(kernel_input) == FIELDS else kernel_input[0].size)
     return int(kernel_input.size)
 
 
