@@ -7,12 +7,13 @@ A span runs in decoded order. For INT the codes lie in that order (a row's words
 reads them as it goes, one scale and zero point per run within a group. MXFP4's values are
 the packed codes transposed: decoded row `c` of an expert is column `c` of its packed
 [rows, groups * 32] codes, one nibble from every packed row, `groups * 16` bytes apart. Read
-that way, a decoded row touches a cache line (and, for gpt-oss-120b, a page) per value, and
-the kernels measured 3 to 5 times slower than on a bf16 base. So the 32 decoded rows of one
-group are decoded at once, when a span first needs one of them, into a panel of bfloat16
-bits ([32, rows], 368 KB at most for gpt-oss-120b: in L2) that the tuple carries, reading
-each packed row's 16 bytes once and in order; the spans of those rows then read the panel
-contiguously. The kernels walk the values in order, so each group is decoded once a pass.
+that way, a decoded row touches a cache line per value (and, for gpt-oss-120b, a page every
+third), and the kernels measured 3 to 5 times slower than on a bf16 base. So the 32
+decoded rows of one group are decoded at once, when a span first needs one of them, into a
+panel of bfloat16 bits ([32, rows], 360 KiB at most for gpt-oss-120b: in L2) that the tuple
+carries, reading each packed row's 16 bytes once and in order; the spans of those rows then
+read the panel contiguously. The kernels walk the values in order, so each group is decoded
+once a pass.
 """
 
 from __future__ import annotations
