@@ -83,10 +83,10 @@ class BlockInputs:
     The arrays are valid until the block after the next is read.
 
     An input whose values are decoded (`TensorSource.decoded`) and that a kernel can read
-    in its stored form (`TensorSource.encoded`: an FP8 input's e4m3 bytes and scales) is
-    decoded only when its values are asked for (`raw`, `tensors`, `arrays()`): a fused
-    kernel that reads the stored form (`arrays(encoded=True)`) never makes the float32
-    copy."""
+    in its stored form (`TensorSource.encoded`: an FP8 input's e4m3 bytes and scales, an
+    MXFP4 or packed INT input's codes and scales) is decoded only when its values are asked
+    for (`raw`, `tensors`, `arrays()`): a fused kernel that reads the stored form
+    (`arrays(encoded=True)`) never makes the copy of the values."""
 
     __slots__ = ("_decode", "_raw", "dtypes", "encoded", "stored")
 
@@ -340,7 +340,7 @@ def _decoded(
     forms: list[object | None] = []
     inputs = BlockInputs(raw, dtypes, decode=decode)  # holds the lists filled below
     for i, (src, got) in enumerate(zip(sources, read, strict=True)):
-        form = src.encoded(got) if src.decoded and not same[i] else None
+        form = src.encoded(start, stop, got) if src.decoded and not same[i] else None
         part = functools.partial(floats, (slot, i))
         if same[i]:
             raw.append(None)

@@ -149,7 +149,7 @@ def _merge_into(
     flags = context.flags
     dev = device()
     fused = Fused.of(flags, dev)
-    encoded = bool(getattr(method, "fp8_kernels", False))  # FP8 inputs read as stored
+    encoded = bool(getattr(method, "fp8_kernels", False))  # quantized inputs read as stored
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     offsets = list(itertools.accumulate(sizes, initial=0))
     address = data.ctypes.data
@@ -265,7 +265,7 @@ def _fused_fp8(
         fp8_out is None
         or not getattr(method, "fp8_kernels", False)
         or not inputs.encoded
-        or inputs.encoded[0] is None
+        or not isinstance(inputs.encoded[0], fp8.Fp8Values)
         or not fused.take(inputs.dtypes, entry.merged_dtype)
     ):
         return False

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ram_dist.kernels import fp8
+from ram_dist.kernels import fp8, quantized
 
 #: The stored dtypes a base value is rounded to before a task stored in one measures its
 #: update (a float32, float64 or decoded task takes the base's value as it is).
@@ -41,10 +41,15 @@ def narrows(base: str, task: str) -> bool:
     return task in ROUNDED_DTYPES and task != base
 
 
-def array_dtype(values: np.ndarray | fp8.Fp8Values | tuple) -> str:
+def array_dtype(values: np.ndarray | fp8.Fp8Values | quantized.QuantizedValues | tuple) -> str:
     """The safetensors dtype of an input's values as the engine or `views.kernel_view` hands
     them (bfloat16 as uint16; an FP8 input as stored, or as the kernels' tuple, is decoded
-    to float32)."""
+    to float32; a quantized input to its `values_dtype`, which its tuple's first member's
+    dtype says)."""
+    if isinstance(values, quantized.QuantizedValues):
+        return values.values_dtype
+    if isinstance(values, tuple) and len(values) == quantized.FIELDS:
+        return _ARRAY_DTYPES[values[0].dtype]
     if isinstance(values, (fp8.Fp8Values, tuple)):
         return "F32"
     return _ARRAY_DTYPES[values.dtype]

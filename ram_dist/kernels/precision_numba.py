@@ -26,6 +26,7 @@ from ram_dist.kernels.primitives import (
     half_to_float_bits,
     load_tile_bases,
     size_of,
+    values_type,
 )
 from ram_dist.kernels.views import kernel_inputs
 
@@ -35,17 +36,18 @@ _U32 = np.uint32
 
 
 def tests_of(task: Any) -> int:
-    """`precision.rounding_tests` of a task input, as a constant of its type: 0 none (a
-    bfloat16 task), 1 bfloat16 (a float16 task), 2 bfloat16 and float16 (float32, FP8)."""
+    """`precision.rounding_tests` of a task input, as a constant of its type (its values'
+    dtype, `primitives.values_type`): 0 none (a bfloat16 task), 1 bfloat16 (a float16
+    task), 2 bfloat16 and float16 (float32, FP8)."""
     raise NotImplementedError
 
 
 @overload(tests_of)
 def _tests_of_impl(task: Any) -> Callable[..., int]:
     tests = 2
-    if isinstance(task, types.Array) and task.dtype == types.uint16:
+    if values_type(task) == types.uint16:
         tests = 0
-    elif isinstance(task, types.Array) and task.dtype == types.int16:
+    elif values_type(task) == types.int16:
         tests = 1
 
     def constant(task: Any) -> int:

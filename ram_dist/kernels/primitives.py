@@ -3,7 +3,8 @@ conversions between the stored dtypes and float32 bits, the compile options, and
 that compiled code has no fused multiply-add.
 
 A kernel works on tiles of `TILE` elements: `load_tile` widens every input into float32 bits
-(each by its own dtype's loop, picked at compile time), the rule runs in float32, and
+(each by its own dtype's loop, picked at compile time; an FP8 or quantized input's values
+computed from its codes and scales, `load_span`), the rule runs in float32, and
 `store` narrows the result into the output's dtype. numba has no float16 or bfloat16 arrays,
 so both come as raw bits (`NUMBA_ARRAYS`): bfloat16 as uint16, float16 as int16.
 """
@@ -18,6 +19,8 @@ import numpy as np
 from numba import literal_unroll, types
 from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic, overload, register_jitable
+
+from ram_dist.kernels.quantized import FIELDS as QUANTIZED_FIELDS
 
 #: Elements per tile: the float32 scratch of base and tasks plus four work rows stay in L2.
 TILE = 4096
@@ -226,9 +229,27 @@ def _store_impl(res: Any, out: Any, nan_bits: Any) -> Callable[..., None] | None
     return None
 
 
+def is_quantized(src: Any) -> bool:
+    """Whether a kernel argument's numba type is a quantized input's tuple (MXFP4 or packed
+    INT, `quantized.kernel_tuple`), at compile time."""
+    return isinstance(src, types.BaseTuple) and len(src) == QUANTIZED_FIELDS
+
+
+def values_type(src: Any) -> Any:
+    """The numba dtype of an input's values as the kernels see them, at compile time: a
+    stored array's own, an FP8 input's float32, a quantized input's its marker's (bfloat16
+    as uint16, float16 as int16, float32)."""
+    if isinstance(src, types.Array):
+        return src.dtype
+    if is_quantized(src):
+        return src[0].dtype
+    return types.float32
+
+
 def load_span(src: Any, lo: int, m: int, dst: np.ndarray) -> None:
-    """dst[:m] = float32 bits of elements [lo, lo + m) of an input: a stored array, or an FP8
-    input's tuple (implemented per kind below)."""
+    """dst[:m] = float32 bits of elements [lo, lo + m) of an input: a stored array, an FP8
+    input's tuple, or a quantized input's (MXFP4 or packed INT: `quantized_spans`)
+    (implemented per kind below)."""
     raise NotImplementedError
 
 
@@ -240,6 +261,16 @@ def _load_span_impl(src: Any, lo: Any, m: Any, dst: Any) -> Callable[..., None] 
             load(src[lo : lo + m], dst[:m])
 
         return load_array
+    if is_quantized(src):
+        from ram_dist.kernels.quantized_spans import load_int, load_mxfp4
+
+        def load_quantized(src: Any, lo: Any, m: Any, dst: Any) -> None:
+            if src[4] == 0:  # quantized.MXFP4
+                load_mxfp4(src, lo, m, dst)
+            else:
+                load_int(src, lo, m, dst)
+
+        return load_quantized
     if isinstance(src, types.BaseTuple):
 
         def load_fp8(src: Any, lo: Any, m: Any, dst: Any) -> None:
@@ -286,7 +317,8 @@ _TWO_120 = np.float32(2.0**120)
 
 
 def size_of(src: Any) -> int:
-    """Elements of an input: a stored array's, or an FP8 input's e4m3 bytes'."""
+    """Elements of an input: a stored array's, an FP8 input's e4m3 bytes', a quantized
+    input's values'."""
     raise NotImplementedError
 
 
@@ -298,6 +330,12 @@ def _size_of_impl(src: Any) -> Callable[..., int] | None:
             return src.size
 
         return array_size
+    if is_quantized(src):
+
+        def quantized_size(src: Any) -> int:
+            return src[9]
+
+        return quantized_size
     if isinstance(src, types.BaseTuple):
 
         def fp8_size(src: Any) -> int:
@@ -321,15 +359,16 @@ def load_tile(inputs: tuple[Any, ...], lo: int, m: int, buf: np.ndarray, at: int
 
 
 def narrows(base: Any, task: Any) -> bool:
-    """Whether a task input measures its update against the base rounded to its dtype (it
-    is bfloat16 or float16 and the base is not): a constant of the two inputs' types."""
+    """Whether a task input measures its update against the base rounded to its dtype (its
+    values are bfloat16 or float16 and the base's are not; `values_type`): a constant of the
+    two inputs' types."""
     raise NotImplementedError
 
 
 @overload(narrows)
 def _narrows_impl(base: Any, task: Any) -> Callable[..., bool]:
-    rounded = isinstance(task, types.Array) and task.dtype in (types.uint16, types.int16)
-    same = isinstance(base, types.Array) and rounded and base.dtype == task.dtype
+    rounded = values_type(task) in (types.uint16, types.int16)
+    same = rounded and values_type(base) == values_type(task)
     if rounded and not same:
 
         def yes(base: Any, task: Any) -> bool:
@@ -352,14 +391,14 @@ def round_bits(task: Any, src: np.ndarray, dst: np.ndarray) -> None:
 
 @overload(round_bits, jit_options={"fastmath": False, "error_model": "numpy"})
 def _round_bits_impl(task: Any, src: Any, dst: Any) -> Callable[..., None] | None:
-    if isinstance(task, types.Array) and task.dtype == types.uint16:
+    if values_type(task) == types.uint16:
 
         def to_bf16(task: Any, src: Any, dst: Any) -> None:
             for i in range(dst.size):
                 dst[i] = _U32(float_bits_to_bf16(src[i], -1)) << _U32(16)
 
         return to_bf16
-    if isinstance(task, types.Array) and task.dtype == types.int16:
+    if values_type(task) == types.int16:
 
         def to_f16(task: Any, src: Any, dst: Any) -> None:
             for i in range(dst.size):

@@ -24,6 +24,12 @@ Design (measured):
   the band's merged float32 values tile by tile (each block's amax, and whether it is the
   base's values bit for bit, gathered while the tile is in cache), then its scales and e4m3
   bytes (`fp8.requantize`'s rule; an unchanged block keeps the base's bytes).
+- MXFP4 and packed INT4/INT8 inputs (`quantized.QuantizedValues`: codes and scales as
+  stored) are loaded the same way (`quantized_spans`), each value the bits the eager path's
+  decoders give (`mxfp4.decode_bf16`, `int_packed.decode_in`), so no copy of their values is
+  made either. Their kernel type is set by the values' dtype alone (bfloat16 for MXFP4 and
+  a bfloat16-scaled INT weight), not the format: one more specialization per task count
+  and output dtype for a quantized base with bfloat16 tasks, whichever format it is.
 - Arithmetic is op for op the eager one, in float32: `tau = x_t - b`, `|tau| > float32(eps)`,
   `total = total + where(m, tau, 0)` in task order, `lambda * total` when one task is active,
   `total / float32(c)` otherwise, then `b + merged`; `c == 0` keeps `b`. No fastmath, so LLVM

@@ -1,6 +1,7 @@
 """The arrays the fused kernels take, made from what their callers hand: the engine's numpy
 views of stored bytes (`ram_dist.kernels.READS`, `WRITES`), FP8 inputs as their e4m3 bytes
-and scales (`fp8.Fp8Values`), or CPU torch tensors (tests and benchmarks), without
+and scales (`fp8.Fp8Values`), MXFP4 and packed INT inputs as their codes and scales
+(`quantized.QuantizedValues`), or CPU torch tensors (tests and benchmarks), without
 importing torch for the former."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from ram_dist.kernels import READS, WRITES
 from ram_dist.kernels.fp8 import Fp8Values
 from ram_dist.kernels.primitives import NUMBA_ARRAYS
+from ram_dist.kernels.quantized import FIELDS, QuantizedValues, kernel_tuple
 
 ArrayLike = "torch.Tensor | np.ndarray"
 
@@ -35,9 +37,13 @@ def is_tensor(x: object) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def kernel_view(x: ArrayLike | Fp8Values, writable: bool) -> Any:
+def kernel_view(x: ArrayLike | Fp8Values | QuantizedValues, writable: bool) -> Any:
     """The flat array a kernel reads (or, `writable`, writes), typed as the kernels expect;
-    an FP8 input (read only) as the tuple `primitives.load_span` takes."""
+    an FP8 or quantized input (read only) as the tuple `primitives.load_span` takes."""
+    if isinstance(x, QuantizedValues):
+        if writable:
+            raise TypeError("fused kernels do not write MXFP4 or packed INT")
+        return kernel_tuple(x)
     if isinstance(x, Fp8Values):
         if writable:
             raise TypeError("fused RAM kernels write FP8 through fp8.Fp8Target")
@@ -77,7 +83,8 @@ def kernel_view(x: ArrayLike | Fp8Values, writable: bool) -> Any:
 
 
 def kernel_inputs(
-    base: ArrayLike | Fp8Values, tasks: Sequence[ArrayLike | Fp8Values]
+    base: ArrayLike | Fp8Values | QuantizedValues,
+    tasks: Sequence[ArrayLike | Fp8Values | QuantizedValues],
 ) -> tuple[Any, ...]:
     """(base, task_1, ..., task_N) as the kernels read them, checked to be of one length."""
     if len(tasks) < 1:
@@ -91,8 +98,11 @@ def kernel_inputs(
 
 
 def input_size(kernel_input: Any) -> int:
-    """Elements of an input as `kernel_view` makes it (an FP8 input's: its e4m3 bytes)."""
-    return int(kernel_input[0].size if isinstance(kernel_input, tuple) else kernel_input.size)
+    """Elements of an input as `kernel_view` makes it (an FP8 input's: its e4m3 bytes; a
+    quantized input's: its values, the tuple's `size`)."""
+    if isinstance(kernel_input, tuple):
+        return int(kernel_input[9] if len(kernel_input) == FIELDS else kernel_input[0].size)
+    return int(kernel_input.size)
 
 
 def kernel_output(out: ArrayLike, size: int) -> np.ndarray:

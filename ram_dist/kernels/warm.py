@@ -8,12 +8,14 @@ of tasks, per dtype of each input and per output dtype, about a second each, in 
 worker process that finds it in no cache (loading one takes about 10 ms). This calls every
 kernel through its public wrapper, on tiny inputs, so that the signatures are exactly those
 a job meets: base and tasks of one dtype (bfloat16, float16, float32, and fine-grained FP8,
-which the RAM kernels read as stored and can write again, with FP8 or bfloat16 tasks; other
-mixed dtypes are not warmed), 1 to `--tasks` tasks, and every output dtype a merge kernel
-writes (those three and float64), the LoRA product in each dtype, the exact sums of
-products, the first reduce round's precision check, and MXFP4's and packed INT4/INT8's
-decoding. All of it is 588 specializations (1,464 s on one core of the development
-machine, without the decoding).
+which the RAM kernels read as stored and can write again, with FP8 or bfloat16 tasks; an
+MXFP4 or packed INT base with bfloat16 values, `quantized`, which they read as stored too,
+with bfloat16 tasks; other mixed dtypes are not warmed), 1 to `--tasks` tasks, and every
+output dtype a merge kernel writes (those three and float64), the LoRA product in each
+dtype, the exact sums of products, the first reduce round's precision check, and MXFP4's
+and packed INT4/INT8's decoding (the eager path's). All of it is 628 specializations (the
+586 other than the decoding and the quantized base's took 1,464 s on one core of the
+development machine).
 
 The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
 beside the kernel modules when that is writable, else numba's user-wide cache directory
@@ -42,8 +44,11 @@ from ram_dist.kernels import READS, WRITES
 #: The --dtype name of fine-grained FP8 inputs (e4m3 bytes and block scales), which the RAM
 #: kernels read as stored; the other kernels read their float32 values.
 FP8 = "fp8"
+#: The --dtype name of MXFP4 and packed INT4/INT8 inputs whose values are bfloat16 (every
+#: MXFP4 weight, an INT weight with bfloat16 scales), which the RAM kernels read as stored.
+QUANTIZED = "quantized"
 #: --dtype names -> torch dtype names (the inputs' dtype): every dtype the kernels read.
-DTYPES = {**{INFO[d].short: INFO[d].torch for d in READS}, FP8: FP8}
+DTYPES = {**{INFO[d].short: INFO[d].torch for d in READS}, FP8: FP8, QUANTIZED: QUANTIZED}
 #: --out-dtype names: every output dtype the merge kernels write.
 OUT_DTYPES = {INFO[d].short: INFO[d].torch for d in WRITES}
 #: Task counts 1..TASKS by default (the methods take any number).
@@ -99,6 +104,9 @@ def calls(
         if name == FP8:
             yield from _fp8_calls(tasks, out_dtypes)
             continue
+        if name == QUANTIZED:
+            yield from _quantized_calls(tasks, out_dtypes)
+            continue
         for n in range(1, tasks + 1):
             base = torch.zeros(N, dtype=getattr(torch, name))
             agents = [torch.zeros_like(base) for _ in range(n)]
@@ -147,7 +155,8 @@ def calls(
         yield scan_numba._count, name, partial(scan_numba.nonfinite_count, x)
     # A LoRA task's values: in the base's dtype, and bfloat16 over an FP8 base's float32.
     code = {INFO[d].torch: d for d in READS}
-    pairs = [(code[d], code[d]) for d in dtypes if d != FP8] + [("F32", "BF16")]
+    pairs = [(code[d], code[d]) for d in dtypes if d in code] + [("F32", "BF16")]
+    pairs += [("BF16", "BF16")] if QUANTIZED in dtypes else []  # over a quantized base
     for theta, out in dict.fromkeys(pairs):
         yield lora_numba.lora_values, f"LoRA {theta} -> {out}", partial(_lora, theta, out)
     # Exact sums of products (the geometric methods' norms and dot products): float32 only.
@@ -205,6 +214,29 @@ def _fp8_calls(tasks: int, out_dtypes: list[str]) -> Iterator[tuple[Any, str, Ca
         target = fp8.Fp8Target(np.empty(N, np.uint8), "F32", scales, np.empty_like(scales))
         to_fp8 = partial(ram_numba.merge_ram_fp8, base, agents, EPS, [1.0] * n, target)
         yield ram_numba._merge_fp8_kernel, f"{label} -> {FP8}", to_fp8
+
+
+def _quantized_calls(
+    tasks: int, out_dtypes: list[str]
+) -> Iterator[tuple[Any, str, Callable[[], Any]]]:
+    """The RAM kernels on a quantized base read as stored (`quantized.QuantizedValues` with
+    bfloat16 values: MXFP4, or packed INT with bfloat16 scales, one kernel type for both)
+    with bfloat16 tasks: the counts and the merge into each output dtype. (Such a base and
+    bfloat16 tasks need no precision check.)"""
+    import torch
+
+    from ram_dist.kernels import quantized, ram_numba
+
+    base = quantized.mxfp4_values(np.zeros(16, np.uint8), np.full(1, 127, np.uint8), 1, 1)
+    for n in range(1, tasks + 1):
+        agents = [np.zeros(base.size, np.uint16)] * n
+        label = f"{QUANTIZED} x {n} bf16"
+        counts = partial(ram_numba.overlap_counts_nonfinite, base, agents, EPS)
+        yield ram_numba._count_kernel, label, counts
+        for out_name in out_dtypes:
+            out = torch.empty(base.size, dtype=getattr(torch, out_name))
+            ram = partial(ram_numba.merge_ram, base, agents, EPS, [1.0] * n, out)
+            yield ram_numba._merge_kernel, f"{label} -> {out_name}", ram
 
 
 def _lora(theta: str, out: str) -> None:

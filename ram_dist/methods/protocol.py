@@ -100,9 +100,10 @@ class MergeMethod(Protocol):
     fp8_kernels: bool
     """Whether `fused_statistics` and `fused_merge` take an FP8 input as it is stored
     (`kernels.fp8.Fp8Values`: e4m3 bytes and block scales) in place of its float32 values,
-    and `fused_merge` writes FP8 output into a `kernels.fp8.Fp8Target`. Optional: the engine
-    reads it with False as the default, and then decodes FP8 inputs first and requantizes
-    the merged values itself."""
+    and an MXFP4 or packed INT input as stored (`kernels.quantized.QuantizedValues`: codes
+    and scales) in place of its 16-bit values, and `fused_merge` writes FP8 output into a
+    `kernels.fp8.Fp8Target`. Optional: the engine reads it with False as the default, and
+    then decodes such inputs first and requantizes the merged values itself."""
 
     def whole_rows(self, params: TensorParams) -> bool:
         """Whether it computes on whole rows of a tensor with these parameters (a rank or a

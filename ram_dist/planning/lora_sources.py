@@ -87,7 +87,7 @@ class LoraSource(NamedTuple):
             return [(self.file, self.a_start, self.a_start + n)]
         return [(self.file, self.start, self.start + self.rank * self.cols * itemsize(self.dtype))]
 
-    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
+    def encoded(self, start: int, stop: int, read: Sequence[np.ndarray]) -> object | None:
         return None
 
     def decode(
@@ -148,7 +148,7 @@ class LoraBiasSource(NamedTuple):
     def unit_ranges(self) -> list[Range]:
         return []
 
-    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
+    def encoded(self, start: int, stop: int, read: Sequence[np.ndarray]) -> object | None:
         return None
 
     def decode(

@@ -5,8 +5,9 @@
 A row's codes start at its first word, so a unit or a compute block cuts such a weight only
 between rows (`atomic_rows` 1). The values are decoded in the scale's dtype (bfloat16 for
 every published checkpoint), as compressed-tensors decodes them, so a bf16 agent's untouched
-elements equal them; the planned bytes are one per element (half a byte of codes and the
-scales, rounded up).
+elements equal them; RAM's fused kernels read the words and scales as stored (`encoded`),
+decoding each value as they load it. The planned bytes are one per element (half a byte of
+codes and the scales, rounded up).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 
 from ram_dist.dtypes import INFO, itemsize
 from ram_dist.errors import CheckpointError
-from ram_dist.kernels import int_packed
+from ram_dist.kernels import int_packed, quantized
 from ram_dist.planning.sources import Range
 
 
@@ -98,8 +99,15 @@ class PackedIntSource(NamedTuple):
                 )
         return out
 
-    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
-        return None
+    def encoded(
+        self, start: int, stop: int, read: Sequence[np.ndarray]
+    ) -> quantized.QuantizedValues:
+        """The rows' words, scales and zero points as the kernels read them, decoding each
+        value as they load it (`kernels.quantized`): no copy of the values."""
+        words, rows, scales, zeros = self._parts(start, stop, read)
+        return quantized.int_values(
+            words, self.bits, rows, self.cols, scales, zeros, self.scale_dtype
+        )  # fmt: skip
 
     def decode(
         self,
@@ -110,6 +118,18 @@ class PackedIntSource(NamedTuple):
         base: np.ndarray,
     ) -> np.ndarray:
         """The rows' values in `values_dtype`, as bytes (`kernels.int_packed.decode`)."""
+        words, rows, scales, zeros = self._parts(start, stop, read)
+        return int_packed.decode_in(
+            words, self.bits, rows, self.cols, scales, zeros, self.scale_dtype,
+            floats(rows * self.cols),
+        )  # fmt: skip
+
+    def _parts(
+        self, start: int, stop: int, read: Sequence[np.ndarray]
+    ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray | None]:
+        """The rows' words (bytes), their count, their scales (float32 [rows or 1, G]) and
+        zero points (int16, the same shape; None without), from what `ranges` and
+        `unit_ranges` read (`<name>_shape` checked on the way)."""
         first, last = start // self.cols, -(-stop // self.cols)
         rows = last - first
         arrays = list(read)
@@ -129,11 +149,8 @@ class PackedIntSource(NamedTuple):
             raw = arrays.pop(0) if self.zero_dtype else None
             zeros = None if raw is None else raw.view(INFO[self.zero_dtype].numpy)[:1]
         one = self.groups or 1
-        return int_packed.decode_in(
-            words, self.bits, rows, self.cols, scales.reshape(-1, one),
-            None if zeros is None else zeros.reshape(-1, one).astype(np.int16),
-            self.scale_dtype, floats(rows * self.cols),
-        )  # fmt: skip
+        z = None if zeros is None else zeros.reshape(-1, one).astype(np.int16)
+        return words, rows, scales.reshape(-1, one), z
 
     def _check_shape(self, raw: np.ndarray) -> None:
         """`<name>_shape` must say the shape the packed words and scales give."""

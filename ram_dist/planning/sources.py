@@ -27,7 +27,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from ram_dist.dtypes import itemsize
-from ram_dist.kernels import fp8, int_packed, mxfp4
+from ram_dist.kernels import fp8, int_packed, mxfp4, quantized
 
 #: The dtype an FP8 weight's values are merged in: its FP8 inputs are dequantized to it, and
 #: its merged values are quantized from it when it is written as FP8 again.
@@ -105,9 +105,10 @@ class TensorSource(Protocol):
         array to write them into; `base` the base input's values of the same elements."""
         ...
 
-    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
-        """The stored form of the elements `ranges` read that the fused kernels read in
-        place of the decoded values (an FP8 input's `kernels.fp8.Fp8Values`), or None."""
+    def encoded(self, start: int, stop: int, read: Sequence[np.ndarray]) -> object | None:
+        """The stored form of elements [start, stop) (as `ranges` read them) that the fused
+        kernels read in place of the decoded values (an FP8 input's `kernels.fp8.Fp8Values`,
+        an MXFP4 or packed INT input's `kernels.quantized.QuantizedValues`), or None."""
         ...
 
 
@@ -147,7 +148,7 @@ class BaseValues(NamedTuple):
     def unit_ranges(self) -> list[Range]:
         return []
 
-    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
+    def encoded(self, start: int, stop: int, read: Sequence[np.ndarray]) -> object | None:
         return None
 
     def decode(
@@ -191,7 +192,7 @@ class Source(NamedTuple):
     def unit_ranges(self) -> list[Range]:
         return []
 
-    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
+    def encoded(self, start: int, stop: int, read: Sequence[np.ndarray]) -> object | None:
         return None
 
     def decode(
@@ -278,7 +279,7 @@ class Fp8Source(NamedTuple):
             else values.view(np.uint8)
         )
 
-    def encoded(self, read: Sequence[np.ndarray]) -> fp8.Fp8Values | None:
+    def encoded(self, start: int, stop: int, read: Sequence[np.ndarray]) -> fp8.Fp8Values | None:
         """The e4m3 bytes and the float32 scales of their bands, as the kernels read them;
         None where each value is rounded after its multiplication (the kernels then take the
         decoded values)."""
@@ -296,8 +297,10 @@ class Mxfp4Source(NamedTuple):
     they are decoded into bfloat16 (`values_dtype`): the same values as float32, in half the
     bytes, and a base that holds no bits finer than bfloat16 (`kernels.precision`). One
     expert's values need every byte of its blocks (they are its unpacked codes transposed),
-    so an expert, one row of the values, is never cut (`atomic_rows`). Its planned bytes are
-    one per element: the blocks' half byte and the scales' 1/32, rounded up."""
+    so an expert, one row of the values, is never cut (`atomic_rows`). RAM's fused kernels
+    read the blocks and scales as stored (`encoded`), decoding each value as they load it.
+    Its planned bytes are one per element: the blocks' half byte and the scales' 1/32,
+    rounded up."""
 
     file: str
     start: int
@@ -343,8 +346,12 @@ class Mxfp4Source(NamedTuple):
     def unit_ranges(self) -> list[Range]:
         return []
 
-    def encoded(self, read: Sequence[np.ndarray]) -> object | None:
-        return None
+    def encoded(
+        self, start: int, stop: int, read: Sequence[np.ndarray]
+    ) -> quantized.QuantizedValues:
+        """The experts' blocks and scales as the kernels read them, decoding each value as
+        they load it (`kernels.quantized`): no copy of the values."""
+        return quantized.mxfp4_values(read[0], read[1], self.rows, self.groups)
 
     def decode(
         self,

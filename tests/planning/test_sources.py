@@ -90,7 +90,7 @@ class _Halves(NamedTuple):
     def unit_ranges(self) -> list[tuple[str, int, int]]:
         return []
 
-    def encoded(self, read):
+    def encoded(self, start, stop, read):
         return None  # no stored form a kernel reads: the values are decoded first
 
     def decode(self, start, stop, read, floats, base):

@@ -1,0 +1,180 @@
+"""Spans of a quantized input (`quantized.QuantizedValues`, as `quantized.kernel_tuple`) decoded
+into float32 bits as the fused kernels load them (numba; `primitives.load_span` calls these):
+the bits of `mxfp4.decode_bf16`'s and `int_packed.decode_in`'s values, widened to float32, so
+no copy of the values is made before the kernels run.
+
+A span runs in decoded order. For INT the codes lie in that order (a row's words), so a span
+reads them as it goes, one scale and zero point per run within a group. MXFP4's values are
+the packed codes transposed: decoded row `c` of an expert is column `c` of its packed
+[rows, groups * 32] codes, one nibble from every packed row, `groups * 16` bytes apart. Read
+that way, a decoded row touches a cache line per value (and, for gpt-oss-120b, a page every
+third), and the kernels measured 3 to 5 times slower than on a bf16 base. So the 32
+decoded rows of one group are decoded at once, when a span first needs one of them, into a
+panel of bfloat16 bits ([32, rows], 360 KiB at most for gpt-oss-120b: in L2) that the tuple
+carries, reading each packed row's 16 bytes once and in order; the spans of those rows then
+read the panel contiguously. The kernels walk the values in order, so each group is decoded
+once a pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import types
+from numba.extending import overload, register_jitable
+
+from ram_dist.kernels.primitives import (
+    INF32,
+    bits,
+    float32_of,
+    float_bits_to_bf16,
+    float_bits_to_half,
+    half_to_float_bits,
+)
+
+_U32 = np.uint32
+
+
+@register_jitable
+def e2m1_bits(code: int) -> int:
+    """float32 bits of an e2m1 code's magnitude (its low 3 bits: 0, 0.5, 1, 1.5, 2, 3, 4,
+    6), computed rather than looked up (a lookup is a gather)."""
+    k = _U32(code) & _U32(7)
+    e = k >> _U32(1)
+    m = k & _U32(1)
+    normal = ((e + _U32(126)) << _U32(23)) | (m << _U32(22))
+    return normal if e != _U32(0) else m * _U32(0x3F000000)
+
+
+@register_jitable
+def load_mxfp4(src: Any, lo: int, m: int, dst: np.ndarray) -> None:
+    """dst[:m] = float32 bits of values [lo, lo + m) of whole MXFP4 experts (as
+    `mxfp4.decode_bf16`'s, widened): each run of one decoded row from the tuple's panel,
+    which `fill_panel` fills with the row's 32-row group the first time a run of it is
+    asked for (the tuple's `key` says which group it holds)."""
+    panel, key = src[10], src[11]
+    rows, cols, groups = src[6], src[7], src[8]
+    plane = cols * rows
+    e = lo // plane
+    c = (lo - e * plane) // rows
+    r = lo - e * plane - c * rows
+    done = 0
+    while done < m:
+        run = min(m - done, rows - r)
+        group = e * groups + (c >> 5)
+        if key[0] != group:
+            fill_panel(src[1], src[2], e, c >> 5, rows, groups, panel)
+            key[0] = group
+        at = (c & 31) * rows + r
+        got = panel[at : at + run]
+        out = dst[done : done + run]
+        for i in range(run):
+            out[i] = _U32(got[i]) << _U32(16)
+        done += run
+        r = 0
+        c += 1
+        if c == cols:
+            c = 0
+            e += 1
+
+
+@register_jitable
+def fill_panel(
+    codes: np.ndarray,
+    factors: np.ndarray,
+    e: int,
+    g: int,
+    rows: int,
+    groups: int,
+    panel: np.ndarray,
+) -> None:
+    """panel[k * rows + r] = the bfloat16 bits of expert e's decoded row 32 * g + k, every r:
+    `e2m1 * factor` with the code's sign (code 8 is -0.0), 0x7FC0 where that is inf or NaN
+    (a scale byte of 255, or beyond float32), as `mxfp4.decode_bf16`. Each packed row's 16
+    bytes of the group are read once, in order (the 32 decoded rows' values of a packed row
+    share its factor: the 16 codes' values are computed once a row, then looked up)."""
+    lut = np.empty(16, np.uint16)
+    for r in range(rows):
+        at = (e * rows + r) * groups + g
+        f = factors[at]
+        for code in range(16):
+            u = _U32(code)
+            v = bits(float32_of(e2m1_bits(u)) * f) | ((u & _U32(8)) << _U32(28))
+            lut[code] = _NAN_BF16 if (v & INF32) == INF32 else np.uint16(v >> _U32(16))
+        packed = codes[at * 16 : at * 16 + 16]
+        for k in range(16):
+            byte = packed[k]
+            panel[2 * k * rows + r] = lut[byte & np.uint8(15)]
+            panel[(2 * k + 1) * rows + r] = lut[byte >> np.uint8(4)]
+
+
+_NAN_BF16 = np.uint16(0x7FC0)
+
+
+def rounded(marker: Any, u: int) -> int:
+    """float32 bits `u` rounded to nearest even to the dtype of `marker`'s elements (bfloat16
+    as uint16, float16 as int16, float32: unchanged) and widened back (implemented below)."""
+    raise NotImplementedError
+
+
+@overload(rounded, jit_options={"fastmath": False, "error_model": "numpy"})
+def _rounded_impl(marker: Any, u: Any) -> Any:
+    if marker.dtype == types.uint16:
+
+        def to_bf16(marker: Any, u: Any) -> int:
+            return _U32(float_bits_to_bf16(u, -1)) << _U32(16)
+
+        return to_bf16
+    if marker.dtype == types.int16:
+
+        def to_f16(marker: Any, u: Any) -> int:
+            return half_to_float_bits(float_bits_to_half(u))
+
+        return to_f16
+
+    def same(marker: Any, u: Any) -> int:
+        return _U32(u)
+
+    return same
+
+
+@register_jitable
+def load_int(src: Any, lo: int, m: int, dst: np.ndarray) -> None:
+    """dst[:m] = float32 bits of values [lo, lo + m) of whole packed INT rows:
+    `float32(q - zero) * scale` rounded to the values' dtype, as `int_packed.decode_in`
+    (its numba kernel's arithmetic, `int_packed_numba`)."""
+    marker, codes, scales, zeros = src[0], src[1], src[2], src[3]
+    nbits, cols, groups = src[5], src[7], src[8]
+    per_row = ((cols * nbits + 31) // 32) * 4
+    size = cols // groups
+    offset = np.int32(1) << np.int32(nbits - 1)
+    per_row_scales = scales.size > groups
+    row = lo // cols
+    col = lo - row * cols
+    done = 0
+    while done < m:
+        g = col // size
+        run = min(m - done, (g + 1) * size - col)
+        k = (row if per_row_scales else 0) * groups + g
+        s = scales[k]
+        z = np.int32(zeros[k]) if zeros.size else np.int32(0)
+        at = row * per_row
+        out = dst[done : done + run]
+        if nbits == 8:
+            q8 = codes[at + col : at + col + run]
+            for i in range(run):
+                v = np.float32(np.int32(q8[i]) - offset - z) * s
+                out[i] = rounded(marker, bits(v))
+        else:
+            for i in range(run):
+                c = col + i
+                byte = np.int32(codes[at + (c >> 1)])
+                q = (byte >> np.int32(4 * (c & 1))) & np.int32(15)
+                v = np.float32(q - offset - z) * s
+                out[i] = rounded(marker, bits(v))
+        done += run
+        col += run
+        if col == cols:
+            row += 1
+            col = 0
