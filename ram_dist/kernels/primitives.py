@@ -262,13 +262,13 @@ def _load_span_impl(src: Any, lo: Any, m: Any, dst: Any) -> Callable[..., None] 
 
         return load_array
     if is_quantized(src):
-        from ram_dist.kernels.quantized_spans import load_int, load_mxfp4
+        from ram_dist.kernels.quantized_spans import load_mxfp4, load_rows
 
         def load_quantized(src: Any, lo: Any, m: Any, dst: Any) -> None:
             if src[4] == 0:  # quantized.MXFP4
                 load_mxfp4(src, lo, m, dst)
             else:
-                load_int(src, lo, m, dst)
+                load_rows(src, lo, m, dst)
 
         return load_quantized
     if isinstance(src, types.BaseTuple):

@@ -1,8 +1,10 @@
-"""MXFP4 and packed INT4/INT8 inputs as the fused kernels read them: their codes and scales
-as stored, each value decoded as the kernels load it (`quantized_spans`, called from
-`primitives.load_span`), in place of a 16-bit copy of the values made first.
+"""MXFP4, packed INT4/INT8 and compressed-tensors' FP8 (each value rounded to its scale's
+dtype) inputs as the fused kernels read them: their codes and scales as stored, each value
+decoded as the kernels load it (`quantized_spans`, called from `primitives.load_span`), in
+place of a 16-bit copy of the values made first (block FP8, whose values are float32, has its
+own form: `fp8.Fp8Values`).
 
-One form for both formats (`QuantizedValues`), and one kernel argument type per dtype of the
+One form for the three formats (`QuantizedValues`), and one kernel argument type per dtype of the
 values (`views.kernel_view` makes the tuple; the format is a value, not a type): numba
 compiles one specialization per combination of input types, so a job with a quantized base
 and bf16 tasks meets one new type, whichever of the two formats its base is stored in.
@@ -16,8 +18,9 @@ import numpy as np
 
 from ram_dist.kernels import int_packed, mxfp4
 
-#: `QuantizedValues.format`: gpt-oss's MXFP4, compressed-tensors' packed INT4/INT8.
-MXFP4, INT = 0, 1
+#: `QuantizedValues.format`: gpt-oss's MXFP4, compressed-tensors' packed INT4/INT8, and its
+#: FP8 with a 16-bit scale (`float-quantized`, per channel or per tensor).
+MXFP4, INT, FP8 = 0, 1, 2
 
 #: The array a kernel takes for each dtype of decoded values (numba has no 16-bit floats):
 #: an empty one of these is the kernel tuple's first member, which types it.
@@ -34,7 +37,10 @@ class QuantizedValues(NamedTuple):
     INT (whole rows): `codes` the packed words' bytes ([rows, words] flat), `scales` float32
     [rows, groups] (or one for the whole tensor, `groups` 1), `zeros` the signed zero points
     (int16, the scales' shape; empty where there are none); the values are [rows, cols],
-    each `float32(q - zero) * scale` rounded to `values_dtype`."""
+    each `float32(q - zero) * scale` rounded to `values_dtype`.
+    FP8 (whole rows): `codes` the e4m3 bytes ([rows, cols] flat), `scales` float32 [rows, 1]
+    (per channel) or one (per tensor), no zeros; each value `float32(e4m3) * scale` rounded
+    to `values_dtype`, as `planning.sources.Fp8Source.decode` with `rounded_to`."""
 
     format: int
     codes: np.ndarray
@@ -94,17 +100,30 @@ def int_values(
     )  # fmt: skip
 
 
+def fp8_values(
+    q: np.ndarray, scales: np.ndarray, rows: int, cols: int, dtype: str
+) -> QuantizedValues:
+    """Whole rows of an FP8 weight whose values are rounded to `dtype` after their
+    multiplication (compressed-tensors' FP8 with a bf16 scale): its e4m3 bytes and its
+    float32 scales, one per row or one for the tensor, undecoded."""
+    return QuantizedValues(
+        FP8, np.ascontiguousarray(q).reshape(-1).view(np.uint8),
+        np.ascontiguousarray(scales, np.float32).reshape(-1), _NO_ZEROS, 8, rows, cols, 1,
+        rows * cols, dtype,
+    )  # fmt: skip
+
+
 def kernel_tuple(x: QuantizedValues) -> tuple:
     """The tuple `primitives.load_span` takes: (marker, codes, scales, zeros, format, bits,
     rows, cols, groups, size, panel, key), its type set by the marker (the values' dtype)
     alone; `panel` and `key` are MXFP4's scratch (`quantized_spans.load_mxfp4`), empty and
-    unused for INT."""
+    unused for INT and FP8."""
     if x.format == MXFP4:
         need = (x.size // (x.cols * x.rows)) * x.rows * x.groups
         ok = x.size % (x.cols * x.rows) == 0 and x.scales.size == need
         ok = ok and x.codes.size == need * mxfp4.GROUP // 2
     else:
-        per_row = int_packed.words_per_row(x.cols, x.bits) * 4
+        per_row = x.cols if x.format == FP8 else int_packed.words_per_row(x.cols, x.bits) * 4
         ok = x.codes.size >= x.rows * per_row and x.size == x.rows * x.cols
         ok = ok and x.scales.size in (x.groups, x.rows * x.groups)
         ok = ok and x.zeros.size in (0, x.scales.size)

@@ -1,9 +1,10 @@
 """Spans of a quantized input (`quantized.QuantizedValues`, as `quantized.kernel_tuple`) decoded
 into float32 bits as the fused kernels load them (numba; `primitives.load_span` calls these):
-the bits of `mxfp4.decode_bf16`'s and `int_packed.decode_in`'s values, widened to float32, so
-no copy of the values is made before the kernels run.
+the bits of `mxfp4.decode_bf16`'s, `int_packed.decode_in`'s and a rounded FP8 source's
+(`Fp8Source.decode`) values, widened to float32, so no copy of the values is made before the
+kernels run.
 
-A span runs in decoded order. For INT the codes lie in that order (a row's words), so a span
+A span runs in decoded order. For INT and FP8 the codes lie in that order (a row's words), so a span
 reads them as it goes, one scale and zero point per run within a group. MXFP4's values are
 the packed codes transposed: decoded row `c` of an expert is column `c` of its packed
 [rows, groups * 32] codes, one nibble from every packed row, `groups * 16` bytes apart. Read
@@ -27,6 +28,7 @@ from numba.extending import overload, register_jitable
 from ram_dist.kernels.primitives import (
     INF32,
     bits,
+    e4m3_bits,
     float32_of,
     float_bits_to_bf16,
     float_bits_to_half,
@@ -140,13 +142,15 @@ def _rounded_impl(marker: Any, u: Any) -> Any:
 
 
 @register_jitable
-def load_int(src: Any, lo: int, m: int, dst: np.ndarray) -> None:
+def load_rows(src: Any, lo: int, m: int, dst: np.ndarray) -> None:
     """dst[:m] = float32 bits of values [lo, lo + m) of whole packed INT rows:
     `float32(q - zero) * scale` rounded to the values' dtype, as `int_packed.decode_in`
-    (its numba kernel's arithmetic, `int_packed_numba`)."""
+    (its numba kernel's arithmetic, `int_packed_numba`); or, for FP8 rows (a byte a value),
+    `float32(e4m3) * scale` rounded to the values' dtype, as `Fp8Source.decode`."""
     marker, codes, scales, zeros = src[0], src[1], src[2], src[3]
     nbits, cols, groups = src[5], src[7], src[8]
-    per_row = ((cols * nbits + 31) // 32) * 4
+    fp8 = src[4] == 2  # quantized.FP8: e4m3 bytes, a row's `cols` bytes
+    per_row = cols if fp8 else ((cols * nbits + 31) // 32) * 4
     size = cols // groups
     offset = np.int32(1) << np.int32(nbits - 1)
     per_row_scales = scales.size > groups
@@ -161,7 +165,12 @@ def load_int(src: Any, lo: int, m: int, dst: np.ndarray) -> None:
         z = np.int32(zeros[k]) if zeros.size else np.int32(0)
         at = row * per_row
         out = dst[done : done + run]
-        if nbits == 8:
+        if fp8:
+            q8 = codes[at + col : at + col + run]
+            for i in range(run):
+                v = float32_of(e4m3_bits(q8[i])) * s
+                out[i] = rounded(marker, bits(v))
+        elif nbits == 8:
             q8 = codes[at + col : at + col + run]
             for i in range(run):
                 v = np.float32(np.int32(q8[i]) - offset - z) * s

@@ -279,11 +279,19 @@ class Fp8Source(NamedTuple):
             else values.view(np.uint8)
         )
 
-    def encoded(self, start: int, stop: int, read: Sequence[np.ndarray]) -> fp8.Fp8Values | None:
-        """The e4m3 bytes and the float32 scales of their bands, as the kernels read them;
-        None where each value is rounded after its multiplication (the kernels then take the
-        decoded values)."""
-        return None if self.rounded_to else self._stored(read)
+    def encoded(
+        self, start: int, stop: int, read: Sequence[np.ndarray]
+    ) -> fp8.Fp8Values | quantized.QuantizedValues | None:
+        """The e4m3 bytes and the float32 scales of their bands, as the kernels read them:
+        where each value is rounded after its multiplication (a scale per row or per tensor),
+        as `kernels.quantized`'s FP8 form, which the kernels decode and round as they load."""
+        if not self.rounded_to:
+            return self._stored(read)
+        if self.block[1] != self.cols:
+            return None  # compressed-tensors' FP8 has no column blocks: not a form the kernels take
+        scales = fp8.scale_values(read[1], self.scale_dtype)
+        rows = (stop - start) // self.cols
+        return quantized.fp8_values(read[0], scales, rows, self.cols, self.rounded_to)
 
     def _stored(self, read: Sequence[np.ndarray]) -> fp8.Fp8Values:
         q, scales = read[0], read[1]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ram_dist.kernels import int_packed, mxfp4, quantized
+from ram_dist.planning.sources import Fp8Source
 
 numba = pytest.importorskip("numba")
 
@@ -151,6 +152,39 @@ def test_mxfp4_a_nan_scale_in_one_block_only():
     want = _mxfp4_want(blocks, scales, 9, 2)
     assert 0 < (want == 0x7FC00000).sum() < want.size
     _assert_spans(quantized.mxfp4_values(blocks, scales, 9, 2), want, 9)
+
+
+# ---- FP8 with a 16-bit scale (compressed-tensors' float-quantized) ----------------------
+
+
+def _fp8_source(dtype: str, rows: int, per_tensor: bool) -> Fp8Source:
+    """A compressed-tensors FP8 weight of ROWS x COLS whose values round to `dtype` (its
+    scale's), a scale per row or one for the tensor."""
+    block = (rows, COLS) if per_tensor else (1, COLS)
+    return Fp8Source("w", 0, "F8_E4M3", "s", 0, dtype, block, COLS, rounded_to=dtype)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["channel", "tensor"])
+def test_rounded_fp8_spans_are_the_sources_decode_bit_for_bit(per_tensor):
+    """Every e4m3 byte (NaN codes, subnormals, 448) times bf16 scales whose products round
+    (a bf16 scale is the one compressed-tensors' FP8 rounds to): the spans are
+    `Fp8Source.decode`'s values, widened, and the source hands the kernels that form (no
+    copy of the values)."""
+    dtype = "BF16"
+    rng = np.random.default_rng(11)
+    q = np.concatenate([np.arange(256, dtype=np.uint8), rng.integers(0, 256, ROWS * COLS - 256)])
+    q = q.astype(np.uint8)
+    n = 1 if per_tensor else ROWS
+    scales = np.array([3.1e-3, 1.7e2, 6.1e-5, 0.37, 1.0, 2.9e1][:n], np.float32)
+    raw = int_packed.in_dtype(scales, dtype)  # the scales as stored
+    src = _fp8_source(dtype, ROWS, per_tensor)
+    read = [q, raw]
+    decoded = src.decode(0, q.size, read, lambda k: np.empty(k, np.float32), None)
+    want = _widened(decoded, dtype)
+    values = src.encoded(0, q.size, read)
+    assert isinstance(values, quantized.QuantizedValues) and values.format == quantized.FP8
+    _assert_spans(values, want, COLS)
 
 
 # ---- the kernels on the stored form ----------------------------------------------------
