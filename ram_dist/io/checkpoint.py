@@ -162,7 +162,7 @@ def _list_folder(url: str, label: str, storage: Storage) -> _Folder:
     try:
         entries = fs.ls(path, detail=True)
     except (FileNotFoundError, NotADirectoryError) as e:
-        if any(c in classify(e).detail for c in ("NoSuchBucket", "ContainerNotFound")):
+        if classify(e).root is not None:  # the bucket, not the folder: a URL to fix
             raise StorageError(f"{label}: {storage_error(e, url, 'list', 'input')}") from e
         raise CheckpointError(f"{label}: no checkpoint folder at {url}") from e
     except Exception as e:
