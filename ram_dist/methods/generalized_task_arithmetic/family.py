@@ -33,7 +33,14 @@ from ram_dist.methods.parameters import (
     Parameter,
     variant,
 )
-from ram_dist.methods.protocol import MERGEKIT_TEXT, Chunk, MergekitRule, State, TensorParams
+from ram_dist.methods.protocol import (
+    MERGEKIT_TEXT,
+    Chunk,
+    Defaults,
+    MergekitRule,
+    State,
+    TensorParams,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -64,7 +71,7 @@ def _weights(params: TensorParams) -> list[float]:
 
 
 @dataclass(frozen=True)
-class TaskArithmeticFamily(MergekitRule):
+class TaskArithmeticFamily(MergekitRule, Defaults):
     """mergekit's generalized task arithmetic: sparsify (none, magnitude, random), weight,
     optional sign consensus, optional normalize, lambda; or, with `tall` (mergekitty's
     consensus members), TALL masks in place of lambda's scaling."""
@@ -75,8 +82,6 @@ class TaskArithmeticFamily(MergekitRule):
     label: str = ""
     reference: str = ""
     summary: str = ""
-    needs_base: bool = True
-    task_counts: tuple[int, int | None] = (2, None)
     tall: bool = False  # mergekitty's consensus_*: TALL masks (`tall`), lambda their threshold
 
     @property
@@ -99,8 +104,6 @@ class TaskArithmeticFamily(MergekitRule):
         rescale = variant(RESCALE, self.sparsify == "random")
         seed = (SEED,) if self.sparsify == "random" else ()
         return (WEIGHT, DENSITY, normalize, *lambda_, rescale, *seed, INT8_MASK)
-
-    reports_overlap = False
 
     @property
     def description(self) -> str:
@@ -346,9 +349,6 @@ class TaskArithmeticFamily(MergekitRule):
         """The kernels take every chunk but DARE's (random masks), L1 rescaling's and the
         consensus methods' (TALL masks)."""
         return self.sparsify != "random" and not self.tall and not _rescales(params)
-
-    def whole_rows(self, params: TensorParams) -> bool:
-        return False
 
     def report_lines(self, report: Mapping[str, Any]) -> list[str]:
         """TIES's count of cuts through equal magnitudes; DARE's seed."""
