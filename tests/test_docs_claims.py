@@ -184,7 +184,7 @@ def test_the_sizes_and_periods_the_pages_state_are_the_code_s():
     from ram_dist import settings
     from ram_dist.engine import blocks, map_step
     from ram_dist.engine.shard_book import ShardBook
-    from ram_dist.io import checkpoint, json_files, range_cache, s3, storage
+    from ram_dist.io import header_reads, json_files, range_cache, s3, storage
     from ram_dist.io.sinks.gcs import GcsSink
     from ram_dist.kernels import warm
     from ram_dist.planning import sizing, units
@@ -204,8 +204,8 @@ def test_the_sizes_and_periods_the_pages_state_are_the_code_s():
             f"1 to {warm.TASKS} tasks",
         ],
         "storage.md": [
-            f"the first {checkpoint.FIRST_READ_BYTES // 2**10} KiB",
-            f"`hf://` headers are read by {checkpoint.READ_THREADS} threads",
+            f"the first {header_reads.FIRST_READ_BYTES // 2**10} KiB",
+            f"`hf://` headers are read by {header_reads.READ_THREADS} threads",
             f"requests of at most {_mib(storage.REQUEST_BYTES)}",
             f"one request of at most {_mib(storage.REQUEST_BYTES)}",
             f"with {s3.RETRIES['total_max_attempts']} attempts in all",

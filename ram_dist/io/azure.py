@@ -1,6 +1,7 @@
 """Facts about Azure Blob Storage that ram-dist relies on, kept in one place: its error codes
-and how to read them off an error, its block limits, and how a block is named. Imports
-nothing of ram-dist (nor the Azure SDK), so every io module may use it.
+and how to read them off an error, its block limits, how a block is named, and its entry of
+the backend table (`BACKEND`). Imports nothing of ram-dist but `backend` (nor the Azure
+SDK), so every io module may use it.
 
 adlfs (`az://`, `abfs://`, `abfss://`) talks to the store through azure-storage-blob's
 asynchronous client, `fs.service_client`. That client retries what is transient itself
@@ -13,25 +14,29 @@ a missing blob into a `FileNotFoundError` caused by it).
 
 from __future__ import annotations
 
+from ram_dist.io.backend import Backend, StoreErrors
+
 #: Azure's limits on a block blob: at most 50,000 committed blocks (the planner keeps S3's
 #: 10,000 parts), and uncommitted blocks are discarded a week after the blob's last Put Block
 #: or Put Block List, or at once by a Put Block List that does not name them.
 MAX_BLOCKS = 50_000
 UNCOMMITTED_BLOCKS_KEPT_DAYS = 7
 
-#: Azure error codes, by what they mean here.
-MISSING = frozenset({"ContainerNotFound", "BlobNotFound", "ResourceNotFound",
-                     "ContainerBeingDeleted"})  # fmt: skip
-DENIED = frozenset({"AuthorizationFailure", "AuthorizationPermissionMismatch",
-                    "AuthorizationResourceTypeMismatch", "AuthorizationServiceMismatch",
-                    "AuthorizationSourceIPMismatch", "AuthorizationProtocolMismatch",
-                    "InsufficientAccountPermissions", "AccountIsDisabled",
-                    "KeyVaultEncryptionKeyNotFound"})  # fmt: skip
-CREDENTIALS = frozenset({"AuthenticationFailed", "InvalidAuthenticationInfo",
-                         "NoAuthenticationInformation", "ExpiredAuthenticationToken",
-                         "InvalidAccessToken"})  # fmt: skip
-THROTTLED = frozenset({"ServerBusy", "TooManyRequests"})
-SERVER = frozenset({"InternalError", "OperationTimedOut"})
+#: Azure error codes, by what they mean here (`backend.KINDS`).
+CODES = {
+    "missing": frozenset({"ContainerNotFound", "BlobNotFound", "ResourceNotFound",
+                          "ContainerBeingDeleted"}),
+    "denied": frozenset({"AuthorizationFailure", "AuthorizationPermissionMismatch",
+                         "AuthorizationResourceTypeMismatch", "AuthorizationServiceMismatch",
+                         "AuthorizationSourceIPMismatch", "AuthorizationProtocolMismatch",
+                         "InsufficientAccountPermissions", "AccountIsDisabled",
+                         "KeyVaultEncryptionKeyNotFound"}),
+    "credentials": frozenset({"AuthenticationFailed", "InvalidAuthenticationInfo",
+                              "NoAuthenticationInformation", "ExpiredAuthenticationToken",
+                              "InvalidAccessToken"}),
+    "throttled": frozenset({"ServerBusy", "TooManyRequests"}),
+    "server": frozenset({"InternalError", "OperationTimedOut"}),
+}  # fmt: skip
 
 
 def error_code(e: BaseException) -> tuple[str | None, int | None] | None:
@@ -74,3 +79,22 @@ def block_id(token: str, number: int) -> str:
     has the same length (Azure requires it), sorts in part order, and another upload's never
     match. The SDK sends it base64-encoded, as the store wants, and decodes listed ids."""
     return f"{token}-{number:06d}"
+
+
+#: adlfs (`az://`, `abfs://`, `abfss://`): its client retries what is transient (see above).
+BACKEND = Backend(
+    protocols=("az", "abfs", "abfss"),
+    lease="ram_dist.io.lease.azure:AzureStore",
+    sink="ram_dist.io.sinks.azure:AzureSink",
+    client_errors=("azure.core.exceptions:AzureError",),
+    errors=StoreErrors(
+        error_code,
+        error_message,
+        client_failure,
+        kinds=CODES,
+        root="container",
+        root_missing=frozenset({"ContainerNotFound"}),
+        expired=frozenset({"ExpiredAuthenticationToken"}),
+        credentials="Azure: connection string or account key",
+    ),
+)

@@ -1,5 +1,8 @@
 """What ram-dist does differently for each kind of store, in one table keyed by protocol (as
-fsspec's own registry is): a new kind of store is one entry in `BACKENDS`.
+fsspec's own registry is), built from the entries the stores declare: a kind of store with a
+module of its own (`s3`, `gcs`, `azure`) declares its `Backend` there, error codes included,
+and is listed in `STORES`; one that needs nothing of its own is a line here. A store from
+outside ram-dist joins with `register`.
 
 Classes are named as `"module:name"` and imported when first used, as fsspec names its
 filesystems: the modules they live in import `storage`, which reads this table.
@@ -8,75 +11,58 @@ filesystems: the modules they live in import `storage`, which reads this table.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache
 from typing import Any
 
 import fsspec
 
-from ram_dist.io import s3
+from ram_dist.io import azure, gcs, s3
+from ram_dist.io.backend import Backend, StoreErrors
 
-#: Protocols that name one another.
-ALIASES = {"s3a": "s3", "gcs": "gs"}
-
-
-@dataclass(frozen=True)
-class Backend:
-    """One kind of store."""
-
-    lease: str = "ram_dist.io.lease.best_effort:FsspecStore"
-    """The `LeaseStore` class that claims an output location (`for_location` builds it)."""
-    sink: str = "ram_dist.io.sinks.driver:DriverSink"
-    """The `OutputSink` class that writes shards there (`choose` builds it)."""
-    fs_options: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-    """Completes the storage options given for this protocol (S3: botocore's retries)."""
-    client_errors: tuple[str, ...] = ()
-    """Its client's errors that are no `OSError` (store failures, not bugs)."""
-    retried_here: bool = False
-    """Its client retries nothing itself: `storage` retries what is transient."""
-    in_process: bool = False
-    """Its files are read in this process (no round trip to save on a first read)."""
-    threaded_reads: bool = False
-    """A synchronous filesystem safe to call from several threads at once."""
-
-
+#: Local files (a plain path, `file://`, `local://`): an exclusive-create lease, shards
+#: written in place by the workers.
 LOCAL = Backend(
+    protocols=("file", "local"),
     lease="ram_dist.io.lease.local:LocalStore",
     sink="ram_dist.io.sinks.file:FileSink",
     in_process=True,
 )
-HTTP = Backend(client_errors=("aiohttp:ClientError",), retried_here=True)
-#: adlfs (`az://`, `abfs://`, `abfss://`): its client retries what is transient (see `azure`).
-AZURE = Backend(
-    lease="ram_dist.io.lease.azure:AzureStore",
-    sink="ram_dist.io.sinks.azure:AzureSink",
-    client_errors=("azure.core.exceptions:AzureError",),
+MEMORY = Backend(protocols=("memory",), in_process=True)
+#: huggingface_hub's `HfFileSystem`: synchronous, its client retries what is transient.
+HF = Backend(protocols=("hf",), threaded_reads=True)
+#: fsspec's HTTP filesystem: its client retries nothing, its errors are aiohttp's.
+HTTP = Backend(
+    protocols=("http", "https"), client_errors=("aiohttp:ClientError",), retried_here=True
 )
-BACKENDS: dict[str, Backend] = {
-    "file": LOCAL,
-    "local": LOCAL,
-    "memory": Backend(in_process=True),
-    "s3": Backend(
-        lease="ram_dist.io.lease.s3:S3Store",
-        sink="ram_dist.io.sinks.s3:S3Sink",
-        fs_options=s3.fs_options,
-        client_errors=("botocore.exceptions:BotoCoreError", "botocore.exceptions:ClientError"),
-    ),
-    "gs": Backend(
-        lease="ram_dist.io.lease.gcs:GcsStore",
-        sink="ram_dist.io.sinks.gcs:GcsSink",
-        client_errors=("gcsfs.retry:HttpError",),
-    ),
-    "hf": Backend(threaded_reads=True),
-    "az": AZURE,
-    "abfs": AZURE,
-    "abfss": AZURE,
-    "http": HTTP,
-    "https": HTTP,
-}
+#: Every entry, in the table's order.
+STORES: tuple[Backend, ...] = (LOCAL, MEMORY, s3.BACKEND, gcs.BACKEND, HF, azure.BACKEND, HTTP)
+
+#: The entry of each protocol, and the protocols that name another.
+BACKENDS: dict[str, Backend] = {}
+ALIASES: dict[str, str] = {}
 #: Any other fsspec filesystem: a best-effort lease, shards streamed through the driver.
 DEFAULT = Backend()
+
+
+def register(entry: Backend) -> None:
+    """Add a kind of store to the table (one whose protocols it holds is refused): its
+    protocols and aliases take this entry from now on, in this process."""
+    taken = [p for p in (*entry.protocols, *entry.aliases) if p in BACKENDS or p in ALIASES]
+    if not entry.protocols or taken:
+        raise ValueError(f"a backend needs protocols of its own; taken: {taken}")
+    for protocol in entry.protocols:
+        BACKENDS[protocol] = entry
+    for alias in entry.aliases:
+        ALIASES[alias] = entry.protocols[0]
+    client_errors.cache_clear()
+
+
+def unregister(entry: Backend) -> None:
+    """Take a kind of store `register` added out of the table again."""
+    for table in (BACKENDS, ALIASES):
+        for protocol in (*entry.protocols, *entry.aliases):
+            table.pop(protocol, None)
+    client_errors.cache_clear()
 
 
 def protocol_of(url: str) -> str:
@@ -94,6 +80,12 @@ def backend_of(url: str) -> Backend:
     return backend(protocol_of(url))
 
 
+def store_errors() -> list[StoreErrors]:
+    """How each store's client words its errors, in the table's order."""
+    entries = dict.fromkeys(BACKENDS.values())
+    return [b.errors for b in entries if b.errors is not None]
+
+
 @cache
 def load(name: str) -> Any:
     """The object a `"module:name"` entry names; `ImportError` when its module is missing."""
@@ -101,7 +93,7 @@ def load(name: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-@lru_cache(maxsize=1)
+@cache
 def client_errors() -> tuple[type[BaseException], ...]:
     """Store client errors that are no `OSError`, from the clients installed."""
     found: list[type[BaseException]] = []
@@ -111,3 +103,7 @@ def client_errors() -> tuple[type[BaseException], ...]:
         except ImportError:
             pass
     return tuple(found)
+
+
+for _entry in STORES:
+    register(_entry)

@@ -1,10 +1,11 @@
 """What a failed read or write means to the person running the job, decided in one place.
 
-A store or disk fails with an `OSError` (its errno says why), with s3fs's translation of a
-botocore `ClientError` (a builtin `OSError` whose `__cause__` is the `ClientError`, holding
-the S3 error code and HTTP status), with a `ClientError` or another botocore error itself,
-with aiohttp's or gcsfs's HTTP errors, with azure-core's (whose `error_code` is Azure's own,
-see `azure`), or with a timeout. `storage_error` turns any of them,
+A store or disk fails with an `OSError` (its errno says why), with a store client's error
+that holds the store's own error code (botocore's `ClientError`, or s3fs's translation of
+it: a builtin `OSError` whose `__cause__` is the `ClientError`; azure-core's errors), with
+aiohttp's or gcsfs's HTTP errors, or with a timeout. What a store's codes mean is the
+store's own business: its backend entry's `StoreErrors` (`backend`) reads the code off an
+error and says what it means; nothing here names a store. `storage_error` turns any of them,
 plus the URL being read or written, into a `StorageError`: one line naming the input or
 output and the file, saying what happened and what to do, with an exit status of 2 when the
 user must fix something (a missing file or bucket, a denied permission, refused or expired
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from ram_dist.errors import RamDistError, StorageError
-from ram_dist.io import azure, s3
-from ram_dist.io.backends import client_errors
+from ram_dist.io.backend import StoreErrors
+from ram_dist.io.backends import client_errors, store_errors
 
 #: errnos, by what they mean here.
 ERRNO_MISSING = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
@@ -44,6 +45,11 @@ class Failure:
     """The store's or the system's own words (an S3 error code, an errno name)."""
     status: int | None = None
     """The HTTP status, where the store answered."""
+    root: str | None = None
+    """Where the store said the top of the URL itself is missing: what it calls it ("bucket",
+    "container"); the URL is then to fix, not a file."""
+    expired: bool = False
+    """Whether the store said the credentials have expired."""
 
     @property
     def exit_status(self) -> int:
@@ -67,10 +73,12 @@ def classify(error: BaseException) -> Failure:
     """What `error` (or what caused it) means: the most specific answer along its chain,
     the store's error code first, then the HTTP status, then the exception's type and errno."""
     chain = causes(error)
+    stores = store_errors()
     for e in chain:
-        code, status = s3.error_code(e) or azure.error_code(e) or (None, None)
-        if code is not None:
-            return _by_code(code, status, e)
+        for store in stores:
+            code, status = store.code(e) or (None, None)
+            if code is not None:
+                return _by_code(store, code, status, e)
     for e in chain:
         status = _http_status(e)
         if status is not None:
@@ -93,24 +101,27 @@ def causes(error: BaseException) -> list[BaseException]:
     return out
 
 
+#: The HTTP status of each meaning of a failed conditional request (`backend.CONDITIONS`).
+CONDITION_STATUS = {"precondition": 412, "conflict": 409, "missing": 404, "unsupported": 501}
+
+
 def conditional(error: BaseException) -> str | None:
-    """What a failed conditional S3 request means: "precondition" (412), "conflict" (409,
+    """What a failed conditional request means: "precondition" (412), "conflict" (409,
     retry), "missing" (404), "unsupported" (501, or a store refusing the condition), or None.
-    The first S3 response along the chain decides; without one, s3fs's translation does."""
+    The first answer along the chain of a store with codes for it (`StoreErrors.conditional`:
+    S3) decides; without one, the client's builtin exception does (s3fs's translation,
+    gcsfs's)."""
+    stores = [s for s in store_errors() if s.conditional]
     for e in causes(error):
-        found = s3.error_code(e)
-        if found is None:
-            continue
-        code, status = found
-        if code in s3.PRECONDITION or status == 412:
-            return "precondition"
-        if code in s3.CONFLICT or status == 409:
-            return "conflict"
-        if code in s3.KEY_MISSING or status == 404:
-            return "missing"
-        if code in s3.UNSUPPORTED or status == 501:
-            return "unsupported"
-        return None
+        for store in stores:
+            found = store.code(e)
+            if found is None:
+                continue
+            code, status = found
+            for meaning, codes in store.conditional.items():
+                if code in codes or status == CONDITION_STATUS[meaning]:
+                    return meaning
+            return None
     if isinstance(error, FileExistsError):
         return "precondition"
     if isinstance(error, FileNotFoundError):
@@ -158,11 +169,9 @@ def _explain(failure: Failure, url: str | None, action: str) -> str:
     kind = failure.kind
     if kind == "missing":
         bucket = _bucket(url)
-        if "NoSuchBucket" in failure.detail and bucket:
-            return f"bucket {bucket} does not exist{detail}; fix the URL or create the bucket"
-        if "ContainerNotFound" in failure.detail and bucket:
-            return (f"container {bucket} does not exist{detail}; fix the URL or create the "
-                    "container")  # fmt: skip
+        if failure.root and bucket:
+            return (f"{failure.root} {bucket} does not exist{detail}; fix the URL or create the "
+                    f"{failure.root}")  # fmt: skip
         if action == "read":
             return (f"no such file{detail}; was it deleted or moved while the job ran? "
                     "Restore it and run again")  # fmt: skip
@@ -175,11 +184,12 @@ def _explain(failure: Failure, url: str | None, action: str) -> str:
         return (f"permission denied{detail}; check the bucket policy or the file permissions, "
                 "and what the credentials may do")  # fmt: skip
     if kind == "credentials":
-        if any(w in failure.detail for w in ("Expired", "TokenRefresh")):
+        if failure.expired:
             return f"the credentials have expired{detail}; renew them and run again"
+        hint = "; ".join(s.credentials for s in store_errors() if s.credentials)
+        hint = f" ({hint})" if hint else ""
         return (f"the store refused the credentials{detail}; check the credentials the job "
-                "runs with (access key, secret and session token; Azure: connection string "
-                "or account key)")  # fmt: skip
+                f"runs with{hint}")  # fmt: skip
     if kind == "full":
         return (f"no space left on the device{detail}; free space (or choose another "
                 "location) and run again: a re-run resumes")  # fmt: skip
@@ -197,18 +207,15 @@ def _explain(failure: Failure, url: str | None, action: str) -> str:
     return failure.detail or "failed"
 
 
-def _by_code(code: str, status: int | None, e: BaseException) -> Failure:
-    message = azure.error_message(e) if azure.error_code(e) else s3.error_message(e)
+def _by_code(store: StoreErrors, code: str, status: int | None, e: BaseException) -> Failure:
+    message = store.message(e)
     detail = f"HTTP {code}" if code.isdigit() else code
     if message and message not in (code, "Forbidden", "Not Found"):
         detail = f"{detail}: {message}"
-    for kind, codes in (("missing", s3.MISSING | azure.MISSING),
-                        ("denied", s3.DENIED | azure.DENIED),
-                        ("credentials", s3.CREDENTIALS | azure.CREDENTIALS),
-                        ("throttled", s3.THROTTLED | azure.THROTTLED),
-                        ("server", s3.SERVER | azure.SERVER)):  # fmt: skip
-        if code in codes:
-            return Failure(kind, detail, status)
+    kind = store.kind(code)
+    if kind is not None:
+        root = store.root if code in store.root_missing else None
+        return Failure(kind, detail, status, root, code in store.expired)
     if status is not None:
         return _by_status(status, e, detail)
     return Failure("other", detail)
@@ -257,7 +264,7 @@ def _by_type(e: BaseException) -> Failure | None:
         return Failure("full", detail)
     if isinstance(e, (ConnectionError, TimeoutError)) or number in ERRNO_UNREACHABLE:
         return Failure("unreachable", detail)
-    kind = s3.client_failure(e) or azure.client_failure(e)
+    kind = next(filter(None, (s.client_failure(e) for s in store_errors())), None)
     if kind is not None:
         return Failure(kind, _words(e))
     if isinstance(e, OSError) and number is not None:

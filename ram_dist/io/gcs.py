@@ -4,8 +4,9 @@ retries of 429, 5xx, timeouts and broken connections): an upload with the CRC32C
 checks, a compose and a delete with their preconditions (`ifGenerationMatch`), an object's
 metadata and a listing. gcsfs's own `pipe`/`merge`/`rm` send no preconditions.
 
-gcsfs raises `FileExistsError` for 412 Precondition Failed and `FileNotFoundError` for 404.
-Imports nothing of ram-dist.
+gcsfs raises `FileExistsError` for 412 Precondition Failed and `FileNotFoundError` for 404,
+and otherwise an `HttpError` whose HTTP status says what went wrong (no error codes of its
+own to read). Imports nothing of ram-dist but `backend`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,20 @@ import base64
 from collections.abc import Iterable
 from typing import Any
 
+from ram_dist.io.backend import Backend
+
 #: Most source objects one compose request takes.
 MAX_COMPOSE_SOURCES = 32
 #: Deletes in flight at once when clearing part objects.
 DELETES_IN_FLIGHT = 16
+
+BACKEND = Backend(
+    protocols=("gs",),
+    aliases=("gcs",),
+    lease="ram_dist.io.lease.gcs:GcsStore",
+    sink="ram_dist.io.sinks.gcs:GcsSink",
+    client_errors=("gcsfs.retry:HttpError",),
+)
 
 
 def crc32c(data: bytes) -> str:

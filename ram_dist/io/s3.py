@@ -1,7 +1,8 @@
 """Facts about S3 that ram-dist relies on, kept in one place: its multipart upload limits
 (the planner cuts parts by them), its retry configuration, its error codes and how to read
-them off an error, and whether this botocore sends conditional writes. Imports nothing of
-ram-dist, so every io module (and the planner) may use it.
+them off an error, whether this botocore sends conditional writes, and its entry of the
+backend table (`BACKEND`). Imports nothing of ram-dist but `backend`, so every io module
+(and the planner) may use it.
 
 s3fs turns a botocore `ClientError` into a builtin exception (`FileExistsError` for a failed
 `If-None-Match`, `OSError(EINVAL)` for a failed `If-Match`, `FileNotFoundError`, ...) with the
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import functools
 from typing import Any
+
+from ram_dist.io.backend import Backend, StoreErrors
 
 #: S3's limits on a multipart upload: every part but the last at least 5 MiB, at most
 #: 10,000 parts (other S3-compatible stores take the same limits).
@@ -25,25 +28,30 @@ MAX_PARTS = 10_000
 #: a request that failed with SlowDown or a broken response body up to 5 times more.
 RETRIES = {"mode": "standard", "total_max_attempts": 8}
 
-#: S3 error codes, by what they mean here.
-MISSING = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NoSuchVersion", "404",
-                     "NotFound"})  # fmt: skip
-DENIED = frozenset({"AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidPayer",
-                    "InvalidObjectState", "403", "Forbidden"})  # fmt: skip
-CREDENTIALS = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                         "InvalidToken", "TokenRefreshRequired", "RequestTimeTooSkewed",
-                         "AuthorizationHeaderMalformed", "InvalidSecurity", "401"})  # fmt: skip
-THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                       "TooManyRequests", "TooManyRequestsException", "429"})  # fmt: skip
-SERVER = frozenset({"InternalError", "ServiceUnavailable", "RequestTimeout", "500", "502",
-                    "503", "504"})  # fmt: skip
+#: S3 error codes, by what they mean here (`backend.KINDS`).
+CODES = {
+    "missing": frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NoSuchVersion", "404",
+                          "NotFound"}),
+    "denied": frozenset({"AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidPayer",
+                         "InvalidObjectState", "403", "Forbidden"}),
+    "credentials": frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                              "InvalidToken", "TokenRefreshRequired", "RequestTimeTooSkewed",
+                              "AuthorizationHeaderMalformed", "InvalidSecurity", "401"}),
+    "throttled": frozenset({"SlowDown", "Throttling", "ThrottlingException",
+                            "RequestLimitExceeded", "TooManyRequests",
+                            "TooManyRequestsException", "429"}),
+    "server": frozenset({"InternalError", "ServiceUnavailable", "RequestTimeout", "500", "502",
+                         "503", "504"}),
+}  # fmt: skip
 #: ... and for a conditional request (`If-None-Match`, `If-Match`): the condition failed (412),
 #: another conditional write to the key is in flight (409: retry), the key itself is missing
 #: (not its bucket), or the store does not take the condition.
-PRECONDITION = frozenset({"PreconditionFailed"})
-CONFLICT = frozenset({"ConditionalRequestConflict", "OperationAborted"})
-KEY_MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
-UNSUPPORTED = frozenset({"NotImplemented", "InvalidArgument"})
+CONDITIONAL = {
+    "precondition": frozenset({"PreconditionFailed"}),
+    "conflict": frozenset({"ConditionalRequestConflict", "OperationAborted"}),
+    "missing": frozenset({"NoSuchKey", "404", "NotFound"}),
+    "unsupported": frozenset({"NotImplemented", "InvalidArgument"}),
+}
 
 
 def fs_options(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -97,3 +105,24 @@ def conditional_writes() -> bool:
         return "IfNoneMatch" in members and "IfMatch" in members
     except Exception:  # noqa: BLE001
         return False
+
+
+BACKEND = Backend(
+    protocols=("s3",),
+    aliases=("s3a",),
+    lease="ram_dist.io.lease.s3:S3Store",
+    sink="ram_dist.io.sinks.s3:S3Sink",
+    fs_options=fs_options,
+    client_errors=("botocore.exceptions:BotoCoreError", "botocore.exceptions:ClientError"),
+    errors=StoreErrors(
+        error_code,
+        error_message,
+        client_failure,
+        kinds=CODES,
+        root="bucket",
+        root_missing=frozenset({"NoSuchBucket"}),
+        expired=frozenset({"ExpiredToken", "TokenRefreshRequired"}),
+        credentials="access key, secret and session token",
+        conditional=CONDITIONAL,
+    ),
+)

@@ -137,9 +137,6 @@ class ArceeFusion(MergekitRule, Eager):
             "samples 1M elements of a larger tensor at random)."
         )
 
-    def check(self, params: TensorParams, where: str) -> None:
-        return None
-
     def whole_rows(self, params: TensorParams) -> bool:
         return True
 

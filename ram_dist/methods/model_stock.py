@@ -112,16 +112,12 @@ class ModelStock(MergekitRule, Eager):
         "Model Stock: the base and the models' mean, mixed by a ratio from the task vectors' angles"
     )
     reference: str = "Jang et al. 2024"
-    task_counts: tuple[int, int | None] = (2, None)
     rounds: int = 1
     rounds_note: str = "model_stock reads nothing in its round for filter_wise (t per row)"
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
         return (FILTER_WISE,)
-
-    def check(self, params: TensorParams, where: str) -> None:
-        return None
 
     def whole_rows(self, params: TensorParams) -> bool:
         return bool(params["filter_wise"])

@@ -195,9 +195,10 @@ class MergeMethod(Protocol):
     def report(self, state: State) -> dict[str, Any]: ...
 
 
-class Eager:
-    """What a method without fused kernels says to the engine's fused path: no. Also the
-    defaults of what a method says of itself."""
+class Defaults:
+    """The protocol's defaults: what a method says of itself unless it says otherwise, and
+    the hooks most methods leave as they are. Every method class derives from it (through
+    `Eager` where it has no fused kernels), so that no method repeats them."""
 
     rounds_note: str = ""
     reports_overlap: bool = False
@@ -212,14 +213,22 @@ class Eager:
     def label(self) -> str:
         return str(getattr(self, "name", type(self).__name__))
 
-    def fuses(self, params: TensorParams) -> bool:
-        return False
-
     def whole_rows(self, params: TensorParams) -> bool:
         return False
 
     def report_lines(self, report: Mapping[str, Any]) -> list[str]:
         return []
+
+    def check(self, params: TensorParams, where: str) -> None:
+        """Nothing beyond each value's own check by its declaration."""
+        return None
+
+
+class Eager(Defaults):
+    """What a method without fused kernels says to the engine's fused path: no."""
+
+    def fuses(self, params: TensorParams) -> bool:
+        return False
 
     def fused_statistics(self, *args: Any) -> None:
         return None
@@ -235,9 +244,6 @@ class NoStatistics(Eager):
 
     parameters: tuple[Parameter, ...] = ()
     rounds: int = 0
-
-    def check(self, params: TensorParams, where: str) -> None:
-        return None
 
     def initial_state(self, *args: Any) -> State:
         return {}

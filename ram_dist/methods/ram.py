@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ram_dist.errors import RamDistError
 from ram_dist.methods.decoder_layers import layer_index, layer_name
 from ram_dist.methods.parameters import ALPHA, EPSILON, SCOPE, Parameter, R, variant
-from ram_dist.methods.protocol import Chunk, State, TensorParams
+from ram_dist.methods.protocol import Chunk, Defaults, State, TensorParams
 from ram_dist.methods.task_vectors import compute_dtype, task_vectors
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ RAM_PAPER = "Yuan et al. 2026, Behavior Knowledge Merge in Reinforced Agentic Mo
 
 
 @dataclass(frozen=True)
-class RamMethod:
+class RamMethod(Defaults):
     """One configured member of the RAM family; `rule` gives lambda_t from rho_t."""
 
     name: str
@@ -183,13 +183,10 @@ class RamMethod:
     alpha: float = 2.0
     scope: str = "model"
     rounds: int = 1
-    rounds_note: str = ""
     reports_overlap: bool = True
     label: str = ""
     summary: str = ""
     reference: str = RAM_PAPER
-    needs_base: bool = True
-    task_counts: tuple[int, int | None] = (2, None)
     fp8_kernels: bool = True
     """The fused kernels read FP8 inputs as they are stored and write FP8 output."""
 
@@ -358,9 +355,6 @@ class RamMethod:
         else:
             out["lambda_per_tensor"] = state["tensor_lambdas"]
         return out
-
-    def whole_rows(self, params: TensorParams) -> bool:
-        return False
 
     def report_lines(self, report: Mapping[str, Any]) -> list[str]:
         """Nothing beyond the overlap table every report with task statistics prints."""

@@ -53,3 +53,10 @@ def test_a_location_gets_its_backends_lease_and_sink(
     lease = OutputLease(url, Storage(), "job")
     assert type(lease._store) is store
     assert type(choose_sink(url, Storage(), shared=False, single_node=True)) is sink
+
+
+@pytest.mark.parametrize("url", ["s3://bkt/out", "gs://bkt/out", "az://box/out"])
+def test_a_store_s_sink_is_chosen_for_the_reason_it_gives(url: str) -> None:
+    kind = load(backend_of(url).sink)
+    sink = kind.choose(url, Storage(), shared=False, single_node=None)
+    assert type(sink) is kind and sink.reason == kind.chosen and sink.reason

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ram_dist.errors import CheckpointError
-from ram_dist.io.checkpoint import read_file_headers
+from ram_dist.io.header_reads import read_file_headers
 from ram_dist.io.safetensors_header import MAX_HEADER_BYTES
 from ram_dist.io.storage import Storage
 

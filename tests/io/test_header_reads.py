@@ -33,14 +33,9 @@ from s3_server import (
 )
 
 from ram_dist.errors import CheckpointError
-from ram_dist.io import checkpoint
-from ram_dist.io.checkpoint import (
-    FIRST_READ_BYTES,
-    INDEX_NAME,
-    Checkpoint,
-    open_checkpoints,
-    read_file_headers,
-)
+from ram_dist.io import header_reads
+from ram_dist.io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoints
+from ram_dist.io.header_reads import FIRST_READ_BYTES, read_file_headers
 from ram_dist.io.safetensors_header import header_length, parse_header
 from ram_dist.io.storage import Storage, join
 
@@ -117,7 +112,7 @@ def _sequential(url: str, label: str, storage: Storage) -> Checkpoint:
         body = fs.cat_file(join(path, file), start=8, end=8 + n)
         header = parse_header(body, join(url, file), size)
         tensors.update(header.tensors)
-        version = checkpoint.file_version(info)
+        version = header_reads.file_version(info)
         identity[file] = {"size": size, "header_sha256": header.header_sha256, "version": version}
     return Checkpoint(url, label, files, tensors, sharded, identity)
 
@@ -234,7 +229,7 @@ def test_a_synchronous_remote_store_reads_in_threads():
 
     store = SlowSyncStore()
     paths = [f"org/name/f{i:02d}" for i in range(32)]
-    out = checkpoint._cat_ranges(store, paths, [0] * 32, [9] * 32)
+    out = header_reads._cat_ranges(store, paths, [0] * 32, [9] * 32)
     assert out == [p.encode()[:9] for p in paths]
     assert store.busiest >= 8, store.busiest
     assert all(k == {"cache_type": "none"} for k in store.kwargs)

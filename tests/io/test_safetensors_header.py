@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from ram_dist.errors import CheckpointError
-from ram_dist.io.checkpoint import read_file_headers
+from ram_dist.io.header_reads import read_file_headers
 from ram_dist.io.storage import Storage
 
 #: In the quick tier (`pytest -m quick`).

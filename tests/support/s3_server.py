@@ -26,7 +26,7 @@ from moto.moto_server.werkzeug_app import (
 )
 from werkzeug.serving import make_server
 
-from ram_dist.io.checkpoint import FIRST_READ_BYTES
+from ram_dist.io.header_reads import FIRST_READ_BYTES
 
 #: Output files that name the input and output locations, so differ between a local and an
 #: S3 run of the same merge.

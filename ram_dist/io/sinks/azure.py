@@ -68,12 +68,7 @@ class AzureSink(OutputSink):
     """One block list per shard, blocks staged by the workers."""
 
     min_part_bytes = MIN_PART_BYTES
-
-    @classmethod
-    def choose(
-        cls, out_url: str, storage: Storage, *, shared: bool, single_node: bool | None
-    ) -> OutputSink:
-        return cls(out_url, storage, "Azure Blob: workers stage the blocks of each shard's blob")
+    chosen = "Azure Blob: workers stage the blocks of each shard's blob"
 
     def open(
         self, shard: str, size: int, plan: list[Part], old: dict[str, Any] | None

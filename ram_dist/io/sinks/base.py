@@ -100,6 +100,9 @@ class OutputSink:
     path: str = DIRECT
     min_part_bytes: int = 0
     """The smallest part the store takes (all but a shard's last)."""
+    chosen: str = ""
+    """Why this sink writes there, in words, where any location of its store takes it (then
+    `choose` needs no override)."""
 
     def __init__(self, out_url: str, storage: Storage, reason: str) -> None:
         self.out_url = out_url
@@ -111,8 +114,11 @@ class OutputSink:
     def choose(
         cls, out_url: str, storage: Storage, *, shared: bool, single_node: bool | None
     ) -> OutputSink:
-        """The sink of this kind for `out_url`, or the one to use instead (see `choose_sink`)."""
-        raise NotImplementedError
+        """The sink of this kind for `out_url`, or the one to use instead (see `choose_sink`);
+        by default this kind, for the reason `chosen` gives."""
+        if not cls.chosen:
+            raise NotImplementedError(f"{cls.__name__} says neither `chosen` nor `choose`")
+        return cls(out_url, storage, cls.chosen)
 
     def open(
         self, shard: str, size: int, plan: list[Part], old: dict[str, Any] | None

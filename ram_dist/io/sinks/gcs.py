@@ -80,12 +80,7 @@ class GcsSink(OutputSink):
     """GCS composes objects of any size; parts of at least 256 KiB (its upload chunk) keep
     the requests per shard few while a small shard still has several parts."""
 
-    @classmethod
-    def choose(
-        cls, out_url: str, storage: Storage, *, shared: bool, single_node: bool | None
-    ) -> OutputSink:
-        return cls(out_url, storage, "GCS: workers upload each part as an object, the driver "
-                   "composes them into the shard")  # fmt: skip
+    chosen = "GCS: workers upload each part as an object, the driver composes them into the shard"
 
     def _run(self, coro: Any, *args: Any, **kwargs: Any) -> Any:
         fs, _ = self.storage.fs(self.out_url)

@@ -55,12 +55,7 @@ class S3Sink(OutputSink):
     """One multipart upload per shard, parts uploaded by the workers."""
 
     min_part_bytes = MIN_PART_BYTES
-
-    @classmethod
-    def choose(
-        cls, out_url: str, storage: Storage, *, shared: bool, single_node: bool | None
-    ) -> OutputSink:
-        return cls(out_url, storage, "S3: workers upload the parts of a multipart upload")
+    chosen = "S3: workers upload the parts of a multipart upload"
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         fs, _ = self.storage.fs(self.out_url)

@@ -11,7 +11,8 @@ The rules, one module each:
 * `combine`: the weighted combine step every member ends with, with optional sign consensus
   and normalization; `task_arithmetic` is this step alone.
 * `topk`: TIES's exact magnitude cut over a whole tensor, from histograms summed over chunks.
-* `ties`: what TIES adds to the cut (which tasks are cut, the kept L1 norm).
+* `ties`: TIES's reduce rounds over the cut: which tasks are cut, each round's statistics
+  per chunk and what the driver finds from their sums, the kept L1 norm.
 * `dare`: DARE's random drop and the L1 rescale rule, with exact integer L1 sums.
 * `rng`: the counter-based random numbers behind DARE's masks.
 * `breadcrumbs`: Model Breadcrumbs' two magnitude cuts per task (outliers and the smallest),

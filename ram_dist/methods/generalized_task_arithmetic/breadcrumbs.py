@@ -153,10 +153,6 @@ class Breadcrumbs(MergekitRule, Eager):
         "breadcrumbs needs its 3rd and 4th round only where a cut falls inside equal magnitudes"
     )
 
-    def check(self, params: TensorParams, where: str) -> None:
-        """Each value is checked by its declaration (density in (0, 1], gamma in [0, 1])."""
-        return None
-
     # -- reduce rounds ------------------------------------------------------------------
 
     def initial_state(

@@ -5,11 +5,11 @@ mergekitty's `consensus_ta` and `consensus_ties` with its own. A member is an op
 sparsification (by magnitude: TIES; at random: DARE), then the weighted combine step with
 optional sign consensus, then, for the consensus members, TALL masks (`tall`).
 
-Whole-tensor quantities are reduce rounds: TIES's exact top-k cut (`topk`: rounds 0-1
-magnitude histograms, then, when the cut splits a group of equal magnitudes, rounds 2-3
-histograms of their flat indices, so the kept set is a rule of each element) and the L1
-norms of the rescale rule (`dare.l1_statistic`, exact integer sums; for TIES the kept L1 is
-summed in round 2).
+Whole-tensor quantities are reduce rounds: TIES's exact top-k cut (`ties`, over `topk`:
+rounds 0-1 magnitude histograms, then, when the cut splits a group of equal magnitudes,
+rounds 2-3 histograms of their flat indices, so the kept set is a rule of each element) and
+the L1 norms of the rescale rule (`dare.l1_statistic`, exact integer sums; for TIES the kept
+L1 is summed in round 2).
 """
 
 from __future__ import annotations
@@ -33,47 +33,22 @@ from ram_dist.methods.parameters import (
     Parameter,
     variant,
 )
-from ram_dist.methods.protocol import MERGEKIT_TEXT, Chunk, MergekitRule, State, TensorParams
+from ram_dist.methods.protocol import (
+    MERGEKIT_TEXT,
+    Chunk,
+    Defaults,
+    MergekitRule,
+    State,
+    TensorParams,
+)
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-L1 = "#l1"
-L1_ABOVE = "#l1-above"
 #: mergekitty's tolerance below which an L1 norm counts as zero in its consensus methods'
 #: rescale (`sparsify.rescale_sum`; mergekit's is `dare.RESCALE_EPS`).
 TALL_RESCALE_EPS = 1e-8
-
-
-def _ordered(cut: dict[str, Any] | None) -> bool:
-    """Whether TIES needs the flat-index rounds (2 and 3) for this cut: only when it splits
-    a group of equal non-zero magnitudes. At magnitude zero every zero is kept: which zeros
-    a top-k keeps changes no byte (a kept or a dropped +-0 delta is the same +-0, and adds
-    nothing to an L1 norm), so the two rounds would read every input twice for nothing."""
-    return cut is not None and cut["need"] < cut["equal"] and cut["threshold"] != 0
-
-
-def _fused_statistics(
-    round_: int, chunk: Chunk, inputs: Sequence[np.ndarray], cuts: list[dict[str, Any] | None]
-) -> np.ndarray:
-    """The TIES round's histograms (no L1 statistics) by the fused kernel."""
-    from ram_dist.kernels import ties_numba
-
-    base, *tasks = inputs
-    if round_ == 0:
-        return ties_numba.statistics(base, tasks, ties_numba.HIGH, topk.HIGH_BINS)
-    if round_ == 1:
-        select = [(c["high_bin"], -1) if c else (-1, -1) for c in cuts]
-        return ties_numba.statistics(base, tasks, ties_numba.LOW, topk.LOW_BINS, select)
-    if round_ == 2:
-        select = [(c["threshold"], -1) if _ordered(c) else (-1, -1) for c in cuts]
-        size = topk.index_bins(chunk.numel)
-        kind = ties_numba.INDEX_HIGH
-    else:
-        select = [(c["threshold"], c["index_bin"]) if _ordered(c) else (-1, -1) for c in cuts]
-        size, kind = topk.LOW_BINS, ties_numba.INDEX_LOW
-    return ties_numba.statistics(base, tasks, kind, size, select, chunk.start)
 
 
 def weight_sum(weights: Sequence[float]) -> float:
@@ -96,7 +71,7 @@ def _weights(params: TensorParams) -> list[float]:
 
 
 @dataclass(frozen=True)
-class TaskArithmeticFamily(MergekitRule):
+class TaskArithmeticFamily(MergekitRule, Defaults):
     """mergekit's generalized task arithmetic: sparsify (none, magnitude, random), weight,
     optional sign consensus, optional normalize, lambda; or, with `tall` (mergekitty's
     consensus members), TALL masks in place of lambda's scaling."""
@@ -107,8 +82,6 @@ class TaskArithmeticFamily(MergekitRule):
     label: str = ""
     reference: str = ""
     summary: str = ""
-    needs_base: bool = True
-    task_counts: tuple[int, int | None] = (2, None)
     tall: bool = False  # mergekitty's consensus_*: TALL masks (`tall`), lambda their threshold
 
     @property
@@ -131,8 +104,6 @@ class TaskArithmeticFamily(MergekitRule):
         rescale = variant(RESCALE, self.sparsify == "random")
         seed = (SEED,) if self.sparsify == "random" else ()
         return (WEIGHT, DENSITY, normalize, *lambda_, rescale, *seed, INT8_MASK)
-
-    reports_overlap = False
 
     @property
     def description(self) -> str:
@@ -203,7 +174,7 @@ class TaskArithmeticFamily(MergekitRule):
             return False
         if round_ <= 1:
             return True
-        ordered = any(_ordered(c) for c in info["cuts"])
+        ordered = any(ties.ordered(c) for c in info["cuts"])
         return ordered or (round_ == 2 and info["rescale"])
 
     def chunk_statistics(
@@ -215,50 +186,13 @@ class TaskArithmeticFamily(MergekitRule):
         params: TensorParams,
         state: State,
     ) -> dict[str, torch.Tensor]:
-        import torch
-
         if self.sparsify == "random":
             stats = dare.chunk_statistics(
                 base, tasks, seed=params["seed"], name=chunk.tensor, start=chunk.start,
                 densities=_densities(params),
             )  # fmt: skip
             return {chunk.tensor: stats}
-        info = state["tensors"][chunk.tensor]
-        _, deltas = combine.task_vectors(base, tasks)
-        keys = [topk.magnitude_keys(d) for d in deltas]
-        if round_ == 0:
-            out = {chunk.tensor: torch.stack([topk.high_histogram(k) for k in keys])}
-            if info["rescale"]:
-                out[chunk.tensor + L1] = torch.stack([dare.l1_statistic(d) for d in deltas])
-            return out
-        if round_ == 1:
-            rows = [
-                topk.low_histogram(k, c["high_bin"]) if c else _zeros(topk.LOW_BINS, k.device)
-                for k, c in zip(keys, info["cuts"], strict=True)
-            ]
-            return {chunk.tensor: torch.stack(rows)}
-        rows = []
-        for k, c in zip(keys, info["cuts"], strict=True):
-            if not _ordered(c):  # no index cut: a zero row
-                size = topk.index_bins(chunk.numel) if round_ == 2 else topk.LOW_BINS
-                rows.append(_zeros(size, k.device))
-            elif round_ == 2:
-                row = topk.index_high_histogram(k, c["threshold"], chunk.start, chunk.numel)
-                rows.append(row)
-            else:
-                row = topk.index_low_histogram(k, c["threshold"], chunk.start, c["index_bin"])
-                rows.append(row)
-        out = {chunk.tensor: torch.stack(rows)}
-        if round_ == 2 and info["rescale"]:
-            out[chunk.tensor + L1_ABOVE] = torch.stack(
-                [
-                    dare.l1_statistic(d.reshape(-1) * (k > c["threshold"]))
-                    if c
-                    else _zeros(dare.L1_BINS, k.device)
-                    for k, d, c in zip(keys, deltas, info["cuts"], strict=True)
-                ]
-            )
-        return out
+        return ties.chunk_statistics(round_, chunk, base, tasks, state["tensors"][chunk.tensor])
 
     def finalize(
         self,
@@ -268,8 +202,6 @@ class TaskArithmeticFamily(MergekitRule):
         numel: Mapping[str, int],
         state: State,
     ) -> State:
-        import torch
-
         tensors = state["tensors"]
         if self.sparsify == "random":
             for name, info in tensors.items():
@@ -277,34 +209,8 @@ class TaskArithmeticFamily(MergekitRule):
                     info["factors"] = dare.rescale_factors(totals[name], _densities(params[name]))
             return state
         for name, info in tensors.items():
-            if name not in totals or not info["cut"]:
-                continue
-            total = totals[name]
-            for t, cut in enumerate(info["cuts"]):
-                if cut is None:
-                    continue
-                if round_ == 0:
-                    high = topk.find_high_bin(total[t], cut["k"])
-                    cut.update(high_bin=high.high_bin, above=high.above)
-                    if name + L1 in totals:
-                        cut["l1"] = totals[name + L1][t].tolist()
-                elif round_ == 1:
-                    high = topk.HighCut(cut["high_bin"], cut["above"])
-                    found = topk.find_cut(total[t], high, cut["k"])
-                    cut.update(threshold=found.threshold, need=found.need_at_threshold)
-                    cut["equal"] = found.equal_at_threshold
-                elif _ordered(cut) and round_ == 2:
-                    found_bin = topk.find_index_bin(total[t], cut["need"])
-                    cut.update(index_bin=found_bin.index_bin, need_in_bin=found_bin.need_in_bin)
-                elif _ordered(cut) and round_ == 3:
-                    found_bin = topk.IndexBin(cut["index_bin"], cut["need_in_bin"])
-                    cut["index_cut"] = topk.find_index_cut(total[t], found_bin)
-                if round_ == 2 and name + L1_ABOVE in totals:
-                    found = topk.Cut(cut["threshold"], cut["need"], cut["equal"])
-                    above = totals[name + L1_ABOVE][t]
-                    before = torch.tensor(cut["l1"], dtype=torch.int64)
-                    kept = ties.kept_l1(above, found)
-                    cut["factor"] = dare.rescale_factor(before, kept, self._rescale_eps)
+            if name in totals and info["cut"]:
+                ties.finalize(round_, name, totals, info["cuts"], self._rescale_eps)
         return state
 
     # -- map pass ----------------------------------------------------------------------
@@ -398,7 +304,7 @@ class TaskArithmeticFamily(MergekitRule):
         info = state["tensors"][chunk.tensor]
         if info["rescale"]:
             return None
-        return {chunk.tensor: _fused_statistics(round_, chunk, inputs, info["cuts"])}, None
+        return {chunk.tensor: ties.fused_statistics(round_, chunk, inputs, info["cuts"])}, None
 
     def fused_merge(
         self,
@@ -444,9 +350,6 @@ class TaskArithmeticFamily(MergekitRule):
         consensus methods' (TALL masks)."""
         return self.sparsify != "random" and not self.tall and not _rescales(params)
 
-    def whole_rows(self, params: TensorParams) -> bool:
-        return False
-
     def report_lines(self, report: Mapping[str, Any]) -> list[str]:
         """TIES's count of cuts through equal magnitudes; DARE's seed."""
         lines = []
@@ -458,7 +361,7 @@ class TaskArithmeticFamily(MergekitRule):
     def report(self, state: State) -> dict[str, Any]:
         tensors = state.get("tensors", {})
         if self.sparsify == "magnitude":
-            ordered = sum(1 for info in tensors.values() for c in info["cuts"] if _ordered(c))
+            ordered = sum(1 for info in tensors.values() for c in info["cuts"] if ties.ordered(c))
             return {"ties": {"cuts_through_equal_magnitudes": ordered}}
         if self.sparsify == "random":
             return {"dare": {"seed": state.get("seed", 0)}}
@@ -468,12 +371,6 @@ class TaskArithmeticFamily(MergekitRule):
 def _rescales(params: TensorParams) -> bool:
     """Whether L1 rescaling runs on a tensor: asked for, and some task drops values."""
     return bool(params.get("rescale")) and any(d < 1 for d in _densities(params))
-
-
-def _zeros(n: int, device: torch.device) -> torch.Tensor:
-    import torch
-
-    return torch.zeros(n, dtype=torch.int64, device=device)
 
 
 #: The family's members, with mergekit's names, as `ram_dist.methods.METHODS` lists them.

@@ -105,7 +105,6 @@ class Multislerp(SpanMethod):
         "Multi-SLERP: weighted spherical mean of any number of task vectors, added to the base"
     )
     reference: str = "Goddard, goddard.blog/posts/multislerp-wow-what-a-cool-idea"
-    needs_base: bool = True
     adds_base: bool = True
     rounds_note: str = "multislerp of one model has no round: the model is the result"
     task_counts: tuple[int, int | None] = (1, None)

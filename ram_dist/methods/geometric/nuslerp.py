@@ -108,7 +108,6 @@ class Nuslerp(SpanMethod):
         "rows or columns"
     )
     reference: str = "mergekit's own (Goddard et al. 2024, MergeKit)"
-    needs_base: bool = True
     adds_base: bool = True
     rounds_note: str = (
         "nuslerp row by row has no round: each chunk holds whole rows and sums them itself"

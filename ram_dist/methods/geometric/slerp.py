@@ -57,7 +57,6 @@ class Slerp(SpanMethod):
     label: str = "SLERP (spherical linear interpolation)"
     summary: str = "SLERP: spherical interpolation between the base and one model, factor t"
     reference: str = "Shoemake 1985, Animating rotation with quaternion curves"
-    needs_base: bool = True
     blends: str = "pair"
     task_counts: tuple[int, int | None] = (1, 1)
 

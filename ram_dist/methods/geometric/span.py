@@ -167,7 +167,6 @@ class SpanMethod(MergekitRule, Eager):
     blends: str = "deltas"
     """What the Gram matrix is of and what is blended: `deltas` (the task vectors),
     `models` (the task models) or `pair` (the base, then the one task model)."""
-    task_counts: tuple[int, int | None] = (2, None)
 
     def vectors(self, base: torch.Tensor, tasks: list[torch.Tensor]) -> list[torch.Tensor]:
         """The float32 vectors of one chunk (`blends`)."""
@@ -249,9 +248,6 @@ class SpanMethod(MergekitRule, Eager):
     def passthrough(self, n_tasks: int) -> int | None:
         """The task whose values the tensor takes as they are (no round), or None."""
         return None
-
-    def whole_rows(self, params: TensorParams) -> bool:
-        return False
 
     def needs_round(self, params: TensorParams) -> bool:
         """Whether a tensor with these parameters takes the reduce round (not where the
@@ -338,9 +334,6 @@ class SpanMethod(MergekitRule, Eager):
     ) -> torch.Tensor:
         """The map pass of a tensor computed on whole rows (`whole_rows`)."""
         raise NotImplementedError
-
-    def check(self, params: TensorParams, where: str) -> None:
-        return None
 
     def report(self, state: State) -> dict[str, Any]:
         """How many tensors took the linear branch (slerp, multislerp: `linear` in a tensor's
