@@ -518,6 +518,11 @@ def test_a_full_output_disk(models, tmp_path):
     assert "status " in done.stdout, done.stdout + done.stderr
     status, *left = done.stdout.split("status ", 1)[1].splitlines()  # then what `ls` found
     assert status == "1", done.stdout + done.stderr
-    line = _one_line(done.stderr, f"output {out}/", ": cannot write: no space left on the device")
+    # A job slower than the lease's renewal period (kernels compiled in a cold cache) also
+    # finds the disk full when it renews the lease: that warning is true, and names it too.
+    renewals = [s for s in done.stderr.splitlines() if "could not renew the lease" in s]
+    assert all("no space" in s.lower() or "ENOSPC" in s for s in renewals), done.stderr
+    stderr = "\n".join(s for s in done.stderr.splitlines() if s not in renewals)
+    line = _one_line(stderr, f"output {out}/", ": cannot write: no space left on the device")
     assert "(ENOSPC" in line
     assert INDEX not in left and LEASE_NAME not in left and LEASE_NAME + ".guard" not in left
