@@ -13,19 +13,18 @@ byte, with its L1 sums computed as it computes them (ram-dist's are exact sums, 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from builders import build_model_set, load_checkpoint
+from chunked_rounds import run_chunked
 from refusals import merge_refused
 from tall_reference import consensus_merge
 
 from ram_dist.api import run_merge
 from ram_dist.methods import get_method
-from ram_dist.methods.protocol import Chunk
 from ram_dist.planning.config import MergeConfig, load_yaml
 
 W = [0.7, -0.35, 1.25]
@@ -41,29 +40,10 @@ def _params(method: str, **given) -> dict:
 
 
 def _run(method: str, base, tasks, bounds, params, name: str = "w") -> torch.Tensor:
-    """The engine's rounds and map pass on chunks [bounds[i], bounds[i+1]) of flat indices."""
-    m = get_method(method)
-    m.check(params, name)
-    shape, numel = tuple(base.shape), base.numel()
-    flat_b, flat_t = base.reshape(-1), [t.reshape(-1) for t in tasks]
-
-    def pieces():
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
-            yield Chunk(name, lo, shape), flat_b[lo:hi], [t[lo:hi] for t in flat_t]
-
-    state = m.initial_state({name: params}, {name: numel}, len(tasks))
-    for round_ in range(m.rounds):
-        if not m.active(round_, state, name):
-            continue
-        totals: dict[str, torch.Tensor] = {}
-        for chunk, b, ts in pieces():
-            for key, value in m.chunk_statistics(round_, chunk, b, ts, params, state).items():
-                assert value.dtype == torch.int64, key
-                totals[key] = totals[key] + value if key in totals else value
-        state = m.finalize(round_, totals, {name: params}, {name: numel}, state)
-        state = json.loads(json.dumps(state))
-    parts = [m.merge_chunk(c, b, ts, params, state) for c, b, ts in pieces()]
-    return torch.cat(parts).reshape(base.shape)
+    """The engine's rounds and map pass on chunks [bounds[i], bounds[i+1]) of flat indices,
+    after the method's own check of the parameters."""
+    get_method(method).check(params, name)
+    return run_chunked(method, base, tasks, bounds, params, name)[0]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

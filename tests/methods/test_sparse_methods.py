@@ -5,11 +5,11 @@ tensors (`dtype: float32` semantics)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
+from chunked_rounds import run_chunked
 from sparse_reference import sparse_merge
 
 from ram_dist.errors import RamDistError
@@ -52,27 +52,7 @@ def params_of(method: str, **given) -> dict:
 
 def run(method: str, base, tasks, bounds, params, name: str = "w") -> tuple[torch.Tensor, dict]:
     """The engine's rounds and map pass on chunks [bounds[i], bounds[i+1]) of flat indices."""
-    m = get_method(method)
-    shape, numel = tuple(base.shape), base.numel()
-    flat_b, flat_t = base.reshape(-1), [t.reshape(-1) for t in tasks]
-
-    def pieces():
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
-            yield Chunk(name, lo, shape), flat_b[lo:hi], [t[lo:hi] for t in flat_t]
-
-    state = m.initial_state({name: params}, {name: numel}, len(tasks))
-    for round_ in range(m.rounds):
-        if not m.active(round_, state, name):
-            continue
-        totals: dict[str, torch.Tensor] = {}
-        for chunk, b, ts in pieces():
-            for key, value in m.chunk_statistics(round_, chunk, b, ts, params, state).items():
-                assert value.dtype == torch.int64, key
-                totals[key] = totals[key] + value if key in totals else value
-        state = m.finalize(round_, totals, {name: params}, {name: numel}, state)
-        state = json.loads(json.dumps(state))
-    parts = [m.merge_chunk(c, b, ts, params, state) for c, b, ts in pieces()]
-    return torch.cat(parts).reshape(base.shape), state
+    return run_chunked(method, base, tasks, bounds, params, name)
 
 
 def row_bounds(shape, rows: list[int]) -> list[int]:
