@@ -3,7 +3,8 @@ switches that make a method compute on whole rows) gives the same bytes on the G
 (`--device cuda`, the eager rule on the GPU) as on the CPUs, fused (`--device cpu`, the
 kernels where they apply) and eager (`--kernels eager`, on the mixed set): for bf16, fp16,
 fp32 and mixed inputs; on fine-grained FP8 inputs (a method that reads FP8 in its kernels and
-one that does not); and with PEFT LoRA adapters as tasks (their products on the GPU).
+one that does not); on MXFP4, packed INT4 and per-channel FP8 bases (every method on one of
+them); and with PEFT LoRA adapters as tasks (their products on the GPU).
 
 Skipped without CUDA: the scheduling is tested with fake GPUs in `tests/engine/test_devices.py`
 and `tests/engine/test_devices_mixed.py`, where the GPU workers compute on the CPU and so
@@ -107,3 +108,43 @@ def test_lora_adapters_give_the_cpus_bytes(ray_local, tmp_path):
     ]  # fmt: skip
     save_checkpoint(make_task_state(base, 0.3, seed=7), tasks[2], copy_from=base_dir)
     _gpu_gives_the_cpus_bytes(base_dir, tasks, tmp_path, ("auto", "eager"))
+
+
+#: The quantized bases: gpt-oss's MXFP4 and compressed-tensors' packed INT4 and FP8 per
+#: channel, each with bf16 agents trained from it.
+QUANTIZED = ("mxfp4", "int", "fp8")
+
+
+@pytest.fixture(scope="module")
+def quantized_sets(tmp_path_factory) -> dict:
+    from compressed_models import FP8_SCHEMES, INT_SCHEMES
+    from compressed_models import build_set as build_compressed
+    from mxfp4_models import build_set as build_gptoss
+
+    gptoss = build_gptoss(tmp_path_factory.mktemp("mxfp4"))
+    ints = build_compressed(tmp_path_factory.mktemp("int"), INT_SCHEMES)
+    fp8 = build_compressed(tmp_path_factory.mktemp("fp8"), FP8_SCHEMES)
+    return {
+        name: (s.base_dir, s.agent_dirs)
+        for name, s in (("mxfp4", gptoss), ("int", ints), ("fp8", fp8))
+    }
+
+
+def _rotated() -> list:
+    """Every method's case once, the quantized formats taken in turn (each format meets a
+    third of the registry, fused and eager methods alike): the decoding is the format's."""
+    cases = every_method(rows=True)
+    return [(QUANTIZED[i % len(QUANTIZED)], case) for i, case in enumerate(cases)]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "case"), _rotated(), ids=lambda v: v if isinstance(v, str) else case_id(v)
+)
+def test_quantized_bases_give_the_cpus_bytes(ray_local, quantized_sets, tmp_path, fmt, case):
+    """Each method on a quantized base: the GPU decodes it as the CPU's kernels do."""
+    method, params = case
+    base, tasks = quantized_sets[fmt]
+    tasks = tasks[: task_count(method, len(tasks))]
+    _gpu_gives_the_cpus_bytes(
+        base, tasks, tmp_path, ("auto", "eager"), method=method, parameters=params
+    )
