@@ -87,6 +87,7 @@ def probe_checks(config: MergeConfig) -> Job:
             task_parameters=(),
         )
     job = prepare(config)
+    job.check_packed_shapes()
     Progress(config.log_format).event(
         "job_start", command="probe", method="ram statistics", units=len(job.units)
     )
@@ -149,6 +150,7 @@ def merge_checks(config: MergeConfig, held: contextlib.ExitStack) -> Claim:
         raise RamDistError("merge needs an output location: --out PATH")
     job = prepare(config)
     assert job.out is not None
+    job.check_packed_shapes()
     found = open_output(job)
     check_writable(job)
     if found.finished:

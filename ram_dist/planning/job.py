@@ -20,6 +20,7 @@ from ram_dist.planning.adapters import check_trained_on
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.devices import DeviceChoice, job_device
 from ram_dist.planning.layout import Layout, TensorEntry, build_layout
+from ram_dist.planning.packed_sources import PackedIntSource, check_shapes
 from ram_dist.planning.precision import measured_against
 from ram_dist.planning.sizing import auto_unit_budget, machine
 from ram_dist.planning.sources import TensorSource, same_as_base
@@ -101,6 +102,22 @@ class Job:
         (the base only for a copied tensor; a new FP8 scale, its block of the weight): known
         once, for the many calls of `unit_bytes`."""
         return {name: self.layout.read_bytes(name, 1) for name in self.layout.tensors}
+
+    def check_packed_shapes(self) -> None:
+        """Every packed INT weight's `weight_shape` against its words and scales, in every
+        input (`packed_sources.check_shapes`): the one check that reads tensor values (a few
+        bytes a weight), run once by `merge` and `probe` before any work; `plan` reads
+        headers only and leaves it out."""
+        inputs = [self.base, *self.tasks]
+        check_shapes(
+            [
+                (src, inputs[i])
+                for entry in self.layout.tensors.values()
+                for i, src in enumerate(entry.sources)
+                if isinstance(src, PackedIntSource)
+            ],
+            self.storage,
+        )
 
     def effective_parameters(self) -> dict[str, Any]:
         """Every tensor's parameters, given once when all tensors got the same ones."""

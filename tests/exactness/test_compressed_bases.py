@@ -18,7 +18,8 @@ the base's values is compressed-tensors' own `decompress`.
 4. The output of an INT base is the bf16 Llama: config.json without quantization_config,
    loaded and run by transformers.
 5. Refusals, exit 2 before any work: an undefined format or scheme, a packed shape that
-   disagrees with the scales or the config, a weight_shape that disagrees (when read).
+   disagrees with the scales or the config, a weight_shape that disagrees (read before
+   any work, locally and from the S3 server).
 6. An INT base read from moto's S3 server: the local merge's bytes.
 """
 
@@ -55,6 +56,7 @@ from safetensors.torch import load_file, save_file
 from ram_dist import api
 from ram_dist.api import run_merge
 from ram_dist.cli import main
+from ram_dist.errors import CheckpointError
 from ram_dist.methods.registry import METHODS
 
 pytestmark = pytest.mark.usefixtures("ray_s3")
@@ -313,21 +315,25 @@ def test_an_int_base_merges_to_the_bf16_llama(int_set, tmp_path):
 # ---- 5. refusals ---------------------------------------------------------------------------
 
 
-def _fails(capsys, base: Path, tasks: list[Path], out: Path, *fragments: str) -> str:
-    argv = ["merge", "--base", str(base), "--out", str(out)]
+def _fails(
+    capsys, base: Path, tasks: list[Path], out: Path, *fragments: str, flags: tuple = ()
+) -> str:
+    """The merge's stderr; its error line exit 2, with `fragments`, without a traceback; no
+    shard or index written."""
+    argv = ["merge", "--base", str(base), "--out", str(out), *flags]
     for t in tasks:
         argv += ["--task", str(t)]
     code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    err = err[err.index("ram-dist: error: ") :]
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    err = stderr[stderr.index("ram-dist: error: ") :]
     for fragment in fragments:
         assert fragment in err, (fragment, err)
     assert "Traceback" not in err
     if out.exists():
         names = os.listdir(out)
         assert not [n for n in names if n.endswith((".safetensors", "index.json"))], names
-    return err
+    return stderr
 
 
 def _copy(src: Path, out: Path, edit_state=None, edit_config=None) -> Path:
@@ -384,13 +390,22 @@ def test_a_packed_shape_that_disagrees_with_the_scales_is_refused(int_set, tmp_p
            f"tensor {name!r}", "[64, 12] words", "with scales [64, 4]")  # fmt: skip
 
 
-def test_a_weight_shape_that_disagrees_is_refused_naming_it(int_set, tmp_path, capsys):
-    def lie(state):
-        state[DOWN + "weight_shape"] = torch.tensor([64, 120])
+def _lie(state):
+    state[DOWN + "weight_shape"] = torch.tensor([64, 120])
 
-    base = _copy(int_set.base_dir, tmp_path / "base", lie)
-    _fails(capsys, base, int_set.agent_dirs, tmp_path / "out",
-           f"tensor {DOWN + 'weight_shape'!r}", "says [64, 120]", "[64, 128]")  # fmt: skip
+
+def test_a_weight_shape_that_disagrees_is_refused_before_any_work(int_set, tmp_path, capsys):
+    """Its two integers are values: read once on the driver before the lease and the first
+    pass (no job_start event, no output folder), not with the rows."""
+    base = _copy(int_set.base_dir, tmp_path / "base", _lie)
+    out = tmp_path / "out"
+    stderr = _fails(capsys, base, int_set.agent_dirs, out,
+                    f"tensor {DOWN + 'weight_shape'!r} in base model ({base}), file ",
+                    "model.safetensors says [64, 120]", "hold [64, 128] (4-bit codes)",
+                    flags=("--log-format", "json"))  # fmt: skip
+    assert '"job_start"' not in stderr and not out.exists()
+    with pytest.raises(CheckpointError, match="says \\[64, 120\\]"):
+        api.probe(base=base, tasks=int_set.agent_dirs)
 
 
 def test_an_agent_of_another_shape_is_refused(int_set, tmp_path, capsys):
@@ -422,3 +437,30 @@ def test_an_int_base_in_a_bucket_merges_to_the_local_bytes(int_set, fs, options,
         assert (remote / name).read_bytes() == (local / name).read_bytes(), name
     gets = [g for g in server.object_gets(f"{BUCKET}/in/") if g.path.endswith(".safetensors")]
     assert gets and all(g.range is not None for g in gets)
+
+
+def test_a_weight_shape_in_a_bucket_that_disagrees_is_refused_before_any_work(
+    int_set, fs, options, server, tmp_path
+):
+    """From the S3 server: the base's file is read for its header (one read from byte 0) and
+    for its weight_shape tensors' bytes (ranged reads, one request for neighbours), nothing
+    else; the error names the tensor and its file."""
+    s = int_set
+    base = _copy(s.base_dir, tmp_path / "lying", _lie)
+    fs.put(str(base), f"{BUCKET}/lying/base", recursive=True)
+    for d in s.agent_dirs[:2]:
+        fs.put(str(d), f"{BUCKET}/lying/{d.name}", recursive=True)
+    server.clear()
+    tasks = [f"s3://{BUCKET}/lying/{d.name}" for d in s.agent_dirs[:2]]
+    config = merge_config(f"s3://{BUCKET}/lying/base", tasks, tmp_path / "out", options)
+    with pytest.raises(CheckpointError) as e:
+        run_merge(config)
+    named = f"tensor {DOWN + 'weight_shape'!r} in base model (s3://{BUCKET}/lying/base)"
+    assert named in str(e.value) and "says [64, 120]" in str(e.value)
+    assert not (tmp_path / "out").exists()
+    gets = [g for g in server.object_gets(f"{BUCKET}/lying/base/") if g.path.endswith("tensors")]
+    header = [g for g in gets if g.range is not None and g.range.startswith("bytes=0-")]
+    shapes = [g for g in gets if g not in header]
+    stated = [t for n, t in s.base.items() if n.endswith(".weight_shape")]
+    assert len(header) == 1 and len(stated) == 14 and 1 <= len(shapes) <= len(stated)
+    assert sum(g.nbytes for g in shapes) == sum(t.numel() * t.element_size() for t in stated)
