@@ -6,8 +6,9 @@ A row's codes start at its first word, so a unit or a compute block cuts such a 
 between rows (`atomic_rows` 1). The values are decoded in the scale's dtype (bfloat16 for
 every published checkpoint), as compressed-tensors decodes them, so a bf16 agent's untouched
 elements equal them; RAM's fused kernels read the words and scales as stored (`encoded`),
-decoding each value as they load it. The planned bytes are one per element (half a byte of
-codes and the scales, rounded up).
+decoding each value as they load it. The planned bytes are what is read: the words, scales
+and zero points together, over the elements (`itemsize`: 0.5625 for INT4 groups of 32 with
+bf16 scales).
 """
 
 from __future__ import annotations
@@ -53,8 +54,17 @@ class PackedIntSource(NamedTuple):
     groups: int
 
     @property
-    def itemsize(self) -> int:
-        return 1
+    def itemsize(self) -> float:
+        """The bytes of the words, scales and zero points over the elements they hold."""
+        stored = self.rows * int_packed.words_per_row(self.cols, self.bits) * 4
+        if self.groups:
+            stored += self.rows * self.groups * itemsize(self.scale_dtype)
+            if self.zero_dtype:
+                stored += int_packed.zero_rows(0, self.rows, self.bits)[1] * self.groups * 4
+        else:
+            stored += itemsize(self.scale_dtype)
+            stored += itemsize(self.zero_dtype) if self.zero_dtype else 0
+        return stored / max(1, self.rows * self.cols)
 
     @property
     def values_dtype(self) -> str:
