@@ -16,7 +16,8 @@ the base's values is compressed-tensors' own `decompress`.
    block rule's analogue (a scale per row or per tensor) or in bf16 with `out_dtype`.
 3. probe: exact changed counts, the formats and the "measured against" sentences in words.
 4. The output of an INT base is the bf16 Llama: config.json without quantization_config,
-   loaded and run by transformers.
+   loaded and run by transformers; of a mixed INT4 + FP8 base, config.json keeps only the
+   FP8 group, and transformers loads it as compressed-tensors decompresses it.
 5. Refusals, exit 2 before any work: an undefined format or scheme, a packed shape that
    disagrees with the scales or the config, a weight_shape that disagrees (read before
    any work, locally and from the S3 server).
@@ -36,9 +37,12 @@ from builders import assert_same_bytes, build_tiny_base, load_checkpoint, merge_
 from compressed_models import (
     FP8_SCHEMES,
     INT_SCHEMES,
+    MIXED_SCHEMES,
     CompressedSet,
     build_set,
+    decompress,
     load_as_trainer,
+    scheme_of,
     write_compressed,
 )
 from fp8_reference import block_view, e4m3fn, expand
@@ -307,6 +311,43 @@ def test_an_int_base_merges_to_the_bf16_llama(int_set, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(out))
     for name, p in model.state_dict().items():
         assert torch.equal(p.view(torch.int16), got[name].view(torch.int16)), name
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 5, 9, 2, 77, 3]])).logits
+    assert bool(torch.isfinite(logits).all())
+
+
+def test_a_mixed_base_keeps_only_its_fp8_groups_in_config_json(tmp_path):
+    """INT4 MLP and FP8 attention in one base (`format: mixed-precision`): the INT weights
+    are written in bf16, the FP8 ones FP8 again, and config.json's quantization_config
+    describes only those (the FP8 group, its format); transformers loads the output as
+    compressed-tensors decompresses it and runs it."""
+    s = build_set(tmp_path / "in", MIXED_SCHEMES)
+    base_quant = json.loads((s.base_dir / "config.json").read_text())["quantization_config"]
+    assert base_quant["format"] == "mixed-precision" and len(base_quant["config_groups"]) == 2
+    merged, _ = reference_for("ram_plus", _input_set(s, s.agents), [0, 1, 2])
+    fp8 = {n for n, t in s.base.items() if t.dtype == FP8}
+    expected = _fp8_expected(s, {n: y for n, y in merged.items() if n in fp8})
+    expected |= {n: y.to(BF16) for n, y in merged.items() if n not in fp8}
+    out = tmp_path / "out"
+    _merge(s, [0, 1, 2], out, "ram_plus", unit_budget_bytes=ONE_ROW)
+    got = load_checkpoint(out)
+    assert_same_bytes(got, expected)
+    assert len(fp8) == 8 and sum(1 for n in got if n.endswith("mlp.down_proj.weight")) == 2
+    config = json.loads((out / "config.json").read_text())
+    quant = config["quantization_config"]
+    assert quant["config_groups"] == {"group_1": base_quant["config_groups"]["group_1"]}
+    assert quant["format"] == "float-quantized" and quant["ignore"] == ["lm_head"]
+    rest = {k: v for k, v in quant.items() if k not in ("config_groups", "format")}
+    assert rest == {k: v for k, v in base_quant.items() if k not in ("config_groups", "format")}
+    model = load_as_trainer(out)
+    for name, p in model.state_dict().items():
+        scheme = scheme_of(name, MIXED_SCHEMES)
+        if name in fp8:
+            parts = {"weight": got[name], "weight_scale": got[name + "_scale"]}
+            want = decompress(parts, scheme).to(BF16)
+        else:
+            want = got[name]
+        assert torch.equal(p.view(torch.int16), want.view(torch.int16)), name
     with torch.no_grad():
         logits = model(torch.tensor([[1, 5, 9, 2, 77, 3]])).logits
     assert bool(torch.isfinite(logits).all())
