@@ -53,7 +53,7 @@ from ram_dist.planning.output_state import (
 )
 from ram_dist.planning.plan_report import ConnectedCluster, plan_report
 from ram_dist.planning.precision import checked_tensors
-from ram_dist.planning.written_config import render
+from ram_dist.planning.written_config import quantization_left, render
 from ram_dist.report.rounding import precision_report
 
 #: What `probe` counts with when the configured method counts no overlap statistics.
@@ -87,6 +87,7 @@ def probe_checks(config: MergeConfig) -> Job:
             task_parameters=(),
         )
     job = prepare(config)
+    job.check_packed_shapes()
     Progress(config.log_format).event(
         "job_start", command="probe", method="ram statistics", units=len(job.units)
     )
@@ -149,6 +150,7 @@ def merge_checks(config: MergeConfig, held: contextlib.ExitStack) -> Claim:
         raise RamDistError("merge needs an output location: --out PATH")
     job = prepare(config)
     assert job.out is not None
+    job.check_packed_shapes()
     found = open_output(job)
     check_writable(job)
     if found.finished:
@@ -221,7 +223,10 @@ def _merge_held(
         manifest.precision = precision_of(job, reduce_stats)
         save_manifest(job.out, manifest, job.storage)
     names = non_weight_files(job.base.url, job.storage)
-    copy_files(job.base.url, job.out, names, job.storage, job.layout.config_dtype(config.out_dtype))
+    copy_files(
+        job.base.url, job.out, names, job.storage, job.layout.config_dtype(config.out_dtype),
+        quantization_left(job),
+    )  # fmt: skip
 
     done = [s for s in manifest.shard_names if s in manifest.shards and fs.exists(join(path, s))]
     for shard in done:

@@ -6,6 +6,8 @@ files are copied as bytes."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import Any
 
 from ram_dist.dtypes import FLOATING, dtype_name
 from ram_dist.io.checkpoint import PICKLE_SUFFIXES
@@ -37,23 +39,31 @@ def non_weight_files(base_url: str, storage: Storage) -> list[str]:
 
 
 def copy_files(
-    base_url: str, out_url: str, names: list[str], storage: Storage, out_dtype: str | None = None
+    base_url: str,
+    out_url: str,
+    names: list[str],
+    storage: Storage,
+    out_dtype: str | None = None,
+    quantization: Mapping[str, Any] | None = None,
 ) -> int:
     """Copy files by name from the base folder to the output, whatever either's protocol.
     With `out_dtype` (a safetensors dtype every merged tensor is written in), config.json says
     so, as mergekit's does: `transformers` loads a model in the dtype it names (and a
-    quantized base's quantization_config is dropped: no quantized tensor is left)."""
+    quantized base's quantization_config is dropped: no quantized tensor is left). Else, with
+    `quantization`, config.json's quantization_config becomes it: what is left quantized."""
     src_fs, src = storage.fs(base_url)
     total = 0
     for name in names:
         url = join(base_url, name)
-        rewrite = name == MODEL_CONFIG_NAME and out_dtype in FLOATING
+        rewrite = name == MODEL_CONFIG_NAME and (out_dtype in FLOATING or quantization is not None)
         if rewrite:  # parsed as JSON: refused over its cap before it is read
             checked_size(url, storage, MAX_CONFIG_BYTES, "config", "input")
         with reported(url, "read", "input"):
             data = src_fs.cat_file(join(src, name))
-        if rewrite:
+        if rewrite and out_dtype in FLOATING:
             data = _with_dtype(data, dtype_name(out_dtype))
+        elif rewrite:
+            data = _with_quantization(data, quantization)
         with AtomicFile(join(out_url, name), storage) as f:
             f.write(data)
         total += len(data)
@@ -74,4 +84,17 @@ def _with_dtype(data: bytes, name: str) -> bytes:
     keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
     config.update({k: name for k in keys})
     config.pop("quantization_config", None)
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _with_quantization(data: bytes, quantization: Mapping[str, Any] | None) -> bytes:
+    """config.json with `quantization` as its quantization_config (unchanged if it is not a
+    JSON object)."""
+    try:
+        config = json.loads(data)
+    except ValueError:
+        return data
+    if not isinstance(config, dict):
+        return data
+    config["quantization_config"] = dict(quantization or {})
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()

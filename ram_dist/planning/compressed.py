@@ -305,7 +305,8 @@ def _width(scheme: Scheme, strategy: str, groups: int, per_row: int) -> tuple[in
     """(bits, columns) of a weight of `per_row` words and `groups` scales per row under
     `scheme`, or None where it does not fit. A group's size fixes the columns; a channel or
     tensor scale leaves them to the words (the most they hold: every published width is a
-    multiple of 32 / bits, and `N.weight_shape` is checked when the rows are read)."""
+    multiple of 32 / bits, and `N.weight_shape` is checked before any work:
+    `packed_sources.check_shapes`)."""
     bits, declared, size = scheme
     if strategy == "group" or (strategy == "channel" and declared == "group"):
         if declared != "group":

@@ -43,12 +43,14 @@ def cache_report(job: Job, cache: InputCache | None, note: str) -> dict[str, Any
     if cache is None:
         return out
     covered = {f for c in _inputs(job) for f in _files(c) if cache.covers(f, job.storage.is_local)}
-    kept = sum(
-        entry.numel * src.itemsize
-        for entry in job.layout.tensors.values()
-        if entry.participating
-        for src in entry.sources
-        if src.file in covered
+    kept = round(
+        sum(
+            entry.numel * src.itemsize
+            for entry in job.layout.tensors.values()
+            if entry.participating
+            for src in entry.sources
+            if src.file in covered
+        )
     )
     out.update({"folder": cache.root(), "bytes_kept_at_most": kept})
     out["free_bytes_here"] = _free_bytes(cache.parent())

@@ -20,6 +20,7 @@ from ram_dist.planning.adapters import check_trained_on
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.devices import DeviceChoice, job_device
 from ram_dist.planning.layout import Layout, TensorEntry, build_layout
+from ram_dist.planning.packed_sources import PackedIntSource, check_shapes
 from ram_dist.planning.precision import measured_against
 from ram_dist.planning.sizing import auto_unit_budget, machine
 from ram_dist.planning.sources import TensorSource, same_as_base
@@ -67,12 +68,12 @@ class Job:
 
     def largest_input_bytes(self) -> int:
         """Tensor bytes of the largest input checkpoint (what one pass reads from it)."""
-        per_input = [0] * (len(self.tasks) + 1)
+        per_input = [0.0] * (len(self.tasks) + 1)
         for entry in self.layout.tensors.values():
             same = same_as_base(entry.sources)
             for i, src in enumerate(entry.sources):
                 per_input[i] += 0 if same[i] else entry.numel * src.itemsize
-        return max(per_input)
+        return round(max(per_input))
 
     @property
     def method(self) -> MergeMethod:
@@ -89,18 +90,43 @@ class Job:
 
     def unit_bytes(self, unit: WorkUnit, tensors: set[str] | None = None) -> int:
         """Input bytes a unit reads (only pieces of `tensors`, when given, as a reduce round
-        does: those pieces are participating tensors)."""
+        does: those pieces are participating tensors), to the nearest byte (a packed input's
+        bytes per element are a fraction)."""
+        return round(self._unit_read(unit, tensors))
+
+    def pass_bytes(self, tensors: set[str] | None = None) -> int:
+        """Input bytes a pass reads (of `tensors` only, when given): its units', rounded
+        once, so that a packed input counts its files' bytes however the units cut it."""
+        return round(sum(self._unit_read(u, tensors) for u in self.units))
+
+    def _unit_read(self, unit: WorkUnit, tensors: set[str] | None) -> float:
         per_element = self._read_per_element
         if tensors is None:
             return sum(p.numel * per_element[p.tensor] for p in unit.pieces)
         return sum(p.numel * per_element[p.tensor] for p in unit.pieces if p.tensor in tensors)
 
     @functools.cached_property
-    def _read_per_element(self) -> dict[str, int]:
+    def _read_per_element(self) -> dict[str, float]:
         """Per tensor, the bytes one element costs to read from every input it is read from
         (the base only for a copied tensor; a new FP8 scale, its block of the weight): known
         once, for the many calls of `unit_bytes`."""
         return {name: self.layout.read_bytes(name, 1) for name in self.layout.tensors}
+
+    def check_packed_shapes(self) -> None:
+        """Every packed INT weight's `weight_shape` against its words and scales, in every
+        input (`packed_sources.check_shapes`): the one check that reads tensor values (a few
+        bytes a weight), run once by `merge` and `probe` before any work; `plan` reads
+        headers only and leaves it out."""
+        inputs = [self.base, *self.tasks]
+        check_shapes(
+            [
+                (src, inputs[i])
+                for entry in self.layout.tensors.values()
+                for i, src in enumerate(entry.sources)
+                if isinstance(src, PackedIntSource)
+            ],
+            self.storage,
+        )
 
     def effective_parameters(self) -> dict[str, Any]:
         """Every tensor's parameters, given once when all tensors got the same ones."""
@@ -221,7 +247,7 @@ def _changed_integers(
 def _stored_range(entry: TensorEntry, src: TensorSource) -> tuple[str, int, int]:
     """Where a copied tensor's bytes lie in one input (a task's that is the base's own, in
     the base: the same bytes)."""
-    return (src.file, src.start, src.start + entry.numel * src.itemsize)
+    return (src.file, src.start, src.start + entry.numel * int(src.itemsize))
 
 
 def _check_distinct(base: str, tasks: list[str], method: str) -> None:

@@ -202,9 +202,10 @@ class Layout:
                 rows[name] = e.band
         return rows
 
-    def read_bytes(self, tensor: str, numel: int) -> int:
+    def read_bytes(self, tensor: str, numel: int) -> float:
         """Bytes `numel` elements of `tensor` read from all inputs together: a copied tensor
-        reads the base only; a new scale tensor, its weight's blocks (scales left out)."""
+        reads the base only; a new scale tensor, its weight's blocks (scales left out). A
+        fraction where a packed input's bytes are shared by several elements."""
         e = self.tensors[tensor]
         if e.scale_of is not None:
             w = self.tensors[e.scale_of]

@@ -6,14 +6,15 @@ A row's codes start at its first word, so a unit or a compute block cuts such a 
 between rows (`atomic_rows` 1). The values are decoded in the scale's dtype (bfloat16 for
 every published checkpoint), as compressed-tensors decodes them, so a bf16 agent's untouched
 elements equal them; RAM's fused kernels read the words and scales as stored (`encoded`),
-decoding each value as they load it. The planned bytes are one per element (half a byte of
-codes and the scales, rounded up).
+decoding each value as they load it. The planned bytes are what is read: the words, scales
+and zero points together, over the elements (`itemsize`: 0.5625 for INT4 groups of 32 with
+bf16 scales).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -21,6 +22,10 @@ from ram_dist.dtypes import INFO, itemsize
 from ram_dist.errors import CheckpointError
 from ram_dist.kernels import int_packed, quantized
 from ram_dist.planning.sources import Range
+
+if TYPE_CHECKING:
+    from ram_dist.io.checkpoint import Checkpoint
+    from ram_dist.io.storage import Buffer, Storage
 
 
 class PackedIntSource(NamedTuple):
@@ -49,8 +54,17 @@ class PackedIntSource(NamedTuple):
     groups: int
 
     @property
-    def itemsize(self) -> int:
-        return 1
+    def itemsize(self) -> float:
+        """The bytes of the words, scales and zero points over the elements they hold."""
+        stored = self.rows * int_packed.words_per_row(self.cols, self.bits) * 4
+        if self.groups:
+            stored += self.rows * self.groups * itemsize(self.scale_dtype)
+            if self.zero_dtype:
+                stored += int_packed.zero_rows(0, self.rows, self.bits)[1] * self.groups * 4
+        else:
+            stored += itemsize(self.scale_dtype)
+            stored += itemsize(self.zero_dtype) if self.zero_dtype else 0
+        return stored / max(1, self.rows * self.cols)
 
     @property
     def values_dtype(self) -> str:
@@ -84,20 +98,28 @@ class PackedIntSource(NamedTuple):
         return out
 
     def unit_ranges(self) -> list[Range]:
-        """`<name>_shape`, checked against the packed words, and a tensor's one scale and
-        zero point."""
-        out = [
-            (self.shape_file, self.shape_start, self.shape_start + 2 * itemsize(self.shape_dtype))
-        ]
-        if not self.groups:
+        """A tensor's one scale and zero point (`<name>_shape` is checked once per job, before
+        any work: `check_shapes`)."""
+        if self.groups:
+            return []
+        out = [(self.scale_file, self.scale_start, self.scale_start + itemsize(self.scale_dtype))]
+        if self.zero_dtype:
             out.append(
-                (self.scale_file, self.scale_start, self.scale_start + itemsize(self.scale_dtype))
+                (self.zero_file, self.zero_start, self.zero_start + itemsize(self.zero_dtype))
             )
-            if self.zero_dtype:
-                out.append(
-                    (self.zero_file, self.zero_start, self.zero_start + itemsize(self.zero_dtype))
-                )
         return out
+
+    def shape_range(self) -> Range:
+        """Where `<name>_shape`'s two integers lie."""
+        return (
+            self.shape_file,
+            self.shape_start,
+            self.shape_start + 2 * itemsize(self.shape_dtype),
+        )
+
+    def stated_shape(self, raw: Buffer) -> list[int]:
+        """What `<name>_shape`'s bytes (`raw`, as `shape_range` lies) say."""
+        return [int(v) for v in np.frombuffer(raw, INFO[self.shape_dtype].numpy, 2)]
 
     def encoded(
         self, start: int, stop: int, read: Sequence[np.ndarray]
@@ -129,36 +151,42 @@ class PackedIntSource(NamedTuple):
     ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray | None]:
         """The rows' words (bytes), their count, their scales (float32 [rows or 1, G]) and
         zero points (int16, the same shape; None without), from what `ranges` and
-        `unit_ranges` read (`<name>_shape` checked on the way)."""
+        `unit_ranges` read."""
         first, last = start // self.cols, -(-stop // self.cols)
         rows = last - first
         arrays = list(read)
         words = arrays.pop(0)
+        scales = int_packed.scale_floats(arrays.pop(0), self.scale_dtype)
+        zeros = None
         if self.groups:
-            scales = int_packed.scale_floats(arrays.pop(0), self.scale_dtype)
-            zeros = None
             if self.zero_dtype:
                 p0, _ = int_packed.zero_rows(first, last, self.bits)
                 column = int_packed.unpack_columns(arrays.pop(0), self.bits, self.groups)
                 at = first - p0 * 32 // self.bits
                 zeros = column[at : at + rows]
-            self._check_shape(arrays.pop(0))
-        else:
-            self._check_shape(arrays.pop(0))
-            scales = int_packed.scale_floats(arrays.pop(0), self.scale_dtype)
-            raw = arrays.pop(0) if self.zero_dtype else None
-            zeros = None if raw is None else raw.view(INFO[self.zero_dtype].numpy)[:1]
+        elif self.zero_dtype:
+            zeros = arrays.pop(0).view(INFO[self.zero_dtype].numpy)[:1]
         one = self.groups or 1
         z = None if zeros is None else zeros.reshape(-1, one).astype(np.int16)
         return words, rows, scales.reshape(-1, one), z
 
-    def _check_shape(self, raw: np.ndarray) -> None:
-        """`<name>_shape` must say the shape the packed words and scales give."""
-        shape = [int(v) for v in raw.view(INFO[self.shape_dtype].numpy)[:2]]
-        if shape != [self.rows, self.cols]:
+
+def check_shapes(weights: Sequence[tuple[PackedIntSource, Checkpoint]], storage: Storage) -> None:
+    """Each packed weight's `<name>_shape` (of the input `Checkpoint` beside it) must say the
+    shape its words and scales give. Its two integers are values, not a header, so they are
+    read here, on the driver once per job before any work (`merge`, `probe`): every one in
+    one `Storage.read_ranges`, which a remote store serves as one batch of concurrent range
+    requests (8 or 16 bytes each; Kimi-K2-Thinking has 69,120)."""
+    if not weights:
+        return
+    blobs = storage.read_ranges([src.shape_range() for src, _ in weights])
+    for (src, ckpt), raw in zip(weights, blobs, strict=True):
+        shape = src.stated_shape(raw)
+        if shape != [src.rows, src.cols]:
+            name = src.name + "_shape"
             raise CheckpointError(
-                f"tensor {self.name + '_shape'!r} in {self.shape_file} says {shape}, but "
-                f"{self.name + '_packed'!r} and its scales hold [{self.rows}, {self.cols}] "
-                f"({self.bits}-bit codes): the checkpoint does not agree with itself; save "
+                f"tensor {name!r} in {ckpt.describe(name)} says {shape}, but "
+                f"{src.name + '_packed'!r} and its scales hold [{src.rows}, {src.cols}] "
+                f"({src.bits}-bit codes): the checkpoint does not agree with itself; save "
                 "it again with compressed-tensors, or dequantize it"
             )

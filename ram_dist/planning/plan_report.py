@@ -9,6 +9,7 @@ an embedded Ray there, else not known until a merge connects to it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,7 @@ def plan_report(job: Job, connected: ConnectedCluster | None) -> dict[str, Any]:
         out["output"].update({"path": sink.path, "path_reason": sink.reason})
     participating = [n for n, e in job.layout.tensors.items() if e.participating]
     merging = set(participating)
-    merge_bytes = sum(job.unit_bytes(u, merging) for u in job.units)
+    merge_bytes = job.pass_bytes(merging)
     out.update(
         {
             "method": job.method.name,
@@ -84,7 +85,7 @@ def plan_report(job: Job, connected: ConnectedCluster | None) -> dict[str, Any]:
                 "reduce_round": merge_bytes,
                 "reduce_rounds": job.reduce_rounds,
                 "reduce_rounds_note": job.method.rounds_note,
-                "map": sum(job.unit_bytes(u) for u in job.units),
+                "map": job.pass_bytes(),
             },
             "memory_per_worker_bytes": worker_memory(job),
             "input_cache": cache_report(job, *choose_input_cache(job)),
@@ -104,7 +105,7 @@ def worker_memory(job: Job) -> int:
         (s.itemsize + (itemsize(s.values_dtype) if s.decoded else 0)
          for e in job.layout.tensors.values() for s in e.sources), default=1,
     )  # fmt: skip
-    blocks = min(2 * COMPUTE_BLOCK * widest * (len(job.tasks) + 1), 2 * largest)
+    blocks = min(math.ceil(2 * COMPUTE_BLOCK * widest * (len(job.tasks) + 1)), 2 * largest)
     temporaries = min(COMPUTE_BLOCK, largest) * 8 * (len(job.tasks) + 4)
     return blocks + out_bytes + temporaries
 

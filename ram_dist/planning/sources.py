@@ -36,6 +36,9 @@ FP8_VALUES_DTYPE = "F32"
 #: The dtype an MXFP4 weight's values are merged in: each is exact in it.
 MXFP4_VALUES_DTYPE = "BF16"
 
+#: Bytes an MXFP4 value costs to read: its 4-bit code, and its group's scale byte shared by 32.
+MXFP4_ITEMSIZE = (mxfp4.GROUP // 2 + 1) / mxfp4.GROUP
+
 #: A byte range of an input file: (url, start, end).
 Range = tuple[str, int, int]
 
@@ -59,9 +62,11 @@ class TensorSource(Protocol):
         ...
 
     @property
-    def itemsize(self) -> int:
-        """Bytes one element costs to read: what the unit budget and the byte counts plan
-        with."""
+    def itemsize(self) -> float:
+        """Bytes one element costs to read, on average over the tensor: what the unit
+        budget and the byte counts plan with. A fraction for a packed format (MXFP4:
+        17/32, a half byte of code and a scale byte per 32 values), whose stored tensors
+        it counts all together."""
         ...
 
     @property
@@ -307,8 +312,8 @@ class Mxfp4Source(NamedTuple):
     expert's values need every byte of its blocks (they are its unpacked codes transposed),
     so an expert, one row of the values, is never cut (`atomic_rows`). RAM's fused kernels
     read the blocks and scales as stored (`encoded`), decoding each value as they load it.
-    Its planned bytes are one per element: the blocks' half byte and the scales' 1/32,
-    rounded up."""
+    Its planned bytes are what is read: the blocks' half byte and the scales' 1/32 per
+    element (`itemsize` 17/32)."""
 
     file: str
     start: int
@@ -320,8 +325,8 @@ class Mxfp4Source(NamedTuple):
     groups: int
 
     @property
-    def itemsize(self) -> int:
-        return 1
+    def itemsize(self) -> float:
+        return MXFP4_ITEMSIZE
 
     @property
     def values_dtype(self) -> str:

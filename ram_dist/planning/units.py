@@ -46,13 +46,13 @@ class WorkUnit:
 @dataclass(frozen=True)
 class TensorSlot:
     """What the planner needs of a tensor: its size, row length and the bytes one element
-    reads from an input (its widest input dtype)."""
+    reads from an input (its widest input's; a fraction for a packed format)."""
 
     name: str
     shard: str
     numel: int
     row: int
-    max_itemsize: int
+    max_itemsize: float
     atomic: bool = False
     """Cut only between rows, never inside one, whatever the budget."""
     follows: str | None = None
@@ -105,7 +105,7 @@ def plan_units(
         while pos < slot.numel:
             rest = slot.numel - pos
             cost = 0 if slot.follows is not None and slot.follows in whole else slot.max_itemsize
-            fit = max(0, budget_bytes - used) // cost if cost else rest
+            fit = int(max(0, budget_bytes - used) // cost) if cost else rest
             if rest <= fit:
                 take = rest
             elif slot.atomic or slot.row * slot.max_itemsize <= budget_bytes:

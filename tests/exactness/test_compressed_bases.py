@@ -16,9 +16,11 @@ the base's values is compressed-tensors' own `decompress`.
    block rule's analogue (a scale per row or per tensor) or in bf16 with `out_dtype`.
 3. probe: exact changed counts, the formats and the "measured against" sentences in words.
 4. The output of an INT base is the bf16 Llama: config.json without quantization_config,
-   loaded and run by transformers.
+   loaded and run by transformers; of a mixed INT4 + FP8 base, config.json keeps only the
+   FP8 group, and transformers loads it as compressed-tensors decompresses it.
 5. Refusals, exit 2 before any work: an undefined format or scheme, a packed shape that
-   disagrees with the scales or the config, a weight_shape that disagrees (when read).
+   disagrees with the scales or the config, a weight_shape that disagrees (read before
+   any work, locally and from the S3 server).
 6. An INT base read from moto's S3 server: the local merge's bytes.
 """
 
@@ -35,9 +37,12 @@ from builders import assert_same_bytes, build_tiny_base, load_checkpoint, merge_
 from compressed_models import (
     FP8_SCHEMES,
     INT_SCHEMES,
+    MIXED_SCHEMES,
     CompressedSet,
     build_set,
+    decompress,
     load_as_trainer,
+    scheme_of,
     write_compressed,
 )
 from fp8_reference import block_view, e4m3fn, expand
@@ -55,6 +60,7 @@ from safetensors.torch import load_file, save_file
 from ram_dist import api
 from ram_dist.api import run_merge
 from ram_dist.cli import main
+from ram_dist.errors import CheckpointError
 from ram_dist.methods.registry import METHODS
 
 pytestmark = pytest.mark.usefixtures("ray_s3")
@@ -310,24 +316,65 @@ def test_an_int_base_merges_to_the_bf16_llama(int_set, tmp_path):
     assert bool(torch.isfinite(logits).all())
 
 
+def test_a_mixed_base_keeps_only_its_fp8_groups_in_config_json(tmp_path):
+    """INT4 MLP and FP8 attention in one base (`format: mixed-precision`): the INT weights
+    are written in bf16, the FP8 ones FP8 again, and config.json's quantization_config
+    describes only those (the FP8 group, its format); transformers loads the output as
+    compressed-tensors decompresses it and runs it."""
+    s = build_set(tmp_path / "in", MIXED_SCHEMES)
+    base_quant = json.loads((s.base_dir / "config.json").read_text())["quantization_config"]
+    assert base_quant["format"] == "mixed-precision" and len(base_quant["config_groups"]) == 2
+    merged, _ = reference_for("ram_plus", _input_set(s, s.agents), [0, 1, 2])
+    fp8 = {n for n, t in s.base.items() if t.dtype == FP8}
+    expected = _fp8_expected(s, {n: y for n, y in merged.items() if n in fp8})
+    expected |= {n: y.to(BF16) for n, y in merged.items() if n not in fp8}
+    out = tmp_path / "out"
+    _merge(s, [0, 1, 2], out, "ram_plus", unit_budget_bytes=ONE_ROW)
+    got = load_checkpoint(out)
+    assert_same_bytes(got, expected)
+    assert len(fp8) == 8 and sum(1 for n in got if n.endswith("mlp.down_proj.weight")) == 2
+    config = json.loads((out / "config.json").read_text())
+    quant = config["quantization_config"]
+    assert quant["config_groups"] == {"group_1": base_quant["config_groups"]["group_1"]}
+    assert quant["format"] == "float-quantized" and quant["ignore"] == ["lm_head"]
+    rest = {k: v for k, v in quant.items() if k not in ("config_groups", "format")}
+    assert rest == {k: v for k, v in base_quant.items() if k not in ("config_groups", "format")}
+    model = load_as_trainer(out)
+    for name, p in model.state_dict().items():
+        scheme = scheme_of(name, MIXED_SCHEMES)
+        if name in fp8:
+            parts = {"weight": got[name], "weight_scale": got[name + "_scale"]}
+            want = decompress(parts, scheme).to(BF16)
+        else:
+            want = got[name]
+        assert torch.equal(p.view(torch.int16), want.view(torch.int16)), name
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 5, 9, 2, 77, 3]])).logits
+    assert bool(torch.isfinite(logits).all())
+
+
 # ---- 5. refusals ---------------------------------------------------------------------------
 
 
-def _fails(capsys, base: Path, tasks: list[Path], out: Path, *fragments: str) -> str:
-    argv = ["merge", "--base", str(base), "--out", str(out)]
+def _fails(
+    capsys, base: Path, tasks: list[Path], out: Path, *fragments: str, flags: tuple = ()
+) -> str:
+    """The merge's stderr; its error line exit 2, with `fragments`, without a traceback; no
+    shard or index written."""
+    argv = ["merge", "--base", str(base), "--out", str(out), *flags]
     for t in tasks:
         argv += ["--task", str(t)]
     code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    err = err[err.index("ram-dist: error: ") :]
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    err = stderr[stderr.index("ram-dist: error: ") :]
     for fragment in fragments:
         assert fragment in err, (fragment, err)
     assert "Traceback" not in err
     if out.exists():
         names = os.listdir(out)
         assert not [n for n in names if n.endswith((".safetensors", "index.json"))], names
-    return err
+    return stderr
 
 
 def _copy(src: Path, out: Path, edit_state=None, edit_config=None) -> Path:
@@ -384,13 +431,22 @@ def test_a_packed_shape_that_disagrees_with_the_scales_is_refused(int_set, tmp_p
            f"tensor {name!r}", "[64, 12] words", "with scales [64, 4]")  # fmt: skip
 
 
-def test_a_weight_shape_that_disagrees_is_refused_naming_it(int_set, tmp_path, capsys):
-    def lie(state):
-        state[DOWN + "weight_shape"] = torch.tensor([64, 120])
+def _lie(state):
+    state[DOWN + "weight_shape"] = torch.tensor([64, 120])
 
-    base = _copy(int_set.base_dir, tmp_path / "base", lie)
-    _fails(capsys, base, int_set.agent_dirs, tmp_path / "out",
-           f"tensor {DOWN + 'weight_shape'!r}", "says [64, 120]", "[64, 128]")  # fmt: skip
+
+def test_a_weight_shape_that_disagrees_is_refused_before_any_work(int_set, tmp_path, capsys):
+    """Its two integers are values: read once on the driver before the lease and the first
+    pass (no job_start event, no output folder), not with the rows."""
+    base = _copy(int_set.base_dir, tmp_path / "base", _lie)
+    out = tmp_path / "out"
+    stderr = _fails(capsys, base, int_set.agent_dirs, out,
+                    f"tensor {DOWN + 'weight_shape'!r} in base model ({base}), file ",
+                    "model.safetensors says [64, 120]", "hold [64, 128] (4-bit codes)",
+                    flags=("--log-format", "json"))  # fmt: skip
+    assert '"job_start"' not in stderr and not out.exists()
+    with pytest.raises(CheckpointError, match="says \\[64, 120\\]"):
+        api.probe(base=base, tasks=int_set.agent_dirs)
 
 
 def test_an_agent_of_another_shape_is_refused(int_set, tmp_path, capsys):
@@ -422,3 +478,30 @@ def test_an_int_base_in_a_bucket_merges_to_the_local_bytes(int_set, fs, options,
         assert (remote / name).read_bytes() == (local / name).read_bytes(), name
     gets = [g for g in server.object_gets(f"{BUCKET}/in/") if g.path.endswith(".safetensors")]
     assert gets and all(g.range is not None for g in gets)
+
+
+def test_a_weight_shape_in_a_bucket_that_disagrees_is_refused_before_any_work(
+    int_set, fs, options, server, tmp_path
+):
+    """From the S3 server: the base's file is read for its header (one read from byte 0) and
+    for its weight_shape tensors' bytes (ranged reads, one request for neighbours), nothing
+    else; the error names the tensor and its file."""
+    s = int_set
+    base = _copy(s.base_dir, tmp_path / "lying", _lie)
+    fs.put(str(base), f"{BUCKET}/lying/base", recursive=True)
+    for d in s.agent_dirs[:2]:
+        fs.put(str(d), f"{BUCKET}/lying/{d.name}", recursive=True)
+    server.clear()
+    tasks = [f"s3://{BUCKET}/lying/{d.name}" for d in s.agent_dirs[:2]]
+    config = merge_config(f"s3://{BUCKET}/lying/base", tasks, tmp_path / "out", options)
+    with pytest.raises(CheckpointError) as e:
+        run_merge(config)
+    named = f"tensor {DOWN + 'weight_shape'!r} in base model (s3://{BUCKET}/lying/base)"
+    assert named in str(e.value) and "says [64, 120]" in str(e.value)
+    assert not (tmp_path / "out").exists()
+    gets = [g for g in server.object_gets(f"{BUCKET}/lying/base/") if g.path.endswith("tensors")]
+    header = [g for g in gets if g.range is not None and g.range.startswith("bytes=0-")]
+    shapes = [g for g in gets if g not in header]
+    stated = [t for n, t in s.base.items() if n.endswith(".weight_shape")]
+    assert len(header) == 1 and len(stated) == 14 and 1 <= len(shapes) <= len(stated)
+    assert sum(g.nbytes for g in shapes) == sum(t.numel() * t.element_size() for t in stated)

@@ -60,6 +60,15 @@ FP8_SCHEMES = (
 )  # fmt: skip
 
 
+#: A mixed base (`format: mixed-precision`): the MLP in INT4 groups of 32 with zero points,
+#: attention FP8 per channel with bf16 scales.
+MIXED_SCHEMES = (
+    INT_SCHEMES[0],
+    Scheme(r"re:.*self_attn\..*_proj", "float-quantized",
+           dict(num_bits=8, type="float", symmetric=True, strategy="channel")),
+)  # fmt: skip
+
+
 def scheme_of(name: str, schemes: tuple[Scheme, ...]) -> Scheme | None:
     import re
 
