@@ -13,9 +13,9 @@ MXFP4 or packed INT base with bfloat16 values, `quantized`, which they read as s
 with bfloat16 tasks; other mixed dtypes are not warmed), 1 to `--tasks` tasks, and every
 output dtype a merge kernel writes (those three and float64), the LoRA product in each
 dtype, the exact sums of products, the first reduce round's precision check, and MXFP4's
-and packed INT4/INT8's decoding (the eager path's). All of it is 724 specializations (586
-of them, all but the decoding, the quantized base's and model_stock's map pass, took
-1,464 s on one core of the development machine).
+and packed INT4/INT8's decoding (the eager path's). All of it is 820 specializations (586
+of them, all but the decoding, the quantized base's and model_stock's and sce's map passes,
+took 1,464 s on one core of the development machine).
 
 The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
 beside the kernel modules when that is writable, else numba's user-wide cache directory
@@ -70,6 +70,7 @@ def dispatchers() -> dict[str, Any]:
         precision_numba,
         ram_numba,
         scan_numba,
+        sce_numba,
         ties_numba,
     )
 
@@ -79,6 +80,7 @@ def dispatchers() -> dict[str, Any]:
         lora_numba.lora_values, exact_sums_numba.gram, exact_sums_numba.row_gram,
         column_sums_numba.column_gram, blend_numba._blend_kernel, blend_numba._stock_kernel,
         della_numba._stats_kernel, della_numba._merge_kernel, precision_numba._check_kernel,
+        sce_numba._merge_kernel,
         mxfp4_numba._decode, int_packed_numba._decode,
     )  # fmt: skip
     return {f"{k.py_func.__module__.rsplit('.', 1)[-1]}.{k.__name__}": k for k in found}
@@ -97,6 +99,7 @@ def calls(
         precision_numba,
         ram_numba,
         scan_numba,
+        sce_numba,
         ties_numba,
     )
 
@@ -146,6 +149,8 @@ def calls(
                 yield blend_numba._blend_kernel, f"{label} -> {out_name}", mix
                 stock = partial(blend_numba.stock, base, agents, out, ts=[0.5])  # model_stock
                 yield blend_numba._stock_kernel, f"{label} -> {out_name}", stock
+                sce = partial(sce_numba.merge, base, agents, out, weights=[1.0] * n)
+                yield sce_numba._merge_kernel, f"{label} -> {out_name}", sce
                 della = partial(
                     della_numba.merge, base, agents, out, **della_args, factors=[None] * n,
                     weights=[1.0] * n, consensus=True, normalize=True, divisor=1.0, lambda_=1.0,
