@@ -11,7 +11,7 @@ Computed here:
   N squared norms and the N(N-1)/2 dot products of the task vectors. The driver takes the
   cosines, their mean and t once per tensor in float64 (Python `math`), and rounds t to
   float32 once; the map pass is element-wise with that t (`1 - t` in float32, as torch
-  computes it).
+  computes it), on the CPU by the fused kernel (`blend_numba.stock`, with filter_wise too).
 * `filter_wise`: t per row (mergekit's `dim=-1`; a 1-D tensor is one row). The tensor's
   units hold whole rows (`whole_rows`), so each chunk takes its rows' sums itself, exactly
   (`rows.gram_rows`: numba's row Gram kernel, or `math.fsum`), and each row's t in float64

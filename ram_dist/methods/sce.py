@@ -24,7 +24,8 @@ Computed here:
   without selection); the weights are taken once per tensor on the driver in float64 and
   rounded to float32 once. mergekit sums in float32, so its weights may differ by an ulp.
 * The map pass is element-wise float32, mergekit's expression op by op (task sums in task
-  order, as torch's `sum(dim=0)` adds up to 4 tasks).
+  order, as torch's `sum(dim=0)` adds up to 4 tasks); on the CPU by the fused kernel
+  (`kernels/sce_numba.py`), the variance selection included.
 """
 
 from __future__ import annotations

@@ -31,9 +31,10 @@ def stored(xs):
     return [x.view(torch.uint16).numpy() if x.dtype == torch.bfloat16 else x.numpy() for x in xs]
 
 
-def run(method_name, params, base, tasks, bounds, fused, out_dtype, as_stored=False):
+def run(method_name, params, base, tasks, bounds, fused, out_dtype, as_stored=False, shape=None):
     """Reduce rounds then map, chunk by chunk, as the engine does; kernels on or off
-    (`as_stored`: the fused calls take numpy arrays, as the engine's, not tensors)."""
+    (`as_stored`: the fused calls take numpy arrays, as the engine's, not tensors; `shape`:
+    the tensor's, flat by default)."""
     hand = stored if as_stored else list
     method = get_method(method_name)
     numel = base.numel()
@@ -46,7 +47,7 @@ def run(method_name, params, base, tasks, bounds, fused, out_dtype, as_stored=Fa
             continue
         totals: dict[str, torch.Tensor] = {}
         for lo, b, ts in chunks:
-            chunk = Chunk("w", lo, (numel,))
+            chunk = Chunk("w", lo, shape or (numel,))
             got = method.fused_statistics(round_, chunk, hand([b, *ts]), params, state, False)
             if fused and got is not None:
                 stats = {k: torch.from_numpy(v) for k, v in got[0].items()}
@@ -60,7 +61,7 @@ def run(method_name, params, base, tasks, bounds, fused, out_dtype, as_stored=Fa
         state = json.loads(json.dumps(state))
     parts = []
     for lo, b, ts in chunks:
-        chunk = Chunk("w", lo, (numel,))
+        chunk = Chunk("w", lo, shape or (numel,))
         if fused:
             out = torch.empty(b.numel(), dtype=out_dtype)
             assert method.fused_merge(chunk, hand([b, *ts]), params, state, out)
