@@ -91,7 +91,9 @@ def passes(
     return found
 
 
-def bench(shape: tuple[int, int], tasks: int, dtype: torch.dtype, repeats: int) -> None:
+def bench(
+    shape: tuple[int, int], tasks: int, dtype: torch.dtype, repeats: int, cases: list
+) -> None:
     n = shape[0] * shape[1]
     base = base_tensor("w", (n,), 0, dtype)
     densities = AGENT_DENSITIES + (0.2, 0.1, 0.3)
@@ -101,7 +103,7 @@ def bench(shape: tuple[int, int], tasks: int, dtype: torch.dtype, repeats: int) 
           f"median of {repeats} (alternating)")  # fmt: skip
     print(f"{'pass':<34}{'eager s':>9}{'fused s':>9}{'eager Mel/s':>13}{'fused Mel/s':>13}"
           f"{'speedup':>9}  identical")  # fmt: skip
-    for label, name, params, count in CASES:
+    for label, name, params, count in cases:
         method = get_method(name)
         ts = agents[:count] if count else agents
         state = prepared(method, params, chunk, base, ts)
@@ -135,11 +137,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", type=int, default=3)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--method", action="append", choices=sorted({c[1] for c in CASES}),
+        help="time only this method's cases; repeat for more (default: all)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one Ray worker per core: compare single-threaded
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")  # fmt: skip
-    bench((args.rows, args.cols), args.tasks, DTYPES[args.dtype], args.repeats)
+    cases = [c for c in CASES if not args.method or c[1] in args.method]
+    bench((args.rows, args.cols), args.tasks, DTYPES[args.dtype], args.repeats, cases)
 
 
 if __name__ == "__main__":

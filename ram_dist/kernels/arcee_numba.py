@@ -8,7 +8,8 @@ same steps as the eager rule: the row's maximum (NaN if any is), `float64_math`'
 (the same reductions and polynomials, each step one IEEE operation, no fused multiply-add),
 and `rows.tree_sums`' pairwise order (the row padded with +0 to a power of two, then halves
 added); rounded to float32 once; the importance `|b - a| * kl` in float32. The map pass then
-takes `a + (b - a) * (importance >= threshold)`.
+takes `a + (b - a) * (importance >= threshold)`. The reduce rounds' histograms count the
+importances' order keys (`arcee_fusion.order_keys`) as `arcee_fusion.chunk_statistics` does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from numba import njit, types
 from numba.extending import intrinsic, register_jitable
 
 from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.primitives import OPTIONS, TILE, base_rows, load_tile_bases, store
+from ram_dist.kernels.primitives import OPTIONS, TILE, base_rows, bits, load_tile_bases, store
 from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
@@ -207,6 +208,35 @@ def _merge_kernel(inputs, imp, limit, out, nan_bits):  # noqa: ANN001, ANN201
         store(res[:m], out[lo : lo + m], nan_bits)
 
 
+@njit(cache=True, **OPTIONS)
+def _histogram_kernel(imp, high, hist):  # noqa: ANN001, ANN201
+    """hist += the counts of the order keys of float32 `imp` (-0 as +0, NaN the largest):
+    of `key >> 16` (no `high`: round 0), else, per high bin t, of `key & 0xFFFF` where
+    `key >> 16 == high[t]` (round 1)."""
+    top = np.uint32(0xFFFFFFFF)
+    sign = np.uint32(0x80000000)
+    for i in range(imp.size):
+        v = imp[i] + np.float32(0.0)  # -0 -> +0
+        u = bits(v)
+        key = (u + sign) if u < sign else (top - u)
+        key = top if v != v else key
+        if high.size == 0:
+            hist[0, key >> np.uint32(16)] += 1
+        else:
+            for t in range(high.size):
+                if np.int64(key >> np.uint32(16)) == high[t]:
+                    hist[t, key & np.uint32(0xFFFF)] += 1
+
+
+def histogram(imp: np.ndarray, high_bins: list[int]) -> np.ndarray:
+    """int64 statistic of a chunk's importances: round 0's counts of the keys' high 16 bits
+    ([65536]; no `high_bins`), or round 1's of their low 16 bits within each high bin
+    ([len(high_bins), 65536])."""
+    hist = np.zeros((max(len(high_bins), 1), 1 << 16), np.int64)
+    _histogram_kernel(np.asarray(imp, np.float32), np.asarray(high_bins, np.int64), hist)
+    return hist if high_bins else hist[0]
+
+
 def importance(base: ArrayLike, task: ArrayLike, length: int) -> np.ndarray:
     """float32 importances of a chunk of whole rows of `length` (flat)."""
     arrays = kernel_inputs(base, [task])
@@ -234,4 +264,4 @@ def merge(
     _merge_kernel(arrays, np.asarray(imp, np.float32), np.float32(limit), target, nan_bits)
 
 
-KERNELS = (_importance_kernel, _merge_kernel)
+KERNELS = (_importance_kernel, _merge_kernel, _histogram_kernel)

@@ -14,7 +14,7 @@ with bfloat16 tasks; other mixed dtypes are not warmed), 1 to `--tasks` tasks, a
 output dtype a merge kernel writes (those three and float64), the LoRA product in each
 dtype, the exact sums of products, the first reduce round's precision check, and MXFP4's
 and packed INT4/INT8's decoding (the eager path's); arcee_fusion's kernels for one task
-only (it merges one model). All of it is 835 specializations (586 of them, all but the
+only (it merges one model). All of it is 836 specializations (586 of them, all but the
 decoding, the quantized base's and model_stock's, sce's and arcee_fusion's kernels, took
 1,464 s on one core of the development machine).
 
@@ -84,6 +84,7 @@ def dispatchers() -> dict[str, Any]:
         column_sums_numba.column_gram, blend_numba._blend_kernel, blend_numba._stock_kernel,
         della_numba._stats_kernel, della_numba._merge_kernel, precision_numba._check_kernel,
         sce_numba._merge_kernel, arcee_numba._importance_kernel, arcee_numba._merge_kernel,
+        arcee_numba._histogram_kernel,
         mxfp4_numba._decode, int_packed_numba._decode,
     )  # fmt: skip
     return {f"{k.py_func.__module__.rsplit('.', 1)[-1]}.{k.__name__}": k for k in found}
@@ -184,6 +185,11 @@ def calls(
     yield exact_sums_numba.gram, "exact sums", partial(exact_sums.gram, vectors, pairs)
     rows = partial(exact_sums.row_gram, vectors, pairs, N // 2)
     yield exact_sums_numba.row_gram, "exact sums per row", rows
+    # arcee_fusion's histograms of its importances (one signature: float32 in)
+    from ram_dist.kernels import arcee_numba
+
+    counts = partial(arcee_numba.histogram, np.zeros(N, np.float32), [0])
+    yield arcee_numba._histogram_kernel, "arcee_fusion histograms", counts
     # nuslerp's sums per column (its compact limbs)
     from ram_dist.kernels import column_sums, column_sums_numba
 

@@ -101,29 +101,6 @@ def order_keys(values: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(values), torch.full_like(keys, _NAN_KEY), keys)
 
 
-def order_keys_np(values: np.ndarray) -> np.ndarray:
-    """`order_keys` of float32 numpy values (the fused path's)."""
-    import numpy as np
-
-    bits = (values + np.float32(0.0)).view(np.int32).astype(np.int64)  # -0 -> +0
-    keys = np.where(bits >= 0, bits + (1 << 31), ~bits)
-    return np.where(np.isnan(values), np.int64(_NAN_KEY), keys)
-
-
-def histograms(keys: np.ndarray, round_: int, high_bins: Sequence[int]) -> np.ndarray:
-    """The round's statistic of a chunk's keys (numpy): round 0 the counts of `key >> 16`,
-    round 1 those of `key & 0xFFFF` within each of `high_bins` (`topk.low_histogram`)."""
-    import numpy as np
-
-    if round_ == 0:
-        return np.bincount(keys >> 16, minlength=HIGH_BINS).astype(np.int64)
-    high = keys >> 16
-    return np.stack([
-        np.bincount(keys[high == b] & 0xFFFF, minlength=1 << 16).astype(np.int64)
-        for b in high_bins
-    ])  # fmt: skip
-
-
 def key_value(key: int) -> float:
     """The float32 value of an order key (a Python float)."""
     import numpy as np
@@ -204,7 +181,8 @@ class ArceeFusion(MergekitRule, Eager):
         count_nonfinite: bool,
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """The round's histogram of the importances by `arcee_numba.importance` (the KL in
-        float64, step for step the eager rule's), bin for bin `chunk_statistics`'."""
+        float64, step for step the eager rule's) and `arcee_numba.histogram`, bin for bin
+        `chunk_statistics`'."""
         from ram_dist import kernels
 
         kernel = kernels.numba_module("arcee_numba")
@@ -212,7 +190,7 @@ class ArceeFusion(MergekitRule, Eager):
             return None
         imp = kernel.importance(inputs[0], inputs[1], rows.row_length(tuple(chunk.shape)))
         high = [] if round_ == 0 else state["tensors"][chunk.tensor]["high_bins"]
-        return {chunk.tensor: histograms(order_keys_np(imp), round_, high)}, None
+        return {chunk.tensor: kernel.histogram(imp, high)}, None
 
     def fused_merge(
         self,

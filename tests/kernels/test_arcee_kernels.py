@@ -71,6 +71,23 @@ def test_exp_and_log_are_float64_math_s_bits():
     assert np.array_equal(got.view(np.int64), want.view(np.int64))
 
 
+def test_histograms_count_the_order_keys():
+    """Both rounds' counts, against `order_keys` and torch's bincount, on every kind of
+    float32: signed zeros and infinities, subnormals, NaNs of both signs, ties."""
+    rng = np.random.default_rng(1)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -1e-45, 1.0, 1.0],
+                       np.float32)  # fmt: skip
+    imp = np.concatenate([special, rng.standard_normal(5000).astype(np.float32)])
+    keys = arcee_fusion.order_keys(torch.from_numpy(imp))
+    want = torch.bincount(keys >> 16, minlength=1 << 16)
+    assert np.array_equal(arcee_numba.histogram(imp, []), want.numpy())
+    high = [int(keys[0]) >> 16, int(keys[4]) >> 16, int(keys[12]) >> 16]
+    got = arcee_numba.histogram(imp, high)
+    for t, b in enumerate(high):
+        inside = keys[(keys >> 16) == b] & 0xFFFF
+        assert np.array_equal(got[t], torch.bincount(inside, minlength=1 << 16).numpy())
+
+
 def _inputs(rows: int, length: int, dtypes: tuple[torch.dtype, torch.dtype], seed: int):
     """A base and a model that moved it by 0.1 N(0, 1) in about half the elements, with a
     signed zero and ties of importance (equal rows)."""
@@ -138,6 +155,7 @@ def test_no_fma_in_the_arcee_kernels() -> None:
     out = np.empty(64, np.float32)
     imp = arcee_numba.importance(x, x, 8)
     arcee_numba.merge(x, x, imp, 0.5, out)
+    arcee_numba.histogram(imp, [3])
     for kernel in arcee_numba.KERNELS:
         fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
         for sig in kernel.signatures[-2:]:
