@@ -83,7 +83,8 @@ def test_the_kernel_table_says_what_the_engine_asks_of_each_method():
     assert cells["ties"][0] == "at most 4, on fused kernels"
     assert cells["task_arithmetic"][0] == "the input check only"
     assert cells["linear"][0] == "the input check only"
-    assert cells["arcee_fusion"][0] == "at most 2, on the eager rule"
+    assert cells["arcee_fusion"][0] == "at most 2, on fused kernels"
+    assert {cells[m][1] for m in ("model_stock", "sce", "arcee_fusion")} == {"fused kernels"}
     text = (DOCS / "methods.md").read_text()
     stored = re.search(r"read the stored dtypes \(([^)]*)\)", text)
     assert stored is not None

@@ -5,6 +5,10 @@ rounding), the base and the one model (`PAIR`), the models (`MODELS`, no base), 
 measured against the base (`REBASED`); written in the output's dtype. It is
 `methods.geometric.span.blend`, element for element, on the stored bytes.
 
+model_stock's map pass (`stock`) is another order of operations, so it has its own kernel:
+`t * (((m_1 + 0) + m_2 + ...) / N) + (1 - t) * base` in float32, op by op, the models' values
+as `PAIR` and `REBASED` take them, with t per row (`filter_wise`) or one per tensor.
+
 Where a model's update is measured against the base at its precision (`kernels.precision`),
 its value in `PAIR` and `REBASED` is `base + (model - base at its precision)`, as
 `methods.task_vectors.task_values` gives it.
@@ -92,4 +96,67 @@ def blend(
     )
 
 
-KERNELS = (_blend_kernel,)
+@njit(cache=True, **OPTIONS)
+def _stock_kernel(inputs, ts, row, out, nan_bits):  # noqa: ANN001, ANN201
+    """out[:] = model_stock's blend of `inputs` (base first) with `ts[k]` the ratio of the
+    elements [k * row, (k + 1) * row), cast to out's dtype."""
+    n = inputs[0].size
+    ntasks = len(inputs) - 1
+    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
+    vals = buf.view(np.float32)
+    rows = base_rows(inputs)
+    total = np.empty(TILE, np.float32)
+    res = np.empty(TILE, np.float32)
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    count = np.float32(ntasks)
+    for lo in range(0, n, TILE):
+        m = min(TILE, n - lo)
+        load_tile_bases(inputs, lo, m, buf)
+        b = vals[0]
+        for k in range(ntasks):  # each model's value as `task_values` gives it
+            x = vals[k + 1]
+            if rows[k] != 0:
+                at = vals[rows[k]]
+                for i in range(m):
+                    x[i] = b[i] + (x[i] - at[i])
+        first = vals[1]
+        for i in range(m):
+            total[i] = first[i] + zero  # mergekit's `sum(ws)` starts from the int 0
+        for k in range(1, ntasks):
+            x = vals[k + 1]
+            for i in range(m):
+                total[i] = total[i] + x[i]
+        at = lo
+        while at < lo + m:  # runs of one row: one t
+            r = at // row
+            stop = min((r + 1) * row, lo + m)
+            t = ts[r]
+            s = one - t
+            for i in range(at - lo, stop - lo):
+                res[i] = t * (total[i] / count) + s * b[i]
+            at = stop
+        store(res[:m], out[lo : lo + m], nan_bits)
+
+
+def stock(
+    base: ArrayLike,
+    tasks: Sequence[ArrayLike],
+    out: ArrayLike,
+    *,
+    ts: Sequence[float],
+    row: int | None = None,
+    bf16_nan: int | None = None,
+) -> None:
+    """Write model_stock's blend into `out` (the output's raw array: bfloat16 as uint16).
+    `ts` are float32 values: one per `row` elements (None: one for all)."""
+    arrays = kernel_inputs(base, tasks)
+    target = kernel_output(out, arrays[0].size)
+    size = arrays[0].size if row is None else row
+    if len(ts) * max(size, 1) < arrays[0].size:
+        raise ValueError(f"{len(ts)} ratios for {arrays[0].size} elements in rows of {size}")
+    nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
+    _stock_kernel(arrays, np.asarray(ts, np.float32), max(size, 1), target, nan_bits)
+
+
+KERNELS = (_blend_kernel, _stock_kernel)

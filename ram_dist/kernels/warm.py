@@ -13,9 +13,10 @@ MXFP4 or packed INT base with bfloat16 values, `quantized`, which they read as s
 with bfloat16 tasks; other mixed dtypes are not warmed), 1 to `--tasks` tasks, and every
 output dtype a merge kernel writes (those three and float64), the LoRA product in each
 dtype, the exact sums of products, the first reduce round's precision check, and MXFP4's
-and packed INT4/INT8's decoding (the eager path's). All of it is 628 specializations (the
-586 other than the decoding and the quantized base's took 1,464 s on one core of the
-development machine).
+and packed INT4/INT8's decoding (the eager path's); arcee_fusion's kernels for one task
+only (it merges one model). All of it is 836 specializations (586 of them, all but the
+decoding, the quantized base's and model_stock's, sce's and arcee_fusion's kernels, took
+1,464 s on one core of the development machine).
 
 The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
 beside the kernel modules when that is writable, else numba's user-wide cache directory
@@ -55,11 +56,13 @@ OUT_DTYPES = {INFO[d].short: INFO[d].torch for d in WRITES}
 TASKS = 8
 EPS = 1e-5
 N = 16  # elements per input
+_IMP = np.zeros(N, np.float32)  # arcee_fusion's importances
 
 
 def dispatchers() -> dict[str, Any]:
     """Every cached kernel (a numba dispatcher) by name, `module.function`."""
     from ram_dist.kernels import (
+        arcee_numba,
         blend_numba,
         column_sums_numba,
         della_numba,
@@ -70,6 +73,7 @@ def dispatchers() -> dict[str, Any]:
         precision_numba,
         ram_numba,
         scan_numba,
+        sce_numba,
         ties_numba,
     )
 
@@ -77,8 +81,10 @@ def dispatchers() -> dict[str, Any]:
         ram_numba._count_kernel, ram_numba._merge_kernel, ram_numba._merge_fp8_kernel,
         ties_numba._stats_kernel, ties_numba._merge_kernel, scan_numba._count,
         lora_numba.lora_values, exact_sums_numba.gram, exact_sums_numba.row_gram,
-        column_sums_numba.column_gram, blend_numba._blend_kernel,
+        column_sums_numba.column_gram, blend_numba._blend_kernel, blend_numba._stock_kernel,
         della_numba._stats_kernel, della_numba._merge_kernel, precision_numba._check_kernel,
+        sce_numba._merge_kernel, arcee_numba._importance_kernel, arcee_numba._merge_kernel,
+        arcee_numba._histogram_kernel,
         mxfp4_numba._decode, int_packed_numba._decode,
     )  # fmt: skip
     return {f"{k.py_func.__module__.rsplit('.', 1)[-1]}.{k.__name__}": k for k in found}
@@ -91,12 +97,14 @@ def calls(
     import torch
 
     from ram_dist.kernels import (
+        arcee_numba,
         blend_numba,
         della_numba,
         lora_numba,
         precision_numba,
         ram_numba,
         scan_numba,
+        sce_numba,
         ties_numba,
     )
 
@@ -131,6 +139,9 @@ def calls(
             yield ties_numba._stats_kernel, label, stats
             della_stats = partial(della_numba.statistics, base, agents, **della_args)
             yield della_numba._stats_kernel, label, della_stats
+            if n == 1:  # arcee_fusion's importances (one model; rows of 4)
+                imp = partial(arcee_numba.importance, base, agents[0], 4)
+                yield arcee_numba._importance_kernel, label, imp
             if name == "float32":  # a float32 base's precision check (16-bit bases have none)
                 check = partial(precision_numba.check_counts, [base, *agents], EPS)
                 yield precision_numba._check_kernel, label, check
@@ -144,6 +155,13 @@ def calls(
                 mix = partial(blend_numba.blend, base, agents, out, mode=blend_numba.MODELS,
                               factors=[1.0] * n)  # fmt: skip
                 yield blend_numba._blend_kernel, f"{label} -> {out_name}", mix
+                stock = partial(blend_numba.stock, base, agents, out, ts=[0.5])  # model_stock
+                yield blend_numba._stock_kernel, f"{label} -> {out_name}", stock
+                sce = partial(sce_numba.merge, base, agents, out, weights=[1.0] * n)
+                yield sce_numba._merge_kernel, f"{label} -> {out_name}", sce
+                if n == 1:  # arcee_fusion's selection (one model)
+                    pick = partial(arcee_numba.merge, base, agents[0], _IMP, 0.5, out)
+                    yield arcee_numba._merge_kernel, f"{label} -> {out_name}", pick
                 della = partial(
                     della_numba.merge, base, agents, out, **della_args, factors=[None] * n,
                     weights=[1.0] * n, consensus=True, normalize=True, divisor=1.0, lambda_=1.0,
@@ -167,6 +185,11 @@ def calls(
     yield exact_sums_numba.gram, "exact sums", partial(exact_sums.gram, vectors, pairs)
     rows = partial(exact_sums.row_gram, vectors, pairs, N // 2)
     yield exact_sums_numba.row_gram, "exact sums per row", rows
+    # arcee_fusion's histograms of its importances (one signature: float32 in)
+    from ram_dist.kernels import arcee_numba
+
+    counts = partial(arcee_numba.histogram, np.zeros(N, np.float32), [0])
+    yield arcee_numba._histogram_kernel, "arcee_fusion histograms", counts
     # nuslerp's sums per column (its compact limbs)
     from ram_dist.kernels import column_sums, column_sums_numba
 

@@ -12,7 +12,9 @@ Computed here:
 * `kl` per row inside a chunk (the tensor's units hold whole rows, `whole_rows`): in
   float64, by `float64_math`'s exp and log and row sums in a fixed pairwise order
   (`rows.tree_sums`): IEEE operations only, so every device gives the same bits; then
-  rounded to float32 once. `I` is then one float32 product, as in mergekit.
+  rounded to float32 once. `I` is then one float32 product, as in mergekit. On the CPU the
+  fused kernel (`kernels/arcee_numba.py`) takes the same steps, for both rounds and the map
+  pass.
 * The three quantiles are exact selections over the whole tensor, by counting: round 0
   histograms the top 16 bits of an order-preserving key of each float32 `I`, round 1 the
   low 16 bits within the bins that hold the three ranks. T is taken on the driver in
@@ -28,7 +30,7 @@ that rounding of T may be selected differently.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +41,7 @@ from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorP
 from ram_dist.methods.task_vectors import task_values
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 #: mergekit's smoothing of both distributions before the log.
@@ -167,6 +170,53 @@ class ArceeFusion(MergekitRule, Eager):
         info = state["tensors"][chunk.tensor]
         hists = [topk.low_histogram(keys, b) for b in info["high_bins"]]
         return {chunk.tensor: torch.stack(hists)}
+
+    def fused_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        count_nonfinite: bool,
+    ) -> tuple[dict[str, np.ndarray], None] | None:
+        """The round's histogram of the importances by `arcee_numba.importance` (the KL in
+        float64, step for step the eager rule's) and `arcee_numba.histogram`, bin for bin
+        `chunk_statistics`'."""
+        from ram_dist import kernels
+
+        kernel = kernels.numba_module("arcee_numba")
+        if kernel is None:
+            return None
+        imp = kernel.importance(inputs[0], inputs[1], rows.row_length(tuple(chunk.shape)))
+        high = [] if round_ == 0 else state["tensors"][chunk.tensor]["high_bins"]
+        return {chunk.tensor: kernel.histogram(imp, high)}, None
+
+    def fused_merge(
+        self,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        out: np.ndarray,
+        bf16_nan: int | None = None,
+    ) -> bool:
+        """`merge_chunk` cast to the output's dtype: the importances by
+        `arcee_numba.importance`, the selection by `arcee_numba.merge`."""
+        from ram_dist import kernels
+
+        kernel = kernels.numba_module("arcee_numba")
+        info = state["tensors"].get(chunk.tensor)
+        if kernel is None or info is None:  # an empty tensor: the eager rule
+            return False
+        base, task = inputs[0], inputs[1]
+        imp = kernel.importance(base, task, rows.row_length(tuple(chunk.shape)))
+        kernel.merge(base, task, imp, float(info["threshold"]), out, bf16_nan=bf16_nan)
+        return True
+
+    def fuses(self, params: TensorParams) -> bool:
+        """The kernels take every chunk (whole rows: each row's KL inside its chunk)."""
+        return True
 
     def finalize(
         self,

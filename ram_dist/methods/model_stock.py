@@ -11,7 +11,7 @@ Computed here:
   N squared norms and the N(N-1)/2 dot products of the task vectors. The driver takes the
   cosines, their mean and t once per tensor in float64 (Python `math`), and rounds t to
   float32 once; the map pass is element-wise with that t (`1 - t` in float32, as torch
-  computes it).
+  computes it), on the CPU by the fused kernel (`blend_numba.stock`, with filter_wise too).
 * `filter_wise`: t per row (mergekit's `dim=-1`; a 1-D tensor is one row). The tensor's
   units hold whole rows (`whole_rows`), so each chunk takes its rows' sums itself, exactly
   (`rows.gram_rows`: numba's row Gram kernel, or `math.fsum`), and each row's t in float64
@@ -164,6 +164,47 @@ class ModelStock(MergekitRule, Eager):
         bin `chunk_statistics`'; None where numba is not installed."""
         stats = fused_gram(inputs, pairs(len(inputs) - 1))
         return None if stats is None else ({chunk.tensor: stats}, None)
+
+    def fused_merge(
+        self,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        out: np.ndarray,
+        bf16_nan: int | None = None,
+    ) -> bool:
+        """`merge_chunk` cast to the output's dtype by `blend_numba.stock`, op for op the
+        eager `blend`; filter_wise's ratios from the exact sums of the chunk's rows by
+        `exact_sums.row_gram`'s kernel (the integers `rows.gram_rows` reads)."""
+        from ram_dist import kernels
+
+        kernel = kernels.numba_module("blend_numba")
+        if kernel is None:
+            return False
+        base, *tasks = inputs
+        if not params["filter_wise"]:
+            t = state["t"][chunk.tensor]
+            kernel.stock(base, tasks, out, ts=[float(t)], bf16_nan=bf16_nan)
+            return True
+        import numpy as np
+
+        length = rows.row_length(tuple(chunk.shape))
+        keys = pairs(len(tasks))
+        deltas = np.stack(precision.task_vectors(list(inputs))[1])
+        stats = exact_sums.row_gram(deltas, keys, length)
+        if stats is None:
+            return False
+        ts = [
+            ratio(dict(zip(keys, map(exact_sums.value, row), strict=True)), len(tasks))
+            for row in stats
+        ]
+        kernel.stock(base, tasks, out, ts=ts, row=length, bf16_nan=bf16_nan)
+        return True
+
+    def fuses(self, params: TensorParams) -> bool:
+        """The kernels take every chunk (filter_wise's ratios from each chunk's rows)."""
+        return True
 
     def finalize(
         self,

@@ -24,7 +24,8 @@ Computed here:
   without selection); the weights are taken once per tensor on the driver in float64 and
   rounded to float32 once. mergekit sums in float32, so its weights may differ by an ulp.
 * The map pass is element-wise float32, mergekit's expression op by op (task sums in task
-  order, as torch's `sum(dim=0)` adds up to 4 tasks).
+  order, as torch's `sum(dim=0)` adds up to 4 tasks); on the CPU by the fused kernel
+  (`kernels/sce_numba.py`), the variance selection included.
 """
 
 from __future__ import annotations
@@ -229,6 +230,42 @@ class SCE(MergekitRule, Eager):
         n = len(inputs) - 1
         stats = fused_gram(inputs, [(t, t) for t in range(n)])
         return None if stats is None else ({chunk.tensor + SQUARES: stats}, None)
+
+    def fused_merge(
+        self,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        out: np.ndarray,
+        bf16_nan: int | None = None,
+    ) -> bool:
+        """`merge_chunk` cast to the output's dtype by `sce_numba.merge`, op for op the
+        eager rule, the variance selection included."""
+        from ram_dist import kernels
+
+        kernel = kernels.numba_module("sce_numba")
+        if kernel is None:
+            return False
+        info = state["tensors"][chunk.tensor]
+        select, threshold, index_cut = kernel.SELECT_NONE, -1, None
+        if info["select"] and info["k"] == 0:
+            select = kernel.SELECT_EMPTY
+        elif info["select"]:
+            select, threshold = kernel.SELECT_CUT, int(info["threshold"])
+            index_cut = info.get("index_cut")
+        base, *tasks = inputs
+        kernel.merge(
+            base, tasks, out, weights=[float(w) for w in info["weights"]], select=select,
+            threshold=threshold, index_cut=index_cut, start=chunk.start, bf16_nan=bf16_nan,
+        )  # fmt: skip
+        return True
+
+    def fuses(self, params: TensorParams) -> bool:
+        """The kernels take every chunk without selection (`select_topk` 1); with it, the
+        variance rounds run the eager rule (the map pass's kernel takes the chunks it is
+        given)."""
+        return float(params["select_topk"]) >= 1
 
     def finalize(
         self,

@@ -5,7 +5,7 @@ the package's directory nor the user's cache directory can be written.
 
 Every case runs in subprocesses with a cache directory of its own (numba reads
 `NUMBA_CACHE_DIR` once, at import); a small subset is warmed (bfloat16 and FP8, 1 and 2
-tasks, bfloat16 out: 28 specializations) to keep this fast.
+tasks, bfloat16 out: 47 specializations) to keep this fast.
 """
 
 from __future__ import annotations
@@ -35,14 +35,16 @@ KERNELS = (
     "lora_numba.lora_values", "della_numba._stats_kernel", "della_numba._merge_kernel",
 )  # fmt: skip
 #: Kernels of one signature each (exact sums of float32 products, MXFP4's and packed INT's
-#: decoding), which
-#: the job below does not call.
+#: decoding, arcee_fusion's histograms of float32 importances), which the job below does not
+#: call.
 FLOAT32_KERNELS = (
     "exact_sums_numba.gram", "exact_sums_numba.row_gram", "column_sums_numba.column_gram",
-    "mxfp4_numba._decode", "int_packed_numba._decode",
+    "mxfp4_numba._decode", "int_packed_numba._decode", "arcee_numba._histogram_kernel",
 )  # fmt: skip
 #: Kernels warmed as the merge kernels are (1 and 2 tasks), which the job does not call.
-UNCALLED = ("blend_numba._blend_kernel",)
+UNCALLED = ("blend_numba._blend_kernel", "blend_numba._stock_kernel", "sce_numba._merge_kernel")
+#: arcee_fusion's kernels (one model: warmed for 1 task only), which the job does not call.
+ONE_MODEL = ("arcee_numba._importance_kernel", "arcee_numba._merge_kernel")
 #: RAM's kernels, which also read FP8 inputs as stored (1 and 2 tasks more each, FP8 or
 #: bfloat16 tasks of the FP8 base), and the one that writes FP8 blocks (an FP8 base only).
 RAM_KERNELS = ("ram_numba._count_kernel", "ram_numba._merge_kernel")
@@ -125,8 +127,9 @@ def test_warm_compiles_into_the_cache_dir(warmed):
         CHECK: (4, 0),
         **{k: (1, 0) for k in FLOAT32_KERNELS},
         **{k: (2, 0) for k in UNCALLED},
+        **{k: (1, 0) for k in ONE_MODEL},
     }
-    assert "40 specializations" in result.stdout and "0 failed" in result.stdout
+    assert "47 specializations" in result.stdout and "0 failed" in result.stdout
     for kernel in (*KERNELS, FP8_OUT):
         assert list(cache.glob(f"*/{kernel}-*.nbi")), kernel
         assert list(cache.glob(f"*/{kernel}-*.nbc")), kernel
@@ -140,7 +143,7 @@ def test_a_later_job_loads_the_warmed_kernels_instead_of_compiling(warmed):
     job, after = (json.loads(line) for line in result.stdout.splitlines()[-2:])
     # Each kernel was called with one signature (RAM's with two: bf16 and FP8 inputs), found
     # in the cache: no compilation.
-    uncalled = (*FLOAT32_KERNELS, *UNCALLED)
+    uncalled = (*FLOAT32_KERNELS, *UNCALLED, *ONE_MODEL)
     assert job == {
         **{k: [1, 0] for k in KERNELS}, **{k: [2, 0] for k in RAM_KERNELS}, FP8_OUT: [1, 0],
         **{k: [0, 0] for k in (*uncalled, CHECK)},

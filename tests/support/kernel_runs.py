@@ -25,8 +25,17 @@ def sparse_inputs(n: int, dtypes: tuple[torch.dtype, ...], seed: int):
     return base, tasks
 
 
-def run(method_name, params, base, tasks, bounds, fused, out_dtype):
-    """Reduce rounds then map, chunk by chunk, as the engine does; kernels on or off."""
+def stored(xs):
+    """CPU tensors as the engine hands them to the fused methods: numpy arrays of the stored
+    elements (bfloat16 as its uint16 bits)."""
+    return [x.view(torch.uint16).numpy() if x.dtype == torch.bfloat16 else x.numpy() for x in xs]
+
+
+def run(method_name, params, base, tasks, bounds, fused, out_dtype, as_stored=False, shape=None):
+    """Reduce rounds then map, chunk by chunk, as the engine does; kernels on or off
+    (`as_stored`: the fused calls take numpy arrays, as the engine's, not tensors; `shape`:
+    the tensor's, flat by default)."""
+    hand = stored if as_stored else list
     method = get_method(method_name)
     numel = base.numel()
     state = method.initial_state({"w": params}, {"w": numel}, len(tasks))
@@ -38,8 +47,8 @@ def run(method_name, params, base, tasks, bounds, fused, out_dtype):
             continue
         totals: dict[str, torch.Tensor] = {}
         for lo, b, ts in chunks:
-            chunk = Chunk("w", lo, (numel,))
-            got = method.fused_statistics(round_, chunk, [b, *ts], params, state, False)
+            chunk = Chunk("w", lo, shape or (numel,))
+            got = method.fused_statistics(round_, chunk, hand([b, *ts]), params, state, False)
             if fused and got is not None:
                 stats = {k: torch.from_numpy(v) for k, v in got[0].items()}
             else:
@@ -52,10 +61,10 @@ def run(method_name, params, base, tasks, bounds, fused, out_dtype):
         state = json.loads(json.dumps(state))
     parts = []
     for lo, b, ts in chunks:
-        chunk = Chunk("w", lo, (numel,))
+        chunk = Chunk("w", lo, shape or (numel,))
         if fused:
             out = torch.empty(b.numel(), dtype=out_dtype)
-            assert method.fused_merge(chunk, [b, *ts], params, state, out)
+            assert method.fused_merge(chunk, hand([b, *ts]), params, state, out)
             parts.append(out)
         else:
             parts.append(method.merge_chunk(chunk, b, ts, params, state).to(out_dtype))
@@ -71,9 +80,12 @@ def ties_params(n_tasks: int, **kw):
     return params | kw
 
 
-def run_rows(method_name, params, base, tasks, shape, rows, fused, out_dtype, bounds=None):
+def run_rows(
+    method_name, params, base, tasks, shape, rows, fused, out_dtype, bounds=None, as_stored=False
+):
     """The engine's round and map pass over chunks of whole rows (or of any `bounds`, flat
-    indices, where no task is sampled); kernels on or off."""
+    indices, where no task is sampled); kernels on or off (`as_stored`: as `run`'s)."""
+    hand = stored if as_stored else list
     method = get_method(method_name)
     numel, row = base.numel(), Chunk("w", 0, shape).row
     bounds = bounds or [r * row for r in rows]
@@ -86,7 +98,7 @@ def run_rows(method_name, params, base, tasks, shape, rows, fused, out_dtype, bo
     if method.active(0, state, "w"):
         for chunk, b, ts in chunks:
             if fused:
-                got = method.fused_statistics(0, chunk, [b, *ts], params, state, False)
+                got = method.fused_statistics(0, chunk, hand([b, *ts]), params, state, False)
                 stats = {k: torch.from_numpy(v) for k, v in got[0].items()}
             else:
                 stats = method.chunk_statistics(0, chunk, b, ts, params, state)
@@ -98,7 +110,7 @@ def run_rows(method_name, params, base, tasks, shape, rows, fused, out_dtype, bo
     for chunk, b, ts in chunks:
         if fused:
             out = torch.empty(b.numel(), dtype=out_dtype)
-            assert method.fused_merge(chunk, [b, *ts], params, state, out)
+            assert method.fused_merge(chunk, hand([b, *ts]), params, state, out)
             parts.append(out)
         else:
             parts.append(method.merge_chunk(chunk, b, ts, params, state).to(out_dtype))

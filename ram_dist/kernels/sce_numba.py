@@ -1,0 +1,158 @@
+"""sce's map pass (numba), byte-identical to `methods.sce.SCE.merge_chunk` cast to the output
+dtype: each task vector measured against the base at its precision, optionally kept by the
+variance selection, then the sign election and the disjoint merge, op by op in float32.
+
+- Selection (`select_topk` < 1): the per-element variance across the task vectors by the
+  same float64 Welford steps as `sce.variance` (`delta = x - mean`, `mean += delta / count`,
+  `m2 += delta * (x - mean)`, `m2 / N` rounded to float32), its key the bits of its absolute
+  value, kept as `topk.keep_mask` keeps (`key > threshold`, or equal to it and before the
+  flat index cut); a task vector not kept is `d * 0.0`, as the eager `d * keep`.
+- Election: `s = +1` where `((0 + d_1) + d_2) + ... >= 0` (NaN: -1); task t counts where
+  its sign is s, with the weight `e_t = w_t * 1.0` (else `w_t * 0.0`).
+- Merge: `base + ((0 + d_1 e_1) + ...) / max((0 + e_1) + ..., 1e-6)` (torch's `clamp`,
+  a NaN stays NaN).
+
+No fastmath, so no multiply-add is contracted into an FMA (`primitives.fma_findings`).
+TIES's kernel (`ties_numba`) weights the task vectors before its election and floors its
+divisor at 1, so it is not this rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numba import njit
+
+from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels.primitives import (
+    ABS32,
+    OPTIONS,
+    TILE,
+    base_rows,
+    bits,
+    load_tile_bases,
+    store,
+)
+from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
+
+use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
+
+#: The selection: none (every position kept), none kept (k = 0), or the variance cut.
+SELECT_NONE, SELECT_EMPTY, SELECT_CUT = 0, 1, 2
+#: mergekit's floor of the divisor (a float32 value, as torch's `clamp` takes it).
+MIN_DIVISOR = np.float32(1e-6)
+
+
+@njit(cache=True, **OPTIONS)
+def _merge_kernel(inputs, select, threshold, index_cut, start, weights, out, nan_bits):  # noqa: ANN001, ANN201, PLR0913  (numba arrays)
+    """out[:] = sce's merge of `inputs` (base first) cast to out's dtype (see the module);
+    `threshold` and `index_cut` (-1: none) are the variance cut's, `start` the flat index of
+    the first element."""
+    n = inputs[0].size
+    ntasks = len(inputs) - 1
+    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
+    vals = buf.view(np.float32)
+    rows = base_rows(inputs)
+    mean = np.empty(TILE, np.float64)
+    m2 = np.empty(TILE, np.float64)
+    total = np.empty(TILE, np.float32)
+    div = np.empty(TILE, np.float32)
+    res = np.empty(TILE, np.float32)
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    count = np.float64(ntasks)
+    for lo in range(0, n, TILE):
+        m = min(TILE, n - lo)
+        load_tile_bases(inputs, lo, m, buf)
+        for t in range(ntasks):  # the task vectors, over the tasks' rows
+            x = vals[t + 1]
+            base = vals[rows[t]]  # the base at task t's precision
+            for i in range(m):
+                x[i] = x[i] - base[i]
+        if select == 1:
+            for t in range(ntasks):
+                x = vals[t + 1]
+                for i in range(m):
+                    x[i] = x[i] * zero
+        elif select == 2:
+            for i in range(m):
+                mean[i] = 0.0
+                m2[i] = 0.0
+            for t in range(ntasks):
+                x = vals[t + 1]
+                steps = np.float64(t + 1)
+                for i in range(m):
+                    v = np.float64(x[i])
+                    delta = v - mean[i]
+                    mean[i] = mean[i] + delta / steps
+                    m2[i] = m2[i] + delta * (v - mean[i])
+            for i in range(m):
+                key = np.int64(bits(np.float32(m2[i] / count)) & ABS32)
+                kept = key > threshold or (
+                    key == threshold and (index_cut < 0 or start + lo + i < index_cut)
+                )
+                res[i] = one if kept else zero
+            for t in range(ntasks):
+                x = vals[t + 1]
+                for i in range(m):
+                    x[i] = x[i] * res[i]
+        for i in range(m):
+            total[i] = zero
+        for t in range(ntasks):
+            x = vals[t + 1]
+            for i in range(m):
+                total[i] = total[i] + x[i]
+        for i in range(m):
+            res[i] = total[i]  # the signed sum that elects each element's sign
+            total[i] = zero
+            div[i] = zero
+        for t in range(ntasks):
+            x = vals[t + 1]
+            w = weights[t]
+            for i in range(m):
+                d = x[i]
+                agree = (d > zero) if res[i] >= zero else (d < zero)
+                e = w * (one if agree else zero)
+                total[i] = total[i] + d * e
+                div[i] = div[i] + e
+        b = vals[0]
+        for i in range(m):
+            divisor = MIN_DIVISOR if div[i] < MIN_DIVISOR else div[i]
+            res[i] = b[i] + total[i] / divisor
+        store(res[:m], out[lo : lo + m], nan_bits)
+
+
+def merge(
+    base: ArrayLike,
+    tasks: Sequence[ArrayLike],
+    out: ArrayLike,
+    *,
+    weights: Sequence[float],
+    select: int = SELECT_NONE,
+    threshold: int = -1,
+    index_cut: int | None = None,
+    start: int = 0,
+    bf16_nan: int | None = None,
+) -> None:
+    """Write sce's merge into `out` (the output's raw array: bfloat16 as uint16): `weights`
+    are float32 values; `select` is SELECT_*, with the cut's `threshold` key and `index_cut`
+    (None: every key equal to the threshold is kept) for SELECT_CUT."""
+    arrays = kernel_inputs(base, tasks)
+    target = kernel_output(out, arrays[0].size)
+    if len(weights) != len(arrays) - 1:
+        raise ValueError(f"{len(weights)} weights for {len(arrays) - 1} tasks")
+    nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
+    _merge_kernel(
+        arrays,
+        select,
+        np.int64(threshold),
+        np.int64(-1 if index_cut is None else index_cut),
+        np.int64(start),
+        np.asarray(weights, np.float32),
+        target,
+        nan_bits,
+    )
+
+
+KERNELS = (_merge_kernel,)
