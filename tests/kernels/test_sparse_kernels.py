@@ -2,8 +2,9 @@
 statistics and the merge, through the method object (`fused_statistics`, `fused_merge`
 against `chunk_statistics`, `merge_chunk(...).to(out_dtype)`), over RL-like sparse task
 vectors and pools of edge values (equal magnitudes, signed zeros, subnormals, overflow),
-1-D, 2-D, 3-D and one-column tensors, mixed input and every output dtype. breadcrumbs'
-rounds by TIES's histogram kernel give the eager rounds' statistics."""
+1-D, 2-D, 3-D and one-column tensors, mixed input and every output dtype; their ranks by
+counting are a stable sort's. breadcrumbs' rounds by TIES's histogram kernel give the eager
+rounds' statistics, and its map pass by TIES's merge kernel the eager bytes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 pytest.importorskip("numba")
 
-from kernel_runs import della_params, run_rows  # noqa: E402
+from kernel_runs import della_params, run, run_rows  # noqa: E402
 from numba import njit  # noqa: E402
 
 from ram_dist.kernels import della_numba, primitives, ram_numba  # noqa: E402
@@ -197,6 +198,43 @@ def test_breadcrumbs_fused_statistics_are_eager(dtypes, edges) -> None:
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(merged_f.view(torch.int32), merged_e.view(torch.int32))
     with_l1 = {**params, "rescale": True}
+    assert method.fuses(params) and not method.fuses(with_l1)
     state = method.initial_state({"w": with_l1}, {"w": n}, len(tasks))
     chunk = Chunk("w", 0, (n,))
     assert method.fused_statistics(0, chunk, [base, *tasks], with_l1, state, False) is None
+
+
+BREADCRUMBS_CASES = [
+    # (densities, gammas): both cuts, a task untouched (density 1), one with no outliers
+    ([0.3, 0.5, 1.0], [0.1, 0.0, 0.2]),
+    # top-b is everything (b == n: no lower cut), and nothing kept (a == b: target 0)
+    ([0.9, 0.0001, 0.6], [0.1, 0.2, 0.4]),
+]
+
+
+@pytest.mark.parametrize("method", ["breadcrumbs", "breadcrumbs_ties"])
+@pytest.mark.parametrize(("densities", "gammas"), BREADCRUMBS_CASES)
+@pytest.mark.parametrize(
+    ("dtypes", "out_dtype"), [((F32, F32, F32, F32), F32), ((BF16, F16, BF16, F32), BF16)]
+)
+@pytest.mark.parametrize("edges", [False, True])
+def test_breadcrumbs_fused_merge_is_eager(method, densities, gammas, dtypes, out_dtype, edges):
+    """The map pass by TIES's merge kernel (`KEEP_BETWEEN`) gives the eager rule's bytes,
+    rounds fused or eager, at several chunkings (equal magnitudes at the cuts with `edges`:
+    the index rounds)."""
+    n = 3000
+    base, tasks = inputs((n,), dtypes, seed=7, edges=edges)
+    params = {
+        "weight": [0.7, -0.35, 1.25], "density": densities, "gamma": gammas,
+        "normalize": method == "breadcrumbs_ties", "lambda": 0.9, "rescale": False,
+    }  # fmt: skip
+    assert get_method(method).fuses(params)
+    want = None
+    for bounds in ([0, n], [0, 1000, 1001, n], [0, 17, 2048, 2999, n]):
+        fused = run(method, params, base, tasks, bounds, True, out_dtype)
+        eager = run(method, params, base, tasks, bounds, False, out_dtype)
+        assert fused[1] == eager[1]
+        got = fused[0].view(torch.uint8)
+        assert torch.equal(got, eager[0].view(torch.uint8))
+        assert want is None or torch.equal(got, want)
+        want = got
