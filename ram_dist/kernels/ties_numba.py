@@ -204,7 +204,11 @@ def _merge_kernel(
             threshold, index_cut, above, above_cut = cut[t, 0], cut[t, 1], cut[t, 2], cut[t, 3]
             for i in range(m):
                 d = x[i] - base[i]
-                if mode >= 2:
+                if mode == 2:
+                    key = np.int64(bits(d) & ABS32)
+                    kept = _in_top(key, start + lo + i, threshold, index_cut)
+                    d = d * (one if kept else zero)
+                elif mode == 3:
                     key = np.int64(bits(d) & ABS32)
                     index = start + lo + i
                     kept = _in_top(key, index, threshold, index_cut) and not _in_top(
