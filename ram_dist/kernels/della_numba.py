@@ -6,13 +6,13 @@ Eager DELLA costs about 300 ns per element and pass on one core here: a stable s
 row's magnitude keys, a scatter of the ranks, float32 probabilities, the counter-based draws
 in int64 tensor ops and the masks, each a pass over the block. These kernels take a chunk
 row by row (a chunk holds whole rows): each input row is read once in its stored dtype, the
-ranks come from a stable LSD radix sort of the 31-bit magnitude keys, a byte per pass,
-started from the highest index (ascending magnitude, equal magnitudes: the lowest index
-ranks highest, as the eager stable sort), and
-probabilities, draws, masks, L1 statistics and the combine step run in registers.
+ranks come from counting (`ascending`: the 31-bit magnitude keys bucketed by their high
+bits, equal magnitudes ranked as the eager stable sort ranks them, the lowest index
+highest), and probabilities, draws, masks, L1 statistics and the combine step run in
+registers or row buffers.
 
 - Probabilities: `f32(density - epsilon) + (f32(r - 1) / (f32(n) - 1) * 2) * f32(epsilon)`,
-  op by op in float32 (no fastmath: no FMA).
+  op by op in float32 (no fastmath: no FMA), once per rank and task (`by_rank`).
 - Draws: splitmix64 of `index * GOLDEN + stream_key` in wrapping uint64 arithmetic, the top
   24 bits; keep when `bits * 2**-24 < p` (`rng.py`).
 - Statistics: `dare.l1_statistic`'s bins (per float32 exponent, the sum of significands;
@@ -30,7 +30,15 @@ from numba import njit
 from numba.extending import register_jitable
 
 from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.primitives import ABS32, OPTIONS, base_rows, bits, load_tile_bases, store
+from ram_dist.kernels.primitives import (
+    ABS32,
+    LANES,
+    OPTIONS,
+    base_rows,
+    bits,
+    load_tile_bases,
+    store,
+)
 from ram_dist.kernels.ties_numba import combine_tile
 from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
 
@@ -44,44 +52,161 @@ _TWO_M24 = np.float32(2.0**-24)
 _NAN_UNIT = np.int64(1 << 32)
 
 
+#: Counting buckets of a group: at least MIN_BINS, at most MAX_BINS (a power of two about
+#: twice its non-zero keys between), so that most buckets hold zero to two keys.
+MIN_BINS = 1 << 8
+MAX_BINS = 1 << 16
+#: A bucket of up to INSERTION keys is ordered by insertion; a larger one by byte radix.
+INSERTION = 16
+
+
 @register_jitable
-def _probabilities(
-    x: np.ndarray, n: int, inner: int, low: np.float32, eps: np.float32, work: np.ndarray,
-    probs: np.ndarray,
+def rank_scratch(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`ascending`'s scratch for groups of up to n elements: keys, order, swap, and counts
+    (the buckets', then a byte radix pass's 257)."""
+    bins = MIN_BINS
+    while bins < 2 * n and bins < MAX_BINS:
+        bins *= 2
+    return (np.empty(n, np.uint32), np.empty(n, np.int32), np.empty(n, np.int32),
+            np.empty(bins + 1 + 257, np.int32))  # fmt: skip
+
+
+@register_jitable
+def _insertion(keys: np.ndarray, order: np.ndarray, lo: int, hi: int) -> None:
+    """Order order[lo:hi] by keys[order[.]] ascending, stably (fast where it nearly is)."""
+    top = keys[order[lo]]  # the largest key so far
+    for p in range(lo + 1, hi):
+        j = order[p]
+        k = keys[j]
+        if k >= top:
+            top = k
+            continue
+        q = p
+        while q > lo and keys[order[q - 1]] > k:
+            order[q] = order[q - 1]
+            q -= 1
+        order[q] = j
+
+
+@register_jitable
+def _radix(
+    keys: np.ndarray, order: np.ndarray, lo: int, hi: int, low: np.uint32, high: np.uint32,
+    swap: np.ndarray, counts: np.ndarray,
 ) -> None:  # fmt: skip
-    """probs[i] = keep probability of x[i] (one row of n * inner deltas, groups along n).
-    `work`: int64[3, n] scratch (keys, order, swap) and the 257 counts after them."""
+    """Order order[lo:hi] (keys in [low, high], low < high) by keys ascending, stably: an
+    LSD radix sort of `key - low`, a byte per pass (256 + 1 counts of `counts`)."""
+    span = high - low
+    shift = np.uint32(0)
+    while shift < np.uint32(32) and (span >> shift) > np.uint32(0):
+        counts[:257] = 0
+        for p in range(lo, hi):
+            counts[((keys[order[p]] - low) >> shift & np.uint32(255)) + 1] += 1
+        for b in range(256):
+            counts[b + 1] += counts[b]
+        for p in range(lo, hi):
+            j = order[p]
+            b = (keys[j] - low) >> shift & np.uint32(255)
+            swap[counts[b]] = j
+            counts[b] += 1
+        for p in range(lo, hi):
+            order[p] = swap[p - lo]
+        shift += np.uint32(8)
+
+
+@register_jitable
+def ascending(
+    keys: np.ndarray, n: int, order: np.ndarray, swap: np.ndarray, counts: np.ndarray
+) -> None:
+    """order[:n] = the indices of keys[:n] (31-bit magnitude keys) in ascending order, equal
+    keys highest index first (so the lowest index ranks highest): element order[p] has rank
+    p + 1. By counting, with no branch on a key's value in its passes: the zero keys first,
+    in descending index order; the others, listed in descending index order (`swap`),
+    scattered by the high bits of their key into buckets (`counts`: a power of two about
+    twice as many as they are, over their range), then ordered by their keys within the
+    buckets, stably (by byte radix where a bucket holds more than INSERTION keys that
+    differ, then by insertion, whose moves stay inside the buckets)."""
+    zeros = 0
+    low = np.uint32(0xFFFFFFFF)  # the least non-zero key, less one (0 - 1 wraps above all)
+    high = np.uint32(0)
+    for j in range(n):
+        k = keys[j]
+        zeros += k == np.uint32(0)
+        low = min(low, k - np.uint32(1))
+        high = max(high, k)
+    low += np.uint32(1)
+    placed = 0
+    for j in range(n - 1, -1, -1):
+        k = keys[j]
+        order[n - 1 - j - placed] = j  # kept where k is zero, else written over below
+        swap[placed] = j
+        placed += k != np.uint32(0)
+    if placed == 0:
+        return
+    bins = np.uint32(counts.size - 258)
+    while bins // np.uint32(2) >= np.uint32(2 * placed) and bins > np.uint32(MIN_BINS):
+        bins >>= np.uint32(1)
+    shift = np.uint32(0)
+    while (high >> shift) - (low >> shift) >= bins:
+        shift += np.uint32(1)
+    first = low >> shift
+    used = np.int64((high >> shift) - first) + 1
+    counts[: used + 1] = 0
+    for i in range(placed):
+        counts[np.int64((keys[swap[i]] >> shift) - first) + 1] += 1
+    counts[0] = zeros  # bucket b starts at counts[b]
+    for b in range(used):
+        counts[b + 1] += counts[b]
+    for i in range(placed):
+        j = swap[i]
+        b = np.int64((keys[j] >> shift) - first)
+        order[counts[b]] = j
+        counts[b] += 1
+    if shift == np.uint32(0):
+        return  # one key per bucket
+    lo = zeros  # counts[b] is now where bucket b ends
+    for b in range(used):
+        hi = counts[b]
+        if hi - lo > INSERTION:  # rare: sorted here, so that insertion below stays short
+            k0 = keys[order[lo]]
+            lowest, highest = k0, k0
+            for p in range(lo + 1, hi):
+                lowest = min(lowest, keys[order[p]])
+                highest = max(highest, keys[order[p]])
+            if lowest < highest:
+                _radix(keys, order, lo, hi, lowest, highest, swap, counts[used + 1 :])
+        lo = hi
+    _insertion(keys, order, zeros, n)  # what is left: inside buckets of few keys
+
+
+@register_jitable
+def by_rank(n: int, lows: np.ndarray, epss: np.ndarray) -> np.ndarray:
+    """float32 [N, n]: task t's keep probability of the element of ascending rank p + 1,
+    `lows[t] + (f32(p) / (f32(n) - 1) * 2) * epss[t]` op by op (a group of one: 0.5 for
+    the quotient)."""
     two = np.float32(2.0)
     span = np.float32(n) - np.float32(1.0)
-    half = np.float32(0.5)
-    keys = work[0]
-    order = work[1]
-    swap = work[2]
-    counts = work[3, :257]
+    table = np.empty((lows.size, n), np.float32)
+    for t in range(lows.size):
+        for p in range(n):
+            norm = np.float32(p) / span if n > 1 else np.float32(0.5)
+            table[t, p] = lows[t] + (norm * two) * epss[t]
+    return table
+
+
+@register_jitable
+def _probabilities(
+    x: np.ndarray, n: int, inner: int, table: np.ndarray,
+    scratch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], probs: np.ndarray,
+) -> None:  # fmt: skip
+    """probs[i] = keep probability of x[i] (one row of n * inner deltas, groups along n),
+    `table[r - 1]` at rank r (a row of `by_rank`); `scratch`: `rank_scratch(n)`."""
+    keys, order, swap, counts = scratch
     for c in range(inner):
         for j in range(n):
-            keys[j] = np.int64(bits(x[j * inner + c]) & ABS32)
-            order[j] = n - 1 - j  # a stable sort keeps equal keys highest index first
-        # LSD radix sort of the 31-bit keys, a byte per pass (a pass where every key has
-        # the same byte changes nothing and is skipped)
-        for shift in range(0, 32, 8):
-            counts[:] = 0
-            for j in range(n):
-                counts[((keys[order[j]] >> shift) & 255) + 1] += 1
-            if counts[((keys[order[0]] >> shift) & 255) + 1] == n:
-                continue
-            for b in range(256):
-                counts[b + 1] += counts[b]
-            for j in range(n):
-                k = order[j]
-                b = (keys[k] >> shift) & 255
-                swap[counts[b]] = k
-                counts[b] += 1
-            for j in range(n):
-                order[j] = swap[j]
+            keys[j] = bits(x[j * inner + c]) & ABS32
+        ascending(keys, n, order, swap, counts)
         for p in range(n):
-            norm = np.float32(p) / span if n > 1 else half
-            probs[order[p] * inner + c] = low + (norm * two) * eps
+            probs[order[p] * inner + c] = table[p]
 
 
 @register_jitable
@@ -92,6 +217,16 @@ def _draw(index: int, key: np.uint64) -> np.float32:
     z = (z ^ (z >> _U64(27))) * _MUL2
     z = z ^ (z >> _U64(31))
     return np.float32(z >> _U64(40)) * _TWO_M24
+
+
+@register_jitable
+def _keep(start: int, key: np.uint64, probs: np.ndarray, m: int, one: np.float32,
+          zero: np.float32) -> None:  # fmt: skip
+    """probs[:m] = `one` where the draw of flat element `start + i` is below probs[i], else
+    `zero` (a loop of its own: mixed into the loop that uses the mask, the draws run
+    several times slower)."""
+    for i in range(m):
+        probs[i] = one if _draw(start + i, key) < probs[i] else zero
 
 
 @register_jitable
@@ -117,8 +252,12 @@ def _stats_kernel(
     buf = np.empty((2 * ntasks + 1, row), np.uint32)  # `load_tile_bases`' rows
     vals = buf.view(np.float32)
     rows = base_rows(inputs)
-    work = np.empty((4, max(n, 257)), np.int64)
+    scratch = rank_scratch(n)
+    table = by_rank(n, lows, epss)
     probs = np.empty(row, np.float32)
+    # increments go to LANES sub-histograms in turn: consecutive ones of a bin (deltas of
+    # one exponent, zeros) would wait on each other
+    lanes = np.zeros((ntasks, 2, LANES, 256), np.int64)
     for lo in range(0, size, row):
         load_tile_bases(inputs, lo, row, buf)
         for t in range(ntasks):
@@ -128,12 +267,19 @@ def _stats_kernel(
             base = vals[rows[t]]  # the base at task t's precision
             for i in range(row):
                 x[i] = x[i] - base[i]
-            _probabilities(x, n, inner, lows[t], epss[t], work, probs)
+            _probabilities(x, n, inner, table[t], scratch, probs)
+            _keep(start + lo, keys[t], probs, row, np.float32(1.0), np.float32(0.0))
+            whole, kept = lanes[t, 0], lanes[t, 1]
             for i in range(row):
                 e, sig = _l1_bin(x[i])
-                stats[t, 0, e] += sig
-                if _draw(start + lo + i, keys[t]) < probs[i]:
-                    stats[t, 1, e] += sig
+                lane = i & (LANES - 1)
+                whole[lane, e] += sig
+                kept[lane, e] += sig * np.int64(probs[i])
+    for t in range(ntasks):
+        for which in range(2):
+            for lane in range(LANES):
+                for e in range(256):
+                    stats[t, which, e] += lanes[t, which, lane, e]
 
 
 @njit(cache=True, **OPTIONS)
@@ -150,7 +296,8 @@ def _merge_kernel(
     buf = np.empty((2 * ntasks + 1, row), np.uint32)  # `load_tile_bases`' rows
     vals = buf.view(np.float32)
     rows = base_rows(inputs)
-    work = np.empty((4, max(n, 257)), np.int64)
+    scratch = rank_scratch(n)
+    table = by_rank(n, lows, epss)
     probs = np.empty(row, np.float32)
     total = np.empty(row, np.float32)
     div = np.empty(row, np.float32)
@@ -166,10 +313,11 @@ def _merge_kernel(
             for i in range(row):
                 x[i] = x[i] - base[i]
             if sample[t]:
-                _probabilities(x, n, inner, lows[t], epss[t], work, probs)
+                _probabilities(x, n, inner, table[t], scratch, probs)
+                _keep(start + lo, keys[t], probs, row, one, zero)
                 f = factors[t]
                 for i in range(row):
-                    d = x[i] * (one if _draw(start + lo + i, keys[t]) < probs[i] else zero)
+                    d = x[i] * probs[i]
                     if scaled[t]:
                         d = d * f
                     x[i] = d * w

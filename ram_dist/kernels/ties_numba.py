@@ -1,5 +1,6 @@
 """Fused CPU kernels (numba) for TIES's reduce rounds and for the task-arithmetic family's
-map pass (task_arithmetic, ties), byte-identical to the eager torch path.
+map pass (task_arithmetic, ties; breadcrumbs' rounds and map pass), byte-identical to the
+eager torch path.
 
 Eager TIES costs about 150 ns per element and round on 2 cores here: every round rebuilds
 float32 task vectors, int64 keys and boolean masks of the whole block before a `bincount`.
@@ -14,9 +15,10 @@ Names in backquotes are modules of `ram_dist.methods.generalized_task_arithmetic
   included); the rounds count `key >> 16`, `key & 0xFFFF` within a high bin, and flat
   indices (`>> 16`, `& 0xFFFF`) of keys equal to the cut, exactly as `topk` does.
 - Merge: `combine.combine` op for op in float32, with TIES's keep rule
-  (`topk.keep_mask`) and `dare.sparsify` without a rescale factor (`delta * 1.0` or
-  `delta * 0.0`); sums run in task order from +0; no fastmath, so no multiply-add is
-  contracted into an FMA (checked like `ram_numba`'s kernels).
+  (`topk.keep_mask`) or breadcrumbs' (`breadcrumbs.keep_mask`: in one top-k and not in
+  another) and `dare.sparsify` without a rescale factor (`delta * 1.0` or `delta * 0.0`);
+  sums run in task order from +0; no fastmath, so no multiply-add is contracted into an FMA
+  (checked like `ram_numba`'s kernels).
 - Not handled, so the eager path runs: float64 inputs, L1 rescaling, DARE's random masks.
 """
 
@@ -49,8 +51,11 @@ FOLD = TILE * 4096
 
 #: Statistic kinds (the TIES reduce round that computes them).
 HIGH, LOW, INDEX_HIGH, INDEX_LOW = 0, 1, 2, 3
-#: Per task in the merge: keep every delta (density >= 1), none (density <= 0), or cut.
-KEEP_ALL, KEEP_NONE, KEEP_CUT = 0, 1, 2
+#: Per task in the merge: keep every delta (density >= 1), none (density <= 0), TIES's
+#: top-k (`cut`), or breadcrumbs' magnitudes between two cuts (in a top-k, not in another).
+KEEP_ALL, KEEP_NONE, KEEP_CUT, KEEP_BETWEEN = 0, 1, 2, 3
+#: A cut's threshold key that no key passes (keys are below 2**31): a top-0.
+NOTHING = 1 << 31
 
 
 @njit(cache=True, **OPTIONS)
@@ -150,6 +155,13 @@ def combine_tile(vals, m, weights, consensus, normalize, divisor, lam, scale, to
         res[i] = base[i] + mixed
 
 
+@register_jitable
+def _in_top(key: np.int64, index: int, threshold: np.int64, index_cut: np.int64) -> bool:
+    """Whether an element is in a top-k (`topk.keep_mask`): its key above the threshold, or
+    equal to it and its flat index below the index cut (-1: every equal key)."""
+    return key > threshold or (key == threshold and (index_cut < 0 or index < index_cut))
+
+
 @njit(cache=True, **OPTIONS)
 def _merge_kernel(
     inputs: tuple[np.ndarray, ...],
@@ -166,8 +178,10 @@ def _merge_kernel(
     nan_bits: int,
 ) -> None:
     """out[:] = combine(base, sparse deltas) cast to out's dtype (see the module docstring).
-    keep[t] is KEEP_*; cut[t] = (threshold key, exclusive index cut or -1) for KEEP_CUT;
-    `divisor` is the plain weight sum (used without consensus); `scale`: multiply by lam."""
+    keep[t] is KEEP_*; for KEEP_CUT and KEEP_BETWEEN, cut[t] = (threshold key, exclusive
+    index cut or -1) of the top-k kept, then the same of a top-k dropped from it (a
+    threshold of NOTHING: none); `divisor` is the plain weight sum (used without
+    consensus); `scale`: multiply by lam."""
     n = inputs[0].size
     ntasks = len(inputs) - 1
     buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
@@ -187,14 +201,18 @@ def _merge_kernel(
             base = vals[rows[t]]  # the base at task t's precision
             w = weights[t]
             mode = keep[t]
-            threshold = cut[t, 0]
-            index_cut = cut[t, 1]
+            threshold, index_cut, above, above_cut = cut[t, 0], cut[t, 1], cut[t, 2], cut[t, 3]
             for i in range(m):
                 d = x[i] - base[i]
                 if mode == 2:
                     key = np.int64(bits(d) & ABS32)
-                    kept = key > threshold or (
-                        key == threshold and (index_cut < 0 or start + lo + i < index_cut)
+                    kept = _in_top(key, start + lo + i, threshold, index_cut)
+                    d = d * (one if kept else zero)
+                elif mode == 3:
+                    key = np.int64(bits(d) & ABS32)
+                    index = start + lo + i
+                    kept = _in_top(key, index, threshold, index_cut) and not _in_top(
+                        key, index, above, above_cut
                     )
                     d = d * (one if kept else zero)
                 elif mode == 1:
@@ -235,7 +253,7 @@ def merge(
     *,
     weights: Sequence[float],
     keep: Sequence[int],
-    cuts: Sequence[tuple[int, int]],
+    cuts: Sequence[tuple[int, ...]],
     start: int,
     consensus: bool,
     normalize: bool,
@@ -243,10 +261,14 @@ def merge(
     lambda_: float,
     bf16_nan: int | None = None,
 ) -> None:
-    """Write `combine.combine` of the (TIES-sparsified) task vectors into `out`.
+    """Write `combine.combine` of the (TIES- or breadcrumbs-sparsified) task vectors into
+    `out`.
 
-    `weights` and `divisor` (the plain weight sum, 1 where mergekit treats it as zero) are
-    float32 values; `lambda_` is applied (rounded to float32) unless it is 1."""
+    `cuts[t]`: (threshold, index cut) of TIES's top-k for KEEP_CUT; breadcrumbs' two cuts,
+    (threshold, index cut) of the top-k kept then of the top-k dropped, for KEEP_BETWEEN
+    (ignored for the other modes). `weights` and `divisor` (the plain weight sum, 1 where
+    mergekit treats it as zero) are float32 values; `lambda_` is applied (rounded to
+    float32) unless it is 1."""
     arrays = kernel_inputs(base, tasks)
     target = kernel_output(out, arrays[0].size)
     ntasks = len(arrays) - 1
@@ -256,7 +278,7 @@ def merge(
     _merge_kernel(
         arrays,
         np.asarray(keep, np.int64),
-        np.asarray(cuts, np.int64).reshape(ntasks, 2),
+        np.array([(*c, NOTHING, -1)[:4] for c in cuts], np.int64).reshape(ntasks, 4),
         start,
         np.asarray(weights, np.float32),
         consensus,

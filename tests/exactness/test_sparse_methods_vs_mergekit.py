@@ -78,12 +78,24 @@ def _resolved(out: Path) -> dict:
 
 # ---------------------------------------------------------------- the engine, any split
 
-#: Per method: its parameters and the (unit budget, workers, kernels) it runs at (della has
-#: fused kernels; breadcrumbs runs eagerly). breadcrumbs' rounds 1-3 sum a 65536-bin row per
-#: cut and chunk, so its budgets are larger.
+#: Per method: its parameters and the (unit budget, workers, kernels) it runs at, and
+#: whether its map pass is fused where kernels are on (della's; breadcrumbs' but with L1
+#: rescaling). breadcrumbs' rounds 1-3 sum a 65536-bin row per cut and chunk, so its budgets
+#: are larger.
 ENGINE_CASES = {
+    "breadcrumbs": dict(
+        runs=[(20_000, 1, "auto"), (64_000, 2, "eager"), (64_000, 2, "auto"), (2**20, 2, "auto")],
+        fused=True,
+        parameters={"lambda": 0.9},
+        task_parameters=(
+            {"weight": 1.0, "density": 0.3, "gamma": 0.05},
+            {"weight": 0.5, "density": 1.0, "gamma": 0.1},
+            {"weight": 0.8, "density": 0.2, "gamma": 0.3},
+        ),
+    ),
     "breadcrumbs_ties": dict(
         runs=[(20_000, 1, "auto"), (64_000, 2, "auto"), (2**20, 2, "auto")],
+        fused=False,
         parameters={"rescale": True},
         task_parameters=(
             {"weight": 1.0, "density": 0.3, "gamma": 0.05},
@@ -93,6 +105,7 @@ ENGINE_CASES = {
     ),
     "della": dict(
         runs=[(700, 1, "auto"), (3000, 2, "eager"), (3000, 2, "auto"), (2**20, 2, "auto")],
+        fused=True,
         parameters={"seed": 4},
         task_parameters=(
             {"weight": 1.0, "density": 0.4, "epsilon": 0.3},
@@ -108,6 +121,7 @@ def test_engine_is_the_reference_at_any_budget_and_worker_count(models, tmp_path
     base_dir, task_dirs, base, tasks = models
     case = dict(ENGINE_CASES[method])
     runs = case.pop("runs")
+    fused_map = case.pop("fused")
     per_task = case["task_parameters"]
     want = {
         name: sparse_merge(
@@ -119,7 +133,8 @@ def test_engine_is_the_reference_at_any_budget_and_worker_count(models, tmp_path
             densities=[p["density"] for p in per_task],
             gammas=[p.get("gamma", 0.01) for p in per_task],
             epsilons=[p.get("epsilon", 0.15) for p in per_task],
-            rescale=True,
+            rescale=case["parameters"].get("rescale"),
+            lam=case["parameters"].get("lambda", 1.0),
             seed=case["parameters"].get("seed", 0),
         )  # fmt: skip
         for name, b in base.items()
@@ -143,7 +158,7 @@ def test_engine_is_the_reference_at_any_budget_and_worker_count(models, tmp_path
         for name, w in want.items():
             assert _same(merged[name], w), (budget, workers, kernels, name)
         fused = report["passes"]["map"]["fused_elements"]
-        assert (fused > 0) == (method == "della" and kernels == "auto"), fused
+        assert (fused > 0) == (fused_map and kernels == "auto"), fused
         digests.add(
             tuple(
                 hashlib.sha256(p.read_bytes()).hexdigest()

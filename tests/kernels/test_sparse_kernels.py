@@ -2,8 +2,9 @@
 statistics and the merge, through the method object (`fused_statistics`, `fused_merge`
 against `chunk_statistics`, `merge_chunk(...).to(out_dtype)`), over RL-like sparse task
 vectors and pools of edge values (equal magnitudes, signed zeros, subnormals, overflow),
-1-D, 2-D, 3-D and one-column tensors, mixed input and every output dtype. breadcrumbs'
-rounds by TIES's histogram kernel give the eager rounds' statistics."""
+1-D, 2-D, 3-D and one-column tensors, mixed input and every output dtype; their ranks by
+counting are a stable sort's. breadcrumbs' rounds by TIES's histogram kernel give the eager
+rounds' statistics, and its map pass by TIES's merge kernel the eager bytes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 
 pytest.importorskip("numba")
 
-from kernel_runs import della_params, run_rows  # noqa: E402
+from kernel_runs import della_params, run, run_rows  # noqa: E402
+from numba import njit  # noqa: E402
 
 from ram_dist.kernels import della_numba, primitives, ram_numba  # noqa: E402
 from ram_dist.methods import get_method  # noqa: E402
@@ -95,6 +97,65 @@ def test_no_fma_in_compiled_della_kernels() -> None:
         assert fresh.signatures and ram_numba.fma_findings(fresh) == []
 
 
+@njit(**primitives.OPTIONS)
+def _counted_ranks(x, n, inner):  # noqa: ANN001, ANN202  (numba arrays)
+    """Each element's ascending rank in its group by `della_numba.ascending` (the kernels'
+    gathering of a group's keys, with strides, written again here)."""
+    keys, order, swap, counts = della_numba.rank_scratch(n)
+    out = np.zeros(x.size, np.int64)
+    for lo in range(0, x.size, n * inner):
+        for c in range(inner):
+            for j in range(n):
+                keys[j] = primitives.bits(x[lo + j * inner + c]) & primitives.ABS32
+            della_numba.ascending(keys, n, order, swap, counts)
+            for p in range(n):
+                out[lo + order[p] * inner + c] = p + 1
+    return out
+
+
+def _sorted_ranks(x: np.ndarray, n: int, inner: int) -> np.ndarray:
+    """The reference: ranks 1..n ascending by |x| (its float32 bits) from a stable descending
+    argsort, so that among equal magnitudes the lowest index ranks highest."""
+    keys = (x.view(np.uint32) & 0x7FFFFFFF).astype(np.int64).reshape(-1, n, inner)
+    order = np.argsort(-keys, axis=1, kind="stable")
+    ranks = np.empty_like(keys)
+    np.put_along_axis(ranks, order, np.arange(n, 0, -1).reshape(1, n, 1), axis=1)
+    return ranks.reshape(-1)
+
+
+def _rank_values(kind: str, size: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """float32 task vectors `float32(x_t) - float32(x_B)` of stored `dtype` values, drawn so
+    that the counting meets each of its cases."""
+    if kind == "pool":  # few magnitudes, both signs, zeros, subnormals, inf, NaN
+        pool = torch.tensor([0.0, -0.0, 0.5, -0.5, 0.25, 1e-40, -1e-40, 3.0, float("inf"),
+                             float("nan"), -float("inf"), 6e4])  # fmt: skip
+        return pool[torch.randint(0, len(pool), (size,), generator=g)].to(dtype).float()
+    base = (torch.randn(size, generator=g) * 0.02).to(dtype)
+    if kind == "sparse":  # 97 % unchanged: zero deltas
+        step = torch.where(torch.rand(size, generator=g) < 0.03, torch.randn(size, generator=g), 0)
+    elif kind == "dense":
+        step = torch.randn(size, generator=g)
+    elif kind == "wide":  # magnitudes across many binades
+        step = torch.randn(size, generator=g) * 2 ** torch.randint(-30, 20, (size,), generator=g)
+    else:  # "cluster": a narrow cluster and a far outlier: large buckets (byte radix)
+        step = 1 + torch.rand(size, generator=g) * 1e-3
+        step[torch.randint(0, size, (3,), generator=g)] = 1e4
+    task = (base.float() + 1e-3 * step).to(dtype)
+    return task.float() - base.float()
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("kind", ["pool", "sparse", "dense", "wide", "cluster"])
+@pytest.mark.parametrize(("n", "inner", "groups"), [(1, 1, 3), (2, 1, 5), (37, 1, 4),
+                                                     (700, 3, 2), (5000, 1, 2)])  # fmt: skip
+def test_counted_ranks_are_the_stable_sort_s(dtype, kind, n, inner, groups) -> None:
+    """della's ranks by counting are a stable sort's: ascending |delta|, equal magnitudes
+    (many, with `pool` and the 16-bit dtypes) ranked highest at the lowest index."""
+    g = torch.Generator().manual_seed(n + inner)
+    x = _rank_values(kind, groups * n * inner, dtype, g).numpy()
+    assert np.array_equal(_counted_ranks(x, n, inner), _sorted_ranks(x, n, inner))
+
+
 @pytest.mark.parametrize("edges", [False, True])
 @pytest.mark.parametrize("dtypes", [(F32, F32, F32, F32), (BF16, F16, BF16, F32)])
 def test_breadcrumbs_fused_statistics_are_eager(dtypes, edges) -> None:
@@ -137,6 +198,43 @@ def test_breadcrumbs_fused_statistics_are_eager(dtypes, edges) -> None:
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(merged_f.view(torch.int32), merged_e.view(torch.int32))
     with_l1 = {**params, "rescale": True}
+    assert method.fuses(params) and not method.fuses(with_l1)
     state = method.initial_state({"w": with_l1}, {"w": n}, len(tasks))
     chunk = Chunk("w", 0, (n,))
     assert method.fused_statistics(0, chunk, [base, *tasks], with_l1, state, False) is None
+
+
+BREADCRUMBS_CASES = [
+    # (densities, gammas): both cuts, a task untouched (density 1), one with no outliers
+    ([0.3, 0.5, 1.0], [0.1, 0.0, 0.2]),
+    # top-b is everything (b == n: no lower cut), and nothing kept (a == b: target 0)
+    ([0.9, 0.0001, 0.6], [0.1, 0.2, 0.4]),
+]
+
+
+@pytest.mark.parametrize("method", ["breadcrumbs", "breadcrumbs_ties"])
+@pytest.mark.parametrize(("densities", "gammas"), BREADCRUMBS_CASES)
+@pytest.mark.parametrize(
+    ("dtypes", "out_dtype"), [((F32, F32, F32, F32), F32), ((BF16, F16, BF16, F32), BF16)]
+)
+@pytest.mark.parametrize("edges", [False, True])
+def test_breadcrumbs_fused_merge_is_eager(method, densities, gammas, dtypes, out_dtype, edges):
+    """The map pass by TIES's merge kernel (`KEEP_BETWEEN`) gives the eager rule's bytes,
+    rounds fused or eager, at several chunkings (equal magnitudes at the cuts with `edges`:
+    the index rounds)."""
+    n = 3000
+    base, tasks = inputs((n,), dtypes, seed=7, edges=edges)
+    params = {
+        "weight": [0.7, -0.35, 1.25], "density": densities, "gamma": gammas,
+        "normalize": method == "breadcrumbs_ties", "lambda": 0.9, "rescale": False,
+    }  # fmt: skip
+    assert get_method(method).fuses(params)
+    want = None
+    for bounds in ([0, n], [0, 1000, 1001, n], [0, 17, 2048, 2999, n]):
+        fused = run(method, params, base, tasks, bounds, True, out_dtype)
+        eager = run(method, params, base, tasks, bounds, False, out_dtype)
+        assert fused[1] == eager[1]
+        got = fused[0].view(torch.uint8)
+        assert torch.equal(got, eager[0].view(torch.uint8))
+        assert want is None or torch.equal(got, want)
+        want = got

@@ -14,7 +14,9 @@ two of TIES's exact cuts (`topk`) found by the same counting histograms in the s
 reduce rounds: round 0 one magnitude histogram per task serves both cuts, rounds 1-3 have a
 row per cut. A cut at 0 (`a == 0`) or at n (`a + target == n`) is no cut. Where equal
 magnitudes straddle a cut, mergekit's ascending `torch.sort` (not stable) picks among them
-arbitrarily; elsewhere the kept sets, and so the bytes, are mergekit's.
+arbitrarily; elsewhere the kept sets, and so the bytes, are mergekit's. The rounds run on
+TIES's histogram kernel and the map pass on its merge kernel (`ties_numba`, the kept set
+between the two cuts: `KEEP_BETWEEN`), but with L1 rescaling.
 
 `rescale` (default false) is mergekit's L1 rule (`dare`): round 0 sums the L1 statistic of
 delta, round 2 those of the keys above each cut; the kept L1 is `L1(top-b) - L1(top-a)`, an
@@ -107,6 +109,16 @@ def keep_mask(keys: torch.Tensor, plan: dict[str, Any], start: int) -> torch.Ten
     if plan["a"] == plan["b"]:
         return in_top(keys, None, False, start)
     return in_top(keys, bottom, True, start) & ~in_top(keys, top, False, start)
+
+
+def _bounds(cut: dict[str, Any] | None, k_all: bool) -> tuple[int, int]:
+    """A top-k cut as `ties_numba.merge` takes it: (threshold key, index cut or -1); no cut
+    (`in_top`'s None): every key when `k_all`, else none."""
+    from ram_dist.kernels import ties_numba
+
+    if cut is None:
+        return (-1, -1) if k_all else (ties_numba.NOTHING, -1)
+    return cut["threshold"], cut.get("index_cut", -1)
 
 
 def _top_l1(
@@ -318,8 +330,7 @@ class Breadcrumbs(MergekitRule, Eager):
         count_nonfinite: bool,
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """The rounds' histograms by TIES's fused kernel (`ties_numba.statistics`), once per
-        cut row; None where L1 rescaling adds statistics the kernel does not compute. (The
-        map pass stays eager: `fuses` is False.)"""
+        cut row; None where L1 rescaling adds statistics the kernel does not compute."""
         import numpy as np
 
         from ram_dist.kernels import ties_numba
@@ -353,6 +364,49 @@ class Breadcrumbs(MergekitRule, Eager):
                     select.append((c["threshold"], c["index_bin"] if round_ == 3 else -1))
             rows.append(ties_numba.statistics(base, tasks, kind, size, select, chunk.start))
         return {chunk.tensor: np.stack(rows, axis=1)}, None
+
+    def fused_merge(
+        self,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        out: np.ndarray,
+        bf16_nan: int | None = None,
+    ) -> bool:
+        """`merge_chunk` by TIES's merge kernel (`ties_numba.merge`), each task's kept set
+        between its two cuts (`KEEP_BETWEEN`), written straight into `out`; False where L1
+        rescaling multiplies by a factor the kernel does not apply."""
+        from ram_dist.kernels import ties_numba
+        from ram_dist.methods.generalized_task_arithmetic.family import weight_sum
+
+        info = state["tensors"][chunk.tensor]
+        if info["rescale"]:
+            return False
+        keep, cuts = [], []
+        for plan in info["tasks"]:
+            if plan is None:  # density >= 1: untouched
+                keep.append(ties_numba.KEEP_ALL)
+                cuts.append((-1, -1))
+                continue
+            keep.append(ties_numba.KEEP_BETWEEN)
+            top, bottom = plan["cuts"]
+            if plan["a"] == plan["b"]:  # nothing kept (every delta times 0)
+                cuts.append((ties_numba.NOTHING, -1, ties_numba.NOTHING, -1))
+            else:
+                cuts.append((*_bounds(bottom, True), *_bounds(top, False)))
+        weights = [float(w) for w in params["weight"]]
+        base, *tasks = inputs
+        ties_numba.merge(
+            base, tasks, out, weights=weights, keep=keep, cuts=cuts, start=chunk.start,
+            consensus=self.consensus, normalize=bool(params["normalize"]),
+            divisor=weight_sum(weights), lambda_=float(params["lambda"]), bf16_nan=bf16_nan,
+        )  # fmt: skip
+        return True
+
+    def fuses(self, params: TensorParams) -> bool:
+        """The kernels take every chunk but L1 rescaling's."""
+        return not (bool(params["rescale"]) and any(float(d) < 1 for d in params["density"]))
 
     def report_lines(self, report: Mapping[str, Any]) -> list[str]:
         """The count of cuts through equal magnitudes (where mergekit's choice is arbitrary)."""
