@@ -83,7 +83,7 @@ def test_every_method_s_kernels_read_fp8_as_stored(sets, decoded, method):
     them (`test_fp8_checkpoints` checks those against the rule). bf16 output: FP8 output
     from a method other than RAM is requantized from the merged values and the base's."""
     s = sets["fp8-base-bf16-agent"]
-    params = {"parameters": {"density": 0.5}} if method != "multislerp" else {}
+    params = {"parameters": {"weight": 0.6} if method == "multislerp" else {"density": 0.5}}
     starts: list[int] = []  # where each pass starts in `decoded`
 
     def mark(name: str) -> None:

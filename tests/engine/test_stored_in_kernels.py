@@ -28,8 +28,12 @@ FORMATS = {
     "int": (lambda root: build_compressed(root, INT_SCHEMES, (0.01, 0.01)), PackedIntSource),
     "fp8-channel": (lambda root: build_compressed(root, FP8_SCHEMES, (0.01, 0.01)), Fp8Source),
 }
-#: Parameters that make the methods select (TIES's four rounds, DELLA's sampling).
-PARAMETERS = {"ties": {"density": 0.5}, "della": {"density": 0.5, "epsilon": 0.1, "seed": 3}}
+#: Parameters that make the methods select (TIES's four rounds, DELLA's sampling), and
+#: multislerp's required weight.
+PARAMETERS = {
+    "ties": {"density": 0.5}, "della": {"density": 0.5, "epsilon": 0.1, "seed": 3},
+    "multislerp": {"weight": 0.6},
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))
