@@ -127,3 +127,30 @@ def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case):
         assert _compiled_for(stats_kernel, first)
     if stored.fused_merges:
         assert _compiled_for(merge_kernel, first)
+
+
+def test_no_fma_in_the_kernels_compiled_for_stored_forms(base):
+    """TIES's, DELLA's and the blend's code for a stored base has no FMA: every signature of
+    theirs with a stored base this process used, compiled here (uncached)."""
+    from numba import njit, types
+
+    from ram_dist.kernels import primitives
+
+    agents = bf16_agents(base, 2, seed=7)
+    stored = base.stored(0, base.numel)
+    out = np.empty(base.numel, np.uint16)
+    ties_numba.statistics(stored, agents, ties_numba.HIGH, 1 << 15)
+    ties_numba.merge(stored, agents, out, weights=[0.5, 0.25], keep=[2, 0], cuts=[(0, -1)] * 2,
+                     start=0, consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
+    kw = dict(start=0, groups=(base.numel, 1), stream_keys=[1, None], densities=[0.5, 1.0],
+              epsilons=[0.1, 0.1])  # fmt: skip
+    della_numba.statistics(stored, agents, **kw)
+    della_numba.merge(stored, agents, out, **kw, factors=[1.5, None], weights=[0.5, 0.25],
+                      consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
+    blend_numba.blend(stored, agents, out, mode=blend_numba.DELTAS, factors=[0.3, 0.7])
+    for kernel in (*ties_numba.KERNELS, *della_numba.KERNELS, *blend_numba.KERNELS):
+        fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
+        for sig in kernel.signatures:
+            if isinstance(sig[0][0], types.BaseTuple):  # a stored base
+                fresh.compile(sig)
+        assert fresh.signatures and ram_numba.fma_findings(fresh) == [], kernel
