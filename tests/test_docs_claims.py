@@ -449,14 +449,24 @@ def test_the_retries_resume_md_states_are_the_engine_s():
     assert f"is restarted by Ray (up to {restarts} times)" in text
 
 
-def test_only_the_ram_family_reads_fp8_as_stored_as_the_readme_says():
+def test_which_kernels_read_quantized_inputs_as_stored_is_what_the_readme_says():
+    """Only RAM's kernels write FP8; every other method with kernels reads quantized inputs
+    as stored but those the README names."""
     from ram_dist.methods import ram
 
-    assert "Only the RAM family's kernels read FP8 inputs as stored" in (
-        " ".join((ROOT / "README.md").read_text().split())
-    )
-    fp8 = {name for name, m in METHODS.items() if getattr(m, "fp8_kernels", False)}
-    assert fp8 == {m.name for m in ram.METHODS}
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert "Only the RAM family's kernels write FP8 output in one sweep" in text
+    writes = {name for name, m in METHODS.items() if getattr(m, "writes_fp8", False)}
+    assert writes == {m.name for m in ram.METHODS}
+    said = re.search(r"other quantized inputs as stored too \(not ([^)]*), which", text)
+    assert said is not None
+    decoded = set(re.findall(r"`(\w+)`", said.group(1)))
+    with_kernels = {
+        name for name, m in METHODS.items()
+        if flag_table._offers(m, "fused_statistics") or flag_table._offers(m, "fused_merge")
+    }  # fmt: skip
+    stored = {name for name, m in METHODS.items() if getattr(m, "reads_stored", False)}
+    assert decoded and stored == with_kernels - decoded
 
 
 def test_the_trainer_names_inputs_md_lists_are_the_checks():

@@ -143,36 +143,42 @@ def _offers(method: Any, member: str) -> bool:
     return getattr(type(method), member) is not getattr(Eager, member)
 
 
-def kernel_cells(method: Any) -> tuple[str, str, str]:
+def kernel_cells(method: Any) -> tuple[str, str, str, str]:
     """What the fused path runs of a method: its reduce rounds (how many at most, and on
-    what), its map pass at the defaults, and when the map pass's kernels take a tensor
-    (`fuses`' docstring)."""
+    what), its map pass at the defaults, how a quantized input reaches its kernels
+    (`reads_stored`, `writes_fp8`; "decoded" where no kernel runs), and when the map pass's
+    kernels take a tensor (`fuses`' docstring)."""
     how = "fused kernels" if _offers(method, "fused_statistics") else "the eager rule"
     rounds = f"at most {method.rounds}, on {how}" if method.rounds else "the input check only"
     fused = _offers(method, "fused_merge") and method.fuses(default_params(method))
     when = ""
     if _offers(method, "fuses"):
         when = " ".join(inspect.getdoc(type(method).fuses).split())
-    return rounds, "fused kernels" if fused else "the eager rule", when
+    quantized = "decoded"
+    if getattr(method, "reads_stored", False) and (fused or "fused" in rounds):
+        quantized = "as stored" + ("; FP8 written in one sweep" if method.writes_fp8 else "")
+    return rounds, "fused kernels" if fused else "the eager rule", quantized, when
 
 
 def render_kernels() -> str:
     """docs/methods.md's table of fused kernels: one row per run of methods (in the
     registry's order) that say the same."""
     out = [
-        "| method | reduce rounds | map pass, at the defaults | the map pass's kernels |",
-        "|---|---|---|---|",
+        "| method | reduce rounds | map pass, at the defaults | quantized inputs, in the kernels "
+        "| the map pass's kernels |",
+        "|---|---|---|---|---|",
     ]
-    rows: list[tuple[list[str], tuple[str, str, str]]] = []
+    rows: list[tuple[list[str], tuple[str, str, str, str]]] = []
     for name, method in METHODS.items():
         cells = kernel_cells(method)
         if rows and rows[-1][1] == cells:
             rows[-1][0].append(name)
         else:
             rows.append(([name], cells))
-    for names, (rounds, map_pass, when) in rows:
+    for names, (rounds, map_pass, quantized, when) in rows:
         shown = ", ".join(f"`{n}`" for n in names)
-        out.append(f"| {shown} | {rounds} | {map_pass} | {_cell(when) or 'none'} |")
+        cells = f"{rounds} | {map_pass} | {quantized} | {_cell(when) or 'none'}"
+        out.append(f"| {shown} | {cells} |")
     return "\n".join(out) + "\n"
 
 

@@ -149,7 +149,7 @@ def _merge_into(
     flags = context.flags
     dev = device()
     fused = Fused.of(flags, dev)
-    encoded = bool(getattr(method, "fp8_kernels", False))  # quantized inputs read as stored
+    encoded = bool(getattr(method, "reads_stored", False))  # quantized inputs read as stored
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     offsets = list(itertools.accumulate(sizes, initial=0))
     address = data.ctypes.data
@@ -255,7 +255,7 @@ def _fused_fp8(
     target: np.ndarray | None,
 ) -> bool:
     """An FP8 output's bands merged and written as FP8 by the method's fused kernel in one
-    sweep (`fp8_kernels`: it reads the inputs as stored, no float32 copy of any, and writes
+    sweep (`writes_fp8`: it reads the inputs as stored, no float32 copy of any, and writes
     the blocks and their scales), into `target` (None: the scales only) and the part's scale
     rows; False where it does not (then the engine merges to float32 and requantizes)."""
     context, rows = making.context, making.scale_rows
@@ -263,7 +263,7 @@ def _fused_fp8(
     fp8_out = entry.fp8_out
     if (
         fp8_out is None
-        or not getattr(method, "fp8_kernels", False)
+        or not getattr(method, "writes_fp8", False)
         or not inputs.encoded
         or not isinstance(inputs.encoded[0], fp8.Fp8Values)
         or not fused.take(inputs.dtypes, entry.merged_dtype)

@@ -36,7 +36,7 @@ def reduce_unit(
     bytes_read = [0] * input_count(layout)
     dev = device()
     fused = Fused.of(context.flags, dev)
-    encoded = bool(getattr(method, "fp8_kernels", False))  # quantized inputs read as stored
+    encoded = bool(getattr(method, "reads_stored", False))  # quantized inputs read as stored
     totals: dict[str, np.ndarray] = {}
     nonfinite: dict[str, list[int]] = {}
     checked = PrecisionCounts.zeros(input_count(layout) - 1) if check_finite else None

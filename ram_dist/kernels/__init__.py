@@ -7,8 +7,9 @@ also the only one for float64 tensors and for what a kernel does not handle.
 
 The kernels read and write numpy arrays of the stored elements (`READS`, `WRITES`: bfloat16
 as its uint16 bits), so a CPU worker on the fused path never imports torch; torch tensors
-are taken too, for tests and benchmarks. RAM's kernels also read FP8, MXFP4 and packed
-INT4/INT8 inputs as stored, decoding each value as they load it (`views.kernel_view`).
+are taken too, for tests and benchmarks. The kernels also read FP8, MXFP4 and packed
+INT4/INT8 inputs as stored, decoding each value as they load it (`views.kernel_view`,
+`primitives.load_span`), for every method that says so (`MergeMethod.reads_stored`).
 
 The kernels are compiled once per signature and CPU, into numba's disk cache (see
 `use_writable_cache`); `python -m ram_dist.kernels.warm` fills it ahead of the jobs.

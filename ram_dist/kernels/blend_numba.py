@@ -22,8 +22,14 @@ import numpy as np
 from numba import njit
 
 from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.primitives import OPTIONS, TILE, base_rows, load_tile_bases, store
-from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
+from ram_dist.kernels.primitives import OPTIONS, TILE, base_rows, load_tile_bases, size_of, store
+from ram_dist.kernels.views import (
+    ArrayLike,
+    input_size,
+    kernel_inputs,
+    kernel_output,
+    torch_bf16_nan,
+)
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -34,7 +40,7 @@ DELTAS, PAIR, MODELS, REBASED = 0, 1, 2, 3
 @njit(cache=True, **OPTIONS)
 def _blend_kernel(inputs, mode, factors, divide, divisor, add_base, out, nan_bits):  # noqa: ANN001, ANN201
     """out[:] = the blend of `inputs` (base first) cast to out's dtype."""
-    n = inputs[0].size
+    n = size_of(inputs[0])
     ntasks = len(inputs) - 1
     buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
     vals = buf.view(np.float32)
@@ -79,7 +85,7 @@ def blend(
     """Write the blend into `out` (the output's raw array: bfloat16 as uint16). `factors`
     and `divisor` are float32 values, one factor per vector (`mode`)."""
     arrays = kernel_inputs(base, tasks)
-    target = kernel_output(out, arrays[0].size)
+    target = kernel_output(out, input_size(arrays[0]))
     vectors = 2 if mode == PAIR else len(arrays) - 1
     if len(factors) != vectors:
         raise ValueError(f"{len(factors)} factors for {vectors} vectors")

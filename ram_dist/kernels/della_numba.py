@@ -37,10 +37,17 @@ from ram_dist.kernels.primitives import (
     base_rows,
     bits,
     load_tile_bases,
+    size_of,
     store,
 )
 from ram_dist.kernels.ties_numba import combine_tile
-from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
+from ram_dist.kernels.views import (
+    ArrayLike,
+    input_size,
+    kernel_inputs,
+    kernel_output,
+    torch_bf16_nan,
+)
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -246,7 +253,7 @@ def _stats_kernel(
     keys: np.ndarray, lows: np.ndarray, epss: np.ndarray, stats: np.ndarray,
 ) -> None:  # fmt: skip
     """stats[t] += (L1 statistic of delta, of kept delta) for each sampled task t."""
-    size = inputs[0].size
+    size = size_of(inputs[0])
     ntasks = len(inputs) - 1
     row = n * inner
     buf = np.empty((2 * ntasks + 1, row), np.uint32)  # `load_tile_bases`' rows
@@ -290,7 +297,7 @@ def _merge_kernel(
     divisor: np.float32, lam: np.float32, scale: bool, out: np.ndarray, nan_bits: int,
 ) -> None:  # fmt: skip
     """out[:] = combine(base, DELLA-sparsified deltas) in out's dtype."""
-    size = inputs[0].size
+    size = size_of(inputs[0])
     ntasks = len(inputs) - 1
     row = n * inner
     buf = np.empty((2 * ntasks + 1, row), np.uint32)  # `load_tile_bases`' rows
@@ -356,11 +363,12 @@ def statistics(
     rows where `stream_keys[t]` is None: a task that is not sampled). `groups` is
     `della.rank_groups` of the tensor; the chunk holds whole rows."""
     arrays = kernel_inputs(base, tasks)
+    size = input_size(arrays[0])
     n, inner = groups
-    if arrays[0].size % (n * inner):
-        raise ValueError(f"a chunk of {arrays[0].size} elements is not whole rows of {n * inner}")
+    if size % (n * inner):
+        raise ValueError(f"a chunk of {size} elements is not whole rows of {n * inner}")
     stats = np.zeros((len(arrays) - 1, 2, 256), np.int64)
-    if arrays[0].size == 0:
+    if size == 0:
         return stats
     _stats_kernel(arrays, start, n, inner, *_tasks(stream_keys, densities, epsilons), stats)
     return stats
@@ -387,11 +395,12 @@ def merge(
     """Write the eager `Della.merge_chunk` into `out` (float32 factors and weights; `divisor`
     the plain weight sum, 1 where mergekit takes it as zero; `lambda_` applied unless 1)."""
     arrays = kernel_inputs(base, tasks)
-    target = kernel_output(out, arrays[0].size)
+    size = input_size(arrays[0])
+    target = kernel_output(out, size)
     n, inner = groups
-    if arrays[0].size % (n * inner):
-        raise ValueError(f"a chunk of {arrays[0].size} elements is not whole rows of {n * inner}")
-    if arrays[0].size == 0:
+    if size % (n * inner):
+        raise ValueError(f"a chunk of {size} elements is not whole rows of {n * inner}")
+    if size == 0:
         return
     nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
     _merge_kernel(

@@ -55,6 +55,19 @@ def array_dtype(values: np.ndarray | fp8.Fp8Values | quantized.QuantizedValues |
     return _ARRAY_DTYPES[values.dtype]
 
 
+def is_stored(values: object) -> bool:
+    """Whether an input is a quantized one's stored form (`fp8.Fp8Values`,
+    `quantized.QuantizedValues`), which the fused kernels decode as they load it; a numpy
+    rule needs its decoded values instead."""
+    return isinstance(values, (fp8.Fp8Values, quantized.QuantizedValues))
+
+
+def value_count(values: Any) -> int:
+    """Elements of a flat input as the engine or a test hands it: a stored form's values, a
+    numpy array's or torch tensor's first dimension."""
+    return int(values.size) if is_stored(values) else int(values.shape[0])
+
+
 def rounded(values: np.ndarray, dtype: str) -> np.ndarray:
     """float32 `values` rounded to nearest even to `dtype` (BF16 or F16) and widened back to
     float32: torch's `x.to(dtype).float()`, bit for bit for finite values (an overflow gives

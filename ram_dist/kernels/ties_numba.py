@@ -39,9 +39,16 @@ from ram_dist.kernels.primitives import (
     base_rows,
     bits,
     load_tile_bases,
+    size_of,
     store,
 )
-from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
+from ram_dist.kernels.views import (
+    ArrayLike,
+    input_size,
+    kernel_inputs,
+    kernel_output,
+    torch_bf16_nan,
+)
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -65,7 +72,7 @@ def _stats_kernel(
     """hist[t] += statistic `kind` of task t's keys (base is inputs[0]); `select[t]` is the
     high bin (LOW), the cut key (INDEX_*) or -1 to skip the task; `select[t, 1]` the index
     bin (INDEX_LOW); `start` the flat index of the first element."""
-    n = inputs[0].size
+    n = size_of(inputs[0])
     ntasks = len(inputs) - 1
     buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
     vals = buf.view(np.float32)
@@ -182,7 +189,7 @@ def _merge_kernel(
     index cut or -1) of the top-k kept, then the same of a top-k dropped from it (a
     threshold of NOTHING: none); `divisor` is the plain weight sum (used without
     consensus); `scale`: multiply by lam."""
-    n = inputs[0].size
+    n = size_of(inputs[0])
     ntasks = len(inputs) - 1
     buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
     vals = buf.view(np.float32)
@@ -270,7 +277,7 @@ def merge(
     mergekit treats it as zero) are float32 values; `lambda_` is applied (rounded to
     float32) unless it is 1."""
     arrays = kernel_inputs(base, tasks)
-    target = kernel_output(out, arrays[0].size)
+    target = kernel_output(out, input_size(arrays[0]))
     ntasks = len(arrays) - 1
     if not len(weights) == len(keep) == len(cuts) == ntasks:
         raise ValueError(f"weights, keep and cuts must have one entry per task ({ntasks})")

@@ -8,15 +8,16 @@ of tasks, per dtype of each input and per output dtype, about a second each, in 
 worker process that finds it in no cache (loading one takes about 10 ms). This calls every
 kernel through its public wrapper, on tiny inputs, so that the signatures are exactly those
 a job meets: base and tasks of one dtype (bfloat16, float16, float32, and fine-grained FP8,
-which the RAM kernels read as stored and can write again, with FP8 or bfloat16 tasks; an
-MXFP4 or packed INT base with bfloat16 values, `quantized`, which they read as stored too,
-with bfloat16 tasks; other mixed dtypes are not warmed), 1 to `--tasks` tasks, and every
-output dtype a merge kernel writes (those three and float64), the LoRA product in each
-dtype, the exact sums of products, the first reduce round's precision check, and MXFP4's
-and packed INT4/INT8's decoding (the eager path's); arcee_fusion's kernels for one task
-only (it merges one model). All of it is 836 specializations (586 of them, all but the
-decoding, the quantized base's and model_stock's, sce's and arcee_fusion's kernels, took
-1,464 s on one core of the development machine).
+which every method's kernels read as stored (but model_stock's, sce's and arcee_fusion's,
+which take decoded values), and RAM's can write again, with FP8 or bfloat16 tasks; an MXFP4
+or packed INT base with bfloat16 values, `quantized`, which they read as stored too, with
+bfloat16 tasks; other mixed dtypes are not warmed), 1 to `--tasks` tasks, and every output
+dtype a merge kernel writes (those three and float64), the LoRA product in each dtype, the
+exact sums of products, the first reduce round's precision check, and MXFP4's and packed
+INT4/INT8's decoding (the eager path's); arcee_fusion's kernels for one task only (it merges
+one model). All of it is 1172 specializations (586 of them, all but the decoding, the
+quantized and FP8 bases' other kernels and model_stock's, sce's and arcee_fusion's kernels,
+took 1,464 s on one core of the development machine).
 
 The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
 beside the kernel modules when that is writable, else numba's user-wide cache directory
@@ -42,11 +43,11 @@ import numpy as np
 from ram_dist.dtypes import INFO
 from ram_dist.kernels import READS, WRITES
 
-#: The --dtype name of fine-grained FP8 inputs (e4m3 bytes and block scales), which the RAM
-#: kernels read as stored; the other kernels read their float32 values.
+#: The --dtype name of fine-grained FP8 inputs (e4m3 bytes and block scales), which the
+#: kernels read as stored (`MergeMethod.reads_stored`).
 FP8 = "fp8"
 #: The --dtype name of MXFP4 and packed INT4/INT8 inputs whose values are bfloat16 (every
-#: MXFP4 weight, an INT weight with bfloat16 scales), which the RAM kernels read as stored.
+#: MXFP4 weight, an INT weight with bfloat16 scales), which the kernels read as stored.
 QUANTIZED = "quantized"
 #: --dtype names -> torch dtype names (the inputs' dtype): every dtype the kernels read.
 DTYPES = {**{INFO[d].short: INFO[d].torch for d in READS}, FP8: FP8, QUANTIZED: QUANTIZED}
@@ -99,13 +100,11 @@ def calls(
     from ram_dist.kernels import (
         arcee_numba,
         blend_numba,
-        della_numba,
         lora_numba,
         precision_numba,
         ram_numba,
         scan_numba,
         sce_numba,
-        ties_numba,
     )
 
     for name in dtypes:
@@ -119,26 +118,8 @@ def calls(
             base = torch.zeros(N, dtype=getattr(torch, name))
             agents = [torch.zeros_like(base) for _ in range(n)]
             label = f"{name} x {n}"
-            ties_args = dict(
-                weights=[1.0] * n,
-                keep=[ties_numba.KEEP_ALL] * n,
-                cuts=[(-1, -1)] * n,
-                start=0,
-                consensus=True,
-                normalize=True,
-                divisor=1.0,
-                lambda_=1.0,
-            )
-            della_args = dict(
-                start=0, groups=(N, 1), stream_keys=[1] * n, densities=[0.5] * n,
-                epsilons=[0.1] * n,
-            )  # fmt: skip
             counts = partial(ram_numba.overlap_counts_nonfinite, base, agents, EPS)
-            stats = partial(ties_numba.statistics, base, agents, ties_numba.HIGH, 1 << 15)
             yield ram_numba._count_kernel, label, counts
-            yield ties_numba._stats_kernel, label, stats
-            della_stats = partial(della_numba.statistics, base, agents, **della_args)
-            yield della_numba._stats_kernel, label, della_stats
             if n == 1:  # arcee_fusion's importances (one model; rows of 4)
                 imp = partial(arcee_numba.importance, base, agents[0], 4)
                 yield arcee_numba._importance_kernel, label, imp
@@ -148,25 +129,16 @@ def calls(
             for out_name in out_dtypes:
                 out = torch.empty(N, dtype=getattr(torch, out_name))
                 ram = partial(ram_numba.merge_ram, base, agents, EPS, [1.0] * n, out)
-                ties = partial(ties_numba.merge, base, agents, out, **ties_args)
                 yield ram_numba._merge_kernel, f"{label} -> {out_name}", ram
-                yield ties_numba._merge_kernel, f"{label} -> {out_name}", ties
-                # the geometric methods' blend (its mode is a value: one signature)
-                mix = partial(blend_numba.blend, base, agents, out, mode=blend_numba.MODELS,
-                              factors=[1.0] * n)  # fmt: skip
-                yield blend_numba._blend_kernel, f"{label} -> {out_name}", mix
-                stock = partial(blend_numba.stock, base, agents, out, ts=[0.5])  # model_stock
+                # model_stock's, sce's and arcee_fusion's kernels (decoded values only)
+                stock = partial(blend_numba.stock, base, agents, out, ts=[0.5])
                 yield blend_numba._stock_kernel, f"{label} -> {out_name}", stock
                 sce = partial(sce_numba.merge, base, agents, out, weights=[1.0] * n)
                 yield sce_numba._merge_kernel, f"{label} -> {out_name}", sce
                 if n == 1:  # arcee_fusion's selection (one model)
                     pick = partial(arcee_numba.merge, base, agents[0], _IMP, 0.5, out)
                     yield arcee_numba._merge_kernel, f"{label} -> {out_name}", pick
-                della = partial(
-                    della_numba.merge, base, agents, out, **della_args, factors=[None] * n,
-                    weights=[1.0] * n, consensus=True, normalize=True, divisor=1.0, lambda_=1.0,
-                )  # fmt: skip
-                yield della_numba._merge_kernel, f"{label} -> {out_name}", della
+            yield from _method_calls(base, agents, label, out_dtypes)
     # The finiteness scan reads raw bits: one specialization per width (float64 included).
     for name in ("bfloat16", "float32", "float64"):
         x = torch.zeros(N, dtype=getattr(torch, name))
@@ -212,10 +184,48 @@ def calls(
     yield int_packed_numba._decode, "INT4/INT8", packed
 
 
+def _method_calls(
+    base: Any, agents: list[Any], label: str, out_dtypes: list[str]
+) -> Iterator[tuple[Any, str, Callable[[], Any]]]:
+    """The kernels of the methods other than RAM on one base and its agents (any form the
+    kernels read: arrays, or a quantized base as stored): TIES's and DELLA's statistics,
+    and their merges and the geometric methods' blend into each output dtype."""
+    import torch
+
+    from ram_dist.kernels import blend_numba, della_numba, ties_numba
+
+    n, size = len(agents), int(base.numel() if isinstance(base, torch.Tensor) else base.size)
+    ties_args = dict(
+        weights=[1.0] * n, keep=[ties_numba.KEEP_ALL] * n, cuts=[(-1, -1)] * n, start=0,
+        consensus=True, normalize=True, divisor=1.0, lambda_=1.0,
+    )  # fmt: skip
+    della_args = dict(
+        start=0, groups=(size, 1), stream_keys=[1] * n, densities=[0.5] * n, epsilons=[0.1] * n
+    )  # fmt: skip
+    stats = partial(ties_numba.statistics, base, agents, ties_numba.HIGH, 1 << 15)
+    yield ties_numba._stats_kernel, label, stats
+    della_stats = partial(della_numba.statistics, base, agents, **della_args)
+    yield della_numba._stats_kernel, label, della_stats
+    for out_name in out_dtypes:
+        out = torch.empty(size, dtype=getattr(torch, out_name))
+        ties = partial(ties_numba.merge, base, agents, out, **ties_args)
+        yield ties_numba._merge_kernel, f"{label} -> {out_name}", ties
+        # the geometric methods' blend (its mode is a value: one signature)
+        mix = partial(blend_numba.blend, base, agents, out, mode=blend_numba.MODELS,
+                      factors=[1.0] * n)  # fmt: skip
+        yield blend_numba._blend_kernel, f"{label} -> {out_name}", mix
+        della = partial(
+            della_numba.merge, base, agents, out, **della_args, factors=[None] * n,
+            weights=[1.0] * n, consensus=True, normalize=True, divisor=1.0, lambda_=1.0,
+        )  # fmt: skip
+        yield della_numba._merge_kernel, f"{label} -> {out_name}", della
+
+
 def _fp8_calls(tasks: int, out_dtypes: list[str]) -> Iterator[tuple[Any, str, Callable[[], Any]]]:
-    """The RAM kernels on an FP8 base (`fp8.Fp8Values`) with FP8 tasks and with bfloat16
-    ones (an RL trainer's agents): the counts, the merge into each output dtype, the merge
-    written as FP8 blocks; and the first round's precision check."""
+    """The kernels on an FP8 base (`fp8.Fp8Values`) with FP8 tasks and with bfloat16 ones
+    (an RL trainer's agents): RAM's counts, its merge into each output dtype and its merge
+    written as FP8 blocks; the first round's precision check; the other methods' kernels
+    (`_method_calls`)."""
     import torch
 
     from ram_dist.kernels import fp8, precision_numba, ram_numba
@@ -237,15 +247,17 @@ def _fp8_calls(tasks: int, out_dtypes: list[str]) -> Iterator[tuple[Any, str, Ca
         target = fp8.Fp8Target(np.empty(N, np.uint8), "F32", scales, np.empty_like(scales))
         to_fp8 = partial(ram_numba.merge_ram_fp8, base, agents, EPS, [1.0] * n, target)
         yield ram_numba._merge_fp8_kernel, f"{label} -> {FP8}", to_fp8
+        yield from _method_calls(base, agents, label, out_dtypes)
 
 
 def _quantized_calls(
     tasks: int, out_dtypes: list[str]
 ) -> Iterator[tuple[Any, str, Callable[[], Any]]]:
-    """The RAM kernels on a quantized base read as stored (`quantized.QuantizedValues` with
+    """The kernels on a quantized base read as stored (`quantized.QuantizedValues` with
     bfloat16 values: MXFP4, or packed INT with bfloat16 scales, one kernel type for both)
-    with bfloat16 tasks: the counts and the merge into each output dtype. (Such a base and
-    bfloat16 tasks need no precision check.)"""
+    with bfloat16 tasks: RAM's counts and merge into each output dtype, and the other
+    methods' kernels (`_method_calls`). (Such a base and bfloat16 tasks need no precision
+    check.)"""
     import torch
 
     from ram_dist.kernels import quantized, ram_numba
@@ -260,6 +272,7 @@ def _quantized_calls(
             out = torch.empty(base.size, dtype=getattr(torch, out_name))
             ram = partial(ram_numba.merge_ram, base, agents, EPS, [1.0] * n, out)
             yield ram_numba._merge_kernel, f"{label} -> {out_name}", ram
+        yield from _method_calls(base, agents, label, out_dtypes)
 
 
 def _lora(theta: str, out: str) -> None:

@@ -97,13 +97,17 @@ class MergeMethod(Protocol):
 
     task_counts: tuple[int, int | None]
     """How many task models (besides the base) it merges: at least, at most (None: any)."""
-    fp8_kernels: bool
-    """Whether `fused_statistics` and `fused_merge` take an FP8 input as it is stored
-    (`kernels.fp8.Fp8Values`: e4m3 bytes and block scales) in place of its float32 values,
-    and an MXFP4 or packed INT input as stored (`kernels.quantized.QuantizedValues`: codes
-    and scales) in place of its 16-bit values, and `fused_merge` writes FP8 output into a
-    `kernels.fp8.Fp8Target`. Optional: the engine reads it with False as the default, and
-    then decodes such inputs first and requantizes the merged values itself."""
+    reads_stored: bool
+    """Whether `fused_statistics` and `fused_merge` take a quantized input as it is stored
+    in place of a decoded copy of its values: block FP8 as `kernels.fp8.Fp8Values` (e4m3
+    bytes and block scales), MXFP4, packed INT and compressed-tensors' FP8 as
+    `kernels.quantized.QuantizedValues` (codes and scales), each value decoded as the
+    kernels load it (`primitives.load_span`). Optional: the engine reads it with False as
+    the default, and then hands such inputs decoded."""
+    writes_fp8: bool
+    """Whether `fused_merge` writes FP8 output itself, into a `kernels.fp8.Fp8Target`
+    (blocks and scales in one sweep; it then also `reads_stored`). Optional: the engine
+    reads it with False as the default, and then requantizes the merged values itself."""
 
     def whole_rows(self, params: TensorParams) -> bool:
         """Whether it computes on whole rows of a tensor with these parameters (a rank or a
@@ -207,7 +211,8 @@ class Defaults:
     description: str = ""
     needs_base: bool = True
     task_counts: tuple[int, int | None] = (2, None)
-    fp8_kernels: bool = False
+    reads_stored: bool = False
+    writes_fp8: bool = False
 
     @property
     def label(self) -> str:

@@ -187,8 +187,10 @@ class RamMethod(Defaults):
     label: str = ""
     summary: str = ""
     reference: str = RAM_PAPER
-    fp8_kernels: bool = True
-    """The fused kernels read FP8 inputs as they are stored and write FP8 output."""
+    reads_stored: bool = True
+    """The fused kernels read quantized inputs as they are stored."""
+    writes_fp8: bool = True
+    """The fused merge writes FP8 output (blocks and scales) in the same sweep."""
 
     @property
     def description(self) -> str:

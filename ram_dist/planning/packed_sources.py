@@ -5,10 +5,10 @@
 A row's codes start at its first word, so a unit or a compute block cuts such a weight only
 between rows (`atomic_rows` 1). The values are decoded in the scale's dtype (bfloat16 for
 every published checkpoint), as compressed-tensors decodes them, so a bf16 agent's untouched
-elements equal them; RAM's fused kernels read the words and scales as stored (`encoded`),
-decoding each value as they load it. The planned bytes are what is read: the words, scales
-and zero points together, over the elements (`itemsize`: 0.5625 for INT4 groups of 32 with
-bf16 scales).
+elements equal them; the fused kernels read the words and scales as stored (`encoded`,
+`MergeMethod.reads_stored`), decoding each value as they load it. The planned bytes are what
+is read: the words, scales and zero points together, over the elements (`itemsize`: 0.5625
+for INT4 groups of 32 with bf16 scales).
 """
 
 from __future__ import annotations

@@ -310,10 +310,10 @@ class Mxfp4Source(NamedTuple):
     they are decoded into bfloat16 (`values_dtype`): the same values as float32, in half the
     bytes, and a base that holds no bits finer than bfloat16 (`kernels.precision`). One
     expert's values need every byte of its blocks (they are its unpacked codes transposed),
-    so an expert, one row of the values, is never cut (`atomic_rows`). RAM's fused kernels
-    read the blocks and scales as stored (`encoded`), decoding each value as they load it.
-    Its planned bytes are what is read: the blocks' half byte and the scales' 1/32 per
-    element (`itemsize` 17/32)."""
+    so an expert, one row of the values, is never cut (`atomic_rows`). The fused kernels
+    read the blocks and scales as stored (`encoded`, `MergeMethod.reads_stored`), decoding
+    each value as they load it. Its planned bytes are what is read: the blocks' half byte
+    and the scales' 1/32 per element (`itemsize` 17/32)."""
 
     file: str
     start: int

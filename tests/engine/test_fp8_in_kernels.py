@@ -2,31 +2,27 @@
 RAM's kernels read every FP8 input as stored and write the FP8 output themselves, so no
 input is ever dequantized into a float32 copy (`Fp8Source.decode` is never called), and the
 bytes are the spec's reference's (`fp8_reference`), for an FP8 base with FP8 or bf16
-agents, a bf16 base with FP8 agents, and `out_dtype`. A method whose kernels read float32
-values (TIES) still gets them decoded, with the same reference bytes."""
+agents, a bf16 base with FP8 agents, and `out_dtype`. TIES's, DELLA's and the geometric
+blend's kernels read them as stored too (`MergeMethod.reads_stored`), with the eager path's
+bytes; a method whose fused statistics take float32 values (model_stock) still gets them
+decoded."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from fp8_models import BLOCK, build_fp8_set
 from fp8_reference import reference_fp8_merge
+from inline_passes import FUSED, merge_inline
 
-from ram_dist.dtypes import itemsize
-from ram_dist.engine import blocks, driver, map_step, reduce_step, worker
-from ram_dist.io.sinks import DriverTarget
-from ram_dist.methods import get_method
-from ram_dist.planning.config import MergeConfig
+from ram_dist.engine import blocks, worker
 from ram_dist.planning.sources import Fp8Source
-from ram_dist.planning.units import Part
 
 pytest.importorskip("numba")
 
 #: In the quick tier (`pytest -m quick`).
 pytestmark = pytest.mark.quick
 
-FUSED = worker.WorkFlags(fused=True)
 SETS = {
     "fp8": dict(base_format="fp8", task_formats=("fp8", "fp8", "fp8")),
     "fp8-base-bf16-agent": dict(base_format="fp8", task_formats=("fp8", "fp8", "bf16")),
@@ -56,35 +52,7 @@ def decoded(monkeypatch) -> list[int]:
 
 def _merge_inline(s, method_name: str, flags=FUSED, **kw) -> dict[str, bytes]:
     """Both passes, unit by unit in this process; the output tensors' bytes by name."""
-    config = MergeConfig(
-        base=str(s.base_dir), tasks=tuple(str(t) for t in s.task_dirs), method=method_name,
-        unit_budget_bytes=700, **kw,
-    )  # fmt: skip
-    job = driver.prepare(config)
-    method, state = get_method(method_name), job.initial_state()
-    for round_ in range(method.rounds):
-        totals: dict[str, np.ndarray] = {}
-        for unit in job.units:
-            with worker.worker_context().work() as scope:
-                context = worker.TaskContext(
-                    job.layout, job.storage, method, job.params, state, flags
-                )
-                got = reduce_step.reduce_unit(unit, context, round_, False, scope)
-            reduce_step.add_up(got, totals, {})
-        sums = {key: torch.from_numpy(value) for key, value in totals.items()}
-        state = method.finalize(round_, sums, job.params, job.numel(), state)
-    pieces: dict[str, list[tuple[int, bytes]]] = {}
-    for unit in job.units:
-        part = Part(unit.shard, 1, (unit.index,), 0, map_step.unit_out_bytes(unit, job.layout))
-        work = map_step.PartWork(part, (unit,), b"", DriverTarget("inline"))
-        context = worker.TaskContext(job.layout, job.storage, method, job.params, state, flags)
-        data = map_step.map_part(work, context).receipt.data.tobytes()
-        at = 0
-        for p in unit.pieces:
-            size = p.numel * itemsize(job.layout.tensors[p.tensor].out_dtype)
-            pieces.setdefault(p.tensor, []).append((p.start, data[at : at + size]))
-            at += size
-    return {name: b"".join(b for _, b in sorted(parts)) for name, parts in pieces.items()}
+    return merge_inline(s.base_dir, s.task_dirs, method_name, flags, **kw)
 
 
 def _expected(s, method: str, out_dtype: torch.dtype | None = None, **kw) -> dict[str, bytes]:
@@ -107,10 +75,32 @@ def test_out_dtype_from_fp8_inputs_in_the_kernels(sets, decoded):
     assert decoded == []
 
 
-def test_a_method_that_reads_values_still_gets_them_decoded(sets, decoded):
-    """TIES's kernels read float32 values: the FP8 inputs are dequantized for them, and the
-    bytes are the eager path's (`test_fp8_checkpoints` checks them against the rule)."""
+@pytest.mark.parametrize("method", ["ties", "della", "multislerp"])
+def test_every_method_s_kernels_read_fp8_as_stored(sets, decoded, method):
+    """TIES's, DELLA's and the geometric blend's kernels read the FP8 inputs as stored too
+    (the geometric methods' Gram round takes decoded values): in the map pass no FP8 input is
+    dequantized into a float32 copy, and the bytes are the eager path's, which dequantizes
+    them (`test_fp8_checkpoints` checks those against the rule). bf16 output: FP8 output
+    from a method other than RAM is requantized from the merged values and the base's."""
     s = sets["fp8-base-bf16-agent"]
-    got = _merge_inline(s, "ties", parameters={"density": 0.5})
+    params = {"parameters": {"weight": 0.6} if method == "multislerp" else {"density": 0.5}}
+    starts: list[int] = []  # where each pass starts in `decoded`
+
+    def mark(name: str) -> None:
+        starts.append(len(decoded))
+
+    got = _merge_inline(s, method, on_pass=mark, out_dtype="bfloat16", **params)
+    assert decoded[starts[-1] :] == []  # the map pass decoded nothing
+    if method != "multislerp":
+        assert decoded == []
+    assert got == _merge_inline(s, method, worker.EAGER, out_dtype="bfloat16", **params)
+    assert sum(decoded) > 0  # the eager path did
+
+
+def test_a_method_that_reads_values_still_gets_them_decoded(sets, decoded):
+    """model_stock's fused statistics are numpy sums of float32 task vectors: the FP8 inputs
+    are dequantized for it, and the bytes are the eager path's."""
+    s = sets["fp8-base-bf16-agent"]
+    got = _merge_inline(s, "model_stock", out_dtype="bfloat16")
     assert sum(decoded) > 0
-    assert got == _merge_inline(s, "ties", worker.EAGER, parameters={"density": 0.5})
+    assert got == _merge_inline(s, "model_stock", worker.EAGER, out_dtype="bfloat16")

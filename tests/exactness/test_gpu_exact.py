@@ -20,6 +20,7 @@ import torch
 from builders import DTYPE_SETS, build_model_set
 from method_cases import case_id, case_parameters, every_method, task_count
 
+from ram_dist.methods.protocol import Eager
 from ram_dist.methods.registry import METHODS
 
 pytestmark = pytest.mark.skipif(
@@ -30,12 +31,17 @@ pytestmark = pytest.mark.skipif(
 
 #: One row of a 64-wide bf16 tensor is 128 bytes: many units a tensor.
 BUDGET = 64 * 2**10
-#: The FP8 cases: the first method that reads FP8 as stored in its kernels, and the first
-#: that decodes it first (`fp8_kernels`).
+#: The FP8 cases: the first method whose kernels read FP8 as stored and write it
+#: (`writes_fp8`), the first that reads it as stored and leaves the engine to requantize, and
+#: the first with fused kernels that decodes it first (`reads_stored`).
 FP8_METHODS = [
-    next(n for n, m in METHODS.items() if getattr(m, "fp8_kernels", False)),
-    next(n for n, m in METHODS.items() if not getattr(m, "fp8_kernels", False)),
-]
+    next(n for n, m in METHODS.items() if getattr(m, "writes_fp8", False)),
+    next(n for n, m in METHODS.items()
+         if getattr(m, "reads_stored", False) and not getattr(m, "writes_fp8", False)),
+    next(n for n, m in METHODS.items()
+         if not getattr(m, "reads_stored", False)
+         and type(m).fused_statistics is not Eager.fused_statistics),
+]  # fmt: skip
 
 
 def _merged(base: Path, tasks, out: Path, device: str, kernels: str, **kw) -> dict[str, bytes]:

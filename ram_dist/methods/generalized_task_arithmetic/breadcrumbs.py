@@ -153,6 +153,8 @@ class Breadcrumbs(MergekitRule, Eager):
     label: str = ""
     summary: str = ""
     reference: str = "Davari and Belilovsky 2023"
+    reads_stored: bool = True
+    """Its kernels (`ties_numba`) read quantized inputs as stored."""
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:

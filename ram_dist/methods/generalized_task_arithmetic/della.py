@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
+from ram_dist.kernels import precision
 from ram_dist.methods.generalized_task_arithmetic import combine, dare, rng, topk
 from ram_dist.methods.parameters import (
     DELLA_EPSILON,
@@ -143,6 +144,8 @@ class Della(MergekitRule, Eager):
     label: str = ""
     summary: str = ""
     reference: str = "Deep et al. 2024"
+    reads_stored: bool = True
+    """Its kernels (`della_numba`) read quantized inputs as stored."""
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -301,7 +304,7 @@ class Della(MergekitRule, Eager):
 
         base, *tasks = inputs
         stats = della_numba.statistics(
-            base, tasks, **self._kernel_tasks(chunk, params, base.shape[0])
+            base, tasks, **self._kernel_tasks(chunk, params, precision.value_count(base))
         )
         return {chunk.tensor: stats}, None
 
@@ -323,8 +326,9 @@ class Della(MergekitRule, Eager):
         weights = [float(w) for w in params["weight"]]
         factors = state["tensors"][chunk.tensor].get("factors") or [None] * len(weights)
         base, *tasks = inputs
+        size = precision.value_count(base)  # a stored form's too
         della_numba.merge(
-            base, tasks, out, **self._kernel_tasks(chunk, params, base.shape[0]), factors=factors,
+            base, tasks, out, **self._kernel_tasks(chunk, params, size), factors=factors,
             weights=weights, consensus=self.consensus, normalize=bool(params["normalize"]),
             divisor=weight_sum(weights), lambda_=float(params["lambda"]), bf16_nan=bf16_nan,
         )  # fmt: skip

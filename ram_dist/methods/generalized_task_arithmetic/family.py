@@ -83,6 +83,8 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
     reference: str = ""
     summary: str = ""
     tall: bool = False  # mergekitty's consensus_*: TALL masks (`tall`), lambda their threshold
+    reads_stored: bool = True
+    """Its kernels (`ties_numba`) read quantized inputs as stored."""
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:

@@ -163,6 +163,8 @@ class Nuslerp(SpanMethod):
             return super().fused_statistics(round_, chunk, inputs, params, state, count_nonfinite)
         import numpy as np
 
+        if any(precision.is_stored(x) for x in inputs):
+            return None  # the eager rule decodes them (see `SpanMethod.fused_statistics`)
         vectors = np.stack(precision.task_vectors(list(inputs))[1])
         pairs = [(0, 0), (1, 1), (0, 1)]
         stats = columns.fused_column_sums(vectors, pairs, column_count(chunk.shape))

@@ -162,6 +162,9 @@ class SpanMethod(MergekitRule, Eager):
     columns)."""
 
     rounds: int = 1
+    reads_stored: bool = True
+    """The blend kernel (`blend_numba`) reads quantized inputs as stored; the Gram round,
+    which needs every vector's float32 values, takes decoded ones (`fused_statistics`)."""
     adds_base: bool = False
     """Whether the base is added to the blend (the vectors are task vectors)."""
     blends: str = "deltas"
@@ -187,9 +190,13 @@ class SpanMethod(MergekitRule, Eager):
         count_nonfinite: bool,
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """The Gram statistic by the fused kernel on the raw arrays (base first); None where
-        numba is missing (the eager rule then runs)."""
+        numba is missing or an input is a quantized one's stored form (the eager rule then
+        runs, on the decoded values: the Gram is of float32 vectors, a copy of every input
+        either way)."""
         import numpy as np
 
+        if any(precision.is_stored(x) for x in inputs):
+            return None
         if self.blends == "deltas":
             vectors = precision.task_vectors(list(inputs))[1]  # float32, the eager rule's
         elif self.blends == "pair":

@@ -1,0 +1,85 @@
+"""The worker functions run inline (no Ray) on a gpt-oss MXFP4 base, a compressed-tensors
+INT base (INT4 groups with zero points, INT8 per channel, INT4 per tensor) and a
+compressed-tensors FP8 base (per channel, per tensor), with bf16 agents, kernels on: TIES's,
+DELLA's and the geometric blend's kernels read the base as stored
+(`MergeMethod.reads_stored`), so in the map pass (and in TIES's and DELLA's rounds) no
+quantized input is decoded into a copy (its source's `decode` is never called), and the
+bytes are those of the eager path, which decodes it (`exactness/test_mxfp4_bases.py` and
+`test_compressed_bases.py` check those against references). A method whose fused statistics
+take decoded values (model_stock) still decodes them. (Block FP8: `test_fp8_in_kernels.py`.)"""
+
+from __future__ import annotations
+
+import pytest
+from compressed_models import FP8_SCHEMES, INT_SCHEMES
+from compressed_models import build_set as build_compressed
+from inline_passes import FUSED, merge_inline
+from mxfp4_models import build_set as build_gptoss
+
+from ram_dist.engine import worker
+from ram_dist.planning.packed_sources import PackedIntSource
+from ram_dist.planning.sources import Fp8Source, Mxfp4Source
+
+pytest.importorskip("numba")
+
+#: Each format's base and the source class that decodes it.
+FORMATS = {
+    "mxfp4": (lambda root: build_gptoss(root, (0.01, 0.01)), Mxfp4Source),
+    "int": (lambda root: build_compressed(root, INT_SCHEMES, (0.01, 0.01)), PackedIntSource),
+    "fp8-channel": (lambda root: build_compressed(root, FP8_SCHEMES, (0.01, 0.01)), Fp8Source),
+}
+#: Parameters that make the methods select (TIES's four rounds, DELLA's sampling), and
+#: multislerp's required weight.
+PARAMETERS = {
+    "ties": {"density": 0.5}, "della": {"density": 0.5, "epsilon": 0.1, "seed": 3},
+    "multislerp": {"weight": 0.6},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def quantized_set(request, tmp_path_factory):
+    build, source = FORMATS[request.param]
+    return build(tmp_path_factory.mktemp(request.param)), source
+
+
+@pytest.fixture
+def decoded(quantized_set, monkeypatch) -> list[int]:
+    """Elements of the base's quantized tensors decoded into copies, counted."""
+    counts: list[int] = []
+    source = quantized_set[1]
+    decode = source.decode
+
+    def counting(self, start, stop, read, floats, base):
+        counts.append(stop - start)
+        return decode(self, start, stop, read, floats, base)
+
+    monkeypatch.setattr(source, "decode", counting)
+    return counts
+
+
+def _merge(s, method: str, flags: worker.WorkFlags = FUSED, **kw) -> dict[str, bytes]:
+    parameters = PARAMETERS.get(method, {})
+    return merge_inline(s.base_dir, s.agent_dirs, method, flags, parameters=parameters, **kw)
+
+
+@pytest.mark.parametrize("method", ["ties", "della", "multislerp"])
+def test_the_kernels_read_the_base_as_stored(quantized_set, decoded, method):
+    s, _ = quantized_set
+    starts: list[int] = []  # where each pass starts in `decoded`
+
+    def mark(name: str) -> None:
+        starts.append(len(decoded))
+
+    got = _merge(s, method, on_pass=mark, out_dtype="bfloat16")
+    assert decoded[starts[-1] :] == []  # the map pass decoded nothing
+    if method != "multislerp":  # its Gram round takes decoded values
+        assert decoded == []
+    assert got == _merge(s, method, worker.EAGER, out_dtype="bfloat16")
+    assert sum(decoded) > 0  # the eager path did
+
+
+def test_a_method_whose_statistics_take_values_still_decodes(quantized_set, decoded):
+    s, _ = quantized_set
+    got = _merge(s, "model_stock", out_dtype="bfloat16")
+    assert sum(decoded) > 0
+    assert got == _merge(s, "model_stock", worker.EAGER, out_dtype="bfloat16")

@@ -1,0 +1,156 @@
+"""Every method whose fused kernels read quantized inputs as stored
+(`MergeMethod.reads_stored`), on a block FP8 base, an MXFP4 base and an INT4 base with bf16
+agents (`support/stored_forms.py`): its reduce rounds and map pass, chunk by chunk as the
+engine runs them, give on the stored form exactly the statistics and the bytes they give on
+the decoded copy, and those of the eager rule; the kernels were compiled for the stored form
+(their dispatchers hold a signature whose base is the stored form's tuple), so no decoded
+copy reached them; and the fused kernels take the same chunks on both.
+
+Which methods read the stored form is a claim checked here too: every method with fused
+kernels does, but those whose fused statistics are numpy sums of float32 vectors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from method_cases import case_id, case_parameters, every_method, task_count
+from stored_forms import BASES, bf16_agents, run_method
+
+from ram_dist.methods.protocol import Eager
+from ram_dist.methods.registry import METHODS
+from ram_dist.planning.config import MergeConfig
+from ram_dist.planning.tensor_params import resolve_all
+
+numba = pytest.importorskip("numba")
+
+from ram_dist.kernels import (  # noqa: E402
+    blend_numba,
+    della_numba,
+    ram_numba,
+    ties_numba,
+    views,
+)
+from ram_dist.methods.generalized_task_arithmetic.breadcrumbs import Breadcrumbs  # noqa: E402
+from ram_dist.methods.generalized_task_arithmetic.della import Della  # noqa: E402
+from ram_dist.methods.generalized_task_arithmetic.family import TaskArithmeticFamily  # noqa: E402
+from ram_dist.methods.geometric.span import SpanMethod  # noqa: E402
+from ram_dist.methods.ram import RamMethod  # noqa: E402
+
+#: The kernels each kind of method calls: (its reduce rounds', its map pass's).
+KERNELS = {
+    RamMethod: (ram_numba._count_kernel, ram_numba._merge_kernel),
+    TaskArithmeticFamily: (ties_numba._stats_kernel, ties_numba._merge_kernel),
+    Breadcrumbs: (ties_numba._stats_kernel, None),
+    Della: (della_numba._stats_kernel, della_numba._merge_kernel),
+    SpanMethod: (None, blend_numba._blend_kernel),
+}
+#: Methods with fused kernels that take decoded values: their statistics are exact sums of
+#: float32 task vectors made in numpy (`model_stock.fused_gram`), a copy either way.
+DECODED = {"model_stock", "sce"}
+
+STORED = [case for case in every_method() if METHODS[case[0]].reads_stored]
+
+
+def _fused(name: str) -> bool:
+    """Whether a method has fused kernels (overrides Eager's refusals)."""
+    kind = type(METHODS[name])
+    return kind.fused_statistics is not Eager.fused_statistics or kind.fuses is not Eager.fuses
+
+
+def test_every_method_with_fused_kernels_reads_the_stored_form_but_the_numpy_sums():
+    fused = {name for name in METHODS if _fused(name)}
+    stored = {name for name, m in METHODS.items() if m.reads_stored}
+    assert stored == fused - DECODED
+    assert {name for name, m in METHODS.items() if m.writes_fp8} <= {
+        name for name, m in METHODS.items() if isinstance(m, RamMethod)
+    }
+
+
+def _params(name: str, n: int) -> dict:
+    config = MergeConfig(
+        base="b", tasks=tuple(f"t{i}" for i in range(n)), out="o", method=name,
+        parameters=case_parameters(name),
+    )  # fmt: skip
+    return resolve_all(config, METHODS[name], ["w"])["w"]
+
+
+def _kernels_of(name: str) -> tuple:
+    method = METHODS[name]
+    for kind, kernels in KERNELS.items():
+        if isinstance(method, kind):
+            return kernels
+    raise AssertionError(f"{name} reads the stored form: name its kernels in KERNELS here")
+
+
+def _compiled_for(kernel, inputs) -> bool:
+    """Whether `kernel` holds a specialization whose inputs (its first argument) have the
+    numba type of `inputs` as the kernels' wrappers make them."""
+    want = numba.typeof(views.kernel_inputs(inputs[0], inputs[1:]))
+    return any(sig[0] == want for sig in kernel.signatures)
+
+
+@pytest.fixture(scope="module", params=list(BASES))
+def base(request):
+    return BASES[request.param]()
+
+
+@pytest.mark.parametrize("case", STORED, ids=case_id)
+def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case):
+    name, _ = case
+    method = METHODS[name]
+    n = task_count(name, 3)
+    params = _params(name, n)
+    agents = bf16_agents(base, n, seed=5)
+    # chunks of one step (band, expert, row), then of the rest: whole rows for DELLA too
+    bounds = [0, base.step, base.numel]
+    got = {mode: run_method(method, params, base, agents, bounds, mode)
+           for mode in ("stored", "decoded", "eager")}  # fmt: skip
+    for mode in ("decoded", "eager"):
+        assert got["stored"].merged == got[mode].merged, f"stored vs {mode}"
+        assert len(got["stored"].totals) == len(got[mode].totals)
+        for mine, theirs in zip(got["stored"].totals, got[mode].totals, strict=True):
+            assert mine.keys() == theirs.keys()
+            for key in mine:
+                np.testing.assert_array_equal(mine[key], theirs[key], err_msg=f"{mode} {key}")
+    stored, decoded = got["stored"], got["decoded"]
+    assert stored.fused_merges == decoded.fused_merges
+    if isinstance(method, SpanMethod):  # its Gram round takes decoded values
+        assert stored.fused_rounds == 0
+    else:
+        assert stored.fused_rounds == decoded.fused_rounds
+    if method.fuses(params):
+        assert stored.fused_merges == len(bounds) - 1
+    # the kernels that ran were compiled for the stored form, not handed a decoded copy
+    first = [base.stored(0, base.step), *(a[: base.step] for a in agents)]
+    stats_kernel, merge_kernel = _kernels_of(name)
+    if stored.fused_rounds:
+        assert _compiled_for(stats_kernel, first)
+    if stored.fused_merges:
+        assert _compiled_for(merge_kernel, first)
+
+
+def test_no_fma_in_the_kernels_compiled_for_stored_forms(base):
+    """TIES's, DELLA's and the blend's code for a stored base has no FMA: every signature of
+    theirs with a stored base this process used, compiled here (uncached)."""
+    from numba import njit, types
+
+    from ram_dist.kernels import primitives
+
+    agents = bf16_agents(base, 2, seed=7)
+    stored = base.stored(0, base.numel)
+    out = np.empty(base.numel, np.uint16)
+    ties_numba.statistics(stored, agents, ties_numba.HIGH, 1 << 15)
+    ties_numba.merge(stored, agents, out, weights=[0.5, 0.25], keep=[2, 0], cuts=[(0, -1)] * 2,
+                     start=0, consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
+    kw = dict(start=0, groups=(base.numel, 1), stream_keys=[1, None], densities=[0.5, 1.0],
+              epsilons=[0.1, 0.1])  # fmt: skip
+    della_numba.statistics(stored, agents, **kw)
+    della_numba.merge(stored, agents, out, **kw, factors=[1.5, None], weights=[0.5, 0.25],
+                      consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
+    blend_numba.blend(stored, agents, out, mode=blend_numba.DELTAS, factors=[0.3, 0.7])
+    for kernel in (*ties_numba.KERNELS, *della_numba.KERNELS, *blend_numba.KERNELS):
+        fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
+        for sig in kernel.signatures:
+            if isinstance(sig[0][0], types.BaseTuple):  # a stored base
+                fresh.compile(sig)
+        assert fresh.signatures and ram_numba.fma_findings(fresh) == [], kernel
