@@ -14,9 +14,9 @@ stored too, with bfloat16 tasks; other mixed dtypes are not warmed), 1 to `--tas
 and every output dtype a merge kernel writes (those three and float64), the LoRA product in
 each dtype, the exact sums of products, the first reduce round's precision check, and
 MXFP4's and packed INT4/INT8's decoding (the eager path's); arcee_fusion's kernels for one
-task only (it merges one model). All of it is 1379 specializations (586 of them, all but the decoding, the
-quantized and FP8 bases' other kernels and model_stock's, sce's and arcee_fusion's kernels,
-took 1,464 s on one core of the development machine).
+task only (it merges one model). All of it is 1379 specializations (586 of them, all but
+the decoding, the quantized and FP8 bases' other kernels and model_stock's, sce's and
+arcee_fusion's kernels, took 1,464 s on one core of the development machine).
 
 The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
 beside the kernel modules when that is writable, else numba's user-wide cache directory

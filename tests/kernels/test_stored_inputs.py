@@ -164,9 +164,9 @@ def test_no_fma_in_the_kernels_compiled_for_stored_forms(base):
                     threshold=1 << 20, start=0)  # fmt: skip
     imp = arcee_numba.importance(stored, agents[0], base.shape[-1])
     arcee_numba.merge(stored, agents[0], imp, 1e-4, out)
-    kernels = (*ties_numba.KERNELS, *della_numba.KERNELS, *blend_numba.KERNELS,
-               *sce_numba.KERNELS, arcee_numba._importance_kernel, arcee_numba._merge_kernel)
-    for kernel in kernels:
+    arcee = (arcee_numba._importance_kernel, arcee_numba._merge_kernel)
+    kernels = (*ties_numba.KERNELS, *della_numba.KERNELS, *blend_numba.KERNELS, *sce_numba.KERNELS)
+    for kernel in (*kernels, *arcee):
         fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
         for sig in kernel.signatures:
             if isinstance(sig[0][0], types.BaseTuple):  # a stored base
