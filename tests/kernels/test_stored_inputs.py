@@ -172,3 +172,17 @@ def test_no_fma_in_the_kernels_compiled_for_stored_forms(base):
             if isinstance(sig[0][0], types.BaseTuple):  # a stored base
                 fresh.compile(sig)
         assert fresh.signatures and ram_numba.fma_findings(fresh) == [], kernel
+
+
+def test_model_stock_filter_wise_takes_decoded_values_for_its_row_sums(base):
+    """filter_wise's ratios are exact sums of each row's float32 task vectors: on a stored
+    form its fused map pass declines and the eager rule runs on the decoded values, with the
+    decoded copy's bytes (which the kernel merges)."""
+    method = METHODS["model_stock"]
+    params = _params("model_stock", 3) | {"filter_wise": True}
+    agents = bf16_agents(base, 3, seed=9)
+    bounds = [0, base.step, base.numel]
+    got = {mode: run_method(method, params, base, agents, bounds, mode)
+           for mode in ("stored", "decoded", "eager")}  # fmt: skip
+    assert got["stored"].merged == got["decoded"].merged == got["eager"].merged
+    assert got["stored"].fused_merges == 0 and got["decoded"].fused_merges == len(bounds) - 1
