@@ -21,8 +21,22 @@ from numba import njit, types
 from numba.extending import intrinsic, register_jitable
 
 from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.primitives import OPTIONS, TILE, base_rows, bits, load_tile_bases, store
-from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
+from ram_dist.kernels.primitives import (
+    OPTIONS,
+    TILE,
+    base_rows,
+    bits,
+    load_tile_bases,
+    size_of,
+    store,
+)
+from ram_dist.kernels.views import (
+    ArrayLike,
+    input_size,
+    kernel_inputs,
+    kernel_output,
+    torch_bf16_nan,
+)
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -156,7 +170,7 @@ def _softmax(v: np.ndarray, length: int, width: int, e: np.ndarray, out: np.ndar
 def _importance_kernel(inputs, length, imp):  # noqa: ANN001, ANN201
     """imp[:] = float32 `|b - a| * kl` of the chunk's whole rows of `length` (inputs: the
     base, then the model)."""
-    n = inputs[0].size
+    n = size_of(inputs[0])
     rows = base_rows(inputs)
     buf = np.empty((3, length), np.uint32)  # `load_tile_bases`' rows, one row of the tensor
     vals = buf.view(np.float32)
@@ -187,7 +201,7 @@ def _importance_kernel(inputs, length, imp):  # noqa: ANN001, ANN201
 @njit(cache=True, **OPTIONS)
 def _merge_kernel(inputs, imp, limit, out, nan_bits):  # noqa: ANN001, ANN201
     """out[:] = `a + (b - a) * (imp >= limit)` cast to out's dtype."""
-    n = inputs[0].size
+    n = size_of(inputs[0])
     rows = base_rows(inputs)
     buf = np.empty((3, TILE), np.uint32)
     vals = buf.view(np.float32)
@@ -240,7 +254,7 @@ def histogram(imp: np.ndarray, high_bins: list[int]) -> np.ndarray:
 def importance(base: ArrayLike, task: ArrayLike, length: int) -> np.ndarray:
     """float32 importances of a chunk of whole rows of `length` (flat)."""
     arrays = kernel_inputs(base, [task])
-    n = arrays[0].size
+    n = input_size(arrays[0])
     if length < 1 or n % length:
         raise ValueError(f"{n} elements are not whole rows of {length}")
     imp = np.empty(n, np.float32)
@@ -259,7 +273,7 @@ def merge(
     """Write `a + (b - a) * (imp >= limit)` into `out` (the output's raw array: bfloat16 as
     uint16); `limit` is a float32 value."""
     arrays = kernel_inputs(base, [task])
-    target = kernel_output(out, arrays[0].size)
+    target = kernel_output(out, input_size(arrays[0]))
     nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
     _merge_kernel(arrays, np.asarray(imp, np.float32), np.float32(limit), target, nan_bits)
 

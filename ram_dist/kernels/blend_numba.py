@@ -106,7 +106,7 @@ def blend(
 def _stock_kernel(inputs, ts, row, out, nan_bits):  # noqa: ANN001, ANN201
     """out[:] = model_stock's blend of `inputs` (base first) with `ts[k]` the ratio of the
     elements [k * row, (k + 1) * row), cast to out's dtype."""
-    n = inputs[0].size
+    n = size_of(inputs[0])
     ntasks = len(inputs) - 1
     buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
     vals = buf.view(np.float32)
@@ -157,10 +157,11 @@ def stock(
     """Write model_stock's blend into `out` (the output's raw array: bfloat16 as uint16).
     `ts` are float32 values: one per `row` elements (None: one for all)."""
     arrays = kernel_inputs(base, tasks)
-    target = kernel_output(out, arrays[0].size)
-    size = arrays[0].size if row is None else row
-    if len(ts) * max(size, 1) < arrays[0].size:
-        raise ValueError(f"{len(ts)} ratios for {arrays[0].size} elements in rows of {size}")
+    n = input_size(arrays[0])
+    target = kernel_output(out, n)
+    size = n if row is None else row
+    if len(ts) * max(size, 1) < n:
+        raise ValueError(f"{len(ts)} ratios for {n} elements in rows of {size}")
     nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
     _stock_kernel(arrays, np.asarray(ts, np.float32), max(size, 1), target, nan_bits)
 

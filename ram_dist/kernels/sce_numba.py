@@ -32,9 +32,16 @@ from ram_dist.kernels.primitives import (
     base_rows,
     bits,
     load_tile_bases,
+    size_of,
     store,
 )
-from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_output, torch_bf16_nan
+from ram_dist.kernels.views import (
+    ArrayLike,
+    input_size,
+    kernel_inputs,
+    kernel_output,
+    torch_bf16_nan,
+)
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -49,7 +56,7 @@ def _merge_kernel(inputs, select, threshold, index_cut, start, weights, out, nan
     """out[:] = sce's merge of `inputs` (base first) cast to out's dtype (see the module);
     `threshold` and `index_cut` (-1: none) are the variance cut's, `start` the flat index of
     the first element."""
-    n = inputs[0].size
+    n = size_of(inputs[0])
     ntasks = len(inputs) - 1
     buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
     vals = buf.view(np.float32)
@@ -139,7 +146,7 @@ def merge(
     are float32 values; `select` is SELECT_*, with the cut's `threshold` key and `index_cut`
     (None: every key equal to the threshold is kept) for SELECT_CUT."""
     arrays = kernel_inputs(base, tasks)
-    target = kernel_output(out, arrays[0].size)
+    target = kernel_output(out, input_size(arrays[0]))
     if len(weights) != len(arrays) - 1:
         raise ValueError(f"{len(weights)} weights for {len(arrays) - 1} tasks")
     nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan

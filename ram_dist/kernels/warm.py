@@ -8,16 +8,15 @@ of tasks, per dtype of each input and per output dtype, about a second each, in 
 worker process that finds it in no cache (loading one takes about 10 ms). This calls every
 kernel through its public wrapper, on tiny inputs, so that the signatures are exactly those
 a job meets: base and tasks of one dtype (bfloat16, float16, float32, and fine-grained FP8,
-which every method's kernels read as stored (but model_stock's, sce's and arcee_fusion's,
-which take decoded values), and RAM's can write again, with FP8 or bfloat16 tasks; an MXFP4
-or packed INT base with bfloat16 values, `quantized`, which they read as stored too, with
-bfloat16 tasks; other mixed dtypes are not warmed), 1 to `--tasks` tasks, and every output
-dtype a merge kernel writes (those three and float64), the LoRA product in each dtype, the
-exact sums of products, the first reduce round's precision check, and MXFP4's and packed
-INT4/INT8's decoding (the eager path's); arcee_fusion's kernels for one task only (it merges
-one model). All of it is 1172 specializations (586 of them, all but the decoding, the
-quantized and FP8 bases' other kernels and model_stock's, sce's and arcee_fusion's kernels,
-took 1,464 s on one core of the development machine).
+which every method's kernels read as stored and RAM's can write again, with FP8 or bfloat16
+tasks; an MXFP4 or packed INT base with bfloat16 values, `quantized`, which they read as
+stored too, with bfloat16 tasks; other mixed dtypes are not warmed), 1 to `--tasks` tasks,
+and every output dtype a merge kernel writes (those three and float64), the LoRA product in
+each dtype, the exact sums of products, the first reduce round's precision check, and
+MXFP4's and packed INT4/INT8's decoding (the eager path's); arcee_fusion's kernels for one
+task only (it merges one model). All of it is 1379 specializations (586 of them, all but
+the decoding, the quantized and FP8 bases' other kernels and model_stock's, sce's and
+arcee_fusion's kernels, took 1,464 s on one core of the development machine).
 
 The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
 beside the kernel modules when that is writable, else numba's user-wide cache directory
@@ -57,7 +56,6 @@ OUT_DTYPES = {INFO[d].short: INFO[d].torch for d in WRITES}
 TASKS = 8
 EPS = 1e-5
 N = 16  # elements per input
-_IMP = np.zeros(N, np.float32)  # arcee_fusion's importances
 
 
 def dispatchers() -> dict[str, Any]:
@@ -97,15 +95,7 @@ def calls(
     """(dispatcher, label, call) for every specialization to warm."""
     import torch
 
-    from ram_dist.kernels import (
-        arcee_numba,
-        blend_numba,
-        lora_numba,
-        precision_numba,
-        ram_numba,
-        scan_numba,
-        sce_numba,
-    )
+    from ram_dist.kernels import lora_numba, precision_numba, ram_numba, scan_numba
 
     for name in dtypes:
         if name == FP8:
@@ -120,9 +110,6 @@ def calls(
             label = f"{name} x {n}"
             counts = partial(ram_numba.overlap_counts_nonfinite, base, agents, EPS)
             yield ram_numba._count_kernel, label, counts
-            if n == 1:  # arcee_fusion's importances (one model; rows of 4)
-                imp = partial(arcee_numba.importance, base, agents[0], 4)
-                yield arcee_numba._importance_kernel, label, imp
             if name == "float32":  # a float32 base's precision check (16-bit bases have none)
                 check = partial(precision_numba.check_counts, [base, *agents], EPS)
                 yield precision_numba._check_kernel, label, check
@@ -130,14 +117,6 @@ def calls(
                 out = torch.empty(N, dtype=getattr(torch, out_name))
                 ram = partial(ram_numba.merge_ram, base, agents, EPS, [1.0] * n, out)
                 yield ram_numba._merge_kernel, f"{label} -> {out_name}", ram
-                # model_stock's, sce's and arcee_fusion's kernels (decoded values only)
-                stock = partial(blend_numba.stock, base, agents, out, ts=[0.5])
-                yield blend_numba._stock_kernel, f"{label} -> {out_name}", stock
-                sce = partial(sce_numba.merge, base, agents, out, weights=[1.0] * n)
-                yield sce_numba._merge_kernel, f"{label} -> {out_name}", sce
-                if n == 1:  # arcee_fusion's selection (one model)
-                    pick = partial(arcee_numba.merge, base, agents[0], _IMP, 0.5, out)
-                    yield arcee_numba._merge_kernel, f"{label} -> {out_name}", pick
             yield from _method_calls(base, agents, label, out_dtypes)
     # The finiteness scan reads raw bits: one specialization per width (float64 included).
     for name in ("bfloat16", "float32", "float64"):
@@ -189,10 +168,11 @@ def _method_calls(
 ) -> Iterator[tuple[Any, str, Callable[[], Any]]]:
     """The kernels of the methods other than RAM on one base and its agents (any form the
     kernels read: arrays, or a quantized base as stored): TIES's and DELLA's statistics,
-    and their merges and the geometric methods' blend into each output dtype."""
+    arcee_fusion's importances (one model), and their merges, the geometric methods' blend,
+    model_stock's and sce's merges into each output dtype."""
     import torch
 
-    from ram_dist.kernels import blend_numba, della_numba, ties_numba
+    from ram_dist.kernels import arcee_numba, blend_numba, della_numba, sce_numba, ties_numba
 
     n, size = len(agents), int(base.numel() if isinstance(base, torch.Tensor) else base.size)
     ties_args = dict(
@@ -206,6 +186,9 @@ def _method_calls(
     yield ties_numba._stats_kernel, label, stats
     della_stats = partial(della_numba.statistics, base, agents, **della_args)
     yield della_numba._stats_kernel, label, della_stats
+    if n == 1:  # arcee_fusion's importances (one model; rows of 4)
+        imp = partial(arcee_numba.importance, base, agents[0], 4)
+        yield arcee_numba._importance_kernel, label, imp
     for out_name in out_dtypes:
         out = torch.empty(size, dtype=getattr(torch, out_name))
         ties = partial(ties_numba.merge, base, agents, out, **ties_args)
@@ -219,6 +202,14 @@ def _method_calls(
             weights=[1.0] * n, consensus=True, normalize=True, divisor=1.0, lambda_=1.0,
         )  # fmt: skip
         yield della_numba._merge_kernel, f"{label} -> {out_name}", della
+        stock = partial(blend_numba.stock, base, agents, out, ts=[0.5])
+        yield blend_numba._stock_kernel, f"{label} -> {out_name}", stock
+        sce = partial(sce_numba.merge, base, agents, out, weights=[1.0] * n)
+        yield sce_numba._merge_kernel, f"{label} -> {out_name}", sce
+        if n == 1:  # arcee_fusion's selection (one model)
+            imp = np.zeros(size, np.float32)
+            pick = partial(arcee_numba.merge, base, agents[0], imp, 0.5, out)
+            yield arcee_numba._merge_kernel, f"{label} -> {out_name}", pick
 
 
 def _fp8_calls(tasks: int, out_dtypes: list[str]) -> Iterator[tuple[Any, str, Callable[[], Any]]]:

@@ -14,7 +14,7 @@ Computed here:
   (`rows.tree_sums`): IEEE operations only, so every device gives the same bits; then
   rounded to float32 once. `I` is then one float32 product, as in mergekit. On the CPU the
   fused kernel (`kernels/arcee_numba.py`) takes the same steps, for both rounds and the map
-  pass.
+  pass, reading quantized inputs as stored (`reads_stored`).
 * The three quantiles are exact selections over the whole tensor, by counting: round 0
   histograms the top 16 bits of an order-preserving key of each float32 `I`, round 1 the
   low 16 bits within the bins that hold the three ranks. T is taken on the driver in
@@ -130,6 +130,9 @@ class ArceeFusion(MergekitRule, Eager):
     task_counts: tuple[int, int | None] = (1, 1)
     rounds: int = 2
     parameters: tuple[Parameter, ...] = ()
+    reads_stored: bool = True
+    """Its kernels (`arcee_numba`: the importances of both rounds and the map pass) read
+    quantized inputs as stored."""
 
     @property
     def description(self) -> str:

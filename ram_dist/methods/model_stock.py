@@ -11,7 +11,9 @@ Computed here:
   N squared norms and the N(N-1)/2 dot products of the task vectors. The driver takes the
   cosines, their mean and t once per tensor in float64 (Python `math`), and rounds t to
   float32 once; the map pass is element-wise with that t (`1 - t` in float32, as torch
-  computes it), on the CPU by the fused kernel (`blend_numba.stock`, with filter_wise too).
+  computes it), on the CPU by the fused kernel (`blend_numba.stock`, with filter_wise too),
+  which reads quantized inputs as stored (`reads_stored`; the round's sums and filter_wise's
+  row sums take decoded values).
 * `filter_wise`: t per row (mergekit's `dim=-1`; a 1-D tensor is one row). The tensor's
   units hold whole rows (`whole_rows`), so each chunk takes its rows' sums itself, exactly
   (`rows.gram_rows`: numba's row Gram kernel, or `math.fsum`), and each row's t in float64
@@ -114,6 +116,10 @@ class ModelStock(MergekitRule, Eager):
     reference: str = "Jang et al. 2024"
     rounds: int = 1
     rounds_note: str = "model_stock reads nothing in its round for filter_wise (t per row)"
+    reads_stored: bool = True
+    """The map pass's kernel (`blend_numba.stock`) reads quantized inputs as stored; the
+    Gram round and filter_wise's row sums, which need every task vector's float32 values,
+    take decoded ones (`fused_statistics`, `fused_merge` decline a stored form)."""
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -161,7 +167,11 @@ class ModelStock(MergekitRule, Eager):
         count_nonfinite: bool,
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """The round's exact sums by `exact_sums.gram`'s vectorized kernel, bin for
-        bin `chunk_statistics`'; None where numba is not installed."""
+        bin `chunk_statistics`'; None where numba is not installed or an input is a
+        quantized one's stored form (the eager rule then runs, on the decoded values: the
+        sums are of float32 task vectors, a copy of every input either way)."""
+        if any(precision.is_stored(x) for x in inputs):
+            return None
         stats = fused_gram(inputs, pairs(len(inputs) - 1))
         return None if stats is None else ({chunk.tensor: stats}, None)
 
@@ -175,8 +185,10 @@ class ModelStock(MergekitRule, Eager):
         bf16_nan: int | None = None,
     ) -> bool:
         """`merge_chunk` cast to the output's dtype by `blend_numba.stock`, op for op the
-        eager `blend`; filter_wise's ratios from the exact sums of the chunk's rows by
-        `exact_sums.row_gram`'s kernel (the integers `rows.gram_rows` reads)."""
+        eager `blend`, the inputs as stored; filter_wise's ratios from the exact sums of
+        the chunk's rows by `exact_sums.row_gram`'s kernel (the integers `rows.gram_rows`
+        reads), which takes float32 task vectors: False there for a stored form (the eager
+        rule runs on the decoded values)."""
         from ram_dist import kernels
 
         kernel = kernels.numba_module("blend_numba")
@@ -187,6 +199,8 @@ class ModelStock(MergekitRule, Eager):
             t = state["t"][chunk.tensor]
             kernel.stock(base, tasks, out, ts=[float(t)], bf16_nan=bf16_nan)
             return True
+        if any(precision.is_stored(x) for x in inputs):
+            return False
         import numpy as np
 
         length = rows.row_length(tuple(chunk.shape))
@@ -203,7 +217,8 @@ class ModelStock(MergekitRule, Eager):
         return True
 
     def fuses(self, params: TensorParams) -> bool:
-        """The kernels take every chunk (filter_wise's ratios from each chunk's rows)."""
+        """The kernels take every chunk (filter_wise's ratios from each chunk's rows), but
+        filter_wise's of a quantized input as stored (its rows' sums take decoded values)."""
         return True
 
     def finalize(

@@ -25,7 +25,8 @@ Computed here:
   rounded to float32 once. mergekit sums in float32, so its weights may differ by an ulp.
 * The map pass is element-wise float32, mergekit's expression op by op (task sums in task
   order, as torch's `sum(dim=0)` adds up to 4 tasks); on the CPU by the fused kernel
-  (`kernels/sce_numba.py`), the variance selection included.
+  (`kernels/sce_numba.py`), the variance selection included, which reads quantized inputs
+  as stored (`reads_stored`; the rounds take decoded values).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
+from ram_dist.kernels import precision
 from ram_dist.methods import exact_sums
 from ram_dist.methods.generalized_task_arithmetic import topk
 from ram_dist.methods.generalized_task_arithmetic.combine import ordered_sum, task_vectors
@@ -120,6 +122,10 @@ class SCE(MergekitRule, Eager):
         "sce's rounds 2-3 read only where the variance cut falls inside equal variances; "
         "without selection only one round runs"
     )
+    reads_stored: bool = True
+    """The map pass's kernel (`sce_numba.merge`) reads quantized inputs as stored; the
+    rounds' sums of squares and variances, numpy and torch sums of float32 task vectors,
+    take decoded ones (`fused_statistics` declines a stored form)."""
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -223,9 +229,11 @@ class SCE(MergekitRule, Eager):
         count_nonfinite: bool,
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """Without selection, the sums of squares by `exact_sums.gram`'s kernel, bin for bin
-        `chunk_statistics`'; None otherwise (the variance rounds run eagerly)."""
+        `chunk_statistics`'; None otherwise (the variance rounds run eagerly) and for a
+        quantized input's stored form (the eager rule then runs on the decoded values: the
+        sums are of float32 task vectors, a copy of every input either way)."""
         info = state["tensors"][chunk.tensor]
-        if info["select"]:
+        if info["select"] or any(precision.is_stored(x) for x in inputs):
             return None
         n = len(inputs) - 1
         stats = fused_gram(inputs, [(t, t) for t in range(n)])
@@ -241,7 +249,7 @@ class SCE(MergekitRule, Eager):
         bf16_nan: int | None = None,
     ) -> bool:
         """`merge_chunk` cast to the output's dtype by `sce_numba.merge`, op for op the
-        eager rule, the variance selection included."""
+        eager rule, the variance selection included, the inputs as stored."""
         from ram_dist import kernels
 
         kernel = kernels.numba_module("sce_numba")

@@ -2,9 +2,10 @@
 RAM's kernels read every FP8 input as stored and write the FP8 output themselves, so no
 input is ever dequantized into a float32 copy (`Fp8Source.decode` is never called), and the
 bytes are the spec's reference's (`fp8_reference`), for an FP8 base with FP8 or bf16
-agents, a bf16 base with FP8 agents, and `out_dtype`. TIES's, DELLA's and the geometric
-blend's kernels read them as stored too (`MergeMethod.reads_stored`), with the eager path's
-bytes; a method whose fused statistics take float32 values (model_stock) still gets them
+agents, a bf16 base with FP8 agents, and `out_dtype`. TIES's, DELLA's, the geometric
+blend's, model_stock's, sce's and arcee_fusion's kernels read them as stored too
+(`MergeMethod.reads_stored`), with the eager path's bytes; a round whose fused statistics are
+sums of float32 values (the geometric methods', model_stock's, sce's) still gets them
 decoded."""
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ def decoded(monkeypatch) -> list[int]:
 
 
 def _merge_inline(s, method_name: str, flags=FUSED, **kw) -> dict[str, bytes]:
-    """Both passes, unit by unit in this process; the output tensors' bytes by name."""
-    return merge_inline(s.base_dir, s.task_dirs, method_name, flags, **kw)
+    """Both passes, unit by unit in this process; the output tensors' bytes by name
+    (arcee_fusion merges the first task only: it takes one model)."""
+    tasks = s.task_dirs[:1] if method_name == "arcee_fusion" else s.task_dirs
+    return merge_inline(s.base_dir, tasks, method_name, flags, **kw)
 
 
 def _expected(s, method: str, out_dtype: torch.dtype | None = None, **kw) -> dict[str, bytes]:
@@ -75,15 +78,23 @@ def test_out_dtype_from_fp8_inputs_in_the_kernels(sets, decoded):
     assert decoded == []
 
 
-@pytest.mark.parametrize("method", ["ties", "della", "multislerp"])
+#: Each method's parameters here (selecting ones where it has them).
+PARAMETERS = {
+    "ties": {"density": 0.5}, "della": {"density": 0.5}, "multislerp": {"weight": 0.6},
+    "model_stock": {}, "sce": {"select_topk": 0.5}, "arcee_fusion": {},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("method", list(PARAMETERS))
 def test_every_method_s_kernels_read_fp8_as_stored(sets, decoded, method):
-    """TIES's, DELLA's and the geometric blend's kernels read the FP8 inputs as stored too
-    (the geometric methods' Gram round takes decoded values): in the map pass no FP8 input is
-    dequantized into a float32 copy, and the bytes are the eager path's, which dequantizes
-    them (`test_fp8_checkpoints` checks those against the rule). bf16 output: FP8 output
-    from a method other than RAM is requantized from the merged values and the base's."""
+    """Every method's kernels read the FP8 inputs as stored too (the reduce rounds of the
+    geometric methods, model_stock and sce, sums of float32 vectors, take decoded values): in
+    the map pass no FP8 input is dequantized into a float32 copy, and the bytes are the eager
+    path's, which dequantizes them (`test_fp8_checkpoints` checks those against the rule).
+    bf16 output: FP8 output from a method other than RAM is requantized from the merged
+    values and the base's."""
     s = sets["fp8-base-bf16-agent"]
-    params = {"parameters": {"weight": 0.6} if method == "multislerp" else {"density": 0.5}}
+    params = {"parameters": PARAMETERS[method]}
     starts: list[int] = []  # where each pass starts in `decoded`
 
     def mark(name: str) -> None:
@@ -91,16 +102,9 @@ def test_every_method_s_kernels_read_fp8_as_stored(sets, decoded, method):
 
     got = _merge_inline(s, method, on_pass=mark, out_dtype="bfloat16", **params)
     assert decoded[starts[-1] :] == []  # the map pass decoded nothing
-    if method != "multislerp":
+    if method in ("multislerp", "model_stock", "sce"):  # their rounds' sums: decoded values
+        assert sum(decoded) > 0
+    else:
         assert decoded == []
     assert got == _merge_inline(s, method, worker.EAGER, out_dtype="bfloat16", **params)
-    assert sum(decoded) > 0  # the eager path did
-
-
-def test_a_method_that_reads_values_still_gets_them_decoded(sets, decoded):
-    """model_stock's fused statistics are numpy sums of float32 task vectors: the FP8 inputs
-    are dequantized for it, and the bytes are the eager path's."""
-    s = sets["fp8-base-bf16-agent"]
-    got = _merge_inline(s, "model_stock", out_dtype="bfloat16")
-    assert sum(decoded) > 0
-    assert got == _merge_inline(s, "model_stock", worker.EAGER, out_dtype="bfloat16")
+    assert sum(decoded[starts[-1] :]) > 0  # the eager path did

@@ -1,12 +1,13 @@
 """The worker functions run inline (no Ray) on a gpt-oss MXFP4 base, a compressed-tensors
 INT base (INT4 groups with zero points, INT8 per channel, INT4 per tensor) and a
 compressed-tensors FP8 base (per channel, per tensor), with bf16 agents, kernels on: TIES's,
-DELLA's and the geometric blend's kernels read the base as stored
-(`MergeMethod.reads_stored`), so in the map pass (and in TIES's and DELLA's rounds) no
-quantized input is decoded into a copy (its source's `decode` is never called), and the
-bytes are those of the eager path, which decodes it (`exactness/test_mxfp4_bases.py` and
-`test_compressed_bases.py` check those against references). A method whose fused statistics
-take decoded values (model_stock) still decodes them. (Block FP8: `test_fp8_in_kernels.py`.)"""
+DELLA's, the geometric blend's, model_stock's, sce's and arcee_fusion's kernels read the base
+as stored (`MergeMethod.reads_stored`), so in the map pass (and in TIES's, DELLA's and
+arcee_fusion's rounds) no quantized input is decoded into a copy (its source's `decode` is
+never called), and the bytes are those of the eager path, which decodes it
+(`exactness/test_mxfp4_bases.py` and `test_compressed_bases.py` check those against
+references). A round whose fused statistics take decoded values (the geometric methods',
+model_stock's and sce's sums) still decodes them. (Block FP8: `test_fp8_in_kernels.py`.)"""
 
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ FORMATS = {
 #: multislerp's required weight.
 PARAMETERS = {
     "ties": {"density": 0.5}, "della": {"density": 0.5, "epsilon": 0.1, "seed": 3},
-    "multislerp": {"weight": 0.6},
+    "multislerp": {"weight": 0.6}, "sce": {"select_topk": 0.5},
 }  # fmt: skip
+#: Methods whose rounds take decoded values (exact sums or variances of float32 vectors).
+ROUNDS_DECODED = {"multislerp", "model_stock", "sce"}
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))
@@ -59,10 +62,13 @@ def decoded(quantized_set, monkeypatch) -> list[int]:
 
 def _merge(s, method: str, flags: worker.WorkFlags = FUSED, **kw) -> dict[str, bytes]:
     parameters = PARAMETERS.get(method, {})
-    return merge_inline(s.base_dir, s.agent_dirs, method, flags, parameters=parameters, **kw)
+    agents = s.agent_dirs[:1] if method == "arcee_fusion" else s.agent_dirs  # one model
+    return merge_inline(s.base_dir, agents, method, flags, parameters=parameters, **kw)
 
 
-@pytest.mark.parametrize("method", ["ties", "della", "multislerp"])
+@pytest.mark.parametrize(
+    "method", ["ties", "della", "multislerp", "model_stock", "sce", "arcee_fusion"]
+)
 def test_the_kernels_read_the_base_as_stored(quantized_set, decoded, method):
     s, _ = quantized_set
     starts: list[int] = []  # where each pass starts in `decoded`
@@ -72,14 +78,9 @@ def test_the_kernels_read_the_base_as_stored(quantized_set, decoded, method):
 
     got = _merge(s, method, on_pass=mark, out_dtype="bfloat16")
     assert decoded[starts[-1] :] == []  # the map pass decoded nothing
-    if method != "multislerp":  # its Gram round takes decoded values
+    if method in ROUNDS_DECODED:  # its rounds' sums take decoded values
+        assert sum(decoded) > 0
+    else:
         assert decoded == []
     assert got == _merge(s, method, worker.EAGER, out_dtype="bfloat16")
-    assert sum(decoded) > 0  # the eager path did
-
-
-def test_a_method_whose_statistics_take_values_still_decodes(quantized_set, decoded):
-    s, _ = quantized_set
-    got = _merge(s, "model_stock", out_dtype="bfloat16")
-    assert sum(decoded) > 0
-    assert got == _merge(s, "model_stock", worker.EAGER, out_dtype="bfloat16")
+    assert sum(decoded[starts[-1] :]) > 0  # the eager path did

@@ -5,7 +5,7 @@ the package's directory nor the user's cache directory can be written.
 
 Every case runs in subprocesses with a cache directory of its own (numba reads
 `NUMBA_CACHE_DIR` once, at import); a small subset is warmed (bfloat16 and FP8, 1 and 2
-tasks, bfloat16 out: 67 specializations) to keep this fast.
+tasks, bfloat16 out: 79 specializations) to keep this fast.
 """
 
 from __future__ import annotations
@@ -41,11 +41,9 @@ FLOAT32_KERNELS = (
     "exact_sums_numba.gram", "exact_sums_numba.row_gram", "column_sums_numba.column_gram",
     "mxfp4_numba._decode", "int_packed_numba._decode", "arcee_numba._histogram_kernel",
 )  # fmt: skip
-#: Kernels warmed as the merge kernels are (1 and 2 tasks), which the job does not call.
-UNCALLED = ("blend_numba._blend_kernel",)
-#: model_stock's and sce's merge kernels (decoded values only: bf16, 1 and 2 tasks), which the
-#: job does not call.
-DECODED = ("blend_numba._stock_kernel", "sce_numba._merge_kernel")
+#: Kernels warmed as the merge kernels are (1 and 2 tasks), which the job does not call: the
+#: geometric methods' blend, model_stock's and sce's merges.
+UNCALLED = ("blend_numba._blend_kernel", "blend_numba._stock_kernel", "sce_numba._merge_kernel")
 #: arcee_fusion's kernels (one model: warmed for 1 task only), which the job does not call.
 ONE_MODEL = ("arcee_numba._importance_kernel", "arcee_numba._merge_kernel")
 #: RAM's kernels, which the job also calls on FP8 inputs as stored, and the one that writes
@@ -54,7 +52,8 @@ RAM_KERNELS = ("ram_numba._count_kernel", "ram_numba._merge_kernel")
 #: TIES's statistics, which the job also calls on the FP8 base as stored.
 TIES_STATS = "ties_numba._stats_kernel"
 #: Every method's kernels that read an FP8 base as stored (1 and 2 tasks more each, FP8 or
-#: bfloat16 tasks of the FP8 base), `MergeMethod.reads_stored`.
+#: bfloat16 tasks of the FP8 base; arcee_fusion's, `ONE_MODEL`, 1 task),
+#: `MergeMethod.reads_stored`.
 STORED_KERNELS = (*RAM_KERNELS, *(k for k in KERNELS if k.startswith(("ties", "della"))), *UNCALLED)
 FP8_OUT = "ram_numba._merge_fp8_kernel"
 #: The first reduce round's precision check: an FP8 base's (a bfloat16 base has none), with
@@ -127,20 +126,19 @@ def test_warm_compiles_into_the_cache_dir(warmed):
     cache, result = warmed
     assert result.returncode == 0, result.stderr
     assert f"numba cache: {cache}" in result.stdout
-    # 1 and 2 tasks of each kernel (RAM's, TIES's, DELLA's and the blend's three times: bf16,
-    # FP8, and bf16 tasks of an FP8 base); the scan's three widths (16, 32, 64 bits); LoRA's
-    # bf16 and its bf16 over an FP8 base's float32; one of each exact-sums kernel (float32);
-    # the FP8 base's check.
+    # 1 and 2 tasks of each kernel (RAM's, TIES's, DELLA's, the blend's, model_stock's and
+    # sce's three times: bf16, FP8, and bf16 tasks of an FP8 base; arcee_fusion's for 1 task,
+    # three times); the scan's three widths (16, 32, 64 bits); LoRA's bf16 and its bf16 over
+    # an FP8 base's float32; one of each exact-sums kernel (float32); the FP8 base's check.
     assert summary(result.stdout) == {
         **{k: (3 if k == "scan_numba._count" else 2, 0) for k in KERNELS},
         **{k: (6, 0) for k in STORED_KERNELS},
         FP8_OUT: (4, 0),
         CHECK: (4, 0),
         **{k: (1, 0) for k in FLOAT32_KERNELS},
-        **{k: (2, 0) for k in DECODED},
-        **{k: (1, 0) for k in ONE_MODEL},
+        **{k: (3, 0) for k in ONE_MODEL},
     }
-    assert "67 specializations" in result.stdout and "0 failed" in result.stdout
+    assert "79 specializations" in result.stdout and "0 failed" in result.stdout
     for kernel in (*KERNELS, FP8_OUT):
         assert list(cache.glob(f"*/{kernel}-*.nbi")), kernel
         assert list(cache.glob(f"*/{kernel}-*.nbc")), kernel
@@ -154,7 +152,7 @@ def test_a_later_job_loads_the_warmed_kernels_instead_of_compiling(warmed):
     job, after = (json.loads(line) for line in result.stdout.splitlines()[-2:])
     # Each kernel was called with one signature (RAM's and TIES's statistics with two: bf16
     # inputs, and the FP8 inputs as stored), found in the cache: no compilation.
-    uncalled = (*FLOAT32_KERNELS, *UNCALLED, *DECODED, *ONE_MODEL)
+    uncalled = (*FLOAT32_KERNELS, *UNCALLED, *ONE_MODEL)
     assert job == {
         **{k: [1, 0] for k in KERNELS}, **{k: [2, 0] for k in (*RAM_KERNELS, TIES_STATS)},
         FP8_OUT: [1, 0], **{k: [0, 0] for k in (*uncalled, CHECK)},

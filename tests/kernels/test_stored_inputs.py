@@ -7,7 +7,8 @@ the decoded copy, and those of the eager rule; the kernels were compiled for the
 copy reached them; and the fused kernels take the same chunks on both.
 
 Which methods read the stored form is a claim checked here too: every method with fused
-kernels does, but those whose fused statistics are numpy sums of float32 vectors."""
+kernels does (a round whose fused statistics are numpy sums of float32 vectors declines the
+stored form, and the eager rule takes the decoded values)."""
 
 from __future__ import annotations
 
@@ -24,17 +25,22 @@ from ram_dist.planning.tensor_params import resolve_all
 numba = pytest.importorskip("numba")
 
 from ram_dist.kernels import (  # noqa: E402
+    arcee_numba,
     blend_numba,
     della_numba,
     ram_numba,
+    sce_numba,
     ties_numba,
     views,
 )
+from ram_dist.methods.arcee_fusion import ArceeFusion  # noqa: E402
 from ram_dist.methods.generalized_task_arithmetic.breadcrumbs import Breadcrumbs  # noqa: E402
 from ram_dist.methods.generalized_task_arithmetic.della import Della  # noqa: E402
 from ram_dist.methods.generalized_task_arithmetic.family import TaskArithmeticFamily  # noqa: E402
 from ram_dist.methods.geometric.span import SpanMethod  # noqa: E402
+from ram_dist.methods.model_stock import ModelStock  # noqa: E402
 from ram_dist.methods.ram import RamMethod  # noqa: E402
+from ram_dist.methods.sce import SCE  # noqa: E402
 
 #: The kernels each kind of method calls: (its reduce rounds', its map pass's).
 KERNELS = {
@@ -43,10 +49,14 @@ KERNELS = {
     Breadcrumbs: (ties_numba._stats_kernel, None),
     Della: (della_numba._stats_kernel, della_numba._merge_kernel),
     SpanMethod: (None, blend_numba._blend_kernel),
+    ModelStock: (None, blend_numba._stock_kernel),
+    SCE: (None, sce_numba._merge_kernel),
+    ArceeFusion: (arcee_numba._importance_kernel, arcee_numba._merge_kernel),
 }
-#: Methods with fused kernels that take decoded values: their statistics are exact sums of
-#: float32 task vectors made in numpy (`model_stock.fused_gram`), a copy either way.
-DECODED = {"model_stock", "sce"}
+#: Methods whose fused rounds decline the stored form: their statistics are exact sums of
+#: float32 vectors made in numpy (the Gram matrix, `model_stock.fused_gram`), a copy either
+#: way, so the eager rule takes the decoded values there.
+ROUNDS_DECODED = (SpanMethod, ModelStock, SCE)
 
 STORED = [case for case in every_method() if METHODS[case[0]].reads_stored]
 
@@ -57,10 +67,10 @@ def _fused(name: str) -> bool:
     return kind.fused_statistics is not Eager.fused_statistics or kind.fuses is not Eager.fuses
 
 
-def test_every_method_with_fused_kernels_reads_the_stored_form_but_the_numpy_sums():
+def test_every_method_with_fused_kernels_reads_the_stored_form():
     fused = {name for name in METHODS if _fused(name)}
     stored = {name for name, m in METHODS.items() if m.reads_stored}
-    assert stored == fused - DECODED
+    assert stored == fused
     assert {name for name, m in METHODS.items() if m.writes_fp8} <= {
         name for name, m in METHODS.items() if isinstance(m, RamMethod)
     }
@@ -114,7 +124,7 @@ def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case):
                 np.testing.assert_array_equal(mine[key], theirs[key], err_msg=f"{mode} {key}")
     stored, decoded = got["stored"], got["decoded"]
     assert stored.fused_merges == decoded.fused_merges
-    if isinstance(method, SpanMethod):  # its Gram round takes decoded values
+    if isinstance(method, ROUNDS_DECODED):  # its rounds' sums take decoded values
         assert stored.fused_rounds == 0
     else:
         assert stored.fused_rounds == decoded.fused_rounds
@@ -130,8 +140,9 @@ def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case):
 
 
 def test_no_fma_in_the_kernels_compiled_for_stored_forms(base):
-    """TIES's, DELLA's and the blend's code for a stored base has no FMA: every signature of
-    theirs with a stored base this process used, compiled here (uncached)."""
+    """TIES's, DELLA's, the blend's, model_stock's, sce's and arcee_fusion's code for a
+    stored base has no FMA: every signature of theirs with a stored base this process used,
+    compiled here (uncached)."""
     from numba import njit, types
 
     from ram_dist.kernels import primitives
@@ -148,9 +159,30 @@ def test_no_fma_in_the_kernels_compiled_for_stored_forms(base):
     della_numba.merge(stored, agents, out, **kw, factors=[1.5, None], weights=[0.5, 0.25],
                       consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
     blend_numba.blend(stored, agents, out, mode=blend_numba.DELTAS, factors=[0.3, 0.7])
-    for kernel in (*ties_numba.KERNELS, *della_numba.KERNELS, *blend_numba.KERNELS):
+    blend_numba.stock(stored, agents, out, ts=[0.3])
+    sce_numba.merge(stored, agents, out, weights=[0.6, 0.4], select=sce_numba.SELECT_CUT,
+                    threshold=1 << 20, start=0)  # fmt: skip
+    imp = arcee_numba.importance(stored, agents[0], base.shape[-1])
+    arcee_numba.merge(stored, agents[0], imp, 1e-4, out)
+    arcee = (arcee_numba._importance_kernel, arcee_numba._merge_kernel)
+    kernels = (*ties_numba.KERNELS, *della_numba.KERNELS, *blend_numba.KERNELS, *sce_numba.KERNELS)
+    for kernel in (*kernels, *arcee):
         fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
         for sig in kernel.signatures:
             if isinstance(sig[0][0], types.BaseTuple):  # a stored base
                 fresh.compile(sig)
         assert fresh.signatures and ram_numba.fma_findings(fresh) == [], kernel
+
+
+def test_model_stock_filter_wise_takes_decoded_values_for_its_row_sums(base):
+    """filter_wise's ratios are exact sums of each row's float32 task vectors: on a stored
+    form its fused map pass declines and the eager rule runs on the decoded values, with the
+    decoded copy's bytes (which the kernel merges)."""
+    method = METHODS["model_stock"]
+    params = _params("model_stock", 3) | {"filter_wise": True}
+    agents = bf16_agents(base, 3, seed=9)
+    bounds = [0, base.step, base.numel]
+    got = {mode: run_method(method, params, base, agents, bounds, mode)
+           for mode in ("stored", "decoded", "eager")}  # fmt: skip
+    assert got["stored"].merged == got["decoded"].merged == got["eager"].merged
+    assert got["stored"].fused_merges == 0 and got["decoded"].fused_merges == len(bounds) - 1
