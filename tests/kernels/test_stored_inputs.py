@@ -46,7 +46,7 @@ from ram_dist.methods.sce import SCE  # noqa: E402
 KERNELS = {
     RamMethod: (ram_numba._count_kernel, ram_numba._merge_kernel),
     TaskArithmeticFamily: (ties_numba._stats_kernel, ties_numba._merge_kernel),
-    Breadcrumbs: (ties_numba._stats_kernel, None),
+    Breadcrumbs: (ties_numba._stats_kernel, ties_numba._merge_kernel),
     Della: (della_numba._stats_kernel, della_numba._merge_kernel),
     SpanMethod: (None, blend_numba._blend_kernel),
     ModelStock: (None, blend_numba._stock_kernel),
