@@ -5,23 +5,16 @@ precision (`kernels.lora`, `kernels.precision`), computed by the workers from wh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from ram_dist.dtypes import itemsize
 from ram_dist.kernels import lora, precision
-from ram_dist.planning.sources import Range, Source
+from ram_dist.planning.sources import Arrays, Floats, Range, Source, SourceDefaults
 
 
-class LoraSource(NamedTuple):
-    """A weight of a task given as a LoRA adapter (`planning.adapters`): its value is the
-    base's with the adapter's rank-r product added (`kernels.lora`), rounded to
-    `values_dtype`. A unit reads the rows' factors (`coef`: rows of `B`; for a transposed
-    product, columns of `A`) per block, and the factor every row shares (`basis`: `A`;
-    `B`) once. Its planned bytes per element are the rows' factors', rounded up."""
-
+class _LoraFields(NamedTuple):
     file: str
     """The adapter's weights file."""
     start: int
@@ -46,19 +39,23 @@ class LoraSource(NamedTuple):
     """The adapter's own copy of the base tensor (`base_layer.weight`), which then stands
     for the base's values; None: the base's values."""
 
+
+class LoraSource(_LoraFields, SourceDefaults):
+    """A weight of a task given as a LoRA adapter (`planning.adapters`): its value is the
+    base's with the adapter's rank-r product added (`kernels.lora`), rounded to
+    `values_dtype`. A unit reads the rows' factors (`coef`: rows of `B`; for a transposed
+    product, columns of `A`) per block, and the factor every row shares (`basis`: `A`;
+    `B`) once. Its planned bytes per element are the rows' factors', rounded up."""
+
+    __slots__ = ()
+
+    decoded = True
+
     @property
     def itemsize(self) -> int:
         coef = -(-self.rank * itemsize(self.dtype if not self.transposed else self.a_dtype)
                  // self.cols)  # fmt: skip
         return coef + (self.theta.itemsize if self.theta is not None else 0)
-
-    @property
-    def decoded(self) -> bool:
-        return True
-
-    @property
-    def atomic_rows(self) -> int | None:
-        return None
 
     def _rows(self, start: int, stop: int) -> tuple[int, int]:
         return start // self.cols, -(-stop // self.cols)
@@ -87,16 +84,8 @@ class LoraSource(NamedTuple):
             return [(self.file, self.a_start, self.a_start + n)]
         return [(self.file, self.start, self.start + self.rank * self.cols * itemsize(self.dtype))]
 
-    def encoded(self, start: int, stop: int, read: Sequence[np.ndarray]) -> object | None:
-        return None
-
     def decode(
-        self,
-        start: int,
-        stop: int,
-        read: Sequence[np.ndarray],
-        floats: Callable[[int], np.ndarray],
-        base: np.ndarray,
+        self, start: int, stop: int, read: Arrays, floats: Floats, base: np.ndarray
     ) -> np.ndarray:
         """`cast(float32(theta) + float32(s) * P)`, P in the spec's fixed order, `theta` the
         base at the task's precision."""
@@ -116,10 +105,7 @@ class LoraSource(NamedTuple):
         return lora.values(theta, theta_dtype, coef, basis, scale, start, self.values_dtype, out)
 
 
-class LoraBiasSource(NamedTuple):
-    """A bias of a task given as a LoRA adapter with `lora_bias`: `cast(float32(bias_B) +
-    float32(s) * float32(lora_B.bias))`."""
-
+class _LoraBiasFields(NamedTuple):
     file: str
     start: int
     dtype: str
@@ -129,35 +115,25 @@ class LoraBiasSource(NamedTuple):
     values_dtype: str
     theta: Source | None = None
 
+
+class LoraBiasSource(_LoraBiasFields, SourceDefaults):
+    """A bias of a task given as a LoRA adapter with `lora_bias`: `cast(float32(bias_B) +
+    float32(s) * float32(lora_B.bias))`."""
+
+    __slots__ = ()
+
+    decoded = True
+
     @property
     def itemsize(self) -> int:
-        return itemsize(self.dtype) + (self.theta.itemsize if self.theta is not None else 0)
-
-    @property
-    def decoded(self) -> bool:
-        return True
-
-    @property
-    def atomic_rows(self) -> int | None:
-        return None
+        return super().itemsize + (self.theta.itemsize if self.theta is not None else 0)
 
     def ranges(self, start: int, stop: int) -> list[Range]:
         out = self.theta.ranges(start, stop) if self.theta is not None else []
-        return out + Source(self.file, self.start, self.dtype).ranges(start, stop)
-
-    def unit_ranges(self) -> list[Range]:
-        return []
-
-    def encoded(self, start: int, stop: int, read: Sequence[np.ndarray]) -> object | None:
-        return None
+        return out + super().ranges(start, stop)
 
     def decode(
-        self,
-        start: int,
-        stop: int,
-        read: Sequence[np.ndarray],
-        floats: Callable[[int], np.ndarray],
-        base: np.ndarray,
+        self, start: int, stop: int, read: Arrays, floats: Floats, base: np.ndarray
     ) -> np.ndarray:
         theta, read = _theta(self.theta, read, base)
         theta, theta_dtype = _at_precision(theta, self.theta_dtype, self.values_dtype)
@@ -166,9 +142,7 @@ class LoraBiasSource(NamedTuple):
         return lora.cast(value, self.values_dtype, floats(stop - start).view(np.uint8))
 
 
-def _theta(
-    own: Source | None, read: Sequence[np.ndarray], base: np.ndarray
-) -> tuple[np.ndarray, Sequence[np.ndarray]]:
+def _theta(own: Source | None, read: Arrays, base: np.ndarray) -> tuple[np.ndarray, Arrays]:
     """The base values a LoRA source adds to (the adapter's own copy, read first, or the
     base input's), and the rest of what was read."""
     return (read[0], read[1:]) if own is not None else (base, read)

@@ -13,7 +13,7 @@ for INT4 groups of 32 with bf16 scales).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -21,19 +21,14 @@ import numpy as np
 from ram_dist.dtypes import INFO, itemsize
 from ram_dist.errors import CheckpointError
 from ram_dist.kernels import int_packed, quantized
-from ram_dist.planning.sources import Range
+from ram_dist.planning.sources import Arrays, Floats, Range, SourceDefaults
 
 if TYPE_CHECKING:
     from ram_dist.io.checkpoint import Checkpoint
     from ram_dist.io.storage import Buffer, Storage
 
 
-class PackedIntSource(NamedTuple):
-    """`<name>_packed` (int32 words) with `<name>_scale`, the optional `<name>_zero_point`
-    and `<name>_shape`, whose values are the [rows, cols] tensor `name`. `groups` scales per
-    row (1 per channel), or 0 for one scale of the whole tensor; a zero point's dtype is ""
-    where there is none."""
-
+class _PackedIntFields(NamedTuple):
     file: str
     start: int
     """Where `<name>_packed` lies."""
@@ -53,6 +48,18 @@ class PackedIntSource(NamedTuple):
     cols: int
     groups: int
 
+
+class PackedIntSource(_PackedIntFields, SourceDefaults):
+    """`<name>_packed` (int32 words) with `<name>_scale`, the optional `<name>_zero_point`
+    and `<name>_shape`, whose values are the [rows, cols] tensor `name`. `groups` scales per
+    row (1 per channel), or 0 for one scale of the whole tensor; a zero point's dtype is ""
+    where there is none."""
+
+    __slots__ = ()
+
+    decoded = True
+    atomic_rows = 1
+
     @property
     def itemsize(self) -> float:
         """The bytes of the words, scales and zero points over the elements they hold."""
@@ -69,14 +76,6 @@ class PackedIntSource(NamedTuple):
     @property
     def values_dtype(self) -> str:
         return self.scale_dtype
-
-    @property
-    def decoded(self) -> bool:
-        return True
-
-    @property
-    def atomic_rows(self) -> int | None:
-        return 1
 
     def ranges(self, start: int, stop: int) -> list[Range]:
         """The rows' words, then their scales and zero points (per row or group)."""
@@ -121,9 +120,7 @@ class PackedIntSource(NamedTuple):
         """What `<name>_shape`'s bytes (`raw`, as `shape_range` lies) say."""
         return [int(v) for v in np.frombuffer(raw, INFO[self.shape_dtype].numpy, 2)]
 
-    def encoded(
-        self, start: int, stop: int, read: Sequence[np.ndarray]
-    ) -> quantized.QuantizedValues:
+    def encoded(self, start: int, stop: int, read: Arrays) -> quantized.QuantizedValues:
         """The rows' words, scales and zero points as the kernels read them, decoding each
         value as they load it (`kernels.quantized`): no copy of the values."""
         words, rows, scales, zeros = self._parts(start, stop, read)
@@ -132,12 +129,7 @@ class PackedIntSource(NamedTuple):
         )  # fmt: skip
 
     def decode(
-        self,
-        start: int,
-        stop: int,
-        read: Sequence[np.ndarray],
-        floats: Callable[[int], np.ndarray],
-        base: np.ndarray,
+        self, start: int, stop: int, read: Arrays, floats: Floats, base: np.ndarray
     ) -> np.ndarray:
         """The rows' values in `values_dtype`, as bytes (`kernels.int_packed.decode`)."""
         words, rows, scales, zeros = self._parts(start, stop, read)
@@ -147,7 +139,7 @@ class PackedIntSource(NamedTuple):
         )  # fmt: skip
 
     def _parts(
-        self, start: int, stop: int, read: Sequence[np.ndarray]
+        self, start: int, stop: int, read: Arrays
     ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray | None]:
         """The rows' words (bytes), their count, their scales (float32 [rows or 1, G]) and
         zero points (int16, the same shape; None without), from what `ranges` and

@@ -1,10 +1,12 @@
 """The `TensorSource` protocol's implementations, plain dtypes and FP8 blocks (LoRA's are
-tested in test_lora_sources.py): the ranges
-a unit reads, the values they decode to, the bytes the planner counts and the rows it never
-cuts; and a layout of a third, made-up format planned through the same seam."""
+tested in test_lora_sources.py): the ranges a unit reads, the values they decode to, the bytes
+the planner counts and the rows it never cuts; every source a tuple; and a made-up format,
+made as docs/extending.md says, planned and read through the same seam."""
 
 from __future__ import annotations
 
+import pickle
+import re
 from typing import NamedTuple
 
 import numpy as np
@@ -12,7 +14,13 @@ import pytest
 
 from ram_dist.kernels import fp8
 from ram_dist.planning.layout import Layout, TensorEntry
-from ram_dist.planning.sources import FP8_VALUES_DTYPE, Fp8Source, Source, TensorSource
+from ram_dist.planning.sources import (
+    FP8_VALUES_DTYPE,
+    Fp8Source,
+    Source,
+    SourceDefaults,
+    TensorSource,
+)
 from ram_dist.planning.units import plan_units
 
 #: In the quick tier (`pytest -m quick`).
@@ -61,42 +69,54 @@ def test_an_fp8_source_reads_whole_bands_and_their_scale_rows(scale_dtype):
     assert values.tobytes() == want.astype(np.float32).tobytes()
 
 
-class _Halves(NamedTuple):
-    """A made-up format: F16 elements that read a second range, and rows in pairs."""
-
+class _HalvesFields(NamedTuple):
     file: str
     start: int
     dtype: str = "F16"
 
-    @property
-    def itemsize(self) -> int:
-        return 2
 
-    @property
-    def values_dtype(self) -> str:
-        return "F32"
+class _Halves(_HalvesFields, SourceDefaults):
+    """A made-up format, as docs/extending.md's recipe makes one: F16 elements (the default
+    `itemsize`, 2) that read a second range, decoded to F32, and rows in pairs; no unit
+    ranges, and no stored form a kernel reads (the defaults: the values are decoded first)."""
 
-    @property
-    def decoded(self) -> bool:
-        return True
+    __slots__ = ()
 
-    @property
-    def atomic_rows(self) -> int | None:
-        return 2
+    values_dtype = "F32"
+    decoded = True
+    atomic_rows = 2
 
     def ranges(self, start: int, stop: int) -> list[tuple[str, int, int]]:
         return [(self.file, self.start + 2 * start, self.start + 2 * stop), (self.file, 0, 4)]
-
-    def unit_ranges(self) -> list[tuple[str, int, int]]:
-        return []
-
-    def encoded(self, start, stop, read):
-        return None  # no stored form a kernel reads: the values are decoded first
 
     def decode(self, start, stop, read, floats, base):
         out = floats(stop - start)
         out[:] = read[0].view(np.float16) * read[1].view(np.float32)[0]
         return out.view(np.uint8)
+
+
+def test_a_new_format_says_only_what_differs_from_the_defaults():
+    """What `_Halves` leaves out is the base's: a plain tensor's bytes per element, no unit
+    ranges, no stored form."""
+    src: TensorSource = _Halves("t", 8)
+    assert (src.itemsize, src.unit_ranges(), src.encoded(0, 2, [])) == (2, [], None)
+    assert (src.values_dtype, src.decoded, src.atomic_rows) == ("F32", True, 2)
+
+
+def test_every_source_is_a_tuple_without_a_dict():
+    """Each implementation (and the made-up one) is its fields' NamedTuple with the defaults
+    and empty `__slots__`: no `__dict__` per source, pickled as its fields alone."""
+    import ram_dist.planning.lora_sources  # noqa: F401  (its classes, as subclasses)
+    import ram_dist.planning.packed_sources  # noqa: F401
+
+    classes = SourceDefaults.__subclasses__()
+    assert len(classes) >= 8
+    for cls in classes:
+        assert issubclass(cls, tuple) and cls.__dict__.get("__slots__") == (), cls
+        src = cls(*[0] * len(cls._fields))
+        assert not hasattr(src, "__dict__"), cls
+        again = pickle.loads(pickle.dumps(src))
+        assert type(again) is cls and tuple(again) == tuple(src), cls
 
 
 def test_the_planner_asks_only_the_protocol():
@@ -143,3 +163,23 @@ def test_the_reader_decodes_a_new_format_through_the_seam(tmp_path, monkeypatch)
         assert dtypes == ("F16", "F32")
         assert stored[0] is None and stored[1][0].tobytes() == task[lo:hi].tobytes()
     assert read == [40, 40 + 2 * 4]  # each block read the factor again
+
+
+def test_the_extending_page_names_every_member_and_implementation():
+    """docs/extending.md's "Adding an input format" names each member of `TensorSource` and
+    each implementation in ram_dist (a new one, or a new member, is a line of the page)."""
+    import inspect
+    from pathlib import Path
+
+    import ram_dist.planning.lora_sources  # noqa: F401  (its classes, as subclasses)
+    import ram_dist.planning.packed_sources  # noqa: F401
+
+    root = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+    page = (root / "docs" / "extending.md").read_text()
+    section = page.split("## Adding an input format")[1].split("\n## ")[0]
+    members = [n for n, _ in inspect.getmembers(TensorSource) if not n.startswith("_")]
+    assert {"file", "decode", "encoded", "unit_ranges"} <= set(members)
+    named = set(re.findall(r"`(\w+)", section))
+    assert set(members) <= named, set(members) - named
+    classes = [c.__name__ for c in SourceDefaults.__subclasses__() if c.__module__ != __name__]
+    assert len(classes) == 7 and set(classes) <= named, set(classes) - named
