@@ -17,7 +17,7 @@ import numpy as np
 
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
-from ram_dist.engine.blocks import BlockInputs, BlockStream, band_span, input_count
+from ram_dist.engine.blocks import Block, BlockInputs, BlockStream, band_span, input_count
 from ram_dist.engine.memory import peak_rss
 from ram_dist.engine.unit_results import UnitResult
 from ram_dist.engine.worker import Fused, TaskContext, WorkScope, device, ran_by, worker_context
@@ -183,6 +183,10 @@ class _Making:
     scope: WorkScope
     bytes_read: list[int]
     scale_rows: ScaleRows = field(default_factory=dict)
+    fused: Fused = Fused(False)
+    """Whether the task's blocks may go to the fused kernels (`_merge_into` sets it)."""
+    device: str = "cpu"
+    """Where the task computes (`_merge_into` sets it)."""
 
 
 def _merge_into(
@@ -202,6 +206,8 @@ def _merge_into(
     layout = first.context.layout
     dev = device()
     fused = Fused.of(first.context.flags, dev)
+    for making in makings:
+        making.fused, making.device = fused, dev
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     offsets = list(itertools.accumulate(sizes, initial=0))
     stream, writes = _with_scale_bands(unit.pieces, layout, first.scale_rows)
@@ -218,8 +224,7 @@ def _merge_into(
         lo, hi = at + block.lo * width, at + block.hi * width
         for k, (making, data) in enumerate(zip(makings, outs, strict=True)):
             target = data[lo:hi] if written is not None else None
-            got = _merge_block(making, fused, dev, block, piece, entry, inputs, target,
-                               data.ctypes.data + lo)  # fmt: skip
+            got = _merge_block(making, block, piece, inputs, target)
             if k == 0 and written is not None:
                 fused_elements += got
             if on_block is not None and written is not None:
@@ -229,19 +234,17 @@ def _merge_into(
 
 def _merge_block(
     making: _Making,
-    fused: Fused,
-    dev: str,
-    block: Any,
+    block: Block,
     piece: Piece,
-    entry: TensorEntry,
     inputs: BlockInputs,
     target: np.ndarray | None,
-    address: int,
 ) -> int:
     """One block of one piece into one output's `target` (None: the scales only, of an FP8
     band); returns the elements a fused kernel merged."""
     context, scope, rows = making.context, making.scope, making.scale_rows
     method, params, state, flags = context.method, context.params, context.state, context.flags
+    entry = context.layout.tensors[piece.tensor]
+    fused, dev = making.fused, making.device
     if entry.scale_of is not None:
         assert target is not None
         _scales_into(entry, context.layout.tensors[entry.scale_of], piece, rows, target)
@@ -260,7 +263,7 @@ def _merge_block(
     merged = scope.reads.floats((-1, 0), n) if entry.fp8_out else target
     assert merged is not None
     raw = merged.view(np.uint8)
-    view = _typed(raw, out_dtype, None if entry.fp8_out else address)
+    view = _typed(raw, out_dtype, None if entry.fp8_out or target is None else target.ctypes.data)
     got = 0
     if (
         view is not None

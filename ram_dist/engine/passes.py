@@ -211,7 +211,8 @@ def map_pass(context: PassContext, state: dict[str, Any], output: MapOutput) -> 
     shard's parts already in place are not made again. With the context's input cache, the
     last reader of it, a part runs on its first unit's first node (while that node lives)
     and removes what it reads from the cache there; with `pin_to`, every part runs on that
-    node (`MapOutput`)."""
+    node (`MapOutput`). With `output.also` (a sweep's other variants), each part is made
+    once for every output, from one read, and each output's shard completes on its own."""
     with _devices(context) as on:
         return _map_pass(context, on, state, output)
 

@@ -158,6 +158,7 @@ def _sweep_held(
     for k, (v, manifest) in enumerate(zip(sweep.jobs, manifests, strict=True)):
         measured = [reduce_stats, map_stats]
         report = job_report(v, state["variants"][k], passes, measured, devices, precision)
+        report["unit_budget_bytes"] = job.unit_budget_bytes  # the sweep's, as it ran
         report["input_cache"] = cache_report(job, cache, cache_note)
         report["input_cache"]["nodes_cleaned"] = cleaned
         report["output"] = {

@@ -174,7 +174,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append(f"device: {device['device'] or 'not known yet'} ({device['reason']})")
     sweep = plan.get("sweep")
     if sweep is not None:  # the reads above are the whole sweep's, once for every variant
-        lines.append(f"sweep: {len(sweep['variants'])} variant(s), each read as above once")
+        lines.append(f"sweep: {len(sweep['variants'])} variant(s), all made from the reads above")
         lines += [f"  {v['name']}: {v['out']}" for v in sweep["variants"]]
     out = plan["output"]
     if out is None:
