@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import re
+from importlib import resources
 from pathlib import Path
 
+import jsonschema
 import pytest
 from builders import build_model_set
 
@@ -62,6 +64,7 @@ def test_a_sweep_names_every_variant_of_each_method_s_own_grid(swept):
     on_disk = json.loads((swept["out"] / SWEEP_REPORT_NAME).read_text())
     assert on_disk["variants"] == swept["report"]["variants"]
     assert set(on_disk["passes"]) == {"reduce", "map"}
+    assert on_disk["unit_budget_bytes"] == UNIT // len(names)  # divided among the variants
     for v in on_disk["variants"]:
         assert Path(v["out"]) == swept["out"] / v["name"]
     first = on_disk["variants"][1]
@@ -115,13 +118,18 @@ def test_ram_plus_over_r_and_alpha_counts_once(models):
 
 
 def test_every_variant_verifies_and_loads_in_transformers(swept):
+    """Each variant's folder verifies, holds a report that validates against the report's
+    schema, a model card and the base's config; transformers loads one."""
     from transformers import AutoModelForCausalLM
 
+    text = resources.files("ram_dist").joinpath("report_schema.json").read_text("utf-8")
+    schema = jsonschema.Draft202012Validator(json.loads(text))
     for v in swept["report"]["variants"]:
         result = ram_dist.verify(v["out"])
         assert result.ok and result.shards_checked >= 1, (v["name"], result.problems)
         report = json.loads((Path(v["out"]) / "merge_report.json").read_text())
         assert report["method"] == v["method"]
+        schema.validate(report)
         assert (Path(v["out"]) / "README.md").exists() and (Path(v["out"]) / "config.json").exists()
     model = AutoModelForCausalLM.from_pretrained(swept["report"]["variants"][0]["out"])
     assert sum(p.numel() for p in model.parameters()) > 0
