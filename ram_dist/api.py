@@ -245,7 +245,10 @@ def build_job(
         given["storage_options"] = dict(given["storage_options"])
     if flags is not None:
         method = given.get("method") or file.get("method") or settings.BY_NAME["method"].default
-        parameters, per_task = flags(method, len(given.get("tasks") or file.get("tasks", ())))
+        n_tasks = len(given.get("tasks") or file.get("tasks", ()))
+        parameters, per_task = flags(method, n_tasks)
+        for other in given.get("methods") or file.get("methods") or ():
+            flags(other, n_tasks)  # a sweep: each method refuses a flag it means otherwise
         given["parameters"] = parameters or None
         given["task_parameters"] = tuple(per_task) or None
     return build(file, given)

@@ -71,9 +71,12 @@ def variants(config: MergeConfig) -> list[Variant]:
             }
             label = "-".join([method, *(f"{n}{_text(v)}" for n, v in point.items())])
             given = {k: v for k, v in config.parameters.items() if k in tables[method]}
+            per_task = tuple(
+                {k: v for k, v in p.items() if k in tables[method]} for p in config.task_parameters
+            )
             single = dataclasses.replace(
                 config, method=method, methods=(), grid={}, parameters={**given, **point},
-                out=join(config.out, label),
+                task_parameters=per_task if any(per_task) else (), out=join(config.out, label),
             )  # fmt: skip
             out.append(Variant(label, method, point, single))
     seen = [v.name for v in out]

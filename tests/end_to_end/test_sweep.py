@@ -148,6 +148,7 @@ def _cli(models, out: Path, *extra: str) -> list[str]:
         (["--method", "ram_plus", "--method", "slerp"], "slerp merges exactly one task model"),
         (["--method", "ram_plus", "--grid", "density=0.5"], "grid density: no chosen method"),
         (["--method", "ties", "--grid", "density=half"], "'half' is not a float"),
+        (["--method", "ram_plus", "--method", "della", "--eps", "0.1"], "is --della-epsilon"),
     ],
 )
 def test_a_sweep_it_cannot_make_exits_2_before_any_work(models, tmp_path, capsys, extra, words):
