@@ -82,6 +82,8 @@ def merge(
     input_cache: str | None = None,
     cache_dir: PathLike | None = None,
     log_format: str | None = None,
+    methods: Sequence[str] | None = None,
+    grid: Mapping[str, Sequence[Any]] | None = None,
 ) -> MergeReport:
     """Merge `tasks` into `base`, or run (resume) an unfinished merge into `out`, as
     `ram-dist merge` does; the arguments are `job_config`'s."""
@@ -144,6 +146,8 @@ def plan(
     input_cache: str | None = None,
     cache_dir: PathLike | None = None,
     log_format: str | None = None,
+    methods: Sequence[str] | None = None,
+    grid: Mapping[str, Sequence[Any]] | None = None,
 ) -> PlanReport:
     """Headers only (`ram-dist plan`): every check that needs no tensor data, then what a
     merge would read, run and write. Writes nothing and starts no Ray. The arguments are
@@ -188,6 +192,8 @@ def job_config(
     input_cache: str | None = None,
     cache_dir: PathLike | None = None,
     log_format: str | None = None,
+    methods: Sequence[str] | None = None,
+    grid: Mapping[str, Sequence[Any]] | None = None,
 ) -> MergeConfig:
     """The checked job: `config` (a mergekit YAML file's path, or its keys as a mapping),
     then every argument given over it, as the command line's flags go over the file.
@@ -231,11 +237,18 @@ def build_job(
         given["parameters"] = _parameter_values(given["parameters"]) or None
     if given.get("task_parameters") is not None:
         given["task_parameters"] = tuple(_parameter_values(p) for p in given["task_parameters"])
+    if given.get("methods") is not None:
+        if isinstance(given["methods"], str):
+            raise RamDistError(f"methods must be a list of methods, got one: {given['methods']!r}")
+        given["methods"] = tuple(given["methods"])
     if given.get("storage_options") is not None:
         given["storage_options"] = dict(given["storage_options"])
     if flags is not None:
         method = given.get("method") or file.get("method") or settings.BY_NAME["method"].default
-        parameters, per_task = flags(method, len(given.get("tasks") or file.get("tasks", ())))
+        n_tasks = len(given.get("tasks") or file.get("tasks", ()))
+        parameters, per_task = flags(method, n_tasks)
+        for other in given.get("methods") or file.get("methods") or ():
+            flags(other, n_tasks)  # a sweep: each method refuses a flag it means otherwise
         given["parameters"] = parameters or None
         given["task_parameters"] = tuple(per_task) or None
     return build(file, given)
@@ -251,13 +264,20 @@ def run_merge(config: ConfigSource, *, address: str | None = None) -> MergeRepor
 
     build, address = _source(config, address)
 
-    def checks(held: contextlib.ExitStack) -> tuple[MergeConfig, driver.Claim]:
+    from ram_dist.engine import sweep
+
+    def checks(held: contextlib.ExitStack) -> tuple[MergeConfig, Any]:
         job = build()
+        if job.sweeps:  # many merges for the reads of one (docs/sweeps.md)
+            return job, sweep.sweep_checks(job, held)
         return job, driver.merge_checks(job, held)
 
     with contextlib.ExitStack() as held:  # this run's lease on the output, released last
         with ray_session(address, partial(checks, held)) as (cluster, (job, claim)):
-            report = driver.merge_on(claim, cluster, model_card)
+            if isinstance(claim, sweep.SweepClaim):
+                report = sweep.sweep_on(claim, cluster, model_card)
+            else:
+                report = driver.merge_on(claim, cluster, model_card)
     return MergeReport.of(report, job)
 
 
@@ -276,6 +296,11 @@ def run_probe(
 
     def checks() -> tuple[MergeConfig, Any]:
         job = build()
+        if job.sweeps:
+            raise RamDistError(
+                "probe counts one method's statistics; a sweep (--method more than once, "
+                "--grid) is for merge and plan"
+            )
         return job, driver.probe_checks(job)
 
     with ray_session(address, checks) as (cluster, (job, planned)):
@@ -290,6 +315,10 @@ def run_plan(config: ConfigSource) -> PlanReport:
     from ram_dist.engine import driver
 
     job = _source(config, None)[0]()
+    if job.sweeps:
+        from ram_dist.engine.sweep import sweep_plan
+
+        return PlanReport.of(sweep_plan(job), job)
     return PlanReport.of(driver.plan(job), job)
 
 

@@ -4,7 +4,8 @@ config may set (`mergekit_config`) and `MergeConfig` (`config`) are made from he
 
 Two models, as mergekit's `MergeConfiguration` and `MergeOptions`: `WhatToMerge` decides the
 output's bytes (and so the job's identity, which a resumed run must match); `HowToRun` never
-changes a byte. Adding a setting is one field in one of them (see `docs/extending.md`).
+changes a byte. A third, `SweepOver`, makes one job several (a sweep's variants). Adding a
+setting is one field in one of them (see `docs/extending.md`).
 Pure Python and light: `ram-dist --help` reads it without torch or Ray.
 """
 
@@ -72,6 +73,12 @@ class Setting:
     """The API keyword's type, where it takes more than the field's (a path object)."""
     identity: str | None = None
     """The key of the job's identity that records it (what-to-merge settings only)."""
+    repeat: bool = False
+    """The flag may be given more than once: its values come as a list (a tuple-typed
+    setting's flag always may)."""
+    spill: str | None = None
+    """A repeated flag's values beyond the first go to this other setting, with the first
+    (`--method` twice: a sweep's `methods`); one value sets this setting alone."""
 
 
 #: The default of a setting every job must give (base, tasks).
@@ -96,7 +103,8 @@ def _method_help() -> str:
     from ram_dist.methods import METHODS
 
     listed = [f"{name}: {m.summary.replace('`', '')}" for name, m in METHODS.items()]
-    return "\n".join(["the merge rule, one of the methods below", *listed])
+    first = "the merge rule, one of the methods below (more than once: a sweep)"
+    return "\n".join([first, *listed])
 
 
 def _mib(value: float) -> int:
@@ -126,7 +134,7 @@ class WhatToMerge:
         api_type=Sequence[PathLike], identity="inputs",
     )  # fmt: skip
     method: str = setting(
-        "ram_plus", help=_method_help, flag="--method", identity="method"
+        "ram_plus", help=_method_help, flag="--method", identity="method", spill="methods"
     )  # fmt: skip
     parameters: dict[str, Any] = setting(
         factory=dict, help="the method's parameters by mergekit's names, and defaults for its "
@@ -223,6 +231,53 @@ class HowToRun:
     )  # fmt: skip
 
 
+def parse_grid(given: Sequence[str] | Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+    """`--grid NAME=V1,V2` flags (or the API's mapping of a name to its values) as a
+    mapping of each name to its values, as given (text from the command line: each method
+    reads it as its parameter's kind, `planning.sweep`)."""
+    if isinstance(given, Mapping):
+        out = {}
+        for name, values in given.items():
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+                values = (values,)
+            out[str(name)] = tuple(values)
+    else:
+        out = {}
+        for item in given:
+            name, eq, values = item.partition("=")
+            name = name.strip()
+            if not eq or not name or not values.strip():
+                raise RamDistError(f"--grid takes NAME=V1,V2,...; got {item!r}")
+            if name in out:
+                raise RamDistError(f"--grid {name} given twice: give its values once")
+            out[name] = tuple(v.strip() for v in values.split(","))
+    for name, values in out.items():
+        if not values or any(isinstance(v, str) and not v for v in values):
+            raise RamDistError(f"grid {name}: give one or more values, e.g. {name}=0.1,0.2")
+        if len(set(map(repr, values))) != len(values):
+            raise RamDistError(f"grid {name}: a value is given twice ({list(values)})")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepOver:
+    """A sweep: several merges of the same inputs, made from the reads of one
+    (`docs/sweeps.md`). Each variant is a job of its own (its identity: its method and
+    parameters); these settings say which variants there are."""
+
+    methods: tuple[str, ...] = setting(
+        (), help="a sweep's methods: one output folder per method and grid point (give "
+        "--method more than once)", default_text="the method alone: no sweep",
+        commands=("merge", "plan"), api_type=Sequence[str],
+    )  # fmt: skip
+    grid: dict[str, tuple[Any, ...]] = setting(
+        factory=dict, help="a sweep's grid: every combination of the values of the names "
+        "each method takes, one variant each (repeat per name)", flag="--grid",
+        metavar="NAME=V1,V2", repeat=True, convert=parse_grid, default_text="none",
+        commands=("merge", "plan"), api_type=Mapping[str, Sequence[Any]],
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Declared:
     """One setting as the generators read it: its field's name, type, default and `Setting`."""
@@ -272,8 +327,9 @@ def _default(f: Field[Any]) -> Any:
 
 WHAT = _declared(WhatToMerge)
 HOW = _declared(HowToRun)
-SETTINGS = WHAT + HOW
-"""Every setting, what to merge first."""
+SWEEP = _declared(SweepOver)
+SETTINGS = WHAT + HOW + SWEEP
+"""Every setting, what to merge first, a sweep's last."""
 BY_NAME = {s.name: s for s in SETTINGS}
 #: The mergekit YAML keys that set a setting, with its name.
 YAML_KEYS = {s.meta.yaml_key: s.name for s in SETTINGS if s.meta.yaml_key}

@@ -115,8 +115,8 @@ def _add_job_arguments(p: argparse.ArgumentParser, command: str) -> None:
                 kwargs["metavar"] = (
                     s.meta.metavar or s.meta.flag.lstrip("-").replace("-", "_").upper()
                 )
-            if typing.get_origin(s.type) is tuple:  # a list: the flag once per value
-                kwargs["action"] = "append"
+            if typing.get_origin(s.type) is tuple or s.meta.repeat or s.meta.spill:
+                kwargs["action"] = "append"  # a list: the flag once per value
         p.add_argument(s.meta.flag, **kwargs)
         if s.name == "method":
             _add_parameter_flags(p)
@@ -145,6 +145,10 @@ def config_from_args(args: argparse.Namespace) -> MergeConfig:
     given: dict[str, Any] = {}
     for s in settings.flagged(args.command):
         value = getattr(args, s.name)
+        if value is not None and s.meta.spill is not None:  # `--method` twice: a sweep's
+            if len(value) > 1:
+                given[s.meta.spill] = tuple(value)
+            value = value[0]
         if value is not None and s.meta.convert is not None:
             value = s.meta.convert(value)
         given[s.name] = value
@@ -273,6 +277,11 @@ def _dispatch(args: argparse.Namespace, last: contextlib.ExitStack) -> int:
             print(format_report(report.data))
         return 0
     merged = api.run_merge(build, address=args.address)
+    if merged.config.sweeps:
+        from ram_dist.report.text import format_sweep
+
+        print(format_sweep(dict(merged.data)))
+        return 0
     print(format_merge(merged.data, merged.config.out))
     return 0
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -33,7 +33,7 @@ from ram_dist.engine.shard_book import ShardBook
 from ram_dist.errors import RamDistError
 from ram_dist.io.json_files import MAX_REPORT_BYTES, read_json
 from ram_dist.io.lease import OutputLease
-from ram_dist.io.manifest import save_manifest
+from ram_dist.io.manifest import Manifest, save_manifest
 from ram_dist.io.names import CARD_NAME, MERGEKIT_CONFIG_NAME, REPORT_NAME
 from ram_dist.io.non_weight_files import copy_files, non_weight_files
 from ram_dist.io.sinks import FileSink, OutputSink
@@ -103,9 +103,9 @@ def probe_on(job: Job, cluster: Cluster) -> dict[str, Any]:
         progress = Progress(job.config.log_format)
         context = PassContext(job, cluster, devices=devices, progress=progress)
         method_state, stats = reduce_pass(context)
-        passes = _pass_reports({"reduce": stats})
-        report = _report(job, method_state, passes, [stats], devices, precision_of(job, stats))
-        _warn(progress, report)
+        passes = pass_reports({"reduce": stats})
+        report = job_report(job, method_state, passes, [stats], devices, precision_of(job, stats))
+        warn(progress, report)
         return report
 
 
@@ -238,10 +238,10 @@ def _merge_held(
     map_stats = map_pass(context, method_state, output)
     measured.append(map_stats)
     ran = {"reduce": measured[0], "map": map_stats} if len(measured) == 2 else {"map": map_stats}
-    passes.update(_pass_reports(ran))
+    passes.update(pass_reports(ran))
     cleaned = len(on_every_node(cache.remove)) if cache is not None else 0
 
-    report = _report(job, method_state, passes, measured, devices, manifest.precision)
+    report = job_report(job, method_state, passes, measured, devices, manifest.precision)
     report["input_cache"] = cache_report(job, cache, cache_note)
     report["input_cache"]["nodes_cleaned"] = cleaned
     report["output"] = {
@@ -251,7 +251,28 @@ def _merge_held(
         "shards_reused": done,
         "shards_written": [s for s in manifest.shard_names if s not in done],
     }
-    _warn(progress, report)
+    warn(progress, report)
+    publish(job, manifest, report, card, still_ours)
+    progress.event(
+        "done", output=job.out, method=job.method.name,
+        densities=[t.get("density") for t in report.get("tasks", [])],
+        lambdas=report.get("lambda_applied"), bytes_written=passes["map"]["bytes_written"],
+    )  # fmt: skip
+    return report
+
+
+def publish(
+    job: Job,
+    manifest: Manifest,
+    report: dict[str, Any],
+    card: CardWriter,
+    still_ours: Callable[[], None],
+) -> None:
+    """An output's last files, once its shards are in: the report, `mergekit_config.yml`,
+    the model card, the manifest marked complete, and the index last (a reader never takes
+    a partial result for a model); `still_ours` raises when the lease was lost."""
+    assert job.out is not None
+    config = job.config
     write_json(join(job.out, REPORT_NAME), report, job.storage)
     with AtomicFile(join(job.out, MERGEKIT_CONFIG_NAME), job.storage) as f:
         f.write(render(job).encode())
@@ -265,12 +286,6 @@ def _merge_held(
         weight_map = {t: shard for shard, names_ in job.layout.shards.items() for t in names_}
         total_size = sum(t.nbytes for s in job.layout.shards for t in job.layout.out_tensors(s))
         write_index(job.out, weight_map, total_size, job.storage)
-    progress.event(
-        "done", output=job.out, method=job.method.name,
-        densities=[t.get("density") for t in report.get("tasks", [])],
-        lambdas=report.get("lambda_applied"), bytes_written=passes["map"]["bytes_written"],
-    )  # fmt: skip
-    return report
 
 
 def output_sink(job: Job) -> tuple[OutputSink, str | None]:
@@ -290,10 +305,10 @@ def plan(config: MergeConfig) -> dict[str, Any]:
     """
     with collector.paused():
         job = prepare(config)
-        return plan_report(job, _connected_cluster())
+        return plan_report(job, connected_cluster())
 
 
-def _connected_cluster() -> ConnectedCluster | None:
+def connected_cluster() -> ConnectedCluster | None:
     """The size of the Ray this process is connected to; None when it is connected to none."""
     if not ray.is_initialized():
         return None
@@ -325,7 +340,7 @@ def _finished_report(job: Job) -> dict[str, Any]:
     return report
 
 
-def _pass_reports(ran: dict[str, PassStats]) -> dict[str, dict[str, Any]]:
+def pass_reports(ran: dict[str, PassStats]) -> dict[str, dict[str, Any]]:
     """Each pass's report, in order, with the worker processes it started (that no earlier
     pass of the job had used)."""
     seen: set[str] = set()
@@ -337,7 +352,7 @@ def _pass_reports(ran: dict[str, PassStats]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _warn(progress: Progress, report: Mapping[str, Any]) -> None:
+def warn(progress: Progress, report: Mapping[str, Any]) -> None:
     """The precision check's warnings as `warning` events (the text report prints them)."""
     for line in (report.get("precision") or {}).get("warnings", []):
         progress.event("warning", message=line)
@@ -353,7 +368,7 @@ def precision_of(job: Job, reduce: PassStats) -> dict[str, Any] | None:
     return precision_report(checked.changed, checked.rounding, models, checked_tensors(job.layout))
 
 
-def _report(
+def job_report(
     job: Job,
     method_state: dict[str, Any],
     passes: dict[str, Any],

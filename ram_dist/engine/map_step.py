@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from ram_dist import kernels
 from ram_dist.dtypes import itemsize
-from ram_dist.engine.blocks import BlockInputs, BlockStream, band_span, input_count
+from ram_dist.engine.blocks import Block, BlockInputs, BlockStream, band_span, input_count
 from ram_dist.engine.memory import peak_rss
 from ram_dist.engine.unit_results import UnitResult
 from ram_dist.engine.worker import Fused, TaskContext, WorkScope, device, ran_by, worker_context
@@ -30,18 +31,21 @@ from ram_dist.planning.units import Part, Piece, WorkUnit
 @dataclass(frozen=True)
 class PartWork:
     """One part of an output shard to make and write: its units, in order, and the shard's
-    header when it is part 1."""
+    header when it is part 1; `also`: the same part of each further output, made from the
+    same reads (a sweep's other variants, `TaskContext.method.outputs`)."""
 
     part: Part
     units: tuple[WorkUnit, ...]
     header: bytes
     target: ShardTarget
+    also: tuple[ShardTarget, ...] = ()
 
 
 def map_part(work: PartWork, context: TaskContext) -> UnitResult:
     """Map pass: merge a part's units into this process's reused output buffer, hash them
     (in a thread, unit by unit, while the next unit is merged) and hand the part to its
-    target, which writes it in place (direct) or sends it back (through the driver)."""
+    target, which writes it in place (direct) or sends it back (through the driver). With
+    several outputs, every block read is merged once into each."""
     with worker_context().work() as scope:
         return _map_part(work, context, scope)
 
@@ -52,65 +56,113 @@ def map_part(work: PartWork, context: TaskContext) -> UnitResult:
 HAND_OFF_BYTES = 1 << 20
 
 
+class _ParamsOf(Mapping[str, Any]):
+    """One output's parameters of every tensor, taken from a method of several outputs
+    (`output_params`) as they are asked for."""
+
+    def __init__(self, params: Mapping[str, Any], method: Any, k: int) -> None:
+        self._params, self._method, self._k = params, method, k
+
+    def __getitem__(self, name: str) -> Any:
+        return self._method.output_params(self._params[name], self._k)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
+def output_contexts(context: TaskContext) -> list[TaskContext]:
+    """The context of each output a map task makes: the pass's own, or, for a method that
+    makes several (`outputs`), one per output with that output's method, state and
+    parameters."""
+    outputs = getattr(context.method, "outputs", None)
+    if outputs is None:
+        return [context]
+    return [
+        replace(context, method=m, state=s, params=_ParamsOf(context.params, context.method, k))
+        for k, (m, s) in enumerate(outputs(context.state))
+    ]
+
+
+class _Output:
+    """One output of a map task: its bytes, their digest, and what was handed on so far."""
+
+    def __init__(self, target: ShardTarget, data: np.ndarray, part: Part) -> None:
+        self.target, self.data, self.part = target, data, part
+        self.digest = hashlib.sha256()
+        self.handed = 0
+
+
 def _map_part(work: PartWork, context: TaskContext, scope: WorkScope) -> UnitResult:
-    part, target = work.part, work.target
+    part = work.part
     layout = context.layout
-    making = _Making(context, scope, [0] * input_count(layout))
-    data = scope.output.take(part.size)
+    bytes_read = [0] * input_count(layout)
+    contexts = output_contexts(context)
+    targets = (work.target, *work.also)
+    if len(targets) != len(contexts):
+        raise RuntimeError(f"{len(targets)} targets for {len(contexts)} outputs")
+    outputs = [_Output(t, scope.output.take(part.size, k), part) for k, t in enumerate(targets)]
+    makings = [_Making(c, scope, bytes_read) for c in contexts]
     at = len(work.header)
-    data[:at] = np.frombuffer(work.header, dtype=np.uint8)
-    digest = hashlib.sha256()
+    for o in outputs:
+        o.data[:at] = np.frombuffer(work.header, dtype=np.uint8)
     fused_elements = 0
     queued: list[Future[None]] = []
     clock = scope.clock
     with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-sha256") as behind:
-        handed = [0]  # bytes of the part handed to the thread so far
 
-        def made(hi: int, last: bool = False) -> None:
-            """Bytes [0, hi) of the part are final: hash them (and write them, when the
-            target streams) in the thread, in order, while the next block is merged, once at
-            least `HAND_OFF_BYTES` wait (or at the `last`). A write that failed (a full disk)
-            fails the part here, at a later block."""
-            lo = handed[0]
+        def made(k: int, hi: int, last: bool = False) -> None:
+            """Bytes [0, hi) of output k's part are final: hash them (and write them, when
+            the target streams) in the thread, in order, while the next block is merged,
+            once at least `HAND_OFF_BYTES` wait (or at the `last`). A write that failed (a
+            full disk) fails the part here, at a later block."""
+            o = outputs[k]
+            lo = o.handed
             if hi - lo < HAND_OFF_BYTES and not (last and hi > lo):
                 return
             while queued and queued[0].done():
                 queued.pop(0).result()
-            view = data[lo:hi]
-            queued.append(behind.submit(hash_of, view))
-            if target.streams:
-                queued.append(behind.submit(write_at, part.start + lo, view))
-            handed[0] = hi
+            view = o.data[lo:hi]
+            queued.append(behind.submit(hash_of, o, view))
+            if o.target.streams:
+                queued.append(behind.submit(write_at, o, part.start + lo, view))
+            o.handed = hi
 
-        def hash_of(view: np.ndarray) -> None:
+        def hash_of(o: _Output, view: np.ndarray) -> None:
             with clock.timing("hash_s"):
-                digest.update(view)
+                o.digest.update(view)
 
-        def write_at(offset: int, view: np.ndarray) -> None:
+        def write_at(o: _Output, offset: int, view: np.ndarray) -> None:
             with clock.timing("write_s"):
-                target.write_at(offset, view)
+                o.target.write_at(offset, view)
 
-        made(at)
+        for k in range(len(outputs)):
+            made(k, at)
         for unit in work.units:
             size = unit_out_bytes(unit, layout)
-            out = data[at : at + size]
+            outs = [o.data[at : at + size] for o in outputs]
             fused_elements += _merge_into(
-                unit, making, out, on_block=lambda lo, hi, base=at: made(base + hi)
+                unit, makings, outs, on_block=lambda k, lo, hi, base=at: made(k, base + hi)
             )
             at += size
-        made(at, last=True)
+        for k in range(len(outputs)):
+            made(k, at, last=True)
         with clock.timing("write_wait_s"):
             for step in queued:
                 step.result()
     if at != part.size:
         raise RuntimeError(f"{work.target.url}: part {part.number} made {at} bytes, "
                            f"expected {part.size}")  # fmt: skip
-    with clock.timing("write_wait_s"), clock.timing("write_s"):
-        receipt = target.write(part, data, digest.digest())
+    receipts = []
+    for o in outputs:
+        with clock.timing("write_wait_s"), clock.timing("write_s"):
+            receipts.append(o.target.write(part, o.data, o.digest.digest()))
     return UnitResult(
-        part.units[0] if part.units else -1, None, None, tuple(making.bytes_read), peak_rss(),
+        part.units[0] if part.units else -1, None, None, tuple(bytes_read), peak_rss(),
         fused_elements=fused_elements, peak_private_bytes=scope.memory.note(),
-        receipt=receipt, traffic=scope.traffic.total(),
+        receipt=receipts[0], receipts=tuple(receipts[1:]), traffic=scope.traffic.total(),
         times=clock.times(len(work.units)), **ran_by(),
     )  # fmt: skip
 
@@ -122,42 +174,46 @@ ScaleRows = dict[tuple[str, int], np.ndarray]
 
 @dataclass
 class _Making:
-    """What the units of one part share while they are merged: the pass's context, the
-    task's scope, the bytes read from each input so far, and the new scale rows of the FP8
-    bands merged so far (`ScaleRows`)."""
+    """What the units of one part share while they are merged into one output: the output's
+    context, the task's scope, the bytes read from each input so far (one list for every
+    output: they share the reads), and the new scale rows of the FP8 bands merged so far
+    (`ScaleRows`)."""
 
     context: TaskContext
     scope: WorkScope
     bytes_read: list[int]
     scale_rows: ScaleRows = field(default_factory=dict)
+    fused: Fused = Fused(False)
+    """Whether the task's blocks may go to the fused kernels (`_merge_into` sets it)."""
+    device: str = "cpu"
+    """Where the task computes (`_merge_into` sets it)."""
 
 
 def _merge_into(
     unit: WorkUnit,
-    making: _Making,
-    data: np.ndarray,
-    on_block: Callable[[int, int], None] | None = None,
+    makings: list[_Making],
+    outs: list[np.ndarray],
+    on_block: Callable[[int, int, int], None] | None = None,
 ) -> int:
-    """Merge a unit's pieces into `data` (its output bytes); returns the elements a fused
-    kernel merged. `making.bytes_read[i]` grows by what is read from input i; `on_block(lo,
-    hi)` is told, in order, of each range of `data` once it is final. `making.scale_rows`
-    (kept across the part's units) holds the new scale rows of the FP8 bands merged so far;
-    the bands a new scale tensor needs and no earlier piece merged are merged first, for
-    their scales only."""
-    context, scope = making.context, making.scope
-    layout, method, params, state = context.layout, context.method, context.params, context.state
-    flags = context.flags
+    """Merge a unit's pieces into `outs[k]` (its output bytes, one per output) from blocks
+    read once; returns the elements a fused kernel merged (into the first output).
+    `bytes_read[i]` grows by what is read from input i; `on_block(k, lo, hi)` is told, in
+    order, of each range of `outs[k]` once it is final. Each making's `scale_rows` (kept
+    across the part's units) holds the new scale rows of the FP8 bands merged so far; the
+    bands a new scale tensor needs and no earlier piece merged are merged first, for their
+    scales only."""
+    first = makings[0]
+    layout = first.context.layout
     dev = device()
-    fused = Fused.of(flags, dev)
-    encoded = bool(getattr(method, "reads_stored", False))  # quantized inputs read as stored
+    fused = Fused.of(first.context.flags, dev)
+    for making in makings:
+        making.fused, making.device = fused, dev
     sizes = [p.numel * itemsize(layout.tensors[p.tensor].out_dtype) for p in unit.pieces]
     offsets = list(itertools.accumulate(sizes, initial=0))
-    address = data.ctypes.data
-    rows = making.scale_rows
-    stream, writes = _with_scale_bands(unit.pieces, layout, rows)
+    stream, writes = _with_scale_bands(unit.pieces, layout, first.scale_rows)
     fused_elements = 0
     blocks = BlockStream(
-        stream, layout, context.storage, making.bytes_read, scope, dev == "cuda"
+        stream, layout, first.context.storage, first.bytes_read, first.scope, dev == "cuda"
     )  # fmt: skip
     for block, inputs in blocks:
         piece = stream[block.piece]
@@ -166,41 +222,62 @@ def _merge_into(
         width = itemsize(entry.out_dtype)
         at = offsets[written] if written is not None else 0
         lo, hi = at + block.lo * width, at + block.hi * width
-        target = data[lo:hi] if written is not None else None
-        if entry.scale_of is not None:
-            assert target is not None
-            _scales_into(entry, layout.tensors[entry.scale_of], piece, rows, target)
-        elif not entry.participating:
-            assert target is not None
-            target[:] = inputs.raw[0]  # copied from the base, byte for byte
-        else:
-            chunk = Chunk(piece.tensor, piece.start + block.lo, entry.shape)
-            p = params[piece.tensor]
-            out_dtype = entry.merged_dtype
-            if _fused_fp8(making, chunk, inputs, fused, entry, target):
-                fused_elements += block.hi - block.lo if written is not None else 0
-                if on_block is not None and written is not None:
-                    on_block(lo, hi)
-                continue
-            merged = scope.reads.floats((-1, 0), block.hi - block.lo) if entry.fp8_out else target
-            assert merged is not None
-            raw = merged.view(np.uint8)
-            view = _typed(raw, out_dtype, None if entry.fp8_out else address + lo)
-            if (
-                view is not None
-                and fused.take(inputs.dtypes, out_dtype)
-                and method.fused_merge(
-                    chunk, inputs.arrays(encoded), p, state, view, bf16_nan=flags.bf16_nan
-                )
-            ):
-                fused_elements += block.hi - block.lo if written is not None else 0
-            else:
-                _merge_eager(context, chunk, inputs, dev, out_dtype, raw)
-            if entry.fp8_out is not None:
-                _requantized(entry, piece.start + block.lo, merged, inputs, target, rows)
-        if on_block is not None and written is not None:
-            on_block(lo, hi)
+        for k, (making, data) in enumerate(zip(makings, outs, strict=True)):
+            target = data[lo:hi] if written is not None else None
+            got = _merge_block(making, block, piece, inputs, target)
+            if k == 0 and written is not None:
+                fused_elements += got
+            if on_block is not None and written is not None:
+                on_block(k, lo, hi)
     return fused_elements
+
+
+def _merge_block(
+    making: _Making,
+    block: Block,
+    piece: Piece,
+    inputs: BlockInputs,
+    target: np.ndarray | None,
+) -> int:
+    """One block of one piece into one output's `target` (None: the scales only, of an FP8
+    band); returns the elements a fused kernel merged."""
+    context, scope, rows = making.context, making.scope, making.scale_rows
+    method, params, state, flags = context.method, context.params, context.state, context.flags
+    entry = context.layout.tensors[piece.tensor]
+    fused, dev = making.fused, making.device
+    if entry.scale_of is not None:
+        assert target is not None
+        _scales_into(entry, context.layout.tensors[entry.scale_of], piece, rows, target)
+        return 0
+    if not entry.participating:
+        assert target is not None
+        target[:] = inputs.raw[0]  # copied from the base, byte for byte
+        return 0
+    n = block.hi - block.lo
+    chunk = Chunk(piece.tensor, piece.start + block.lo, entry.shape)
+    p = params[piece.tensor]
+    out_dtype = entry.merged_dtype
+    if _fused_fp8(making, chunk, inputs, fused, entry, target):
+        return n
+    encoded = bool(getattr(method, "reads_stored", False))  # quantized inputs read as stored
+    merged = scope.reads.floats((-1, 0), n) if entry.fp8_out else target
+    assert merged is not None
+    raw = merged.view(np.uint8)
+    view = _typed(raw, out_dtype, None if entry.fp8_out or target is None else target.ctypes.data)
+    got = 0
+    if (
+        view is not None
+        and fused.take(inputs.dtypes, out_dtype)
+        and method.fused_merge(
+            chunk, inputs.arrays(encoded), p, state, view, bf16_nan=flags.bf16_nan
+        )
+    ):
+        got = n
+    else:
+        _merge_eager(context, chunk, inputs, dev, out_dtype, raw)
+    if entry.fp8_out is not None:
+        _requantized(entry, piece.start + block.lo, merged, inputs, target, rows)
+    return got
 
 
 def _with_scale_bands(

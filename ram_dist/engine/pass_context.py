@@ -127,3 +127,7 @@ class MapOutput:
     first_node: dict[int, str] = field(default_factory=dict)
     pin_to: str | None = None
     backward: bool = False
+    also: tuple[tuple[OutputSink, ShardBook], ...] = ()
+    """Further outputs made from the same reads, each part once for all (a sweep's other
+    variants: the job's method makes one output each, `outputs`); each is fresh (a killed
+    sweep is not resumed)."""

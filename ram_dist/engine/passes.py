@@ -211,7 +211,8 @@ def map_pass(context: PassContext, state: dict[str, Any], output: MapOutput) -> 
     shard's parts already in place are not made again. With the context's input cache, the
     last reader of it, a part runs on its first unit's first node (while that node lives)
     and removes what it reads from the cache there; with `pin_to`, every part runs on that
-    node (`MapOutput`)."""
+    node (`MapOutput`). With `output.also` (a sweep's other variants), each part is made
+    once for every output, from one read, and each output's shard completes on its own."""
     with _devices(context) as on:
         return _map_pass(context, on, state, output)
 
@@ -244,7 +245,8 @@ def _map_pass(
             if again is not None:
                 plan[name], cut = again
                 units.update({u.index: u for u in cut})
-    opened: dict[str, OpenShard] = {}
+    outs = [(sink, book), *output.also]  # a sweep's variants: every part made once for all
+    opened: list[dict[str, OpenShard]] = [{} for _ in outs]
     progress = progress or Progress()
 
     def read_bytes(part: Part) -> int:
@@ -252,10 +254,11 @@ def _map_pass(
 
     progress.start_pass("map", sum(read_bytes(p) for ps in plan.values() for p in ps), len(units))
 
-    def complete(shard: OpenShard) -> None:
-        sink.complete(shard)
-        digest = book.finished(shard)
-        del opened[shard.name]
+    def complete(k: int, shard: OpenShard) -> None:
+        sink_k, book_k = outs[k]
+        sink_k.complete(shard)
+        digest = book_k.finished(shard)
+        del opened[k][shard.name]
         stats.bytes_written += shard.size
         progress.event("shard_written", shard=shard.name, bytes=shard.size, digest=digest)
 
@@ -263,8 +266,13 @@ def _map_pass(
         for name in reversed(shards) if backward else shards:
             size = plan[name][-1].stop
             shard = sink.open(name, size, plan[name], book.manifest.writing.get(name))
-            opened[name] = shard
+            opened[0][name] = shard
             book.opened(shard, plan[name])
+            also = []
+            for k, (sink_k, book_k) in enumerate(outs[1:], 1):  # fresh outputs: no resume
+                opened[k][name] = sink_k.open(name, size, plan[name], None)
+                book_k.opened(opened[k][name], plan[name])
+                also.append(opened[k][name].target)
             for part in reversed(plan[name]) if backward else plan[name]:
                 if part.number in shard.done:
                     progress.advance(read_bytes(part))
@@ -272,9 +280,9 @@ def _map_pass(
                     continue
                 part_units = tuple(units[i] for i in part.units)
                 header = headers[name] if part.number == 1 else b""
-                yield PartWork(part, part_units, header, shard.target)
-            if len(shard.done) == len(plan[name]) and name in opened:
-                complete(shard)  # every part was in already (a resumed shard)
+                yield PartWork(part, part_units, header, shard.target, tuple(also))
+            if len(shard.done) == len(plan[name]) and name in opened[0]:
+                complete(0, shard)  # every part was in already (a resumed shard)
 
     def placement(work: PartWork) -> Place | None:
         if pin_to is not None:
@@ -292,23 +300,25 @@ def _map_pass(
             progress.advance(sum(result.bytes_read))
             stats.add(result, units=len(work.part.units), node=node)
             stats.parts += 1
-            receipt = result.receipt
-            assert receipt is not None
-            shard = opened[receipt.shard]
-            sink.accept(shard, receipt)
-            if receipt.data is None:
-                stats.bytes_written_by_workers += receipt.stop - receipt.start
-            shard.done[receipt.number] = replace(receipt, data=None)
-            book.part_done(shard.done[receipt.number])
+            assert result.receipt is not None
+            for k, receipt in enumerate((result.receipt, *result.receipts)):
+                sink_k, book_k = outs[k]
+                shard = opened[k][receipt.shard]
+                sink_k.accept(shard, receipt)
+                if receipt.data is None:
+                    stats.bytes_written_by_workers += receipt.stop - receipt.start
+                shard.done[receipt.number] = replace(receipt, data=None)
+                book_k.part_done(shard.done[receipt.number])
+                if len(shard.done) == len(plan[shard.name]):
+                    complete(k, shard)
             stats.driver_memory.note()  # the driver, holding this result
-            if len(shard.done) == len(plan[shard.name]):
-                complete(shard)
     except BaseException:
-        for shard in list(opened.values()):
-            sink.abort(shard)
-            book.dropped(shard.name)
+        for k, (sink_k, book_k) in enumerate(outs):
+            for shard in list(opened[k].values()):
+                sink_k.abort(shard)
+                book_k.dropped(shard.name)
         raise
-    stats.bytes_written_by_driver = sink.bytes_written_by_driver
+    stats.bytes_written_by_driver = sum(s.bytes_written_by_driver for s, _ in outs)
     progress.end_pass(bytes_written=stats.bytes_written)
     stats.wall_s = time.perf_counter() - start
     stats.timeline.end()

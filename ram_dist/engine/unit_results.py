@@ -32,6 +32,8 @@ class UnitResult:
     """This worker's peak memory without Ray's shared object-store pages (`memory`)."""
     receipt: PartReceipt | None = None
     """Map pass: the part written (and its bytes, on the through-driver path)."""
+    receipts: tuple[PartReceipt, ...] = ()
+    """Map pass: the same part of each further output (`PartWork.also`), in order."""
     gpus: tuple[str, ...] = ()
     """The Ray GPU ids the task held (none: a CPU task, or run outside Ray)."""
     worker: str = ""

@@ -143,13 +143,17 @@ class _OutputBuffer:
     before the worker takes another task)."""
 
     def __init__(self) -> None:
-        self._data = np.empty(0, dtype=np.uint8)
+        self._data: list[np.ndarray] = []
 
-    def take(self, size: int) -> np.ndarray:
-        if self._data.size < size:
-            self._data = np.empty(0, dtype=np.uint8)  # let the old one go first
-            self._data = _aligned_bytes(size)
-        return self._data[:size]
+    def take(self, size: int, slot: int = 0) -> np.ndarray:
+        """`size` bytes of buffer `slot` (a sweep's map task makes one output per variant,
+        each into a slot of its own)."""
+        while len(self._data) <= slot:
+            self._data.append(np.empty(0, dtype=np.uint8))
+        if self._data[slot].size < size:
+            self._data[slot] = np.empty(0, dtype=np.uint8)  # let the old one go first
+            self._data[slot] = _aligned_bytes(size)
+        return self._data[slot][:size]
 
 
 @dataclass

@@ -19,6 +19,8 @@ MANIFEST_NAME = "ram_dist_manifest.json"
 REPORT_NAME = "merge_report.json"
 CARD_NAME = "README.md"
 MERGEKIT_CONFIG_NAME = "mergekit_config.yml"
+#: What a sweep writes in its folder beside its variants' folders (`docs/sweeps.md`).
+SWEEP_REPORT_NAME = "sweep_report.json"
 #: The output's lease (claimed before anything is written), and the suffix of a file being
 #: written (renamed into place when complete).
 LEASE_NAME = ".ram-dist-lease.json"

@@ -39,7 +39,11 @@ TOP_KEYS = (
     "dtype",
     "tokenizer_source",
     *YAML_KEYS,
+    "sweep",
 )
+#: The keys of ram-dist's `sweep:` (`docs/sweeps.md`): methods beside `merge_method`, and the
+#: grid of parameter values.
+SWEEP_KEYS = ("methods", "grid")
 #: mergekit keys ram-dist does not implement, and why.
 _UNSUPPORTED_KEYS = {
     "slices": "ram-dist merges whole models; give `models:` instead",
@@ -137,7 +141,9 @@ def parse_mergekit_config(raw: Any, where: str) -> JobSpec:
     if device is not None and device not in _DEVICES:
         raise RamDistError(f"{p}: device {device!r} is not one of {', '.join(_DEVICES)}")
 
+    sweep = _sweep(raw.get("sweep"), method, p)
     return JobSpec(
+        sweep=sweep,
         merge_method=method,
         base_model=base,
         models=models,
@@ -150,6 +156,28 @@ def parse_mergekit_config(raw: Any, where: str) -> JobSpec:
         notes=tuple(notes),
         where=where,
     )
+
+
+def _sweep(raw: Any, method: str, p: str) -> dict[str, Any] | None:
+    """ram-dist's `sweep:` key: `methods` (a list; `merge_method` alone when left out) and
+    `grid` (each parameter's values), as `--method` and `--grid` give them."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise RamDistError(f"{p}: sweep must be a mapping with keys {', '.join(SWEEP_KEYS)}")
+    _refuse_unknown_keys(raw, SWEEP_KEYS, f"{p}: sweep")
+    methods = raw.get("methods", [method])
+    if not isinstance(methods, list) or not methods or not all(isinstance(m, str) for m in methods):
+        raise RamDistError(f"{p}: sweep: methods must be a list of method names")
+    for m in methods:
+        if m not in method_parameters.PARAMETERS:
+            raise RamDistError(f"{p}: sweep: method {m!r} is not supported; use one of "
+                               f"{_method_list()}")  # fmt: skip
+    grid = raw.get("grid", {})
+    if not isinstance(grid, dict) or not all(isinstance(k, str) for k in grid):
+        raise RamDistError(f"{p}: sweep: grid must map a parameter to its values")
+    values = {k: tuple(v) if isinstance(v, list) else (v,) for k, v in grid.items()}
+    return {"methods": tuple(methods), "grid": values}
 
 
 def parse_setting(raw: Any, name: str, where: str = "") -> ParamValue:

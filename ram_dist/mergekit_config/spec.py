@@ -109,6 +109,8 @@ class JobSpec:
         default_factory=dict, repr=False, compare=False, hash=False
     )
     """fsspec options per protocol (ram-dist's own key); may hold secrets, never printed."""
+    sweep: Mapping[str, Any] | None = None
+    """ram-dist's `sweep:` (`methods`, `grid`), as read; None: one merge."""
     device: str | None = None
     """auto, cpu or cuda (ram-dist's own key, as `--device`); None: not given."""
     notes: tuple[str, ...] = ()

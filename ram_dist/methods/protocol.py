@@ -104,6 +104,10 @@ class MergeMethod(Protocol):
     `kernels.quantized.QuantizedValues` (codes and scales), each value decoded as the
     kernels load it (`primitives.load_span`). Optional: the engine reads it with False as
     the default, and then hands such inputs decoded."""
+    statistics_parameters: tuple[str, ...] | None
+    """The parameters its reduce statistics depend on (None: every one): a sweep's variants
+    of one kind of method that agree on these and on the state compute them once
+    (`methods.sweep`). Optional: the engine reads it with None as the default."""
     writes_fp8: bool
     """Whether `fused_merge` writes FP8 output itself, into a `kernels.fp8.Fp8Target`
     (blocks and scales in one sweep; it then also `reads_stored`). Optional: the engine
@@ -213,6 +217,7 @@ class Defaults:
     task_counts: tuple[int, int | None] = (2, None)
     reads_stored: bool = False
     writes_fp8: bool = False
+    statistics_parameters: tuple[str, ...] | None = None
 
     @property
     def label(self) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ram_dist.errors import RamDistError
 from ram_dist.methods.decoder_layers import layer_index, layer_name
@@ -191,6 +191,8 @@ class RamMethod(Defaults):
     """The fused kernels read quantized inputs as they are stored."""
     writes_fp8: bool = True
     """The fused merge writes FP8 output (blocks and scales) in the same sweep."""
+    statistics_parameters: ClassVar[tuple[str, ...]] = ("epsilon",)
+    """Its counts take `epsilon` only (`r`, `alpha` and `scope` act in `finalize`)."""
 
     @property
     def description(self) -> str:

@@ -15,20 +15,38 @@ from ram_dist.dtypes import parse_out_dtype
 from ram_dist.errors import RamDistError
 from ram_dist.io.storage import Storage
 from ram_dist.methods import MergeMethod, get_method
-from ram_dist.settings import BY_NAME, YAML_KEYS, HowToRun, WhatToMerge, check_choices
+from ram_dist.settings import (
+    BY_NAME,
+    YAML_KEYS,
+    HowToRun,
+    SweepOver,
+    WhatToMerge,
+    check_choices,
+    parse_grid,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
-class MergeConfig(HowToRun, WhatToMerge):
+class MergeConfig(SweepOver, HowToRun, WhatToMerge):
     """One merge (or probe) job: what to merge and how to run it (`ram_dist.settings`, where
     each setting is declared), checked."""
 
     notes: tuple[str, ...] = ()
     """What the config asked for that was accepted but ignored or changed."""
 
+    @property
+    def sweeps(self) -> bool:
+        """Whether it asks for a sweep (several methods, or a grid): `planning.sweep`."""
+        return bool(self.grid) or len(self.methods) > 1
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "tasks", tuple(self.tasks))
-        check_task_count(get_method(self.method), len(self.tasks))
+        object.__setattr__(self, "methods", tuple(self.methods))
+        object.__setattr__(self, "grid", parse_grid(self.grid))
+        if self.methods:  # a sweep's methods: the first is the job's method
+            object.__setattr__(self, "method", self.methods[0])
+        for name in self.methods or (self.method,):  # each refused by name, before any work
+            check_task_count(get_method(name), len(self.tasks))
         object.__setattr__(self, "out_dtype", parse_out_dtype(self.out_dtype))
         if self.task_parameters and len(self.task_parameters) != len(self.tasks):
             raise RamDistError(
@@ -93,6 +111,9 @@ def load_yaml(source: str | Mapping[str, Any]) -> dict[str, Any]:
         "task_parameters": tuple(dict(m.parameters) for m in models),
         "notes": spec.notes,
     }
+    if spec.sweep is not None:  # ram-dist's `sweep:` key (docs/sweeps.md)
+        kwargs["methods"] = spec.sweep["methods"]
+        kwargs["grid"] = spec.sweep["grid"]
     for key, name in YAML_KEYS.items():  # the settings a config may set too
         value = getattr(spec, key)
         if isinstance(value, Mapping):

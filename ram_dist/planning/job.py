@@ -46,6 +46,12 @@ class Job:
     integers_changed: tuple[str, ...] = ()
     """Integer or bool tensors some task changed, copied from the base as the user asked
     (`integers_from_base`); a job without that permission stops before it gets here."""
+    composite: MergeMethod | None = None
+    """The method when it is not the config's: a sweep's variants driven as one
+    (`planning.sweep`), whose parameters per tensor are the variants'."""
+    outputs: int = 1
+    """Outputs its map pass makes (a sweep's variants): the unit budget is divided among
+    them, so that a worker's output buffers stay within one merge's."""
 
     def replanned(self, slots: int, memory_bytes: int) -> Job:
         """The job with units re-planned for a cluster of `slots` cores and `memory_bytes`
@@ -53,6 +59,7 @@ class Job:
         if self.config.unit_budget_bytes is not None:
             return self
         budget = auto_unit_budget(self.largest_input_bytes(), slots, memory_bytes)
+        budget = max(1, budget // self.outputs)
         if budget == self.unit_budget_bytes:
             return self
         units = plan_units(self.layout.slots(), budget)
@@ -77,7 +84,7 @@ class Job:
 
     @property
     def method(self) -> MergeMethod:
-        return get_method(self.config.method)
+        return self.composite or get_method(self.config.method)
 
     @property
     def reduce_rounds(self) -> int:

@@ -96,8 +96,9 @@ def plan_report(job: Job, connected: ConnectedCluster | None) -> dict[str, Any]:
 
 def worker_memory(job: Job) -> int:
     """The data a worker holds at once, at most: two read blocks (at most `COMPUTE_BLOCK`
-    elements of every input, an FP8 input's also dequantized), its unit's merged bytes, and
-    float temporaries of one block on the eager path."""
+    elements of every input, an FP8 input's also dequantized), its unit's merged bytes (one
+    buffer per output: a sweep's variants), and float temporaries of one block on the eager
+    path."""
     units = job.units
     out_bytes = max((unit_out_bytes(u, job.layout) for u in units), default=0)
     largest = max((job.unit_bytes(u) for u in units), default=0)
@@ -107,7 +108,7 @@ def worker_memory(job: Job) -> int:
     )  # fmt: skip
     blocks = min(math.ceil(2 * COMPUTE_BLOCK * widest * (len(job.tasks) + 1)), 2 * largest)
     temporaries = min(COMPUTE_BLOCK, largest) * 8 * (len(job.tasks) + 4)
-    return blocks + out_bytes + temporaries
+    return blocks + out_bytes * job.outputs + temporaries
 
 
 def planned_device(

@@ -172,6 +172,10 @@ def format_plan(plan: dict[str, Any]) -> str:
     device = plan.get("device")
     if device is not None:
         lines.append(f"device: {device['device'] or 'not known yet'} ({device['reason']})")
+    sweep = plan.get("sweep")
+    if sweep is not None:  # the reads above are the whole sweep's, once for every variant
+        lines.append(f"sweep: {len(sweep['variants'])} variant(s), all made from the reads above")
+        lines += [f"  {v['name']}: {v['out']}" for v in sweep["variants"]]
     out = plan["output"]
     if out is None:
         lines.append("output: none given")
@@ -192,3 +196,15 @@ def _cache_line(cache: dict[str, Any] | None) -> str:
         f"input cache: {cache['note']}; keeps up to {_size(cache['bytes_kept_at_most'])} "
         f"in {cache['folder']} on the nodes{room}"
     )
+
+
+def format_sweep(report: dict[str, Any]) -> str:
+    """What `ram-dist merge` prints at the end of a sweep: each variant's folder, then what
+    each pass read and how long it took, once for all of them."""
+    lines = [f"{v['name']}: {v['out']}" for v in report["variants"]]
+    lines += [
+        f"{name}: {_size(p['bytes_read'])} read in {p['wall_s']:.1f} s"
+        for name, p in report["passes"].items()
+    ]
+    lines.append(f"{len(report['variants'])} variant(s) written under {report['output']['url']}")
+    return "\n".join(lines)
