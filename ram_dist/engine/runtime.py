@@ -79,12 +79,14 @@ def ray_session(address: str | None, checks: Callable[[], T]) -> Iterator[tuple[
                     logging_level=logging.WARNING,
                     log_to_driver=True,
                 )
+            # The workers start now, while the checks may still run: on a running Ray,
+            # connecting takes a fraction of the driver's imports and planning.
+            cluster = _cluster(embedded=not address)
+            warm_workers(cluster.cpus)
         finally:
             thread.join()
         if "error" in result:
             raise result["error"]
-        cluster = _cluster(embedded=not address)
-        warm_workers(cluster.cpus)
         yield cluster, result["value"]
     finally:
         deferred = _DEFERRED.get()
@@ -106,6 +108,9 @@ def _cluster(embedded: bool) -> Cluster:
 
 @ray.remote(num_cpus=1)
 def _warm() -> None:
+    # The modules of the passes' tasks (the methods' registry among them), so that the first
+    # task finds them loaded.
+    from ram_dist.engine import map_step, pool, reduce_step  # noqa: F401
     from ram_dist.engine.worker import warm_up
 
     warm_up()
