@@ -1,9 +1,10 @@
 """Connect to a Ray cluster, or start an embedded one when there is none. Driver side.
 
-Start-up and shutdown are most of a small merge's time, so the embedded Ray is started while
-the driver checks its inputs (`ray_session(..., checks)`), its workers are warmed as soon as
-it is up, and it is stopped by signalling its processes at once rather than one after
-another (`stop_embedded`), after the command has said how it ended (`ray_stopped_last`).
+Start-up and shutdown are most of a small merge's time, so Ray is started (or joined) while
+the driver imports its engine and checks its inputs (`ray_session(..., checks)`), its
+workers are warmed as soon as it is up, while the checks may still run, and an embedded Ray
+is stopped by signalling its processes at once rather than one after another
+(`stop_embedded`), after the command has said how it ended (`ray_stopped_last`).
 """
 
 from __future__ import annotations
@@ -118,8 +119,9 @@ def _warm() -> None:
 
 def warm_workers(slots: int) -> None:
     """One task per slot that imports what the passes' tasks import and readies the fused
-    kernels' compiler, while the driver still plans: Ray keeps the warmed processes for the
-    job's tasks. Nothing waits on them; a failure here shows again in the real tasks."""
+    kernels' compiler, while the driver still checks and plans: Ray keeps the warmed
+    processes for the job's tasks. Nothing waits on them; a failure here shows again in the
+    real tasks."""
     for _ in range(slots):
         _warm.options(scheduling_strategy="SPREAD").remote()
 
