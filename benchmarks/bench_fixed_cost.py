@@ -100,7 +100,8 @@ def running_ray(env: dict[str, str]) -> Iterator[tuple[str, dict[str, str]]]:
             "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
     port = _free_port()
     ports = ("ray-client-server", "runtime-env-agent", "metrics-export", "node-manager",
-             "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc")  # fmt: skip
+             "object-manager", "dashboard", "dashboard-agent-listen",
+             "dashboard-agent-grpc")  # fmt: skip
     argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head",
             "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=false",
             *(f"--{name}-port={_free_port()}" for name in ports), "--num-gpus=0",
