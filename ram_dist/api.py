@@ -258,15 +258,13 @@ def run_merge(config: ConfigSource, *, address: str | None = None) -> MergeRepor
     """`merge` of a ready `MergeConfig` (as mergekit's `run_merge` takes its configuration),
     or of what `config()` builds: then it runs, with every check and the claim on the output,
     while Ray starts, and `address` names the cluster (else a ready config's own)."""
-    from ram_dist.engine import driver
     from ram_dist.engine.runtime import ray_session
-    from ram_dist.report.model_card import model_card
 
     build, address = _source(config, address)
 
-    from ram_dist.engine import sweep
-
     def checks(held: contextlib.ExitStack) -> tuple[MergeConfig, Any]:
+        from ram_dist.engine import driver, sweep  # the engine, torch: while Ray starts
+
         job = build()
         if job.sweeps:  # many merges for the reads of one (docs/sweeps.md)
             return job, sweep.sweep_checks(job, held)
@@ -274,6 +272,9 @@ def run_merge(config: ConfigSource, *, address: str | None = None) -> MergeRepor
 
     with contextlib.ExitStack() as held:  # this run's lease on the output, released last
         with ray_session(address, partial(checks, held)) as (cluster, (job, claim)):
+            from ram_dist.engine import driver, sweep
+            from ram_dist.report.model_card import model_card
+
             if isinstance(claim, sweep.SweepClaim):
                 report = sweep.sweep_on(claim, cluster, model_card)
             else:
@@ -285,7 +286,6 @@ def run_probe(
     config: ConfigSource, *, address: str | None = None, json_path: PathLike | None = None
 ) -> ProbeReport:
     """`probe` of a ready `MergeConfig`, or of what `config()` builds (see `run_merge`)."""
-    from ram_dist.engine import driver
     from ram_dist.engine.runtime import ray_session
     from ram_dist.report.regime import place as place_on_regime_map
 
@@ -295,6 +295,8 @@ def run_probe(
         _make_folder_of(written)  # before any work, so that a bad path costs nothing
 
     def checks() -> tuple[MergeConfig, Any]:
+        from ram_dist.engine import driver  # the engine and torch: imported while Ray starts
+
         job = build()
         if job.sweeps:
             raise RamDistError(
@@ -304,6 +306,8 @@ def run_probe(
         return job, driver.probe_checks(job)
 
     with ray_session(address, checks) as (cluster, (job, planned)):
+        from ram_dist.engine import driver
+
         report = driver.probe_on(planned, cluster)
     report["regime"] = place_on_regime_map(report)
     files = write_probe_files(report, written) if written is not None else []

@@ -71,7 +71,13 @@ def prepare(config: MergeConfig) -> Job:
     a large MoE checkpoint, and frees almost none until it ends, none of them in reference
     cycles, so every collection the allocations trigger scans all that survived so far for
     nothing (DeepSeek-V3, base and three tasks: 5.6 s of CPU with the collector, 2.6 s
-    without, to read the headers). Cycles made meanwhile are collected once it is back on."""
+    without, to read the headers). Cycles made meanwhile are collected once it is back on.
+
+    torch, which the passes need on the driver (a reduce round's sums, the fused kernels'
+    NaN probe), is imported here: in the thread that checks while Ray starts
+    (`runtime.ray_session`), not between Ray's start and the first task (about a second)."""
+    import torch  # noqa: F401
+
     with collector.paused():
         return planning.prepare(config)
 

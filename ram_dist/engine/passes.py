@@ -17,7 +17,6 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-import torch
 
 from ram_dist import kernels
 from ram_dist.dtypes import dtype_name, itemsize
@@ -144,6 +143,8 @@ def _reduce_pass(context: PassContext, devices: Devices) -> tuple[dict[str, Any]
                 raise _overflow_error(job, checked.overflow)
             stats.precision = checked
         if round_ < method.rounds:
+            import torch  # imported by the checks while Ray started (`runtime.ray_session`)
+
             sums = {key: torch.from_numpy(value) for key, value in totals.items()}
             state = method.finalize(round_, sums, job.params, numel, state)
     stats.wall_s = time.perf_counter() - start

@@ -1,9 +1,10 @@
 """Connect to a Ray cluster, or start an embedded one when there is none. Driver side.
 
-Start-up and shutdown are most of a small merge's time, so the embedded Ray is started while
-the driver checks its inputs (`ray_session(..., checks)`), its workers are warmed as soon as
-it is up, and it is stopped by signalling its processes at once rather than one after
-another (`stop_embedded`), after the command has said how it ended (`ray_stopped_last`).
+Start-up and shutdown are most of a small merge's time, so Ray is started (or joined) while
+the driver imports its engine and checks its inputs (`ray_session(..., checks)`), its
+workers are warmed as soon as it is up, while the checks may still run, and an embedded Ray
+is stopped by signalling its processes at once rather than one after another
+(`stop_embedded`), after the command has said how it ended (`ray_stopped_last`).
 """
 
 from __future__ import annotations
@@ -79,12 +80,14 @@ def ray_session(address: str | None, checks: Callable[[], T]) -> Iterator[tuple[
                     logging_level=logging.WARNING,
                     log_to_driver=True,
                 )
+            # The workers start now, while the checks may still run: on a running Ray,
+            # connecting takes a fraction of the driver's imports and planning.
+            cluster = _cluster(embedded=not address)
+            warm_workers(cluster.cpus)
         finally:
             thread.join()
         if "error" in result:
             raise result["error"]
-        cluster = _cluster(embedded=not address)
-        warm_workers(cluster.cpus)
         yield cluster, result["value"]
     finally:
         deferred = _DEFERRED.get()
@@ -106,6 +109,9 @@ def _cluster(embedded: bool) -> Cluster:
 
 @ray.remote(num_cpus=1)
 def _warm() -> None:
+    # The modules of the passes' tasks (the methods' registry among them), so that the first
+    # task finds them loaded.
+    from ram_dist.engine import map_step, pool, reduce_step  # noqa: F401
     from ram_dist.engine.worker import warm_up
 
     warm_up()
@@ -113,8 +119,9 @@ def _warm() -> None:
 
 def warm_workers(slots: int) -> None:
     """One task per slot that imports what the passes' tasks import and readies the fused
-    kernels' compiler, while the driver still plans: Ray keeps the warmed processes for the
-    job's tasks. Nothing waits on them; a failure here shows again in the real tasks."""
+    kernels' compiler, while the driver still checks and plans: Ray keeps the warmed
+    processes for the job's tasks. Nothing waits on them; a failure here shows again in the
+    real tasks."""
     for _ in range(slots):
         _warm.options(scheduling_strategy="SPREAD").remote()
 
