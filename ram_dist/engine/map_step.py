@@ -220,7 +220,7 @@ def _with_scale_bands(
         elif entry.scale_of is not None and piece.numel:
             weight = layout.tensors[entry.scale_of]
             assert weight.fp8_out is not None and weight.band is not None
-            per = -(-weight.shape[1] // weight.fp8_out.block[1])
+            per = weight.fp8_out.per_band
             missing = [
                 b for b in range(piece.start // per, -(-piece.stop // per))
                 if (weight.name, b) not in have
@@ -294,7 +294,7 @@ def _requantized(
     assert fp8_out is not None and entry.band is not None
     base = inputs.stored[0] if inputs.stored else None
     assert base is not None, f"{entry.name}: an FP8 output needs an FP8 base"
-    cols = entry.shape[1]
+    cols = fp8_out.cols
     stored = fp8.requantize(
         merged, inputs.raw[0].view(np.float32), base[0], base[1], cols, fp8_out.block,
         fp8_out.scale_dtype, target,
@@ -320,7 +320,7 @@ def _scales_into(
     """The new scale rows of a scale piece (whole rows, one per band of its weight), taken
     out of `rows`: each is written once, so a task's record holds only rows still to write."""
     assert weight.fp8_out is not None
-    per = -(-weight.shape[1] // weight.fp8_out.block[1])
+    per = weight.fp8_out.per_band
     first, last = piece.start // per, -(-piece.stop // per)
     target[:] = np.concatenate([rows.pop((weight.name, b)) for b in range(first, last)])
 
