@@ -6,6 +6,7 @@ workers."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from ram_dist.io.sinks import ShardTarget
 from ram_dist.kernels import fp8
 from ram_dist.methods.protocol import Chunk
 from ram_dist.planning.layout import Layout, TensorEntry, unit_out_bytes
+from ram_dist.planning.sources import Fp8Source
 from ram_dist.planning.units import Part, Piece, WorkUnit
 
 
@@ -197,7 +199,8 @@ def _merge_into(
             else:
                 _merge_eager(context, chunk, inputs, dev, out_dtype, raw)
             if entry.fp8_out is not None:
-                _requantized(entry, piece.start + block.lo, merged, inputs, target, rows)
+                scratch = functools.partial(scope.reads.floats, (-1, 1))
+                _requantized(entry, piece.start + block.lo, merged, inputs, target, rows, scratch)
         if on_block is not None and written is not None:
             on_block(lo, hi)
     return fused_elements
@@ -287,17 +290,22 @@ def _requantized(
     inputs: BlockInputs,
     target: np.ndarray | None,
     rows: ScaleRows,
+    scratch: Callable[[int], np.ndarray],
 ) -> None:
     """FP8 blocks of merged bands (elements from `start`, whole bands) into `target` (None:
-    the scales only), and their new scale rows into `rows`."""
+    the scales only), and their new scale rows into `rows`; `scratch(n)` a reusable float32
+    array of n elements for the base's values of a few bands."""
     fp8_out = entry.fp8_out
     assert fp8_out is not None and entry.band is not None
     base = inputs.stored[0] if inputs.stored else None
     assert base is not None, f"{entry.name}: an FP8 output needs an FP8 base"
-    cols = fp8_out.cols
-    stored = fp8.requantize(
-        merged, inputs.raw[0].view(np.float32), base[0], base[1], cols, fp8_out.block,
-        fp8_out.scale_dtype, target,
+    src = entry.sources[0]
+    assert isinstance(src, Fp8Source)
+    # the base's values made from its stored bytes a few bands at a time: no float32 copy
+    # of them for the block (the method's kernels read it as stored)
+    stored = fp8.requantize_stored(
+        merged, base[0], base[1], fp8_out.cols, fp8_out.block, fp8_out.scale_dtype,
+        src.rounded_to, target, scratch(min(merged.size, max(fp8.BAND_GROUP, entry.band))),
     )  # fmt: skip
     _keep_scale_rows(entry, start, merged.size, stored, rows)
 
