@@ -101,3 +101,26 @@ def test_the_first_rounds_nan_check_reads_the_base_as_stored(quantized_set, deco
     assert check_round_inline(s.base_dir, agents, method, FUSED, **extra) == {}
     assert decoded == []
     assert check_round_inline(s.base_dir, agents, method, worker.EAGER, **extra) == {}
+
+
+def test_a_nan_scale_is_counted_as_the_ram_family_counts_it(tmp_path):
+    """An MXFP4 scale byte of 255 (e8m0's NaN): task_arithmetic's check round, from the
+    stored form, finds the 32 values of its group in the base alone, as RAM+'s own sweep
+    over the same inputs does (the engine's refusal names what both find)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    s = build_gptoss(tmp_path / "set", (0.01, 0.01))
+    base = tmp_path / "base"
+    shutil.copytree(s.base_dir, base)
+    name = "model.layers.1.mlp.experts.down_proj"
+    shard = next(
+        f for f in base.glob("*.safetensors") if name + "_scales" in load_file(str(f))
+    )  # fmt: skip
+    state = load_file(str(shard))
+    state[name + "_scales"][1, 3, 0] = 255
+    save_file(state, str(shard), {"format": "pt"})
+    found = check_round_inline(base, s.agent_dirs, "task_arithmetic")
+    assert found == {name: [32, 0, 0]}
+    assert check_round_inline(base, s.agent_dirs, "ram_plus") == found
