@@ -6,6 +6,7 @@ workers."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping
@@ -25,6 +26,7 @@ from ram_dist.io.sinks import ShardTarget
 from ram_dist.kernels import fp8
 from ram_dist.methods.protocol import Chunk
 from ram_dist.planning.layout import Layout, TensorEntry, unit_out_bytes
+from ram_dist.planning.sources import Fp8Source
 from ram_dist.planning.units import Part, Piece, WorkUnit
 
 
@@ -276,7 +278,8 @@ def _merge_block(
     else:
         _merge_eager(context, chunk, inputs, dev, out_dtype, raw)
     if entry.fp8_out is not None:
-        _requantized(entry, piece.start + block.lo, merged, inputs, target, rows)
+        scratch = functools.partial(scope.reads.floats, (-1, 1))
+        _requantized(entry, piece.start + block.lo, merged, inputs, target, rows, scratch)
     return got
 
 
@@ -297,7 +300,7 @@ def _with_scale_bands(
         elif entry.scale_of is not None and piece.numel:
             weight = layout.tensors[entry.scale_of]
             assert weight.fp8_out is not None and weight.band is not None
-            per = -(-weight.shape[1] // weight.fp8_out.block[1])
+            per = weight.fp8_out.per_band
             missing = [
                 b for b in range(piece.start // per, -(-piece.stop // per))
                 if (weight.name, b) not in have
@@ -364,17 +367,22 @@ def _requantized(
     inputs: BlockInputs,
     target: np.ndarray | None,
     rows: ScaleRows,
+    scratch: Callable[[int], np.ndarray],
 ) -> None:
     """FP8 blocks of merged bands (elements from `start`, whole bands) into `target` (None:
-    the scales only), and their new scale rows into `rows`."""
+    the scales only), and their new scale rows into `rows`; `scratch(n)` a reusable float32
+    array of n elements for the base's values of a few bands."""
     fp8_out = entry.fp8_out
     assert fp8_out is not None and entry.band is not None
     base = inputs.stored[0] if inputs.stored else None
     assert base is not None, f"{entry.name}: an FP8 output needs an FP8 base"
-    cols = entry.shape[1]
-    stored = fp8.requantize(
-        merged, inputs.raw[0].view(np.float32), base[0], base[1], cols, fp8_out.block,
-        fp8_out.scale_dtype, target,
+    src = entry.sources[0]
+    assert isinstance(src, Fp8Source)
+    # the base's values made from its stored bytes a few bands at a time: no float32 copy
+    # of them for the block (the method's kernels read it as stored)
+    stored = fp8.requantize_stored(
+        merged, base[0], base[1], fp8_out.cols, fp8_out.block, fp8_out.scale_dtype,
+        src.rounded_to, target, scratch(min(merged.size, max(fp8.BAND_GROUP, entry.band))),
     )  # fmt: skip
     _keep_scale_rows(entry, start, merged.size, stored, rows)
 
@@ -397,7 +405,7 @@ def _scales_into(
     """The new scale rows of a scale piece (whole rows, one per band of its weight), taken
     out of `rows`: each is written once, so a task's record holds only rows still to write."""
     assert weight.fp8_out is not None
-    per = -(-weight.shape[1] // weight.fp8_out.block[1])
+    per = weight.fp8_out.per_band
     first, last = piece.start // per, -(-piece.stop // per)
     target[:] = np.concatenate([rows.pop((weight.name, b)) for b in range(first, last)])
 

@@ -9,11 +9,11 @@ from collections.abc import Mapping
 import numpy as np
 
 from ram_dist.dtypes import INFO
-from ram_dist.engine.blocks import BlockInputs, BlockStream, input_count
+from ram_dist.engine.blocks import BlockInputs, BlockStream, input_count, tensor_from_bytes
 from ram_dist.engine.memory import peak_rss
 from ram_dist.engine.unit_results import PrecisionCounts, Statistics, UnitResult
 from ram_dist.engine.worker import Fused, TaskContext, WorkScope, device, ran_by, worker_context
-from ram_dist.kernels import precision
+from ram_dist.kernels import precision, stored_nonfinite
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.parameters import EPSILON
 from ram_dist.methods.protocol import Chunk, TensorParams
@@ -142,16 +142,26 @@ def reduce_group(
 
 
 def _nonfinite(inputs: BlockInputs, fused: Fused, dev: str) -> list[int]:
-    """NaN and Inf count of each input of a block: a raw-bits sweep where kernels are on."""
-    from ram_dist.kernels import scan_numba
+    """NaN and Inf count of each input of a block: a quantized input's from its stored form
+    (`kernels.stored_nonfinite`: its codes and scales say where a decoded value is not
+    finite, so it is not decoded for this), the others' by a raw-bits sweep where kernels are
+    on, else by torch."""
+    forms = inputs.encoded or (None,) * len(inputs.dtypes)
+    counts = [None if f is None else stored_nonfinite.count(f) for f in forms]
+    for i, d in enumerate(inputs.dtypes):
+        if counts[i] is not None:
+            continue
+        if fused.on:
+            from ram_dist.kernels import scan_numba
 
-    if fused.on and all(scan_numba.supports(d) for d in inputs.dtypes):
-        return [
-            scan_numba.nonfinite_in(r, d) for r, d in zip(inputs.raw, inputs.dtypes, strict=True)
-        ]
-    import torch
+            if scan_numba.supports(d):
+                counts[i] = scan_numba.nonfinite_in(inputs.value(i), d)
+                continue
+        import torch
 
-    return [int((~torch.isfinite(x)).sum()) for x in inputs.tensors(dev)]
+        x = tensor_from_bytes(inputs.value(i), d)
+        counts[i] = int((~torch.isfinite(x)).sum())
+    return [int(c) for c in counts]  # type: ignore[arg-type]
 
 
 @functools.lru_cache(maxsize=256)

@@ -216,3 +216,52 @@ def _block_stats(
     mags = np.pad(np.abs(yy), pad)
     amax = mags.reshape(bands, bm, blocks, bn).max(axis=(1, 3)).reshape(-1)
     return amax, same
+
+
+#: Elements of the base's values `requantize_stored` makes at a time (at least one band).
+BAND_GROUP = 1 << 18
+
+
+def requantize_stored(
+    y: np.ndarray,
+    base_q: np.ndarray,
+    base_scales: np.ndarray,
+    cols: int,
+    block: tuple[int, int],
+    scale_dtype: str,
+    rounded_to: str,
+    q_out: np.ndarray | None,
+    scratch: np.ndarray,
+) -> np.ndarray:
+    """`requantize` of whole bands, with the base's values made from its stored e4m3 bytes
+    and raw scale bytes a few bands at a time (about `BAND_GROUP` elements, at least one
+    band) into `scratch` (float32, as long as that), rather than from a float32 copy of all
+    of them: a method whose kernels read the base as stored then never has it decoded.
+    `rounded_to` is the dtype each base value is rounded to after its multiplication
+    (compressed-tensors' FP8 with a bf16 scale; "" for none): its values, widened back to
+    float32 exactly, are what `y` is compared with. The same bytes as `requantize` given the
+    base's values."""
+    bm, bn = block
+    band = bm * cols
+    per = -(-cols // bn) * (4 if scale_dtype == "F32" else 2)  # scale bytes a band
+    step = max(1, BAND_GROUP // band) * band
+    stored = []
+    for lo in range(0, y.size, step):
+        hi = min(lo + step, y.size)
+        first, last = lo // band, -(-hi // band)
+        raw = base_scales[first * per : last * per]
+        scales = scale_values(raw, scale_dtype)
+        x = dequantize(base_q[lo:hi], scales, cols, block, scratch[: hi - lo])
+        if rounded_to:
+            x[:] = _widened(x, rounded_to)
+        out = None if q_out is None else q_out[lo:hi]
+        stored.append(requantize(y[lo:hi], x, base_q[lo:hi], raw, cols, block, scale_dtype, out))
+    return np.concatenate(stored) if stored else np.empty(0, np.uint8)
+
+
+def _widened(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 `x` rounded to nearest even to `dtype` (BF16 or F16), as float32 again."""
+    if dtype == "BF16":
+        return scale_values(scale_bytes(x, "BF16"), "BF16")
+    with np.errstate(over="ignore"):
+        return x.astype(np.float16).astype(np.float32)

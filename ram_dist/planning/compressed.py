@@ -11,7 +11,8 @@ tensor byte is read (`docs/quantized.md`). Merged:
 - `float-quantized` FP8 (e4m3, `strategy` channel or tensor): `N.weight` and
   `N.weight_scale`, an FP8 weight whose scales cover a row or the whole tensor, decoded in
   the scale's dtype;
-- `fbgemm_fp8`: `N.weight` and `N.weight_scale` (F32, one per row): the same, in float32.
+- `fbgemm_fp8`: `N.weight` and `N.weight_scale` (F32, one per row): the same, in float32;
+  and Llama-4's 3-D experts `N` [E, R, C] with `N_scale` (F32, one per expert and column).
 
 The scheme of each weight is read from its tensors (the scales' shape gives the strategy,
 the words' the width), checked against the config's groups: which group targets which
@@ -322,6 +323,8 @@ def _scaled_fp8(
     """An FP8 weight's scale, checked: one per row, or one for the tensor."""
     name = info.name
     where = f"tensor {name!r} in {ckpt.describe(name)}"
+    if not rounded and info.dtype == "F8_E4M3" and len(info.shape) == 3:
+        return _fbgemm_experts(ckpt, info)
     if info.dtype != "F8_E4M3" or len(info.shape) != 2:
         raise CheckpointError(
             f"{where} is {info.dtype} {list(info.shape)}: FP8 weights are "
@@ -351,3 +354,26 @@ def _scaled_fp8(
         )
     block = (1, cols) if strategy == "channel" else (rows, cols)
     return ScaledFp8(scale, block, rounded and scale.dtype != "F32")
+
+
+def _fbgemm_experts(ckpt: Checkpoint, info: TensorInfo) -> ScaledFp8:
+    """A Llama-4 expert weight of `fbgemm_fp8` ([E, R, C] e4m3), checked: its scale is F32,
+    one per expert and column ([E, 1, C] for `gate_up_proj`, [E, C, 1] for `down_proj`, as
+    transformers' `FbgemmFp8Llama4TextExperts` holds them: each is a row's scale of the
+    expert's [C, R] matrix that its GEMM reads)."""
+    name = info.name
+    scale = ckpt.tensors.get(scale_name(name))
+    if scale is None:
+        raise CheckpointError(
+            f"tensor {name!r} in {ckpt.describe(name)} has no {scale_name(name)!r}, so its "
+            f"values are unknown; {DEQUANTIZE}"
+        )
+    experts, rows, cols = info.shape
+    if scale.dtype != "F32" or scale.shape not in ((experts, 1, cols), (experts, cols, 1)):
+        raise CheckpointError(
+            f"tensor {scale.name!r} in {ckpt.describe(scale.name)} is {scale.dtype} "
+            f"{list(scale.shape)}; the scales of the expert weight {name!r} "
+            f"({list(info.shape)}) must be F32, one per expert and column: "
+            f"[{experts}, 1, {cols}] or [{experts}, {cols}, 1]; {DEQUANTIZE}"
+        )
+    return ScaledFp8(scale, (rows, 1), False)

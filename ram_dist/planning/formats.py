@@ -30,7 +30,13 @@ from ram_dist.kernels import mxfp4
 from ram_dist.planning import compressed as ct
 from ram_dist.planning.compressed import Compressed, recognize_compressed
 from ram_dist.planning.packed_sources import PackedIntSource
-from ram_dist.planning.sources import Fp8Source, Mxfp4Source, Source, TensorSource
+from ram_dist.planning.sources import (
+    Fp8ExpertSource,
+    Fp8Source,
+    Mxfp4Source,
+    Source,
+    TensorSource,
+)
 
 FP8_DTYPE = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
@@ -156,9 +162,10 @@ class Format:
         f = found.fp8.get(info.name)
         if f is None:
             return Source(info.file, info.start, info.dtype)
-        return Fp8Source(
+        kind = Fp8ExpertSource if len(info.shape) == 3 else Fp8Source  # fbgemm's experts
+        return kind(
             info.file, info.start, info.dtype, f.scale.file, f.scale.start, f.scale.dtype,
-            f.block, info.shape[1], f.scale.dtype if f.rounded else "",
+            f.block, info.shape[-1], f.scale.dtype if f.rounded else "",
         )  # fmt: skip
 
     def scale_name(self, name: str) -> str:

@@ -40,11 +40,21 @@ from ram_dist.planning.units import TensorSlot, WorkUnit
 
 @dataclass(frozen=True)
 class Fp8Out:
-    """An FP8 output weight: its block size and its companion scale tensor (name, dtype)."""
+    """An FP8 output weight: its block size and its companion scale tensor (name, dtype).
+    The blocks tile the weight as rows of `cols` (its last axis); a band of them is `rows`
+    of the tensor's own rows (its first axis): `block[0]` for a matrix, 1 for a 3-D weight
+    whose band is one expert (`sources.Fp8ExpertSource`)."""
 
     block: tuple[int, int]
     scale_name: str
     scale_dtype: str
+    cols: int
+    rows: int
+
+    @property
+    def per_band(self) -> int:
+        """Scales per band: the length of one row of the scale tensor's [bands, per_band]."""
+        return -(-self.cols // self.block[1])
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,7 @@ class TensorEntry:
         if self.whole_rows:
             rows.append(1)
         if self.fp8_out is not None:
-            rows.append(self.fp8_out.block[0])
+            rows.append(self.fp8_out.rows)
         return math.lcm(*rows) if rows else None
 
 
@@ -176,7 +186,7 @@ class Layout:
                     assert w.fp8_out is not None
                     bm, bn = w.fp8_out.block
                     cost = bm * bn * max(s.itemsize for s in w.sources)
-                    row = -(-w.shape[1] // bn)
+                    row = w.fp8_out.per_band
                     slots.append(TensorSlot(n, shard, e.numel, row, cost, True, e.scale_of))
                     continue
                 used = e.sources if e.participating else e.sources[:1]
@@ -197,7 +207,7 @@ class Layout:
             if e.scale_of is not None:
                 w = self.tensors[e.scale_of]
                 assert w.fp8_out is not None
-                rows[name] = -(-w.shape[1] // w.fp8_out.block[1])
+                rows[name] = w.fp8_out.per_band
             elif e.band is not None:
                 rows[name] = e.band
         return rows
@@ -289,7 +299,11 @@ def build_layout(
         participating = merged[0]
         fp8_out = None
         if isinstance(sources[0], Fp8Source) and out_dtype is None:  # written as the base is
-            fp8_out = Fp8Out(sources[0].block, base_fmt.scale_name(name), sources[0].scale_dtype)
+            src = sources[0]
+            fp8_out = Fp8Out(
+                src.block, base_fmt.scale_name(name), src.scale_dtype, src.cols,
+                src.atomic_rows or 1,
+            )  # fmt: skip
             _check_band_heights(name, base, tasks, sources, fp8_out)
         tensors[name] = TensorEntry(
             name=name,
@@ -336,7 +350,7 @@ def _check_band_heights(
 ) -> None:
     """An FP8 weight written as FP8 again is cut at its output blocks' rows, so every FP8
     input's blocks must fit in them: a task's block height must divide the base's."""
-    height = fp8_out.block[0]
+    height = fp8_out.rows
     for task, src in zip(tasks, sources[1:], strict=True):
         rows = src.atomic_rows
         if rows is not None and height % rows:

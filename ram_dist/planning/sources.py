@@ -287,6 +287,19 @@ class Fp8Source(_Fp8Fields, SourceDefaults):
         return fp8.Fp8Values(q, fp8.scale_values(scales, self.scale_dtype), self.cols, self.block)
 
 
+class Fp8ExpertSource(Fp8Source):
+    """A 3-D FP8 weight [experts, rows, cols] with a float32 scale per expert and column
+    (`fbgemm_fp8`'s Llama-4 experts: `gate_up_proj` with `gate_up_proj_scale` [E, 1, C],
+    `down_proj` with `down_proj_scale` [E, C, 1], both [E, C] as stored). Its fields are an
+    FP8 weight's over the rows of all experts, `cols` wide, with `block` (rows, 1): a
+    scale's group is a column of one expert, so every band is one expert. An expert is one
+    row of the tensor (its first axis), which units never cut (`atomic_rows`)."""
+
+    __slots__ = ()
+
+    atomic_rows = 1
+
+
 class _Mxfp4Fields(NamedTuple):
     file: str
     start: int

@@ -17,6 +17,7 @@ from fp8_reference import reference_fp8_merge
 from inline_passes import FUSED, merge_inline
 
 from ram_dist.engine import blocks, worker
+from ram_dist.kernels import fp8
 from ram_dist.planning.sources import Fp8Source
 
 pytest.importorskip("numba")
@@ -108,3 +109,25 @@ def test_every_method_s_kernels_read_fp8_as_stored(sets, decoded, method):
         assert decoded == []
     assert got == _merge_inline(s, method, worker.EAGER, out_dtype="bfloat16", **params)
     assert sum(decoded[starts[-1] :]) > 0  # the eager path did
+
+
+@pytest.mark.parametrize("method", ["ties", "della", "task_arithmetic"])
+def test_fp8_output_of_another_method_never_decodes_the_base(sets, decoded, method, monkeypatch):
+    """FP8 output from a method other than RAM: its kernels merge the stored inputs into
+    float32, and the engine requantizes band by band with the base's values made from its
+    stored bytes a few bands at a time (`fp8.requantize_stored`), so the map pass
+    dequantizes no input into a copy; the bytes are the eager path's (which dequantizes) and,
+    with one band a group, the same."""
+    s = sets["fp8-base-bf16-agent"]
+    params = {"parameters": PARAMETERS.get(method, {})}
+    starts: list[int] = []
+
+    def mark(name: str) -> None:
+        starts.append(len(decoded))
+
+    got = _merge_inline(s, method, on_pass=mark, **params)
+    assert decoded[starts[-1] :] == []
+    eager = _merge_inline(s, method, worker.EAGER, **params)
+    assert got == eager
+    monkeypatch.setattr(fp8, "BAND_GROUP", 1)  # one band at a time
+    assert _merge_inline(s, method, **params) == eager

@@ -7,14 +7,16 @@ arcee_fusion's rounds) no quantized input is decoded into a copy (its source's `
 never called), and the bytes are those of the eager path, which decodes it
 (`exactness/test_mxfp4_bases.py` and `test_compressed_bases.py` check those against
 references). A round whose fused statistics take decoded values (the geometric methods',
-model_stock's and sce's sums) still decodes them. (Block FP8: `test_fp8_in_kernels.py`.)"""
+model_stock's and sce's sums) still decodes them. The first round's NaN/Inf check of a method
+other than RAM's (which counts them in its own sweep) reads them as stored too. (Block FP8:
+`test_fp8_in_kernels.py`.)"""
 
 from __future__ import annotations
 
 import pytest
 from compressed_models import FP8_SCHEMES, INT_SCHEMES
 from compressed_models import build_set as build_compressed
-from inline_passes import FUSED, merge_inline
+from inline_passes import FUSED, check_round_inline, merge_inline
 from mxfp4_models import build_set as build_gptoss
 
 from ram_dist.engine import worker
@@ -84,3 +86,41 @@ def test_the_kernels_read_the_base_as_stored(quantized_set, decoded, method):
         assert decoded == []
     assert got == _merge(s, method, worker.EAGER, out_dtype="bfloat16")
     assert sum(decoded[starts[-1] :]) > 0  # the eager path did
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "consensus_ta", "linear"])
+def test_the_first_rounds_nan_check_reads_the_base_as_stored(quantized_set, decoded, method):
+    """The first round's NaN/Inf check of a method other than RAM's counts a quantized
+    input's non-finite values from its stored codes and scales (`kernels.stored_nonfinite`):
+    fused, the round decodes nothing (a method with no reduce round of its own, or no
+    kernels: `linear`), and on these finite bases it finds nothing, with kernels on or off.
+    (`kernels/test_stored_nonfinite.py` checks the counts against decoding.)"""
+    s, _ = quantized_set
+    agents = s.agent_dirs
+    extra = {"parameters": {"k": 2, "lambda": 0.5}} if method == "consensus_ta" else {}
+    assert check_round_inline(s.base_dir, agents, method, FUSED, **extra) == {}
+    assert decoded == []
+    assert check_round_inline(s.base_dir, agents, method, worker.EAGER, **extra) == {}
+
+
+def test_a_nan_scale_is_counted_as_the_ram_family_counts_it(tmp_path):
+    """An MXFP4 scale byte of 255 (e8m0's NaN): task_arithmetic's check round, from the
+    stored form, finds the 32 values of its group in the base alone, as RAM+'s own sweep
+    over the same inputs does (the engine's refusal names what both find)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    s = build_gptoss(tmp_path / "set", (0.01, 0.01))
+    base = tmp_path / "base"
+    shutil.copytree(s.base_dir, base)
+    name = "model.layers.1.mlp.experts.down_proj"
+    shard = next(
+        f for f in base.glob("*.safetensors") if name + "_scales" in load_file(str(f))
+    )  # fmt: skip
+    state = load_file(str(shard))
+    state[name + "_scales"][1, 3, 0] = 255
+    save_file(state, str(shard), {"format": "pt"})
+    found = check_round_inline(base, s.agent_dirs, "task_arithmetic")
+    assert found == {name: [32, 0, 0]}
+    assert check_round_inline(base, s.agent_dirs, "ram_plus") == found

@@ -113,3 +113,49 @@ def test_encode_rounds_exact_quotients_at_ties():
         outs.append(out)
     want = torch.from_numpy(y).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
     assert np.array_equal(outs[0], want) and np.array_equal(outs[1], want)
+
+
+@pytest.mark.parametrize(
+    "rows, cols, block, scale_dtype, rounded_to",
+    [
+        (70, 45, (16, 8), "F32", ""),  # block FP8, ragged
+        (600, 600, (128, 128), "BF16", ""),  # several band groups (BAND_GROUP / band)
+        (900, 300, (1, 300), "BF16", "BF16"),  # compressed-tensors per channel, bf16 values
+        (40, 30, (40, 30), "F32", ""),  # per tensor
+        (3 * 20, 16, (20, 1), "F32", ""),  # fbgemm's experts: an expert's column a group
+    ],
+)
+def test_requantize_stored_is_requantize_of_the_base_values(
+    rows, cols, block, scale_dtype, rounded_to, monkeypatch
+):
+    """The base's values made from its stored bytes a few bands at a time give the bytes
+    `requantize` gives with the base's values (rounded to bf16 where they are), unchanged
+    groups keeping the base's bytes and scale even where a fresh scale would differ."""
+    monkeypatch.setattr(fp8, "BAND_GROUP", 5000)  # several groups of bands on small tensors
+    rng = np.random.default_rng(cols)
+    n = rows * cols
+    bands, blocks = -(-rows // block[0]), -(-cols // block[1])
+    q = rng.integers(0, 256, n, dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x80
+    # scales far from amax / 448: a group requantized afresh would not keep the base's
+    scales = fp8.scale_bytes(rng.random(bands * blocks).astype(np.float32) * 1e-2, scale_dtype)
+    values = fp8.dequantize(q, fp8.scale_values(scales, scale_dtype), cols, block,
+                            np.empty(n, np.float32))  # fmt: skip
+    if rounded_to:
+        values = fp8.scale_values(fp8.scale_bytes(values, rounded_to), rounded_to)
+    y = values.copy().reshape(rows, cols)
+    y[block[0] :, : block[1]] *= np.float32(1.5)
+    y = y.reshape(-1)
+    want_q, got_q = np.empty(n, np.uint8), np.empty(n, np.uint8)
+    want = fp8.requantize(y, values, q, scales, cols, block, scale_dtype, want_q)
+    scratch = np.empty(max(5000, block[0] * cols), np.float32)
+    got = fp8.requantize_stored(y, q, scales, cols, block, scale_dtype, rounded_to, got_q,
+                                scratch)  # fmt: skip
+    assert np.array_equal(got, want) and np.array_equal(got_q, want_q)
+    same = got_q.reshape(rows, cols)[: block[0]] == q.reshape(rows, cols)[: block[0]]
+    first = blocks * (4 if scale_dtype == "F32" else 2)  # the first band's scale bytes
+    assert bool(same.all()) and np.array_equal(got[:first], scales[:first])  # kept
+    assert np.array_equal(
+        fp8.requantize_stored(y, q, scales, cols, block, scale_dtype, rounded_to, None, scratch),
+        want,
+    )

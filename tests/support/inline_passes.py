@@ -64,3 +64,23 @@ def merge_inline(
             pieces.setdefault(p.tensor, []).append((p.start, data[at : at + size]))
             at += size
     return {name: b"".join(b for _, b in sorted(parts)) for name, parts in pieces.items()}
+
+
+def check_round_inline(
+    base: Path, tasks: list[Path], method_name: str, flags: worker.WorkFlags = FUSED, **kw
+) -> dict[str, list[int]]:
+    """The first reduce round with the NaN/Inf check (`check_finite`), unit by unit in this
+    process: per tensor, each input's count of non-finite values (none: {})."""
+    kw.setdefault("unit_budget_bytes", 700)
+    config = MergeConfig(
+        base=str(base), tasks=tuple(str(t) for t in tasks), method=method_name, **kw
+    )  # fmt: skip
+    job = driver.prepare(config)
+    method, state = get_method(method_name), job.initial_state()
+    found: dict[str, list[int]] = {}
+    for unit in job.units:
+        with worker.worker_context().work() as scope:
+            context = worker.TaskContext(job.layout, job.storage, method, job.params, state, flags)
+            got = reduce_step.reduce_unit(unit, context, 0, True, scope)
+        reduce_step.add_up(got, {}, found)
+    return found
