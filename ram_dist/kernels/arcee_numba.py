@@ -28,7 +28,7 @@ from ram_dist.kernels.primitives import (
     bits,
     load_tile_bases,
     size_of,
-    store,
+    store_span,
 )
 from ram_dist.kernels.views import (
     ArrayLike,
@@ -219,7 +219,7 @@ def _merge_kernel(inputs, imp, limit, out, nan_bits):  # noqa: ANN001, ANN201
             value = a[i] + (b[i] - at[i]) if narrowed else b[i]
             mask = one if imp[lo + i] >= limit else zero
             res[i] = a[i] + (value - a[i]) * mask
-        store(res[:m], out[lo : lo + m], nan_bits)
+        store_span(res[:m], out, lo, nan_bits)
 
 
 @njit(cache=True, **OPTIONS)

@@ -22,7 +22,14 @@ import numpy as np
 from numba import njit
 
 from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.primitives import OPTIONS, TILE, base_rows, load_tile_bases, size_of, store
+from ram_dist.kernels.primitives import (
+    OPTIONS,
+    TILE,
+    base_rows,
+    load_tile_bases,
+    size_of,
+    store_span,
+)
 from ram_dist.kernels.views import (
     ArrayLike,
     input_size,
@@ -68,7 +75,7 @@ def _blend_kernel(inputs, mode, factors, divide, divisor, add_base, out, nan_bit
             if add_base:
                 acc = b + acc
             res[i] = acc
-        store(res[:m], out[lo : lo + m], nan_bits)
+        store_span(res[:m], out, lo, nan_bits)
 
 
 def blend(
@@ -142,7 +149,7 @@ def _stock_kernel(inputs, ts, row, out, nan_bits):  # noqa: ANN001, ANN201
             for i in range(at - lo, stop - lo):
                 res[i] = t * (total[i] / count) + s * b[i]
             at = stop
-        store(res[:m], out[lo : lo + m], nan_bits)
+        store_span(res[:m], out, lo, nan_bits)
 
 
 def stock(

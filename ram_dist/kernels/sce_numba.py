@@ -33,7 +33,7 @@ from ram_dist.kernels.primitives import (
     bits,
     load_tile_bases,
     size_of,
-    store,
+    store_span,
 )
 from ram_dist.kernels.views import (
     ArrayLike,
@@ -127,7 +127,7 @@ def _merge_kernel(inputs, select, threshold, index_cut, start, weights, out, nan
         for i in range(m):
             divisor = MIN_DIVISOR if div[i] < MIN_DIVISOR else div[i]
             res[i] = b[i] + total[i] / divisor
-        store(res[:m], out[lo : lo + m], nan_bits)
+        store_span(res[:m], out, lo, nan_bits)
 
 
 def merge(
