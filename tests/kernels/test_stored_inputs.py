@@ -126,31 +126,35 @@ def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case, monkeypatch)
     assert not records or set(records) == {records[0]}
 
 
-def test_no_fma_in_the_kernels_compiled_for_stored_forms(base):
+def test_no_fma_in_the_kernels_compiled_for_stored_forms():
     """TIES's, DELLA's, the blend's, model_stock's, sce's and arcee_fusion's code for a
-    stored base has no FMA: their signature (records: every kind's loaders in one), called
-    on a stored base, compiled here (uncached)."""
+    stored base has no FMA: their signature (records: every kind's loaders in one, so one
+    compilation covers the three stored bases), called on each stored base, compiled here
+    (uncached)."""
     from numba import njit
 
     from ram_dist.kernels import primitives
 
-    agents = bf16_agents(base, 2, seed=7)
-    stored = base.stored(0, base.numel)
-    out = np.empty(base.numel, np.uint16)
-    ties_numba.statistics(stored, agents, ties_numba.HIGH, 1 << 15)
-    ties_numba.merge(stored, agents, out, weights=[0.5, 0.25], keep=[2, 0], cuts=[(0, -1)] * 2,
-                     start=0, consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
-    kw = dict(start=0, groups=(base.numel, 1), stream_keys=[1, None], densities=[0.5, 1.0],
-              epsilons=[0.1, 0.1])  # fmt: skip
-    della_numba.statistics(stored, agents, **kw)
-    della_numba.merge(stored, agents, out, **kw, factors=[1.5, None], weights=[0.5, 0.25],
-                      consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
-    blend_numba.blend(stored, agents, out, mode=blend_numba.DELTAS, factors=[0.3, 0.7])
-    blend_numba.stock(stored, agents, out, ts=[0.3])
-    sce_numba.merge(stored, agents, out, weights=[0.6, 0.4], select=sce_numba.SELECT_CUT,
-                    threshold=1 << 20, start=0)  # fmt: skip
-    imp = arcee_numba.importance(stored, agents[0], base.shape[-1])
-    arcee_numba.merge(stored, agents[0], imp, 1e-4, out)
+    for make in BASES.values():
+        base = make()
+        agents = bf16_agents(base, 2, seed=7)
+        stored = base.stored(0, base.numel)
+        out = np.empty(base.numel, np.uint16)
+        ties_numba.statistics(stored, agents, ties_numba.HIGH, 1 << 15)
+        ties_numba.merge(stored, agents, out, weights=[0.5, 0.25], keep=[2, 0],
+                         cuts=[(0, -1)] * 2, start=0, consensus=True, normalize=True,
+                         divisor=1.0, lambda_=0.5)  # fmt: skip
+        kw = dict(start=0, groups=(base.numel, 1), stream_keys=[1, None], densities=[0.5, 1.0],
+                  epsilons=[0.1, 0.1])  # fmt: skip
+        della_numba.statistics(stored, agents, **kw)
+        della_numba.merge(stored, agents, out, **kw, factors=[1.5, None], weights=[0.5, 0.25],
+                          consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
+        blend_numba.blend(stored, agents, out, mode=blend_numba.DELTAS, factors=[0.3, 0.7])
+        blend_numba.stock(stored, agents, out, ts=[0.3])
+        sce_numba.merge(stored, agents, out, weights=[0.6, 0.4], select=sce_numba.SELECT_CUT,
+                        threshold=1 << 20, start=0)  # fmt: skip
+        imp = arcee_numba.importance(stored, agents[0], base.shape[-1])
+        arcee_numba.merge(stored, agents[0], imp, 1e-4, out)
     arcee = (arcee_numba._importance_kernel, arcee_numba._merge_kernel)
     kernels = (*ties_numba.KERNELS, *della_numba.KERNELS, *blend_numba.KERNELS, *sce_numba.KERNELS)
     for kernel in (*kernels, *arcee):
