@@ -66,15 +66,11 @@ def values(
     of the rows they touch, from the first (float32), `basis` [r, cols] (float32). `fast`:
     the numba kernel where numba is installed and the dtypes are its (the same bytes)."""
     kernels = _numba() if fast else None
-    if kernels is not None and theta_dtype in _STORED and out_dtype in _STORED:
-        from ram_dist.kernels.views import kernel_record
-
+    if kernels is not None and theta_dtype in _BITS and out_dtype in _BITS:
         n = theta.size // INFO[theta_dtype].itemsize
-        dst = out[: n * INFO[out_dtype].itemsize]
-        src = kernel_record(theta.view(_STORED[theta_dtype]), False)
-        target = kernel_record(dst.view(_STORED[out_dtype]), True)
-        kernels.lora_values(src, coef, basis, scale, start, target)
-        return dst
+        dst = out[: n * INFO[out_dtype].itemsize].view(_BITS[out_dtype])
+        kernels.lora_values(theta.view(_BITS[theta_dtype]), coef, basis, scale, start, dst)
+        return dst.view(np.uint8)
     cols = basis.shape[1]
     base = as_float32(theta, theta_dtype)
     n = base.size
@@ -88,6 +84,5 @@ def values(
     return cast(result, out_dtype, out)
 
 
-#: The numpy view of each dtype the numba kernel takes (`views.kernel_record`): its stored
-#: elements, bfloat16 as its bits.
-_STORED = {"BF16": np.dtype(np.uint16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32)}
+#: The array the numba kernel takes for each dtype: its stored elements or their bits.
+_BITS = {"BF16": np.dtype(np.uint16), "F16": np.dtype(np.int16), "F32": np.dtype(np.float32)}

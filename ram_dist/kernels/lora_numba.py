@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.primitives import OPTIONS, fma_findings, load_span, size_of, store_span
+from ram_dist.kernels.primitives import OPTIONS, fma_findings, load, store
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -28,9 +28,8 @@ def lora_values(theta, coef, basis, scale, start, out):  # noqa: ANN001, ANN201 
 
     Whole rows go four at a time (each `basis` element loaded once for four rows), a tile of
     `TILE` columns at once; a row the elements cover in part goes alone. Every element's
-    sum is the same sequence of roundings either way. `theta` and `out` are records
-    (`views.kernel_record`): one signature for every pair of dtypes."""
-    n = size_of(theta)
+    sum is the same sequence of roundings either way."""
+    n = theta.size
     r, cols = basis.shape
     row0 = start // cols
     acc = np.empty((4, TILE), dtype=np.float32)
@@ -71,12 +70,13 @@ def lora_values(theta, coef, basis, scale, start, out):  # noqa: ANN001, ANN201 
                         acc[0, j] = acc[0, j] + c0 * basis[k, jt + j]
             for q in range(rows):
                 at = e + q * cols + (jt - j0)
-                load_span(theta, at, w, tbits)
+                load(theta[at : at + w], tbits[:w])
                 tvals = tbits[:w].view(np.float32)
                 for j in range(w):
                     res[j] = tvals[j] + scale * acc[q, j]
-                store_span(res[:w], out, at, -1)
+                store(res[:w], out[at : at + w], -1)
         e += m if rows == 1 else 4 * cols
+    return out
 
 
 def fma_instructions() -> list[str]:

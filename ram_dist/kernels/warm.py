@@ -6,12 +6,12 @@ Every `@njit(cache=True)` kernel compiles one specialization per argument types,
 a few each, in every worker process that finds it in no cache (loading one takes about
 10 ms). The kernels that read a merge's inputs take them as records (`views.kernel_inputs`:
 one int64 table, whatever the inputs' dtypes, stored forms and count, and one record for the
-output, whatever its dtype; the LoRA product its base values and output so too), so each of
-them has one specialization; the others are typed by their arrays: the finiteness scan per
-width, the exact sums of products, arcee_fusion's histograms, and MXFP4's and packed
-INT4/INT8's decoding (the eager path's). This calls every kernel through its public wrapper,
-on tiny inputs, so that the signatures are exactly those a job meets: 23 specializations in
-all (about a minute on one core of the development machine).
+output, whatever its dtype), so each of them has one specialization; the others are typed by
+their arrays: the finiteness scan per width, the LoRA product per pair of dtypes, the exact
+sums of products, arcee_fusion's histograms, and MXFP4's and packed INT4/INT8's decoding
+(the eager path's). This calls every kernel through its public wrapper, on tiny inputs, so
+that the signatures are exactly those a job meets: 26 specializations in all (about a
+minute on one core of the development machine).
 
 The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
 beside the kernel modules when that is writable, else numba's user-wide cache directory
@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ram_dist.dtypes import INFO
+from ram_dist.kernels import READS
 
 #: The label of FP8 output (e4m3 bytes and block scales written by RAM's merge).
 FP8 = "fp8"
@@ -101,8 +102,10 @@ def calls() -> Iterator[tuple[Any, str, Callable[[], Any]]]:
     for name in ("bfloat16", "float32", "float64"):
         x = torch.zeros(N, dtype=getattr(torch, name))
         yield scan_numba._count, name, partial(scan_numba.nonfinite_count, x)
-    # A LoRA task's values (the base's and the task's values as records: one signature).
-    yield lora_numba.lora_values, "LoRA records", partial(_lora, "BF16", "BF16")
+    # A LoRA task's values: in the base's dtype, and bfloat16 over an FP8 base's float32
+    # (typed arrays: its spans of 256 columns measured 10% slower taken as records).
+    for theta, to in [*((d, d) for d in READS), ("F32", "BF16")]:
+        yield lora_numba.lora_values, f"LoRA {theta} -> {to}", partial(_lora, theta, to)
     # Exact sums of products (the geometric methods' norms and dot products): float32 only.
     from ram_dist.kernels import exact_sums, exact_sums_numba
 
