@@ -28,7 +28,7 @@ from ram_dist.kernels.primitives import (
     bits,
     load_tile_bases,
     size_of,
-    store,
+    store_span,
 )
 from ram_dist.kernels.views import (
     ArrayLike,
@@ -206,20 +206,28 @@ def _merge_kernel(inputs, imp, limit, out, nan_bits):  # noqa: ANN001, ANN201
     buf = np.empty((3, TILE), np.uint32)
     vals = buf.view(np.float32)
     res = np.empty(TILE, np.float32)
-    zero = np.float32(0.0)
-    one = np.float32(1.0)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
         load_tile_bases(inputs, lo, m, buf)
-        a = vals[0]
-        b = vals[1]
-        at = vals[rows[0]]
-        narrowed = rows[0] != 0
-        for i in range(m):
-            value = a[i] + (b[i] - at[i]) if narrowed else b[i]
-            mask = one if imp[lo + i] >= limit else zero
-            res[i] = a[i] + (value - a[i]) * mask
-        store(res[:m], out[lo : lo + m], nan_bits)
+        _pick_tile(vals, rows[0], imp[lo : lo + m], limit, res[:m])
+        store_span(res[:m], out, lo, nan_bits)
+
+
+@register_jitable
+def _pick_tile(vals, row, imp, limit, res):  # noqa: ANN001, ANN202  (numba arrays)
+    """res[:] = `a + (b - a) * (imp >= limit)` over a `load_tile_bases` tile, `b - a`
+    measured against its row `row` (its own function: compiled apart from the record
+    loaders, inlined with them it measured 0.64x main's elements/s)."""
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    a = vals[0]
+    b = vals[1]
+    at = vals[row]
+    narrowed = row != 0
+    for i in range(res.size):
+        value = a[i] + (b[i] - at[i]) if narrowed else b[i]
+        mask = one if imp[i] >= limit else zero
+        res[i] = a[i] + (value - a[i]) * mask
 
 
 @njit(cache=True, **OPTIONS)

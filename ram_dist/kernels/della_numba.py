@@ -38,7 +38,7 @@ from ram_dist.kernels.primitives import (
     bits,
     load_tile_bases,
     size_of,
-    store,
+    store_span,
 )
 from ram_dist.kernels.ties_numba import combine_tile
 from ram_dist.kernels.views import (
@@ -333,7 +333,7 @@ def _merge_kernel(
                     x[i] = x[i] * w
         tile = vals[: ntasks + 1]  # the base and the weighted task vectors
         combine_tile(tile, row, weights, consensus, normalize, divisor, lam, scale, total, div, res)
-        store(res, out[lo : lo + row], nan_bits)
+        store_span(res, out, lo, nan_bits)
 
 
 # ---- Python API ------------------------------------------------------------------------

@@ -8,25 +8,27 @@ something (`precision.needs_check`): the counts are the same integers as the num
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import literal_unroll, njit, types
-from numba.extending import overload, register_jitable
+from numba import njit
+from numba.extending import register_jitable
 
 from ram_dist.kernels import use_writable_cache
 from ram_dist.kernels.primitives import (
+    BF16,
+    F16,
     INF32,
     OPTIONS,
     TILE,
+    VALUES,
     base_rows,
     float_bits_to_bf16,
     float_bits_to_half,
     half_to_float_bits,
     load_tile_bases,
     size_of,
-    values_type,
 )
 from ram_dist.kernels.views import kernel_inputs
 
@@ -35,36 +37,17 @@ use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 _U32 = np.uint32
 
 
-def tests_of(task: Any) -> int:
-    """`precision.rounding_tests` of a task input, as a constant of its type (its values'
-    dtype, `primitives.values_type`): 0 none (a bfloat16 task), 1 bfloat16 (a float16
-    task), 2 bfloat16 and float16 (float32, FP8)."""
-    raise NotImplementedError
-
-
-@overload(tests_of)
-def _tests_of_impl(task: Any) -> Callable[..., int]:
-    tests = 2
-    if values_type(task) == types.uint16:
-        tests = 0
-    elif values_type(task) == types.int16:
-        tests = 1
-
-    def constant(task: Any) -> int:
-        return tests
-
-    return constant
-
-
 @register_jitable
-def task_tests(inputs: tuple[Any, ...]) -> np.ndarray:
-    """Per task, `tests_of` (the base's entry, first, unused)."""
-    out = np.zeros(len(inputs), np.int64)
-    j = 0
-    for src in literal_unroll(inputs):
-        out[j] = tests_of(src)
-        j += 1
-    return out[1:]
+def task_tests(inputs: np.ndarray) -> np.ndarray:
+    """Per task, `precision.rounding_tests` of its values' dtype (its record's `VALUES`): 0
+    none (a bfloat16 task), 1 bfloat16 (a float16 task), 2 bfloat16 and float16 (float32,
+    FP8)."""
+    ntasks = inputs.shape[0] - 1
+    out = np.full(ntasks, 2, np.int64)
+    for t in range(ntasks):
+        values = inputs[t + 1, VALUES]
+        out[t] = 0 if values == BF16 else (1 if values == F16 else 2)
+    return out
 
 
 @register_jitable

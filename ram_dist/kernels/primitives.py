@@ -3,10 +3,13 @@ conversions between the stored dtypes and float32 bits, the compile options, and
 that compiled code has no fused multiply-add.
 
 A kernel works on tiles of `TILE` elements: `load_tile` widens every input into float32 bits
-(each by its own dtype's loop, picked at compile time; an FP8 or quantized input's values
-computed from its codes and scales, `load_span`), the rule runs in float32, and
-`store` narrows the result into the output's dtype. numba has no float16 or bfloat16 arrays,
-so both come as raw bits (`NUMBA_ARRAYS`): bfloat16 as uint16, float16 as int16.
+(each by its own dtype's loop, picked once a span from the input's record, `load_span`; an
+FP8 or quantized input's values computed from its codes and scales), the rule runs in
+float32, and `store_span` narrows the result into the output's dtype. The inputs and the
+output come as records (int64: kind, size, arrays' addresses, parameters; `views`), so a
+kernel has one numba type whatever the dtypes, formats and task count, and compiles once.
+numba has no float16 or bfloat16 arrays, so both are read as raw bits (`NUMBA_ARRAYS`):
+bfloat16 as uint16, float16 as int16.
 """
 
 from __future__ import annotations
@@ -16,11 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numba import literal_unroll, types
+from numba import carray, types
 from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic, overload, register_jitable
-
-from ram_dist.kernels.quantized import FIELDS as QUANTIZED_FIELDS
 
 #: Elements per tile: the float32 scratch of base and tasks plus four work rows stay in L2.
 TILE = 4096
@@ -229,73 +230,123 @@ def _store_impl(res: Any, out: Any, nan_bits: Any) -> Callable[..., None] | None
     return None
 
 
-def is_quantized(src: Any) -> bool:
-    """Whether a kernel argument's numba type is a quantized input's tuple (MXFP4 or packed
-    INT, `quantized.kernel_tuple`), at compile time."""
-    return isinstance(src, types.BaseTuple) and len(src) == QUANTIZED_FIELDS
+# ---- inputs and outputs as records (one kernel type whatever their dtypes and count) -------
+#
+# `views.kernel_inputs` hands a kernel its inputs as one int64 table, a row (record) per
+# input, and `views.kernel_output` its output as one such row: the kind of the stored form,
+# its values' dtype, its element count, the addresses and byte counts of its arrays, and the
+# quantized formats' parameters. Their numba type is the same for any dtype, format and
+# task count, so each kernel compiles once; the loaders below switch on the kind once per
+# span and run the same typed loop as before inside each case.
+
+#: Record fields (`KIND`: the stored form; `VALUES`: its values' dtype, as a kind code).
+KIND, VALUES, SIZE, DATA, SCALES, ZEROS, PANEL = 0, 1, 2, 3, 5, 7, 9
+#: MXFP4's panel key, and the quantized and FP8 forms' parameters (`quantized.QuantizedValues`,
+#: `fp8.Fp8Values`'s columns and block).
+KEY, FORMAT, BITS, ROWS, COLS, GROUPS, BM, BN = 11, 12, 13, 14, 15, 16, 17, 18
+#: Fields of a record; DATA, SCALES, ZEROS and PANEL are each (address, bytes).
+FIELDS = 19
+#: Kind codes: stored arrays (bfloat16 as uint16 bits, float16 as int16 bits, float32,
+#: float64 for outputs), block FP8 (`fp8.Fp8Values`), MXFP4 / packed INT / rounded FP8
+#: (`quantized.QuantizedValues`, their values' dtype in `VALUES`).
+BF16, F16, F32, F64, FP8, QUANTIZED = 0, 1, 2, 3, 4, 5
 
 
-def values_type(src: Any) -> Any:
-    """The numba dtype of an input's values as the kernels see them, at compile time: a
-    stored array's own, an FP8 input's float32, a quantized input's its marker's (bfloat16
-    as uint16, float16 as int16, float32)."""
-    if isinstance(src, types.Array):
-        return src.dtype
-    if is_quantized(src):
-        return src[0].dtype
-    return types.float32
+@intrinsic
+def _pointer(typingctx: Any, address: Any) -> tuple[Any, Any]:
+    """An int64 address as a byte pointer (`carray` makes it an array)."""
+    sig = types.CPointer(types.uint8)(types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint8)))
+
+    return sig, codegen
 
 
-def load_span(src: Any, lo: int, m: int, dst: np.ndarray) -> None:
-    """dst[:m] = float32 bits of elements [lo, lo + m) of an input: a stored array, an FP8
-    input's tuple, or a quantized input's (MXFP4 or packed INT: `quantized_spans`)
-    (implemented per kind below)."""
+@register_jitable
+def field_bytes(rec: np.ndarray, at: int) -> np.ndarray:
+    """The bytes of a record's array field `at` (its address and byte count), as uint8;
+    `.view` gives its typed elements (the caller keeps the array alive: `views`)."""
+    return carray(_pointer(rec[at]), rec[at + 1])
+
+
+@register_jitable
+def load_span(src: np.ndarray, lo: int, m: int, dst: np.ndarray) -> None:
+    """dst[:m] = float32 bits of elements [lo, lo + m) of an input record: a stored array
+    (`load`'s loop for its dtype), an FP8 input (`load_fp8`), or a quantized one (MXFP4 or
+    packed INT: `quantized_spans`). One switch per span."""
+    kind = src[KIND]
+    if kind == BF16:
+        load(field_bytes(src, DATA).view(np.uint16)[lo : lo + m], dst[:m])
+    elif kind == F16:
+        load(field_bytes(src, DATA).view(np.int16)[lo : lo + m], dst[:m])
+    elif kind == F32:
+        load(field_bytes(src, DATA).view(np.float32)[lo : lo + m], dst[:m])
+    elif kind == FP8:
+        load_fp8(src, lo, m, dst)
+    else:
+        load_quantized(src, lo, m, dst)
+
+
+def load_quantized(src: np.ndarray, lo: int, m: int, dst: np.ndarray) -> None:
+    """`quantized_spans`' loaders (imported when first compiled: that module imports this
+    one)."""
     raise NotImplementedError
 
 
-@overload(load_span, jit_options={"fastmath": False, "error_model": "numpy"})
-def _load_span_impl(src: Any, lo: Any, m: Any, dst: Any) -> Callable[..., None] | None:
-    if isinstance(src, types.Array):
+@overload(load_quantized, jit_options={"fastmath": False, "error_model": "numpy"})
+def _load_quantized_impl(src: Any, lo: Any, m: Any, dst: Any) -> Callable[..., None]:
+    from ram_dist.kernels.quantized_spans import load_mxfp4, load_rows
 
-        def load_array(src: Any, lo: Any, m: Any, dst: Any) -> None:
-            load(src[lo : lo + m], dst[:m])
+    def impl(src: Any, lo: Any, m: Any, dst: Any) -> None:
+        if src[FORMAT] == 0:  # quantized.MXFP4
+            load_mxfp4(src, lo, m, dst)
+        else:
+            load_rows(src, lo, m, dst)
 
-        return load_array
-    if is_quantized(src):
-        from ram_dist.kernels.quantized_spans import load_mxfp4, load_rows
+    return impl
 
-        def load_quantized(src: Any, lo: Any, m: Any, dst: Any) -> None:
-            if src[4] == 0:  # quantized.MXFP4
-                load_mxfp4(src, lo, m, dst)
-            else:
-                load_rows(src, lo, m, dst)
 
-        return load_quantized
-    if isinstance(src, types.BaseTuple):
+@register_jitable
+def load_fp8(src: np.ndarray, lo: int, m: int, dst: np.ndarray) -> None:
+    """dst[:m] = float32 bits of an FP8 input's elements [lo, lo + m): runs of one row
+    within one block share a scale, one multiplication each."""
+    q = field_bytes(src, DATA)
+    scales = field_bytes(src, SCALES).view(np.float32)
+    cols, bm, bn = src[COLS], src[BM], src[BN]
+    per = (cols + bn - 1) // bn
+    row = lo // cols
+    col = lo - row * cols
+    block = col // bn
+    done = 0
+    while done < m:
+        run = min(m - done, min(block * bn + bn, cols) - col)
+        s = scales[(row // bm) * per + block]
+        codes = q[lo + done : lo + done + run]
+        out = dst[done : done + run]
+        for i in range(run):
+            out[i] = bits(float32_of(e4m3_bits(codes[i])) * s)
+        done += run
+        col += run
+        block += 1
+        if col == cols:
+            row, col, block = row + 1, 0, 0
 
-        def load_fp8(src: Any, lo: Any, m: Any, dst: Any) -> None:
-            # runs of one row within one block share a scale: one multiplication each
-            q, scales, cols, bm, bn = src
-            per = (cols + bn - 1) // bn
-            row = lo // cols
-            col = lo - row * cols
-            block = col // bn
-            done = 0
-            while done < m:
-                run = min(m - done, min(block * bn + bn, cols) - col)
-                s = scales[(row // bm) * per + block]
-                codes = q[lo + done : lo + done + run]
-                out = dst[done : done + run]
-                for i in range(run):
-                    out[i] = bits(float32_of(e4m3_bits(codes[i])) * s)
-                done += run
-                col += run
-                block += 1
-                if col == cols:
-                    row, col, block = row + 1, 0, 0
 
-        return load_fp8
-    return None
+@register_jitable
+def store_span(res: np.ndarray, out: np.ndarray, lo: int, nan_bits: int) -> None:
+    """Elements [lo, lo + res.size) of an output record = res (float32) cast to its dtype
+    (`store`'s loop for it). One switch per span."""
+    m = res.size
+    kind = out[KIND]
+    if kind == BF16:
+        store(res, field_bytes(out, DATA).view(np.uint16)[lo : lo + m], nan_bits)
+    elif kind == F16:
+        store(res, field_bytes(out, DATA).view(np.int16)[lo : lo + m], nan_bits)
+    elif kind == F32:
+        store(res, field_bytes(out, DATA).view(np.float32)[lo : lo + m], nan_bits)
+    else:
+        store(res, field_bytes(out, DATA).view(np.float64)[lo : lo + m], nan_bits)
 
 
 @register_jitable
@@ -316,128 +367,71 @@ def e4m3_bits(code: int) -> int:
 _TWO_120 = np.float32(2.0**120)
 
 
-def size_of(src: Any) -> int:
-    """Elements of an input: a stored array's, an FP8 input's e4m3 bytes', a quantized
-    input's values'."""
-    raise NotImplementedError
-
-
-@overload(size_of)
-def _size_of_impl(src: Any) -> Callable[..., int] | None:
-    if isinstance(src, types.Array):
-
-        def array_size(src: Any) -> int:
-            return src.size
-
-        return array_size
-    if is_quantized(src):
-
-        def quantized_size(src: Any) -> int:
-            return src[9]
-
-        return quantized_size
-    if isinstance(src, types.BaseTuple):
-
-        def fp8_size(src: Any) -> int:
-            return src[0].size
-
-        return fp8_size
-    return None
+@register_jitable
+def size_of(src: np.ndarray) -> int:
+    """Elements of an input record: a stored array's, an FP8 input's e4m3 bytes', a
+    quantized input's values'."""
+    return src[SIZE]
 
 
 @register_jitable
-def load_tile(inputs: tuple[Any, ...], lo: int, m: int, buf: np.ndarray, at: int = 0) -> None:
-    """buf[j, at : at + m] = float32 bits of inputs[j]'s elements [lo, lo + m), for every
-    input (the tile every kernel works on; each input is widened by its own kind's loop)."""
-    j = 0
-    for src in literal_unroll(inputs):
-        load_span(src, lo, m, buf[j, at : at + m])
-        j += 1
+def load_tile(inputs: np.ndarray, lo: int, m: int, buf: np.ndarray, at: int = 0) -> None:
+    """buf[j, at : at + m] = float32 bits of input j's elements [lo, lo + m), for every
+    record of `inputs` (the tile every kernel works on; each input is widened by its own
+    kind's loop)."""
+    for j in range(inputs.shape[0]):
+        load_span(inputs[j], lo, m, buf[j, at : at + m])
 
 
 # ---- the base at a task's precision (`kernels.precision`) --------------------------------
 
 
-def narrows(base: Any, task: Any) -> bool:
+@register_jitable
+def narrows(base: np.ndarray, task: np.ndarray) -> bool:
     """Whether a task input measures its update against the base rounded to its dtype (its
-    values are bfloat16 or float16 and the base's are not; `values_type`): a constant of the
-    two inputs' types."""
-    raise NotImplementedError
-
-
-@overload(narrows)
-def _narrows_impl(base: Any, task: Any) -> Callable[..., bool]:
-    rounded = values_type(task) in (types.uint16, types.int16)
-    same = rounded and values_type(base) == values_type(task)
-    if rounded and not same:
-
-        def yes(base: Any, task: Any) -> bool:
-            return True
-
-        return yes
-
-    def no(base: Any, task: Any) -> bool:
-        return False
-
-    return no
-
-
-def round_bits(task: Any, src: np.ndarray, dst: np.ndarray) -> None:
-    """dst[:] = float32 bits of src[:] (float32 bits) rounded to nearest even to the task
-    input's dtype (bfloat16 or float16) and widened back: `cast(x_B, p_t)`, exact; an
-    overflow gives inf, a NaN stays a quiet NaN (implemented per dtype below)."""
-    raise NotImplementedError
-
-
-@overload(round_bits, jit_options={"fastmath": False, "error_model": "numpy"})
-def _round_bits_impl(task: Any, src: Any, dst: Any) -> Callable[..., None] | None:
-    if values_type(task) == types.uint16:
-
-        def to_bf16(task: Any, src: Any, dst: Any) -> None:
-            for i in range(dst.size):
-                dst[i] = _U32(float_bits_to_bf16(src[i], -1)) << _U32(16)
-
-        return to_bf16
-    if values_type(task) == types.int16:
-
-        def to_f16(task: Any, src: Any, dst: Any) -> None:
-            for i in range(dst.size):
-                dst[i] = half_to_float_bits(float_bits_to_half(src[i]))
-
-        return to_f16
-
-    def untouched(task: Any, src: Any, dst: Any) -> None:
-        return None
-
-    return untouched
+    values are bfloat16 or float16 and the base's are not), from the two records."""
+    t = task[VALUES]
+    return (t == BF16 or t == F16) and base[VALUES] != t
 
 
 @register_jitable
-def base_rows(inputs: tuple[Any, ...]) -> np.ndarray:
+def round_bits(values: int, src: np.ndarray, dst: np.ndarray) -> None:
+    """dst[:] = float32 bits of src[:] (float32 bits) rounded to nearest even to `values`
+    (a kind code: bfloat16 or float16; float32 copies) and widened back: `cast(x_B, p_t)`,
+    exact; an overflow gives inf, a NaN stays a quiet NaN. One switch per span."""
+    if values == BF16:
+        for i in range(dst.size):
+            dst[i] = _U32(float_bits_to_bf16(src[i], -1)) << _U32(16)
+    elif values == F16:
+        for i in range(dst.size):
+            dst[i] = half_to_float_bits(float_bits_to_half(src[i]))
+    else:
+        for i in range(dst.size):
+            dst[i] = src[i]
+
+
+@register_jitable
+def base_rows(inputs: np.ndarray) -> np.ndarray:
     """Per task t (0-based), the row of a `load_tile_bases` tile that holds the base at its
     precision: 0 (the base's own row) or `ntasks + 1 + t`."""
-    ntasks = len(inputs) - 1
+    ntasks = inputs.shape[0] - 1
     rows = np.zeros(ntasks, np.int64)
-    j = 0
-    for src in literal_unroll(inputs):
-        if j > 0 and narrows(inputs[0], src):
+    for j in range(1, ntasks + 1):
+        if narrows(inputs[0], inputs[j]):
             rows[j - 1] = ntasks + j
-        j += 1
     return rows
 
 
 @register_jitable
-def load_tile_bases(inputs: tuple[Any, ...], lo: int, m: int, buf: np.ndarray) -> None:
+def load_tile_bases(inputs: np.ndarray, lo: int, m: int, buf: np.ndarray) -> None:
     """`load_tile`, and, for each task t that measures against the base rounded to its dtype,
     row `ntasks + 1 + t` of `buf` (which has `2 * ntasks + 1` rows) = the base's row rounded
     to it (`base_rows` says which row each task's update is measured against)."""
     load_tile(inputs, lo, m, buf)
-    ntasks = len(inputs) - 1
-    j = 0
-    for src in literal_unroll(inputs):
-        if j > 0 and narrows(inputs[0], src):
-            round_bits(src, buf[0, :m], buf[ntasks + j, :m])
-        j += 1
+    ntasks = inputs.shape[0] - 1
+    for j in range(1, ntasks + 1):
+        if narrows(inputs[0], inputs[j]):
+            round_bits(inputs[j, VALUES], buf[0, :m], buf[ntasks + j, :m])
 
 
 # ---- no fused multiply-add -------------------------------------------------------------

@@ -4,10 +4,9 @@ decoded as the kernels load it (`quantized_spans`, called from `primitives.load_
 place of a 16-bit copy of the values made first (block FP8, whose values are float32, has its
 own form: `fp8.Fp8Values`).
 
-One form for the three formats (`QuantizedValues`), and one kernel argument type per dtype of the
-values (`views.kernel_view` makes the tuple; the format is a value, not a type): numba
-compiles one specialization per combination of input types, so a job with a quantized base
-and bf16 tasks meets one new type, whichever of the two formats its base is stored in.
+One form for the three formats (`QuantizedValues`); `views.kernel_view` makes its tuple and
+`views.kernel_inputs` its record, where the format and the values' dtype are values, not
+types, so the kernels compiled for any input read it too.
 """
 
 from __future__ import annotations
@@ -114,10 +113,11 @@ def fp8_values(
 
 
 def kernel_tuple(x: QuantizedValues) -> tuple:
-    """The tuple `primitives.load_span` takes: (marker, codes, scales, zeros, format, bits,
-    rows, cols, groups, size, panel, key), its type set by the marker (the values' dtype)
-    alone; `panel` and `key` are MXFP4's scratch (`quantized_spans.load_mxfp4`), empty and
-    unused for INT and FP8."""
+    """The checked parts of a quantized input that `views.kernel_inputs` makes its record
+    of: (marker, codes, scales, zeros, format, bits, rows, cols, groups, size, panel, key),
+    the marker's dtype the values'; `panel` and `key` are MXFP4's scratch
+    (`quantized_spans.load_mxfp4`; the record holds its own key), empty and unused for INT
+    and FP8."""
     if x.format == MXFP4:
         need = (x.size // (x.cols * x.rows)) * x.rows * x.groups
         ok = x.size % (x.cols * x.rows) == 0 and x.scales.size == need

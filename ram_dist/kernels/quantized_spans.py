@@ -1,5 +1,6 @@
-"""Spans of a quantized input (`quantized.QuantizedValues`, as `quantized.kernel_tuple`) decoded
-into float32 bits as the fused kernels load them (numba; `primitives.load_span` calls these):
+"""Spans of a quantized input (`quantized.QuantizedValues`, as its record,
+`views.kernel_inputs`) decoded into float32 bits as the fused kernels load them (numba;
+`primitives.load_span` calls these):
 the bits of `mxfp4.decode_bf16`'s, `int_packed.decode_in`'s and a rounded FP8 source's
 (`Fp8Source.decode`) values, widened to float32, so no copy of the values is made before the
 kernels run.
@@ -19,20 +20,27 @@ once a pass.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
-from numba import types
-from numba.extending import overload, register_jitable
+from numba.extending import register_jitable
 
 from ram_dist.kernels.primitives import (
+    BITS,
+    COLS,
+    DATA,
+    FORMAT,
+    GROUPS,
     INF32,
+    KEY,
+    PANEL,
+    ROWS,
+    SCALES,
+    VALUES,
+    ZEROS,
     bits,
     e4m3_bits,
+    field_bytes,
     float32_of,
-    float_bits_to_bf16,
-    float_bits_to_half,
-    half_to_float_bits,
+    round_bits,
 )
 
 _U32 = np.uint32
@@ -50,13 +58,13 @@ def e2m1_bits(code: int) -> int:
 
 
 @register_jitable
-def load_mxfp4(src: Any, lo: int, m: int, dst: np.ndarray) -> None:
+def load_mxfp4(src: np.ndarray, lo: int, m: int, dst: np.ndarray) -> None:
     """dst[:m] = float32 bits of values [lo, lo + m) of whole MXFP4 experts (as
-    `mxfp4.decode_bf16`'s, widened): each run of one decoded row from the tuple's panel,
-    which `fill_panel` fills with the row's 32-row group the first time a run of it is
-    asked for (the tuple's `key` says which group it holds)."""
-    panel, key = src[10], src[11]
-    rows, cols, groups = src[6], src[7], src[8]
+    `mxfp4.decode_bf16`'s, widened), from their record: each run of one decoded row from
+    the record's panel, which `fill_panel` fills with the row's 32-row group the first time
+    a run of it is asked for (the record's `KEY` says which group it holds)."""
+    panel = field_bytes(src, PANEL).view(np.uint16)
+    rows, cols, groups = src[ROWS], src[COLS], src[GROUPS]
     plane = cols * rows
     e = lo // plane
     c = (lo - e * plane) // rows
@@ -65,9 +73,11 @@ def load_mxfp4(src: Any, lo: int, m: int, dst: np.ndarray) -> None:
     while done < m:
         run = min(m - done, rows - r)
         group = e * groups + (c >> 5)
-        if key[0] != group:
-            fill_panel(src[1], src[2], e, c >> 5, rows, groups, panel)
-            key[0] = group
+        if src[KEY] != group:
+            codes = field_bytes(src, DATA)
+            fill_panel(codes, field_bytes(src, SCALES).view(np.float32), e, c >> 5, rows,
+                       groups, panel)  # fmt: skip
+            src[KEY] = group
         at = (c & 31) * rows + r
         got = panel[at : at + run]
         out = dst[done : done + run]
@@ -114,42 +124,19 @@ def fill_panel(
 _NAN_BF16 = np.uint16(0x7FC0)
 
 
-def rounded(marker: Any, u: int) -> int:
-    """float32 bits `u` rounded to nearest even to the dtype of `marker`'s elements (bfloat16
-    as uint16, float16 as int16, float32: unchanged) and widened back (implemented below)."""
-    raise NotImplementedError
-
-
-@overload(rounded, jit_options={"fastmath": False, "error_model": "numpy"})
-def _rounded_impl(marker: Any, u: Any) -> Any:
-    if marker.dtype == types.uint16:
-
-        def to_bf16(marker: Any, u: Any) -> int:
-            return _U32(float_bits_to_bf16(u, -1)) << _U32(16)
-
-        return to_bf16
-    if marker.dtype == types.int16:
-
-        def to_f16(marker: Any, u: Any) -> int:
-            return half_to_float_bits(float_bits_to_half(u))
-
-        return to_f16
-
-    def same(marker: Any, u: Any) -> int:
-        return _U32(u)
-
-    return same
-
-
 @register_jitable
-def load_rows(src: Any, lo: int, m: int, dst: np.ndarray) -> None:
-    """dst[:m] = float32 bits of values [lo, lo + m) of whole packed INT rows:
-    `float32(q - zero) * scale` rounded to the values' dtype, as `int_packed.decode_in`
-    (its numba kernel's arithmetic, `int_packed_numba`); or, for FP8 rows (a byte a value),
-    `float32(e4m3) * scale` rounded to the values' dtype, as `Fp8Source.decode`."""
-    marker, codes, scales, zeros = src[0], src[1], src[2], src[3]
-    nbits, cols, groups = src[5], src[7], src[8]
-    fp8 = src[4] == 2  # quantized.FP8: e4m3 bytes, a row's `cols` bytes
+def load_rows(src: np.ndarray, lo: int, m: int, dst: np.ndarray) -> None:
+    """dst[:m] = float32 bits of values [lo, lo + m) of whole packed INT rows, from their
+    record: `float32(q - zero) * scale` rounded to the values' dtype, as
+    `int_packed.decode_in` (its numba kernel's arithmetic, `int_packed_numba`); or, for FP8
+    rows (a byte a value), `float32(e4m3) * scale` rounded to the values' dtype, as
+    `Fp8Source.decode`. The products are written first, then the span rounded at once
+    (`round_bits`: the values' dtype is a value, so the rounding is picked once a span)."""
+    codes = field_bytes(src, DATA)
+    scales = field_bytes(src, SCALES).view(np.float32)
+    zeros = field_bytes(src, ZEROS).view(np.int16)
+    nbits, cols, groups = src[BITS], src[COLS], src[GROUPS]
+    fp8 = src[FORMAT] == 2  # quantized.FP8: e4m3 bytes, a row's `cols` bytes
     per_row = cols if fp8 else ((cols * nbits + 31) // 32) * 4
     size = cols // groups
     offset = np.int32(1) << np.int32(nbits - 1)
@@ -168,22 +155,20 @@ def load_rows(src: Any, lo: int, m: int, dst: np.ndarray) -> None:
         if fp8:
             q8 = codes[at + col : at + col + run]
             for i in range(run):
-                v = float32_of(e4m3_bits(q8[i])) * s
-                out[i] = rounded(marker, bits(v))
+                out[i] = bits(float32_of(e4m3_bits(q8[i])) * s)
         elif nbits == 8:
             q8 = codes[at + col : at + col + run]
             for i in range(run):
-                v = np.float32(np.int32(q8[i]) - offset - z) * s
-                out[i] = rounded(marker, bits(v))
+                out[i] = bits(np.float32(np.int32(q8[i]) - offset - z) * s)
         else:
             for i in range(run):
                 c = col + i
                 byte = np.int32(codes[at + (c >> 1)])
                 q = (byte >> np.int32(4 * (c & 1))) & np.int32(15)
-                v = np.float32(q - offset - z) * s
-                out[i] = rounded(marker, bits(v))
+                out[i] = bits(np.float32(q - offset - z) * s)
         done += run
         col += run
         if col == cols:
             row += 1
             col = 0
+    round_bits(src[VALUES], dst[:m], dst[:m])

@@ -10,8 +10,9 @@ Design (measured):
 - Inputs keep their stored dtype (float32, bfloat16 or float16, mixed freely: each
   checkpoint has its own). A kernel walks the chunk in tiles of `TILE` elements. Per tile,
   each input is widened to float32 bits in an [N+1, TILE] scratch buffer by an exact
-  conversion loop picked by its dtype at compile time (`literal_unroll` over the tuple of
-  inputs: each dtype combination compiles once, then comes from numba's disk cache); the rule
+  conversion loop picked by its dtype once per tile (the inputs come as records,
+  `views.kernel_inputs`: one signature for every dtype combination and task count, compiled
+  once, then loaded from numba's disk cache); the rule
   then runs on the float32 rows task by task, in loops LLVM vectorizes, and the result is
   narrowed into the output dtype. The scratch stays in L2, so each input byte is read once
   from memory and each output byte written once. The alternative, one element loop per dtype
@@ -27,9 +28,7 @@ Design (measured):
 - MXFP4 and packed INT4/INT8 inputs (`quantized.QuantizedValues`: codes and scales as
   stored) are loaded the same way (`quantized_spans`), each value the bits the eager path's
   decoders give (`mxfp4.decode_bf16`, `int_packed.decode_in`), so no copy of their values is
-  made either. Their kernel type is set by the values' dtype alone (bfloat16 for MXFP4 and
-  a bfloat16-scaled INT weight), not the format: one more specialization per task count
-  and output dtype for a quantized base with bfloat16 tasks, whichever format it is.
+  made either. Their format and values' dtype are fields of their record, not types.
 - Arithmetic is op for op the eager one, in float32: `tau = x_t - b`, `|tau| > float32(eps)`,
   `total = total + where(m, tau, 0)` in task order, `lambda * total` when one task is active,
   `total / float32(c)` otherwise, then `b + merged`; `c == 0` keeps `b`. No fastmath, so LLVM
@@ -37,8 +36,8 @@ Design (measured):
   assembly; tests also check values an FMA would change). `error_model="numpy"` lets
   `total / 0` give NaN (as in torch, which then discards it) instead of raising, which the
   division needs to vectorize.
-- numba has no float16 or bfloat16 arrays, so the wrappers pass raw bits, tagged by dtype:
-  bfloat16 as uint16, float16 as int16; float32 and float64 as such.
+- numba has no float16 or bfloat16 arrays, so the records hold raw bits, tagged by a kind
+  code: bfloat16 read as uint16, float16 as int16; float32 and float64 as such.
 - float64 inputs are not handled (the spec computes those tensors in float64): `supports`
   says so, and the caller keeps the eager path for them.
 - NaN bytes, where torch is not consistent with itself:
@@ -80,13 +79,14 @@ from ram_dist.kernels.primitives import (
     fma_findings,
     load_tile_bases,
     size_of,
-    store,
+    store_span,
 )
 from ram_dist.kernels.views import (
     ArrayLike,
     input_size,
     kernel_inputs,
     kernel_output,
+    kernel_view,
     torch_bf16_nan,
 )
 
@@ -238,7 +238,7 @@ def _merge_kernel(
         m = min(TILE, n - lo)
         load_tile_bases(inputs, lo, m, buf)
         _ram_tile(vals, rows, m, eps, lam, total, count, scale, res)
-        store(res[:m], out[lo : lo + m], nan_bits)
+        store_span(res[:m], out, lo, nan_bits)
 
 
 @njit(cache=True, **OPTIONS)
@@ -448,7 +448,7 @@ def merge_ram_fp8(
     arrays = kernel_inputs(base, tasks)
     if len(lambdas) != len(arrays) - 1:
         raise ValueError(f"{len(lambdas)} lambdas for {len(arrays) - 1} tasks")
-    q, _, cols, bm, bn = arrays[0]
+    q, _, cols, bm, bn = kernel_view(base, False)
     if target.q.size not in (0, q.size):
         raise ValueError(f"FP8 output of {target.q.size} bytes for {q.size} elements")
     blocks = -(-q.size // (bm * cols)) * -(-cols // bn)

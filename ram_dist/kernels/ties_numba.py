@@ -40,7 +40,7 @@ from ram_dist.kernels.primitives import (
     bits,
     load_tile_bases,
     size_of,
-    store,
+    store_span,
 )
 from ram_dist.kernels.views import (
     ArrayLike,
@@ -227,7 +227,7 @@ def _merge_kernel(
                 x[i] = d * w
         tile = vals[: ntasks + 1]  # the base and the weighted task vectors
         combine_tile(tile, m, weights, consensus, normalize, divisor, lam, scale, total, div, res)
-        store(res[:m], out[lo : lo + m], nan_bits)
+        store_span(res[:m], out, lo, nan_bits)
 
 
 # ---- Python API ------------------------------------------------------------------------

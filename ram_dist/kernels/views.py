@@ -1,8 +1,15 @@
-"""The arrays the fused kernels take, made from what their callers hand: the engine's numpy
-views of stored bytes (`ram_dist.kernels.READS`, `WRITES`), FP8 inputs as their e4m3 bytes
-and scales (`fp8.Fp8Values`), MXFP4 and packed INT inputs as their codes and scales
+"""What the fused kernels take, made from what their callers hand: the engine's numpy views
+of stored bytes (`ram_dist.kernels.READS`, `WRITES`), FP8 inputs as their e4m3 bytes and
+scales (`fp8.Fp8Values`), MXFP4 and packed INT inputs as their codes and scales
 (`quantized.QuantizedValues`), or CPU torch tensors (tests and benchmarks), without
-importing torch for the former."""
+importing torch for the former.
+
+Each becomes a record (`primitives.FIELDS` int64: its kind, values' dtype, size, arrays'
+addresses and byte counts, a quantized format's parameters), and the inputs one table of
+them: a kernel's numba type is then the same whatever the dtypes, formats and task count,
+so each kernel compiles once (numba compiles per combination of argument types: typed
+arrays and tuples of inputs made 1379 specializations to warm). The table holds the
+arrays its addresses point into, so they live as long as it does."""
 
 from __future__ import annotations
 
@@ -15,8 +22,33 @@ import numpy as np
 
 from ram_dist.kernels import READS, WRITES
 from ram_dist.kernels.fp8 import Fp8Values
-from ram_dist.kernels.primitives import NUMBA_ARRAYS
-from ram_dist.kernels.quantized import FIELDS, QuantizedValues, kernel_tuple
+from ram_dist.kernels.primitives import (
+    BF16,
+    BITS,
+    BM,
+    BN,
+    COLS,
+    DATA,
+    F16,
+    F32,
+    F64,
+    FIELDS,
+    FORMAT,
+    FP8,
+    GROUPS,
+    KEY,
+    KIND,
+    NUMBA_ARRAYS,
+    PANEL,
+    QUANTIZED,
+    ROWS,
+    SCALES,
+    SIZE,
+    VALUES,
+    ZEROS,
+)
+from ram_dist.kernels.quantized import FIELDS as QUANTIZED_FIELDS
+from ram_dist.kernels.quantized import MARKERS, QuantizedValues, kernel_tuple
 
 ArrayLike = "torch.Tensor | np.ndarray"
 
@@ -38,8 +70,9 @@ def is_tensor(x: object) -> bool:
 
 
 def kernel_view(x: ArrayLike | Fp8Values | QuantizedValues, writable: bool) -> Any:
-    """The flat array a kernel reads (or, `writable`, writes), typed as the kernels expect;
-    an FP8 or quantized input (read only) as the tuple `primitives.load_span` takes."""
+    """The flat array of an input (or, `writable`, the output) that its record points into,
+    as the kernels read it; an FP8 or quantized input (read only) as a tuple of its arrays
+    and parameters."""
     if isinstance(x, QuantizedValues):
         if writable:
             raise TypeError("fused kernels do not write MXFP4 or packed INT")
@@ -85,32 +118,101 @@ def kernel_view(x: ArrayLike | Fp8Values | QuantizedValues, writable: bool) -> A
 def kernel_inputs(
     base: ArrayLike | Fp8Values | QuantizedValues,
     tasks: Sequence[ArrayLike | Fp8Values | QuantizedValues],
-) -> tuple[Any, ...]:
-    """(base, task_1, ..., task_N) as the kernels read them, checked to be of one length."""
+) -> np.ndarray:
+    """(base, task_1, ..., task_N) as the kernels read them, checked to be of one length:
+    an int64 table, a record per input (`primitives.FIELDS`: its kind, values' dtype, size,
+    arrays' addresses and parameters), which keeps the arrays it points into alive. One
+    numba type for every dtype, format and task count: each kernel compiles once."""
     if len(tasks) < 1:
         raise ValueError("fused RAM kernels need at least one task")
-    arrays = (kernel_view(base, False),)
-    arrays += tuple([kernel_view(x, False) for x in tasks])
-    sizes = [input_size(a) for a in arrays]
+    arrays = [kernel_view(base, False)] + [kernel_view(x, False) for x in tasks]
+    sizes = [_size(a) for a in arrays]
     if any(n != sizes[0] for n in sizes):
         raise ValueError(f"base and tasks differ in length: {sizes}")
-    return arrays
-
-
-def input_size(kernel_input: Any) -> int:
-    """Elements of an input as `kernel_view` makes it (an FP8 input's: its e4m3 bytes; a
-    quantized input's: its values, the tuple's `size`)."""
-    if isinstance(kernel_input, tuple):
-        return int(kernel_input[9] if len(kernel_input) == FIELDS else kernel_input[0].size)
-    return int(kernel_input.size)
+    return _Records([_record(a) for a in arrays], arrays).table()
 
 
 def kernel_output(out: ArrayLike, size: int) -> np.ndarray:
-    """The array a kernel writes into, checked to hold `size` elements (the inputs')."""
-    target = kernel_view(out, True)
-    if target.size != size:
-        raise ValueError(f"out has {target.size} elements, the inputs {size}")
+    """The record of the array a kernel writes into (`kernel_record`), checked to hold
+    `size` elements (the inputs')."""
+    target = kernel_record(out, True)
+    if target[SIZE] != size:
+        raise ValueError(f"out has {target[SIZE]} elements, the inputs {size}")
     return target
+
+
+def kernel_record(x: ArrayLike | Fp8Values | QuantizedValues, writable: bool) -> np.ndarray:
+    """One input's (or, `writable`, the output's) record, as a row of `kernel_inputs`'
+    table, which keeps what it points into alive."""
+    view = kernel_view(x, writable)
+    return _Records([_record(view)], [view]).table()[0]
+
+
+def input_size(record: np.ndarray) -> int:
+    """Elements of an input or output record (`kernel_inputs`' rows, `kernel_output`)."""
+    return int(record[SIZE])
+
+
+class _Records:
+    """An int64 table of records whose numpy array holds the arrays its addresses point
+    into (numpy keeps the `__array_interface__` provider as the array's base), so that
+    they live as long as the table, whoever holds it."""
+
+    def __init__(self, rows: list[list[int]], keep: list[Any]) -> None:
+        self._table = np.array(rows, np.int64).reshape(len(rows), FIELDS)
+        self.keep = keep
+        self.__array_interface__ = self._table.__array_interface__
+
+    def table(self) -> np.ndarray:
+        return np.asarray(self)
+
+
+_KINDS = {
+    np.dtype(np.uint16): BF16, np.dtype(np.int16): F16, np.dtype(np.float32): F32,
+    np.dtype(np.float64): F64,
+}  # fmt: skip
+_MARKER_KINDS = {np.dtype(t): _KINDS[np.dtype(NUMBA_ARRAYS.get(np.dtype(t), np.dtype(t)))]
+                 for t in MARKERS.values()}  # fmt: skip
+
+
+def _address(a: np.ndarray) -> tuple[int, int]:
+    """(address, bytes) of a contiguous array, a record's array field."""
+    if not a.flags.c_contiguous:
+        raise ValueError("a kernel record's arrays must be contiguous")
+    return (a.__array_interface__["data"][0] if a.size else 0), a.nbytes
+
+
+def _size(view: Any) -> int:
+    """Elements of an input as `kernel_view` makes it."""
+    if isinstance(view, tuple):
+        return int(view[9] if len(view) == QUANTIZED_FIELDS else view[0].size)
+    return int(view.size)
+
+
+def _record(view: Any) -> list[int]:
+    """The record (`primitives.FIELDS` int64) of an input or output as `kernel_view` makes
+    it: a flat array, an FP8 input's tuple or a quantized input's."""
+    rec = [0] * FIELDS
+    rec[KEY] = -1
+    if isinstance(view, tuple) and len(view) == QUANTIZED_FIELDS:
+        marker, codes, scales, zeros, fmt, nbits, rows, cols, groups, size, panel, _ = view
+        rec[KIND], rec[VALUES], rec[SIZE] = QUANTIZED, _MARKER_KINDS[marker.dtype], size
+        rec[DATA : DATA + 2] = _address(codes)
+        rec[SCALES : SCALES + 2] = _address(scales)
+        rec[ZEROS : ZEROS + 2] = _address(zeros)
+        rec[PANEL : PANEL + 2] = _address(panel)
+        rec[FORMAT], rec[BITS], rec[ROWS], rec[COLS], rec[GROUPS] = fmt, nbits, rows, cols, groups
+    elif isinstance(view, tuple):
+        q, scales, cols, bm, bn = view
+        rec[KIND], rec[VALUES], rec[SIZE] = FP8, F32, q.size
+        rec[DATA : DATA + 2] = _address(q)
+        rec[SCALES : SCALES + 2] = _address(scales)
+        rec[COLS], rec[BM], rec[BN] = cols, bm, bn
+    else:
+        rec[KIND] = rec[VALUES] = _KINDS[view.dtype]
+        rec[SIZE] = view.size
+        rec[DATA : DATA + 2] = _address(view)
+    return rec
 
 
 @functools.cache

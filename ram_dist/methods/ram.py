@@ -250,10 +250,10 @@ class RamMethod(Defaults):
         """The overlap counts, and each input's NaN/Inf count and the precision check (where
         it can find something: `precision.needs_check`), from one sweep."""
         from ram_dist.kernels import precision, ram_numba
-        from ram_dist.kernels.views import kernel_inputs
+        from ram_dist.kernels.views import kernel_view
 
         base, *tasks = inputs
-        dtypes = [precision.array_dtype(x) for x in kernel_inputs(base, tasks)]
+        dtypes = [precision.array_dtype(kernel_view(x, False)) for x in inputs]
         if count_nonfinite and precision.needs_check(dtypes[0], dtypes[1:]):
             hist, counts, checks = ram_numba.overlap_counts_checked(
                 base, tasks, params["epsilon"]

@@ -272,7 +272,8 @@ def test_no_fma_in_the_fp8_kernels():
              for k in ("_count_kernel", "_merge_kernel", "_merge_fp8_kernel")}  # fmt: skip
     hist, checks = np.zeros((3, 3), np.int64), np.zeros((2, 3), np.int64)  # the check too
     fresh["_count_kernel"](arrays, eps, hist, np.zeros(3, np.int64), 10, checks)
-    fresh["_merge_kernel"](arrays, eps, lam, np.empty(70 * 45, np.float32), 0xFFFF)
+    out = views.kernel_output(np.empty(70 * 45, np.float32), 70 * 45)
+    fresh["_merge_kernel"](arrays, eps, lam, out, 0xFFFF)
     q = np.empty(70 * 45, np.uint8)
     s, same = np.empty(5 * 6, np.float32), np.empty(5 * 6, np.uint8)
     fresh["_merge_fp8_kernel"](arrays, eps, lam, 45, 16, 8, False, base.q, q, s, same)

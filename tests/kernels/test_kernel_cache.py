@@ -4,8 +4,9 @@ compiling, the command fails loudly, and the kernels import (and cache) even whe
 the package's directory nor the user's cache directory can be written.
 
 Every case runs in subprocesses with a cache directory of its own (numba reads
-`NUMBA_CACHE_DIR` once, at import); a small subset is warmed (bfloat16 and FP8, 1 and 2
-tasks, bfloat16 out: 79 specializations) to keep this fast.
+`NUMBA_CACHE_DIR` once, at import). The whole warm is 26 specializations: the kernels
+that read a merge's inputs take them as records (`views.kernel_inputs`), one signature
+each whatever the dtypes, stored forms, task count and output dtype.
 """
 
 from __future__ import annotations
@@ -28,41 +29,34 @@ pytest.importorskip("numba")
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 TESTS = Path(__file__).resolve().parent
 WARM = [sys.executable, "-m", "ram_dist.kernels.warm"]
-SMALL = ["--tasks", "2", "--dtype", "bf16", "--dtype", "fp8", "--out-dtype", "bf16"]
+#: The kernels that take records (one signature each), the job below calls these.
 KERNELS = (
-    "ram_numba._count_kernel", "ram_numba._merge_kernel",
-    "ties_numba._stats_kernel", "ties_numba._merge_kernel", "scan_numba._count",
-    "lora_numba.lora_values", "della_numba._stats_kernel", "della_numba._merge_kernel",
+    "ram_numba._count_kernel", "ram_numba._merge_kernel", "ram_numba._merge_fp8_kernel",
+    "ties_numba._stats_kernel", "ties_numba._merge_kernel", "della_numba._stats_kernel",
+    "della_numba._merge_kernel",
 )  # fmt: skip
-#: Kernels of one signature each (exact sums of float32 products, MXFP4's and packed INT's
-#: decoding, arcee_fusion's histograms of float32 importances), which the job below does not
-#: call.
+#: ... and these it does not: the geometric methods' blend, model_stock's, sce's and
+#: arcee_fusion's merges, the first reduce round's precision check.
+UNCALLED = (
+    "blend_numba._blend_kernel", "blend_numba._stock_kernel", "sce_numba._merge_kernel",
+    "arcee_numba._importance_kernel", "arcee_numba._merge_kernel",
+    "precision_numba._check_kernel",
+)  # fmt: skip
+#: Kernels typed by their arrays, of one signature each (exact sums of float32 products,
+#: MXFP4's and packed INT's decoding, arcee_fusion's histograms of float32 importances),
+#: which the job does not call.
 FLOAT32_KERNELS = (
     "exact_sums_numba.gram", "exact_sums_numba.row_gram", "column_sums_numba.column_gram",
     "mxfp4_numba._decode", "int_packed_numba._decode", "arcee_numba._histogram_kernel",
 )  # fmt: skip
-#: Kernels warmed as the merge kernels are (1 and 2 tasks), which the job does not call: the
-#: geometric methods' blend, model_stock's and sce's merges.
-UNCALLED = ("blend_numba._blend_kernel", "blend_numba._stock_kernel", "sce_numba._merge_kernel")
-#: arcee_fusion's kernels (one model: warmed for 1 task only), which the job does not call.
-ONE_MODEL = ("arcee_numba._importance_kernel", "arcee_numba._merge_kernel")
-#: RAM's kernels, which the job also calls on FP8 inputs as stored, and the one that writes
-#: FP8 blocks (an FP8 base only).
-RAM_KERNELS = ("ram_numba._count_kernel", "ram_numba._merge_kernel")
-#: TIES's statistics, which the job also calls on the FP8 base as stored.
-TIES_STATS = "ties_numba._stats_kernel"
-#: Every method's kernels that read an FP8 base as stored (1 and 2 tasks more each, FP8 or
-#: bfloat16 tasks of the FP8 base; arcee_fusion's, `ONE_MODEL`, 1 task),
-#: `MergeMethod.reads_stored`.
-STORED_KERNELS = (*RAM_KERNELS, *(k for k in KERNELS if k.startswith(("ties", "della"))), *UNCALLED)
-FP8_OUT = "ram_numba._merge_fp8_kernel"
-#: The first reduce round's precision check: an FP8 base's (a bfloat16 base has none), with
-#: FP8 and with bfloat16 tasks; the job below does not call it.
-CHECK = "precision_numba._check_kernel"
+#: The finiteness scan (a signature per width: 16, 32, 64 bits) and the LoRA product (per
+#: pair of dtypes: bf16, fp16 and fp32 in their own dtype, bf16 over an FP8 base's fp32).
+SCAN, LORA = "scan_numba._count", "lora_numba.lora_values"
 
 #: RAM, TIES and DELLA on base + 2 bfloat16 tasks into bfloat16, through the methods as the engine
-#: calls them, and the finiteness scan; then numba's counts of cache hits and misses per
-#: kernel; then the same for a signature that was not warmed (3 tasks).
+#: calls them, and the finiteness scan; RAM's and TIES's statistics on FP8 inputs as stored
+#: too (the same signature); then numba's counts of cache hits and misses per kernel; then
+#: the same for a signature that was not warmed (RAM's count kernel given int32 counts).
 JOB = f"""
 import json, sys
 import torch
@@ -97,7 +91,11 @@ ram_numba.merge_ram_fp8(fp8_base, fp8_tasks, 1e-5, [1.0, 1.0], target)
 from ram_dist.kernels import ties_numba
 ties_numba.statistics(fp8_base, fp8_tasks, ties_numba.HIGH, 1 << 15)
 print(json.dumps(counts()))
-ram_numba.overlap_counts(base, [*tasks, base], 1e-5)
+from ram_dist.kernels import views
+table = views.kernel_inputs(base, tasks)
+hist = np.zeros((3, 3), np.int64)
+ram_numba._count_kernel(table, np.float32(1e-5), hist, np.zeros(3, np.int32), 10,
+                        np.zeros((0, 3), np.int64))
 print(json.dumps(counts()))
 """
 
@@ -119,27 +117,22 @@ def summary(stdout: str) -> dict[str, tuple[int, int]]:
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     cache = tmp_path_factory.mktemp("numba-cache")
-    return cache, run([*WARM, *SMALL, "--cache-dir", str(cache)], {})
+    return cache, run([*WARM, "--cache-dir", str(cache)], {})
 
 
 def test_warm_compiles_into_the_cache_dir(warmed):
     cache, result = warmed
     assert result.returncode == 0, result.stderr
     assert f"numba cache: {cache}" in result.stdout
-    # 1 and 2 tasks of each kernel (RAM's, TIES's, DELLA's, the blend's, model_stock's and
-    # sce's three times: bf16, FP8, and bf16 tasks of an FP8 base; arcee_fusion's for 1 task,
-    # three times); the scan's three widths (16, 32, 64 bits); LoRA's bf16 and its bf16 over
-    # an FP8 base's float32; one of each exact-sums kernel (float32); the FP8 base's check.
+    # One signature per kernel, whatever it reads and writes, but the scan's three widths
+    # and LoRA's four pairs of dtypes.
     assert summary(result.stdout) == {
-        **{k: (3 if k == "scan_numba._count" else 2, 0) for k in KERNELS},
-        **{k: (6, 0) for k in STORED_KERNELS},
-        FP8_OUT: (4, 0),
-        CHECK: (4, 0),
-        **{k: (1, 0) for k in FLOAT32_KERNELS},
-        **{k: (3, 0) for k in ONE_MODEL},
+        **{k: (1, 0) for k in (*KERNELS, *UNCALLED, *FLOAT32_KERNELS)},
+        SCAN: (3, 0),
+        LORA: (4, 0),
     }
-    assert "79 specializations" in result.stdout and "0 failed" in result.stdout
-    for kernel in (*KERNELS, FP8_OUT):
+    assert "26 specializations" in result.stdout and "0 failed" in result.stdout
+    for kernel in KERNELS:
         assert list(cache.glob(f"*/{kernel}-*.nbi")), kernel
         assert list(cache.glob(f"*/{kernel}-*.nbc")), kernel
 
@@ -150,15 +143,14 @@ def test_a_later_job_loads_the_warmed_kernels_instead_of_compiling(warmed):
     result = run([sys.executable, "-c", JOB], {"NUMBA_CACHE_DIR": str(cache)})
     assert result.returncode == 0, result.stderr
     job, after = (json.loads(line) for line in result.stdout.splitlines()[-2:])
-    # Each kernel was called with one signature (RAM's and TIES's statistics with two: bf16
-    # inputs, and the FP8 inputs as stored), found in the cache: no compilation.
-    uncalled = (*FLOAT32_KERNELS, *UNCALLED, *ONE_MODEL)
+    # Each kernel the job calls (RAM's and TIES's statistics on bf16 and on FP8 inputs as
+    # stored: one signature) was found in the cache: no compilation.
     assert job == {
-        **{k: [1, 0] for k in KERNELS}, **{k: [2, 0] for k in (*RAM_KERNELS, TIES_STATS)},
-        FP8_OUT: [1, 0], **{k: [0, 0] for k in (*uncalled, CHECK)},
+        **{k: [1, 0] for k in (*KERNELS, SCAN, LORA)},
+        **{k: [0, 0] for k in (*UNCALLED, *FLOAT32_KERNELS)},
     }  # fmt: skip
     # A signature that was not warmed is compiled (the counts do tell the two apart).
-    assert after["ram_numba._count_kernel"] == [2, 1]
+    assert after["ram_numba._count_kernel"] == [1, 1]
 
 
 def test_warm_exits_non_zero_when_it_cannot_cache(warmed, tmp_path):
@@ -167,7 +159,7 @@ def test_warm_exits_non_zero_when_it_cannot_cache(warmed, tmp_path):
     # A cache directory numba cannot use: refused before compiling anything.
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
-    result = run([*WARM, *SMALL, "--cache-dir", str(not_a_dir)], {})
+    result = run([*WARM, "--cache-dir", str(not_a_dir)], {})
     assert result.returncode == 2 and "numba cannot cache into" in result.stderr
     assert "compiled" not in result.stdout
     # A corrupt index: that kernel's calls fail and are reported; the others load.
@@ -175,11 +167,11 @@ def test_warm_exits_non_zero_when_it_cannot_cache(warmed, tmp_path):
     shutil.copytree(cache, broken)
     (index,) = broken.glob("*/ram_numba._count_kernel-*.nbi")
     index.write_bytes(b"not a numba index")
-    result = run([*WARM, *SMALL, "--cache-dir", str(broken)], {})
+    result = run([*WARM, "--cache-dir", str(broken)], {})
     assert result.returncode == 1
-    assert result.stderr.count("FAILED ram_numba._count_kernel") == 6, result.stderr
-    assert "6 failed" in result.stdout
-    assert summary(result.stdout)["ram_numba._merge_kernel"] == (0, 6)
+    assert result.stderr.count("FAILED ram_numba._count_kernel") == 1, result.stderr
+    assert "1 failed" in result.stdout
+    assert summary(result.stdout)["ram_numba._merge_kernel"] == (0, 1)
 
 
 def test_kernels_cache_in_the_temp_dir_when_nothing_else_is_writable(tmp_path):
@@ -215,10 +207,7 @@ def test_kernels_cache_in_the_temp_dir_when_nothing_else_is_writable(tmp_path):
 def test_the_docs_count_the_specializations_warm_compiles():
     """The number docs/architecture.md and the module's docstring give is `calls()`'s
     count with the defaults (nothing is compiled to count them)."""
-    total = sum(
-        1
-        for _ in warm.calls(list(warm.DTYPES.values()), warm.TASKS, list(warm.OUT_DTYPES.values()))
-    )
+    total = sum(1 for _ in warm.calls())
     text = (REPO / "docs" / "architecture.md").read_text()
     assert f"{total} signatures" in text
     assert f"{total} specializations" in " ".join(warm.__doc__.split())

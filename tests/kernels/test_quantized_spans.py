@@ -16,7 +16,7 @@ from ram_dist.planning.sources import Fp8Source
 
 numba = pytest.importorskip("numba")
 
-from ram_dist.kernels import precision_numba, ram_numba  # noqa: E402
+from ram_dist.kernels import precision_numba, ram_numba, views  # noqa: E402
 from ram_dist.kernels.primitives import load_span  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def _spans(size: int, period: int) -> list[tuple[int, int]]:
 
 
 def _assert_spans(values: quantized.QuantizedValues, want: np.ndarray, period: int) -> None:
-    src = quantized.kernel_tuple(values)
+    src = views.kernel_record(values, False)
     for lo, m in _spans(values.size, period):
         dst = np.full(m + 4, 0xDEADBEEF, np.uint32)
         _span(src, lo, m, dst)

@@ -326,8 +326,9 @@ def test_no_fma_in_results() -> None:
 
 def test_no_fma_in_compiled_code() -> None:
     """The kernels' LLVM IR and assembly have no FMA, compiled here (uncached) for inputs
-    of every dtype and every output dtype; and the check finds the FMA that fastmath makes.
-    (`kernels.fma_instructions()` does the same for every signature a process has used.)"""
+    of every dtype and every output dtype (one signature: inputs and output are records);
+    and the check finds the FMA that fastmath makes. (`kernels.fma_instructions()` does the
+    same for every signature a process has used.)"""
     from numba import njit
 
     base, tasks = sparse_inputs(100, (BF16, F16, F32), seed=1)
@@ -339,9 +340,9 @@ def test_no_fma_in_compiled_code() -> None:
     assert kernels.fma_findings(counts) == []
     merge = njit(cache=False, **primitives.OPTIONS)(kernels._merge_kernel.py_func)
     for out_dtype in OUTS:
-        out = views.kernel_view(torch.empty(100, dtype=out_dtype), True)
+        out = views.kernel_output(torch.empty(100, dtype=out_dtype), 100)
         merge(arrays, eps, np.array([1.1, 1.2], np.float32), out, 0xFFFF)
-    assert len(merge.signatures) == len(OUTS)
+    assert len(merge.signatures) == 1  # records: one signature holds every dtype's loops
     assert kernels.fma_findings(merge) == []
     contracted = njit(fastmath=True)(lambda a, b, c: a * b + c)
     contracted(1.5, 2.5, 3.5)

@@ -2,9 +2,9 @@
 (`MergeMethod.reads_stored`), on a block FP8 base, an MXFP4 base and an INT4 base with bf16
 agents (`support/stored_forms.py`): its reduce rounds and map pass, chunk by chunk as the
 engine runs them, give on the stored form exactly the statistics and the bytes they give on
-the decoded copy, and those of the eager rule; the kernels were compiled for the stored form
-(their dispatchers hold a signature whose base is the stored form's tuple), so no decoded
-copy reached them; and the fused kernels take the same chunks on both.
+the decoded copy, and those of the eager rule; the kernels were handed the stored form (a
+record of its kind, `views.kernel_inputs`), so no decoded copy reached them; and the fused
+kernels take the same chunks on both.
 
 Which methods read the stored form is a claim checked here too: every method with fused
 kernels does (a round whose fused statistics are numpy sums of float32 vectors declines the
@@ -33,26 +33,11 @@ from ram_dist.kernels import (  # noqa: E402
     ties_numba,
     views,
 )
-from ram_dist.methods.arcee_fusion import ArceeFusion  # noqa: E402
-from ram_dist.methods.generalized_task_arithmetic.breadcrumbs import Breadcrumbs  # noqa: E402
-from ram_dist.methods.generalized_task_arithmetic.della import Della  # noqa: E402
-from ram_dist.methods.generalized_task_arithmetic.family import TaskArithmeticFamily  # noqa: E402
 from ram_dist.methods.geometric.span import SpanMethod  # noqa: E402
 from ram_dist.methods.model_stock import ModelStock  # noqa: E402
 from ram_dist.methods.ram import RamMethod  # noqa: E402
 from ram_dist.methods.sce import SCE  # noqa: E402
 
-#: The kernels each kind of method calls: (its reduce rounds', its map pass's).
-KERNELS = {
-    RamMethod: (ram_numba._count_kernel, ram_numba._merge_kernel),
-    TaskArithmeticFamily: (ties_numba._stats_kernel, ties_numba._merge_kernel),
-    Breadcrumbs: (ties_numba._stats_kernel, ties_numba._merge_kernel),
-    Della: (della_numba._stats_kernel, della_numba._merge_kernel),
-    SpanMethod: (None, blend_numba._blend_kernel),
-    ModelStock: (None, blend_numba._stock_kernel),
-    SCE: (None, sce_numba._merge_kernel),
-    ArceeFusion: (arcee_numba._importance_kernel, arcee_numba._merge_kernel),
-}
 #: Methods whose fused rounds decline the stored form: their statistics are exact sums of
 #: float32 vectors made in numpy (the Gram matrix, `model_stock.fused_gram`), a copy either
 #: way, so the eager rule takes the decoded values there.
@@ -84,19 +69,22 @@ def _params(name: str, n: int) -> dict:
     return resolve_all(config, METHODS[name], ["w"])["w"]
 
 
-def _kernels_of(name: str) -> tuple:
-    method = METHODS[name]
-    for kind, kernels in KERNELS.items():
-        if isinstance(method, kind):
-            return kernels
-    raise AssertionError(f"{name} reads the stored form: name its kernels in KERNELS here")
+def _stored_records(monkeypatch) -> list[int]:
+    """The kinds of the stored forms' records the kernels' wrappers make from now on (FP8
+    and quantized inputs as stored, `views.kernel_inputs`)."""
+    from ram_dist.kernels import primitives
 
+    made: list[int] = []
+    record = views._record
 
-def _compiled_for(kernel, inputs) -> bool:
-    """Whether `kernel` holds a specialization whose inputs (its first argument) have the
-    numba type of `inputs` as the kernels' wrappers make them."""
-    want = numba.typeof(views.kernel_inputs(inputs[0], inputs[1:]))
-    return any(sig[0] == want for sig in kernel.signatures)
+    def spy(view):  # noqa: ANN001, ANN202
+        rec = record(view)
+        if rec[primitives.KIND] in (primitives.FP8, primitives.QUANTIZED):
+            made.append(rec[primitives.KIND])
+        return rec
+
+    monkeypatch.setattr(views, "_record", spy)
+    return made
 
 
 @pytest.fixture(scope="module", params=list(BASES))
@@ -105,7 +93,7 @@ def base(request):
 
 
 @pytest.mark.parametrize("case", STORED, ids=case_id)
-def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case):
+def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case, monkeypatch):
     name, _ = case
     method = METHODS[name]
     n = task_count(name, 3)
@@ -114,7 +102,10 @@ def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case):
     # chunks of one step (band, expert, row), then of the rest: whole rows for DELLA too
     bounds = [0, base.step, base.numel]
     got = {mode: run_method(method, params, base, agents, bounds, mode)
-           for mode in ("stored", "decoded", "eager")}  # fmt: skip
+           for mode in ("decoded", "eager")}  # fmt: skip
+    records = _stored_records(monkeypatch)
+    got["stored"] = run_method(method, params, base, agents, bounds, "stored")
+    monkeypatch.undo()
     for mode in ("decoded", "eager"):
         assert got["stored"].merged == got[mode].merged, f"stored vs {mode}"
         assert len(got["stored"].totals) == len(got[mode].totals)
@@ -130,47 +121,46 @@ def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case):
         assert stored.fused_rounds == decoded.fused_rounds
     if method.fuses(params):
         assert stored.fused_merges == len(bounds) - 1
-    # the kernels that ran were compiled for the stored form, not handed a decoded copy
-    first = [base.stored(0, base.step), *(a[: base.step] for a in agents)]
-    stats_kernel, merge_kernel = _kernels_of(name)
-    if stored.fused_rounds:
-        assert _compiled_for(stats_kernel, first)
-    if stored.fused_merges:
-        assert _compiled_for(merge_kernel, first)
+    # the kernels that ran were handed the stored form (a record each call), not a copy
+    assert len(records) >= stored.fused_rounds + stored.fused_merges
+    assert not records or set(records) == {records[0]}
 
 
-def test_no_fma_in_the_kernels_compiled_for_stored_forms(base):
+def test_no_fma_in_the_kernels_compiled_for_stored_forms():
     """TIES's, DELLA's, the blend's, model_stock's, sce's and arcee_fusion's code for a
-    stored base has no FMA: every signature of theirs with a stored base this process used,
-    compiled here (uncached)."""
-    from numba import njit, types
+    stored base has no FMA: their signature (records: every kind's loaders in one, so one
+    compilation covers the three stored bases), called on each stored base, compiled here
+    (uncached)."""
+    from numba import njit
 
     from ram_dist.kernels import primitives
 
-    agents = bf16_agents(base, 2, seed=7)
-    stored = base.stored(0, base.numel)
-    out = np.empty(base.numel, np.uint16)
-    ties_numba.statistics(stored, agents, ties_numba.HIGH, 1 << 15)
-    ties_numba.merge(stored, agents, out, weights=[0.5, 0.25], keep=[2, 0], cuts=[(0, -1)] * 2,
-                     start=0, consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
-    kw = dict(start=0, groups=(base.numel, 1), stream_keys=[1, None], densities=[0.5, 1.0],
-              epsilons=[0.1, 0.1])  # fmt: skip
-    della_numba.statistics(stored, agents, **kw)
-    della_numba.merge(stored, agents, out, **kw, factors=[1.5, None], weights=[0.5, 0.25],
-                      consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
-    blend_numba.blend(stored, agents, out, mode=blend_numba.DELTAS, factors=[0.3, 0.7])
-    blend_numba.stock(stored, agents, out, ts=[0.3])
-    sce_numba.merge(stored, agents, out, weights=[0.6, 0.4], select=sce_numba.SELECT_CUT,
-                    threshold=1 << 20, start=0)  # fmt: skip
-    imp = arcee_numba.importance(stored, agents[0], base.shape[-1])
-    arcee_numba.merge(stored, agents[0], imp, 1e-4, out)
+    for make in BASES.values():
+        base = make()
+        agents = bf16_agents(base, 2, seed=7)
+        stored = base.stored(0, base.numel)
+        out = np.empty(base.numel, np.uint16)
+        ties_numba.statistics(stored, agents, ties_numba.HIGH, 1 << 15)
+        ties_numba.merge(stored, agents, out, weights=[0.5, 0.25], keep=[2, 0],
+                         cuts=[(0, -1)] * 2, start=0, consensus=True, normalize=True,
+                         divisor=1.0, lambda_=0.5)  # fmt: skip
+        kw = dict(start=0, groups=(base.numel, 1), stream_keys=[1, None], densities=[0.5, 1.0],
+                  epsilons=[0.1, 0.1])  # fmt: skip
+        della_numba.statistics(stored, agents, **kw)
+        della_numba.merge(stored, agents, out, **kw, factors=[1.5, None], weights=[0.5, 0.25],
+                          consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
+        blend_numba.blend(stored, agents, out, mode=blend_numba.DELTAS, factors=[0.3, 0.7])
+        blend_numba.stock(stored, agents, out, ts=[0.3])
+        sce_numba.merge(stored, agents, out, weights=[0.6, 0.4], select=sce_numba.SELECT_CUT,
+                        threshold=1 << 20, start=0)  # fmt: skip
+        imp = arcee_numba.importance(stored, agents[0], base.shape[-1])
+        arcee_numba.merge(stored, agents[0], imp, 1e-4, out)
     arcee = (arcee_numba._importance_kernel, arcee_numba._merge_kernel)
     kernels = (*ties_numba.KERNELS, *della_numba.KERNELS, *blend_numba.KERNELS, *sce_numba.KERNELS)
     for kernel in (*kernels, *arcee):
         fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
         for sig in kernel.signatures:
-            if isinstance(sig[0][0], types.BaseTuple):  # a stored base
-                fresh.compile(sig)
+            fresh.compile(sig)
         assert fresh.signatures and ram_numba.fma_findings(fresh) == [], kernel
 
 
