@@ -14,11 +14,9 @@ importances' order keys (`arcee_fusion.order_keys`) as `arcee_fusion.chunk_stati
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
-from numba import njit, types
-from numba.extending import intrinsic, register_jitable
+from numba import njit
+from numba.extending import register_jitable
 
 from ram_dist.kernels import use_writable_cache
 from ram_dist.kernels.primitives import (
@@ -26,6 +24,8 @@ from ram_dist.kernels.primitives import (
     TILE,
     base_rows,
     bits,
+    float64_of,
+    int_bits64,
     load_tile_bases,
     size_of,
     store_span,
@@ -58,32 +58,10 @@ ODD = np.array([1.0 / (2 * n + 1) for n in range(LOG_TERMS + 1)])
 EPS = 1e-8
 
 
-@intrinsic
-def _float64_of(typingctx: Any, value: Any) -> tuple[Any, Any]:
-    """Reinterpret int64 bits as a float64."""
-    sig = types.float64(types.int64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], context.get_value_type(types.float64))
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits64(typingctx: Any, value: Any) -> tuple[Any, Any]:
-    """Reinterpret a float64 as its int64 bits."""
-    sig = types.int64(types.float64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], context.get_value_type(types.int64))
-
-    return sig, codegen
-
-
 @register_jitable(**OPTIONS)
 def _two_to(k: float) -> float:
     """2.0**k, exact, for integer-valued k in [-1022, 1023] (float64_math's `_two_to`)."""
-    return _float64_of((np.int64(k) + np.int64(1023)) << np.int64(52))
+    return float64_of((np.int64(k) + np.int64(1023)) << np.int64(52))
 
 
 @register_jitable(**OPTIONS)
@@ -114,9 +92,9 @@ def log64(x: float) -> float:
     """`float64_math.log` of one value, step for step."""
     tiny = x < 2.0**-1022
     scaled = x * 2.0**54 if tiny else x
-    b = _bits64(scaled)
+    b = int_bits64(scaled)
     e = ((b >> np.int64(52)) & np.int64(0x7FF)) - np.int64(1023) - np.int64(54 if tiny else 0)
-    m = _float64_of((b & np.int64((1 << 52) - 1)) | np.int64(1023 << 52))
+    m = float64_of((b & np.int64((1 << 52) - 1)) | np.int64(1023 << 52))
     high = m > SQRT2
     m = m * 0.5 if high else m
     ef = np.float64(e + np.int64(1 if high else 0))

@@ -27,14 +27,11 @@ row (`row_gram`). A tile whose rows hold an infinity or NaN goes product by prod
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
 from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.primitives import OPTIONS
+from ram_dist.kernels.primitives import OPTIONS, bits64
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -49,17 +46,6 @@ _BLOCK = _ROWS + 24
 _FRAC = (1 << 52) - 1
 _U64 = np.uint64
 _U32 = np.uint32
-
-
-@intrinsic
-def _bits64(typingctx: Any, value: Any) -> tuple[Any, Any]:
-    """Reinterpret a float64 as its uint64 bits."""
-    sig = types.uint64(types.float64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], context.get_value_type(types.uint64))
-
-    return sig, codegen
 
 
 @njit(cache=True, **OPTIONS)
@@ -131,7 +117,7 @@ def _keys(a, b, split, row, low, high):  # noqa: ANN001, ANN201  (numba arrays)
     high_mask = (_U64(1) << (_U64(52) - s)) - _U64(1)
     hidden = _U64(1) << (_U64(52) - s)
     for t in range(row.size):
-        x = _bits64(a[t] * b[t])
+        x = bits64(a[t] * b[t])
         row[t] = ((x >> _U64(51)) & _U64(0xFFE)) | (x >> _U64(63))
         low[t] = x & low_mask
         high[t] = ((x >> s) & high_mask) | hidden
@@ -144,7 +130,7 @@ def _keys_one(a, b, split, row, high):  # noqa: ANN001, ANN201  (numba arrays)
     high_mask = (_U64(1) << (_U64(52) - s)) - _U64(1)
     hidden = _U64(1) << (_U64(52) - s)
     for t in range(row.size):
-        x = _bits64(a[t] * b[t])
+        x = bits64(a[t] * b[t])
         row[t] = ((x >> _U64(51)) & _U64(0xFFE)) | (x >> _U64(63))
         high[t] = ((x >> s) & high_mask) | hidden
 
