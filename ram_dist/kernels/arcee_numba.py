@@ -14,6 +14,10 @@ importances' order keys (`arcee_fusion.order_keys`) as `arcee_fusion.chunk_stati
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numba import njit
 from numba.extending import register_jitable
@@ -37,6 +41,9 @@ from ram_dist.kernels.views import (
     kernel_output,
     torch_bf16_nan,
 )
+
+if TYPE_CHECKING:
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -265,3 +272,16 @@ def merge(
 
 
 KERNELS = (_importance_kernel, _merge_kernel, _histogram_kernel)
+
+
+def warm_calls() -> Iterator[Call]:
+    """arcee_fusion's importances, selection (one task, rows of 4) and histograms of float32
+    importances, once each (`kernels.warm`)."""
+    from ram_dist.kernels.warm import N, sample
+
+    base, agents, out = sample()
+    yield _importance_kernel, "records", partial(importance, base, agents[0], 4)
+    pick = partial(merge, base, agents[0], np.zeros(N, np.float32), 0.5, out)
+    yield _merge_kernel, "records", pick
+    histograms = partial(histogram, np.zeros(N, np.float32), [0])
+    yield _histogram_kernel, "arcee_fusion histograms", histograms

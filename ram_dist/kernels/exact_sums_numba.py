@@ -27,11 +27,18 @@ row (`row_gram`). A tile whose rows hold an infinity or NaN goes product by prod
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numba import njit
 
 from ram_dist.kernels import use_writable_cache
 from ram_dist.kernels.primitives import OPTIONS, bits64
+
+if TYPE_CHECKING:
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -277,3 +284,14 @@ def row_gram(stack, pairs, row, split, special, out):  # noqa: ANN001, ANN201  (
             w = min(TILE, (r + 1) * row - lo)
             _tile(stack, bits, lo, w, pairs, split, special, tile, keys, scratch, bounds, out[r])
         _flush(scratch, bounds, split, out[r])
+
+
+def warm_calls() -> Iterator[Call]:
+    """Exact sums of float32 products (the geometric methods' norms and dot products), whole
+    and per row, through `kernels.exact_sums` (`kernels.warm`)."""
+    from ram_dist.kernels import exact_sums
+    from ram_dist.kernels.warm import N
+
+    vectors, pairs = np.zeros((2, N), np.float32), exact_sums.pairs_of(2)
+    yield gram, "exact sums", partial(exact_sums.gram, vectors, pairs)
+    yield row_gram, "exact sums per row", partial(exact_sums.row_gram, vectors, pairs, N // 2)
