@@ -14,11 +14,13 @@ importances' order keys (`arcee_fusion.order_keys`) as `arcee_fusion.chunk_stati
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
-from numba import njit, types
-from numba.extending import intrinsic, register_jitable
+from numba import njit
+from numba.extending import register_jitable
 
 from ram_dist.kernels import use_writable_cache
 from ram_dist.kernels.primitives import (
@@ -26,6 +28,8 @@ from ram_dist.kernels.primitives import (
     TILE,
     base_rows,
     bits,
+    float64_of,
+    int_bits64,
     load_tile_bases,
     size_of,
     store_span,
@@ -37,6 +41,9 @@ from ram_dist.kernels.views import (
     kernel_output,
     torch_bf16_nan,
 )
+
+if TYPE_CHECKING:
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -58,32 +65,10 @@ ODD = np.array([1.0 / (2 * n + 1) for n in range(LOG_TERMS + 1)])
 EPS = 1e-8
 
 
-@intrinsic
-def _float64_of(typingctx: Any, value: Any) -> tuple[Any, Any]:
-    """Reinterpret int64 bits as a float64."""
-    sig = types.float64(types.int64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], context.get_value_type(types.float64))
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits64(typingctx: Any, value: Any) -> tuple[Any, Any]:
-    """Reinterpret a float64 as its int64 bits."""
-    sig = types.int64(types.float64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], context.get_value_type(types.int64))
-
-    return sig, codegen
-
-
 @register_jitable(**OPTIONS)
 def _two_to(k: float) -> float:
     """2.0**k, exact, for integer-valued k in [-1022, 1023] (float64_math's `_two_to`)."""
-    return _float64_of((np.int64(k) + np.int64(1023)) << np.int64(52))
+    return float64_of((np.int64(k) + np.int64(1023)) << np.int64(52))
 
 
 @register_jitable(**OPTIONS)
@@ -114,9 +99,9 @@ def log64(x: float) -> float:
     """`float64_math.log` of one value, step for step."""
     tiny = x < 2.0**-1022
     scaled = x * 2.0**54 if tiny else x
-    b = _bits64(scaled)
+    b = int_bits64(scaled)
     e = ((b >> np.int64(52)) & np.int64(0x7FF)) - np.int64(1023) - np.int64(54 if tiny else 0)
-    m = _float64_of((b & np.int64((1 << 52) - 1)) | np.int64(1023 << 52))
+    m = float64_of((b & np.int64((1 << 52) - 1)) | np.int64(1023 << 52))
     high = m > SQRT2
     m = m * 0.5 if high else m
     ef = np.float64(e + np.int64(1 if high else 0))
@@ -287,3 +272,16 @@ def merge(
 
 
 KERNELS = (_importance_kernel, _merge_kernel, _histogram_kernel)
+
+
+def warm_calls() -> Iterator[Call]:
+    """arcee_fusion's importances, selection (one task, rows of 4) and histograms of float32
+    importances, once each (`kernels.warm`)."""
+    from ram_dist.kernels.warm import N, sample
+
+    base, agents, out = sample()
+    yield _importance_kernel, "records", partial(importance, base, agents[0], 4)
+    pick = partial(merge, base, agents[0], np.zeros(N, np.float32), 0.5, out)
+    yield _merge_kernel, "records", pick
+    histograms = partial(histogram, np.zeros(N, np.float32), [0])
+    yield _histogram_kernel, "arcee_fusion histograms", histograms

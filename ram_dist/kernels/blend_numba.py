@@ -16,7 +16,9 @@ its value in `PAIR` and `REBASED` is `base + (model - base at its precision)`, a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
@@ -38,6 +40,9 @@ from ram_dist.kernels.views import (
     kernel_output,
     torch_bf16_nan,
 )
+
+if TYPE_CHECKING:
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -182,3 +187,14 @@ def stock(
 
 
 KERNELS = (_blend_kernel, _stock_kernel)
+
+
+def warm_calls() -> Iterator[Call]:
+    """The geometric methods' blend (its mode is a value: one signature) and model_stock's
+    merge, once each (`kernels.warm`)."""
+    from ram_dist.kernels.warm import sample
+
+    base, agents, out = sample()
+    mix = partial(blend, base, agents, out, mode=MODELS, factors=[1.0] * len(agents))
+    yield _blend_kernel, "records", mix
+    yield _stock_kernel, "records", partial(stock, base, agents, out, ts=[0.5])

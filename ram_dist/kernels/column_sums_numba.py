@@ -9,11 +9,18 @@ time through a float64 scratch whose bits are read as int64, so no float is roun
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numba import njit
 
 from ram_dist.kernels import use_writable_cache
 from ram_dist.kernels.primitives import OPTIONS
+
+if TYPE_CHECKING:
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -57,3 +64,14 @@ def column_gram(stack, pairs, columns, lowest, piece, limb, limbs, out):  # noqa
                     place = q + piece * p
                     addend = part << (place & shift_mask)
                     out[k, c, place // limb] += -addend if b < 0 else addend
+
+
+def warm_calls() -> Iterator[Call]:
+    """nuslerp's exact sums per column (its compact limbs), through `kernels.column_sums`
+    (`kernels.warm`)."""
+    from ram_dist.kernels import column_sums, exact_sums
+    from ram_dist.kernels.warm import N
+
+    vectors, pairs = np.zeros((2, N), np.float32), exact_sums.pairs_of(2)
+    by_column = partial(column_sums.fused_column_sums, vectors, pairs, N // 2)
+    yield column_gram, "exact sums per column", by_column

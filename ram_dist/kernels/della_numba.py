@@ -23,7 +23,9 @@ registers or row buffers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
@@ -48,6 +50,9 @@ from ram_dist.kernels.views import (
     kernel_output,
     torch_bf16_nan,
 )
+
+if TYPE_CHECKING:
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -413,3 +418,20 @@ def merge(
 
 
 KERNELS = (_stats_kernel, _merge_kernel)
+
+
+def warm_calls() -> Iterator[Call]:
+    """DELLA's statistics and merge, once each (`kernels.warm`)."""
+    from ram_dist.kernels.warm import sample
+
+    base, agents, out = sample()
+    n, size = len(agents), int(base.numel())
+    args = dict(
+        start=0, groups=(size, 1), stream_keys=[1] * n, densities=[0.5] * n, epsilons=[0.1] * n
+    )  # fmt: skip
+    yield _stats_kernel, "records", partial(statistics, base, agents, **args)
+    merged = partial(
+        merge, base, agents, out, **args, factors=[None] * n, weights=[1.0] * n,
+        consensus=True, normalize=True, divisor=1.0, lambda_=1.0,
+    )  # fmt: skip
+    yield _merge_kernel, "records", merged

@@ -27,14 +27,18 @@ row (`row_gram`). A tile whose rows hold an infinity or NaN goes product by prod
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
 from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.primitives import OPTIONS
+from ram_dist.kernels.primitives import OPTIONS, bits64
+
+if TYPE_CHECKING:
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -49,17 +53,6 @@ _BLOCK = _ROWS + 24
 _FRAC = (1 << 52) - 1
 _U64 = np.uint64
 _U32 = np.uint32
-
-
-@intrinsic
-def _bits64(typingctx: Any, value: Any) -> tuple[Any, Any]:
-    """Reinterpret a float64 as its uint64 bits."""
-    sig = types.uint64(types.float64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], context.get_value_type(types.uint64))
-
-    return sig, codegen
 
 
 @njit(cache=True, **OPTIONS)
@@ -131,7 +124,7 @@ def _keys(a, b, split, row, low, high):  # noqa: ANN001, ANN201  (numba arrays)
     high_mask = (_U64(1) << (_U64(52) - s)) - _U64(1)
     hidden = _U64(1) << (_U64(52) - s)
     for t in range(row.size):
-        x = _bits64(a[t] * b[t])
+        x = bits64(a[t] * b[t])
         row[t] = ((x >> _U64(51)) & _U64(0xFFE)) | (x >> _U64(63))
         low[t] = x & low_mask
         high[t] = ((x >> s) & high_mask) | hidden
@@ -144,7 +137,7 @@ def _keys_one(a, b, split, row, high):  # noqa: ANN001, ANN201  (numba arrays)
     high_mask = (_U64(1) << (_U64(52) - s)) - _U64(1)
     hidden = _U64(1) << (_U64(52) - s)
     for t in range(row.size):
-        x = _bits64(a[t] * b[t])
+        x = bits64(a[t] * b[t])
         row[t] = ((x >> _U64(51)) & _U64(0xFFE)) | (x >> _U64(63))
         high[t] = ((x >> s) & high_mask) | hidden
 
@@ -291,3 +284,14 @@ def row_gram(stack, pairs, row, split, special, out):  # noqa: ANN001, ANN201  (
             w = min(TILE, (r + 1) * row - lo)
             _tile(stack, bits, lo, w, pairs, split, special, tile, keys, scratch, bounds, out[r])
         _flush(scratch, bounds, split, out[r])
+
+
+def warm_calls() -> Iterator[Call]:
+    """Exact sums of float32 products (the geometric methods' norms and dot products), whole
+    and per row, through `kernels.exact_sums` (`kernels.warm`)."""
+    from ram_dist.kernels import exact_sums
+    from ram_dist.kernels.warm import N
+
+    vectors, pairs = np.zeros((2, N), np.float32), exact_sums.pairs_of(2)
+    yield gram, "exact sums", partial(exact_sums.gram, vectors, pairs)
+    yield row_gram, "exact sums per row", partial(exact_sums.row_gram, vectors, pairs, N // 2)

@@ -9,11 +9,18 @@ codes and a 16-bit scale), then rounded to nearest even to bfloat16 or float16
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numba import njit
 
 from ram_dist.kernels import use_writable_cache
 from ram_dist.kernels.primitives import OPTIONS, bits, float_bits_to_bf16, float_bits_to_half
+
+if TYPE_CHECKING:
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -64,3 +71,13 @@ def decode_16(
 
 
 KERNELS = (_decode,)
+
+
+def warm_calls() -> Iterator[Call]:
+    """compressed-tensors' packed INT4/INT8 weights decoded (one signature: bytes in, 16-bit
+    bits out) (`kernels.warm`)."""
+    packed = partial(
+        decode_16, np.zeros(16, np.uint8), 4, 32, np.ones((1, 1), np.float32), None, BF16,
+        np.empty(32, np.uint16),
+    )  # fmt: skip
+    yield _decode, "INT4/INT8", packed

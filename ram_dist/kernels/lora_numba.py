@@ -8,11 +8,18 @@ checks the compiled code).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numba import njit
 
 from ram_dist.kernels import use_writable_cache
 from ram_dist.kernels.primitives import OPTIONS, fma_findings, load, store
+
+if TYPE_CHECKING:
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -87,3 +94,23 @@ def fma_instructions() -> list[str]:
     for sig in lora_values.signatures:
         fresh.compile(sig)
     return fma_findings(fresh)
+
+
+def warm_calls() -> Iterator[Call]:
+    """A LoRA task's values through `kernels.lora`, per pair of dtypes: in the base's dtype,
+    and bfloat16 over an FP8 base's float32 (typed arrays: its spans of 256 columns measured
+    10% slower taken as records) (`kernels.warm`)."""
+    from ram_dist.kernels import READS
+
+    for theta, to in [*((d, d) for d in READS), ("F32", "BF16")]:
+        yield lora_values, f"LoRA {theta} -> {to}", partial(_lora, theta, to)
+
+
+def _lora(theta: str, out: str) -> None:
+    """One LoRA product through `kernels.lora`, on a 4 x 4 weight of rank 2."""
+    from ram_dist.dtypes import INFO
+    from ram_dist.kernels import lora
+
+    factors = np.zeros((4, 2), np.float32), np.zeros((2, 4), np.float32)
+    zeros = np.zeros(16 * INFO[theta].itemsize, np.uint8)
+    lora.values(zeros, theta, *factors, np.float32(1), 0, out, np.empty(64, np.uint8))

@@ -10,12 +10,19 @@ written out as 32 runs of `TILE` contiguous values, so that the writes stream.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numba import njit
 
 from ram_dist.kernels import use_writable_cache
 from ram_dist.kernels.mxfp4 import E2M1, GROUP, NAN_SCALE
 from ram_dist.kernels.primitives import INF32, OPTIONS, bits, float32_of
+
+if TYPE_CHECKING:
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -70,3 +77,11 @@ def decode_bf16(
 
 
 KERNELS = (_decode,)
+
+
+def warm_calls() -> Iterator[Call]:
+    """gpt-oss's MXFP4 weights decoded (one signature: bytes in, bfloat16 bits out)
+    (`kernels.warm`)."""
+    codes, exponents = np.zeros(2 * 16, np.uint8), np.full(2, 127, np.uint8)
+    decode = partial(decode_bf16, codes, exponents, 2, 1, np.empty(64, np.uint16))
+    yield _decode, "MXFP4", decode

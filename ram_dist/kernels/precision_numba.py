@@ -8,8 +8,9 @@ something (`precision.needs_check`): the counts are the same integers as the num
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numba import njit
@@ -31,6 +32,9 @@ from ram_dist.kernels.primitives import (
     size_of,
 )
 from ram_dist.kernels.views import kernel_inputs
+
+if TYPE_CHECKING:
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -127,3 +131,11 @@ def check_counts(inputs: Sequence[Any], eps: float) -> np.ndarray:
 
 
 KERNELS = (_check_kernel,)
+
+
+def warm_calls() -> Iterator[Call]:
+    """The precision check's kernel, once (`kernels.warm`)."""
+    from ram_dist.kernels.warm import EPS, sample
+
+    base, agents, _ = sample()
+    yield _check_kernel, "records", partial(check_counts, [base, *agents], EPS)

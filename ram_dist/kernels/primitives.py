@@ -46,26 +46,28 @@ _TWO_M24 = np.float32(2.0**-24)
 # ---- bit casts -------------------------------------------------------------------------
 
 
-@intrinsic
-def bits(typingctx: Any, value: Any) -> tuple[Any, Any]:
-    """Reinterpret a float32 as its uint32 bits."""
-    sig = types.uint32(types.float32)
+def _bitcast(name: str, source: Any, target: Any, doc: str) -> Any:
+    """An intrinsic that reinterprets a `source` value's bits as a `target` (same width):
+    one LLVM bitcast, no conversion."""
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+    def typer(typingctx: Any, value: Any) -> tuple[Any, Any]:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.bitcast(args[0], context.get_value_type(target))
 
-    return sig, codegen
+        return target(source), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def float32_of(typingctx: Any, value: Any) -> tuple[Any, Any]:
-    """Reinterpret uint32 bits as a float32."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-
-    return sig, codegen
+bits = _bitcast("bits", types.float32, types.uint32, "A float32's uint32 bits.")
+float32_of = _bitcast("float32_of", types.uint32, types.float32, "uint32 bits as a float32.")
+#: float64 <-> 64-bit integers: unsigned for shifts that must not extend the sign
+#: (`exact_sums_numba`), signed for exponent arithmetic (`arcee_numba`'s exp and log).
+bits64 = _bitcast("bits64", types.float64, types.uint64, "A float64's uint64 bits.")
+int_bits64 = _bitcast("int_bits64", types.float64, types.int64, "A float64's bits, as int64.")
+float64_of = _bitcast("float64_of", types.int64, types.float64, "int64 bits as a float64.")
 
 
 # ---- exact conversions (stored dtype <-> float32 bits) ---------------------------------

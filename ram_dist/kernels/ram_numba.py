@@ -56,7 +56,8 @@ Design (measured):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -92,6 +93,8 @@ from ram_dist.kernels.views import (
 
 if TYPE_CHECKING:
     import torch
+
+    from ram_dist.kernels.warm import Call
 
 _U32 = np.uint32
 
@@ -475,3 +478,17 @@ def fma_instructions() -> list[str]:
             fresh.compile(sig)
         found += fma_findings(fresh)
     return found
+
+
+def warm_calls() -> Iterator[Call]:
+    """RAM's kernels, once each (`kernels.warm`): counts and merge, and the merge into FP8."""
+    from ram_dist.kernels.warm import EPS, N, sample
+
+    base, agents, out = sample()
+    yield _count_kernel, "records", partial(overlap_counts_nonfinite, base, agents, EPS)
+    yield _merge_kernel, "records", partial(merge_ram, base, agents, EPS, [1.0], out)
+    fp8_base = Fp8Values(np.zeros(N, np.uint8), np.ones(4, np.float32), 4, (2, 2))
+    scales = np.ones(4, np.float32).view(np.uint8)
+    target = Fp8Target(np.empty(N, np.uint8), "F32", scales, np.empty_like(scales))
+    to_fp8 = partial(merge_ram_fp8, fp8_base, [fp8_base], EPS, [1.0], target)
+    yield _merge_fp8_kernel, "records -> fp8", to_fp8

@@ -8,6 +8,8 @@ every input adds next to nothing to a pass that must read them anyway.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +20,8 @@ from ram_dist.kernels import use_writable_cache
 
 if TYPE_CHECKING:
     import torch
+
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -68,3 +72,15 @@ def nonfinite_count(x: torch.Tensor) -> int:
     if flat.numel() == 0:
         return 0
     return nonfinite_in(flat.view(torch.uint8).numpy(), name)
+
+
+def warm_calls() -> Iterator[Call]:
+    """The finiteness scan reads raw bits: one signature per width, float64 included
+    (`kernels.warm`)."""
+    import torch
+
+    from ram_dist.kernels.warm import N
+
+    for name in ("bfloat16", "float32", "float64"):
+        x = torch.zeros(N, dtype=getattr(torch, name))
+        yield _count, name, partial(nonfinite_count, x)

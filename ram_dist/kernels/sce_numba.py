@@ -19,7 +19,9 @@ divisor at 1, so it is not this rule.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
@@ -43,6 +45,9 @@ from ram_dist.kernels.views import (
     kernel_output,
     torch_bf16_nan,
 )
+
+if TYPE_CHECKING:
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -172,3 +177,11 @@ def merge(
 
 
 KERNELS = (_merge_kernel,)
+
+
+def warm_calls() -> Iterator[Call]:
+    """sce's merge, once (`kernels.warm`)."""
+    from ram_dist.kernels.warm import sample
+
+    base, agents, out = sample()
+    yield _merge_kernel, "records", partial(merge, base, agents, out, weights=[1.0] * len(agents))

@@ -24,7 +24,9 @@ Names in backquotes are modules of `ram_dist.methods.generalized_task_arithmetic
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
@@ -49,6 +51,9 @@ from ram_dist.kernels.views import (
     kernel_output,
     torch_bf16_nan,
 )
+
+if TYPE_CHECKING:
+    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -299,3 +304,17 @@ def merge(
 
 
 KERNELS = (_stats_kernel, _merge_kernel)
+
+
+def warm_calls() -> Iterator[Call]:
+    """TIES's statistics and merge, once each (`kernels.warm`)."""
+    from ram_dist.kernels.warm import sample
+
+    base, agents, out = sample()
+    n = len(agents)
+    yield _stats_kernel, "records", partial(statistics, base, agents, HIGH, 1 << 15)
+    merged = partial(
+        merge, base, agents, out, weights=[1.0] * n, keep=[KEEP_ALL] * n, cuts=[(-1, -1)] * n,
+        start=0, consensus=True, normalize=True, divisor=1.0, lambda_=1.0,
+    )  # fmt: skip
+    yield _merge_kernel, "records", merged
