@@ -5,9 +5,12 @@ the command line and as YAML."""
 
 from __future__ import annotations
 
+import json
 import shlex
 from fractions import Fraction
+from pathlib import Path
 
+import jsonschema
 import numpy as np
 import pytest
 import yaml
@@ -16,7 +19,11 @@ from builders import build_model_set
 import ram_dist
 from ram_dist.cli import main
 from ram_dist.methods.parameters import EPSILON
+from ram_dist.report.figures import markdown_summary
 from ram_dist.report.text import format_report
+
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+SCHEMA = json.loads((ROOT / "ram_dist" / "report_schema.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +109,8 @@ def test_the_suggested_sweep_is_what_plan_takes(models, tmp_path, ray_local, cap
     assert f"to try: {sweep['command']}" in text
     assert f"why: {sweep['why']}" in text
     assert f"to try: {sweep['command']}" in format_report(report)
+    assert f"- to try: `{sweep['command']}`" in markdown_summary(report)
+    jsonschema.validate(json.loads(json.dumps(report)), SCHEMA)
     assert sweep["methods"][0] == "ram_plus" and len(sweep["methods"]) >= 2
     assert sweep["why"].startswith(
         f"at the nearest measured point ({report['regime']['nearest']['name']})"
