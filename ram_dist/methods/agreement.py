@@ -6,8 +6,8 @@ Per chunk, from the same task vectors and change masks as RAM's counts (`ram._ma
   those of them where the two updates have the same sign (the diagonal: each task's changes);
 - `agree` int64[N]: a task's shared elements (two or more tasks changed them) where every
   other task that changed the element moved it the same way;
-- `magnitude` int64[N, 2, BINS]: the exact sums (`exact_sums.product_sum`) of |tau_t|, each
-  value first rounded to float32, over the task's unique ([0]) and shared ([1]) elements.
+- `magnitude` int64[N, 2, EXPONENTS]: the exact sums (`float32_sum`) of |tau_t|, each value
+  first rounded to float32, over the task's unique ([0]) and shared ([1]) elements.
 All integers, so the totals are the same for any split, order, worker count or device.
 
 `ProbeStatistics` wraps the counting RAM method so that the reduce pass gathers both; a merge
@@ -17,11 +17,12 @@ RAM's histogram only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from ram_dist.methods import exact_sums
 from ram_dist.methods.protocol import Chunk, Defaults, MergeMethod, State, TensorParams
 
 if TYPE_CHECKING:
@@ -34,8 +35,9 @@ KEYS = ("probe:pairs", "probe:agree", "probe:magnitude")
 
 def agreement_statistics(
     base: torch.Tensor, tasks: list[torch.Tensor], eps: float
-) -> dict[str, torch.Tensor]:
-    """The three statistics of one chunk (see the module's docstring)."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """RAM's overlap counts of one chunk (`ram.overlap_statistics`), and the three statistics
+    of the module's docstring, from one set of task vectors and masks."""
     import torch
 
     from ram_dist.methods.ram import _masks
@@ -46,9 +48,11 @@ def agreement_statistics(
     down = [m & (tau < 0) for tau, m in zip(taus, masks, strict=True)]
     pairs = torch.zeros((2, n, n), dtype=torch.int64)
     for i in range(n):
-        for j in range(n):
-            pairs[0, i, j] = int((masks[i] & masks[j]).sum())
-            pairs[1, i, j] = int((up[i] & up[j]).sum() + (down[i] & down[j]).sum())
+        pairs[:, i, i] = int(masks[i].sum())
+        for j in range(i + 1, n):
+            both = int((masks[i] & masks[j]).sum())
+            same = int((up[i] & up[j]).sum()) + int((down[i] & down[j]).sum())
+            pairs[:, i, j] = pairs[:, j, i] = torch.tensor([both, same])
     ups = sum((u.to(torch.int64) for u in up), torch.zeros_like(count))
     downs = count - ups
     shared = count >= 2
@@ -56,13 +60,45 @@ def agreement_statistics(
         [int((shared & ((up[t] & (downs == 0)) | (down[t] & (ups == 0)))).sum()) for t in range(n)],
         dtype=torch.int64,
     )
-    magnitude = torch.zeros((n, 2, exact_sums.BINS), dtype=torch.int64)
+    magnitude = torch.zeros((n, 2, EXPONENTS), dtype=torch.int64, device=count.device)
     for t, (tau, m) in enumerate(zip(taus, masks, strict=True)):
-        size = tau.abs().to(torch.float32)
-        ones = torch.ones_like(size)
         for k, where in enumerate((m & (count == 1), m & shared)):
-            magnitude[t, k] = exact_sums.product_sum(torch.where(where, size, 0.0), ones).cpu()
-    return dict(zip(KEYS, (pairs, agree, magnitude), strict=True))
+            magnitude[t, k] = float32_sum(tau[where].abs())
+    rows = [torch.bincount(count[m], minlength=n + 1) for m in masks]
+    rows.append(torch.bincount(count.reshape(-1), minlength=n + 1))
+    hist = torch.stack(rows).to(device="cpu", dtype=torch.int64)  # `ram.overlap_statistics`
+    return hist, dict(zip(KEYS, (pairs, agree, magnitude.cpu()), strict=True))
+
+
+#: Bins of `float32_sum`: one per float32 exponent.
+EXPONENTS = 256
+
+
+def float32_sum(values: torch.Tensor) -> torch.Tensor:
+    """int64[EXPONENTS]: the exact sum of non-negative `values`, each first rounded to
+    float32, as integers: a value `sig * 2**(max(E, 1) - 150)` (E its biased exponent, sig its
+    24-bit significand) adds sig to bin E. `methods.exact_sums`'s scheme for the products of
+    float32 values, narrowed to values that are float32 and never negative: 256 bins, each
+    addend below 2**24, so a bin cannot overflow below 2**39 values. Inf lands in bin 255,
+    which `float32_value` reads as inf (a probe refuses NaN inputs unless allowed)."""
+    import torch
+
+    bits = values.to(torch.float32).reshape(-1).view(torch.int32).to(torch.int64)
+    exponent = bits >> 23
+    sig = (bits & 0x7FFFFF) | ((exponent > 0).to(torch.int64) << 23)
+    out = torch.zeros(EXPONENTS, dtype=torch.int64, device=values.device)
+    return out.index_add_(0, exponent, sig)
+
+
+def float32_value(bins: Any) -> Fraction | float:
+    """The exact sum `float32_sum` stands for (inf where a value was inf or NaN)."""
+    bins = [int(b) for b in bins]
+    if bins[EXPONENTS - 1]:
+        return math.inf
+    return sum(
+        (Fraction(b) * Fraction(2) ** (max(e, 1) - 150) for e, b in enumerate(bins) if b),
+        Fraction(0),
+    )
 
 
 def summarize(totals: Mapping[str, Any], summary: Mapping[str, Any]) -> dict[str, Any]:
@@ -78,7 +114,7 @@ def summarize(totals: Mapping[str, Any], summary: Mapping[str, Any]) -> dict[str
     tasks = []
     for t, ram in enumerate(summary["tasks"]):
         unique, shared = int(ram["unique"]), int(ram["shared"])
-        sums = [exact_sums.exact(magnitude[t, k]) for k in (0, 1)]
+        sums = [float32_value(magnitude[t, k]) for k in (0, 1)]
         mean_unique = float(sums[0] / unique) if unique else None
         mean_shared = float(sums[1] / shared) if shared else None
         tasks.append(
@@ -107,8 +143,9 @@ def summarize(totals: Mapping[str, Any], summary: Mapping[str, Any]) -> dict[str
 
 @dataclass(frozen=True)
 class ProbeStatistics(Defaults):
-    """A RAM method (`inner`) whose reduce pass also gathers `agreement_statistics`: what
-    `probe` runs. Every other hook is the inner method's."""
+    """A RAM method (`inner`, whose statistics are `ram.overlap_statistics`) whose reduce
+    pass also gathers `agreement_statistics`, from the same masks: what `probe` runs. Every
+    other hook is the inner method's."""
 
     inner: MergeMethod
 
@@ -146,7 +183,7 @@ class ProbeStatistics(Defaults):
         return self.inner.active(round_, state, tensor)
 
     def fused_statistics(self, *args: Any) -> None:
-        """None: the eager rule counts both statistics from one set of task vectors."""
+        """None: the eager rule counts all the statistics from one set of task vectors."""
         return None
 
     def chunk_statistics(
@@ -158,8 +195,8 @@ class ProbeStatistics(Defaults):
         params: TensorParams,
         state: State,
     ) -> dict[str, torch.Tensor]:
-        stats = self.inner.chunk_statistics(round_, chunk, base, tasks, params, state)
-        return {**stats, **agreement_statistics(base, tasks, params["epsilon"])}
+        hist, extra = agreement_statistics(base, tasks, params["epsilon"])
+        return {chunk.tensor: hist, **extra}
 
     def finalize(
         self,

@@ -170,3 +170,17 @@ def test_the_rule_takes_the_baselines_ram_plus_did_not_beat_furthest_ahead_first
     assert "density" not in ahead["grid"]
     assert "ahead of task arithmetic by 1.0 points" in ahead["why"]
     assert suggest(REPORT, None) is None
+
+
+def test_float32_sums_are_exact_and_add_up_over_any_split():
+    import torch
+
+    from ram_dist.methods.agreement import float32_sum, float32_value
+
+    tiny = float(np.float32(1.4e-45))  # the least subnormal
+    values = torch.tensor([0.0, tiny, 3 * tiny, 1e-3, 0.1, 1.0, 3e38, 2.5e-39], dtype=torch.float32)
+    expected = sum((Fraction(float(v)) for v in values.tolist()), Fraction(0))
+    assert float32_value(float32_sum(values)) == expected
+    parts = float32_sum(values[:3]) + float32_sum(values[3:])
+    assert torch.equal(parts, float32_sum(values))
+    assert float32_value(float32_sum(torch.tensor([1.0, float("inf")]))) == float("inf")
