@@ -288,6 +288,7 @@ def run_probe(
     """`probe` of a ready `MergeConfig`, or of what `config()` builds (see `run_merge`)."""
     from ram_dist.engine.runtime import ray_session
     from ram_dist.report.regime import place as place_on_regime_map
+    from ram_dist.report.suggest import suggest as suggest_sweep
 
     build, address = _source(config, address)
     written = None if json_path is None else os.fspath(json_path)
@@ -310,6 +311,7 @@ def run_probe(
 
         report = driver.probe_on(planned, cluster)
     report["regime"] = place_on_regime_map(report)
+    report["suggested_sweep"] = suggest_sweep(report, report["regime"])
     files = write_probe_files(report, written) if written is not None else []
     return ProbeReport.of(report, job, files)
 

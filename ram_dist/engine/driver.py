@@ -40,6 +40,7 @@ from ram_dist.io.sinks import FileSink, OutputSink
 from ram_dist.io.storage import join
 from ram_dist.io.writer import AtomicFile, write_index, write_json
 from ram_dist.methods import get_method
+from ram_dist.methods.agreement import ProbeStatistics
 from ram_dist.planning import job as planning
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.input_cache import cache_report, choose_input_cache
@@ -94,6 +95,9 @@ def probe_checks(config: MergeConfig) -> Job:
         )
     job = prepare(config)
     job.check_packed_shapes()
+    # The reduce pass also counts the tasks' sign agreement and update sizes
+    # (`methods.agreement`): a probe's own statistics, never a merge's.
+    job = replace(job, composite=ProbeStatistics(job.method))
     Progress(config.log_format).event(
         "job_start", command="probe", method="ram statistics", units=len(job.units)
     )

@@ -259,6 +259,9 @@ def markdown_summary(report: Mapping[str, Any]) -> str:
                      "integer or bool tensor(s) (--integers-from-base)")  # fmt: skip
     if report.get("regime"):
         lines.append(f"- where your agents stand: {md_cell(report['regime']['sentence'])}")
+    if report.get("suggested_sweep"):
+        sweep = report["suggested_sweep"]
+        lines.append(f"- to try: `{sweep['command']}` ({md_cell(sweep['why'])})")
     for name, p in (report.get("passes") or {}).items():
         if p.get("skipped"):
             lines.append(f"- {name} pass: skipped (statistics reused from the manifest)")

@@ -43,7 +43,39 @@ def format_report(report: dict[str, Any]) -> str:
     lines += format_lines(report)
     if report.get("regime"):
         lines += ["", f"where your agents stand: {report['regime']['sentence']}"]
+    lines += agreement_lines(report)
     return "\n".join(lines)
+
+
+def agreement_lines(report: dict[str, Any]) -> list[str]:
+    """The probe's sign agreement and update sizes per task and pair, and the sweep it
+    suggests (`methods.agreement`, `report.suggest`)."""
+    agreement, sweep = report.get("agreement"), report.get("suggested_sweep")
+    lines: list[str] = []
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4g}"
+
+    if agreement:
+        rows = [["task", "sign agreement (shared)", "mean |tau| unique", "mean |tau| shared"]]
+        rows += [
+            [str(i), pct(t["sign_agreement"]), num(t["mean_abs_unique"]), num(t["mean_abs_shared"])]
+            for i, t in enumerate(agreement["tasks"], 1)
+        ]
+        lines += ["", *_table(rows)]
+        pairs = [["pair", "both changed", "same sign", "sign agreement"]]
+        pairs += [
+            [f"{p['tasks'][0] + 1}-{p['tasks'][1] + 1}", str(p["both_changed"])]
+            + [str(p["same_sign"]), pct(p["sign_agreement"])]
+            for p in agreement["pairs"]
+        ]
+        lines += ["", *_table(pairs)]
+    if sweep:
+        lines += ["", f"to try: {sweep['command']}", f"  why: {sweep['why']}"]
+    return lines
 
 
 def format_lines(report: dict[str, Any]) -> list[str]:
