@@ -26,6 +26,7 @@ from ram_dist.kernels import use_writable_cache
 from ram_dist.kernels.precision_numba import check_tile, task_tests
 from ram_dist.kernels.primitives import (
     INF32,
+    LANES,
     OPTIONS,
     TILE,
     base_rows,
@@ -73,6 +74,8 @@ def _agreement_kernel(
     sign = np.empty((ntasks, TILE), np.int8)
     count = np.empty(TILE, np.int64)
     ups = np.empty(TILE, np.int64)
+    tally = np.zeros((LANES, ntasks, ntasks + 1), np.int64)  # hist's task rows, per lane
+    sums = np.zeros((LANES, ntasks, 2, EXPONENTS), np.int64)  # magnitude, per lane
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
         load_tile_bases(inputs, lo, m, buf)
@@ -108,20 +111,22 @@ def _agreement_kernel(
             d = tau_bits[t]
             changes = 0
             agreeing = 0
-            for i in range(m):
-                if s[i] == 0:
-                    continue
+            for i in range(m):  # branch-free, each lane its own bins: no chain through memory
+                code = s[i]
+                w = np.int64(code != 0)
                 c = count[i]
-                changes += 1
-                hist[t, c] += 1
+                lane = i & (LANES - 1)
+                changes += w
+                tally[lane, t, c] += w
                 b = d[i] & np.uint32(0x7FFFFFFF)
                 e = np.int64(b >> np.uint32(23))
-                sig = np.int64(b & np.uint32(0x7FFFFF)) | (np.int64(0x800000) if e > 0 else 0)
-                magnitude[t, 0 if c == 1 else 1, e] += sig
-                if c >= 2:
-                    up = ups[i]
-                    if (s[i] == 1 and c - up == 0) or (s[i] == 2 and up == 0):
-                        agreeing += 1
+                sig = np.int64(b & np.uint32(0x7FFFFF)) | (np.int64(e > 0) << 23)
+                sums[lane, t, np.int64(c > 1), e] += sig * w
+                up = ups[i]
+                agrees = (np.int64(code == 1) & np.int64(c == up)) | (
+                    np.int64(code == 2) & np.int64(up == 0)
+                )
+                agreeing += agrees & np.int64(c > 1)
             agree[t] += agreeing
             pairs[0, t, t] += changes
             pairs[1, t, t] += changes
@@ -137,6 +142,13 @@ def _agreement_kernel(
                 pairs[0, u, t] += both
                 pairs[1, t, u] += same
                 pairs[1, u, t] += same
+    for lane in range(LANES):
+        for t in range(ntasks):
+            for c in range(ntasks + 1):
+                hist[t, c] += tally[lane, t, c]
+            for k in range(2):
+                for e in range(EXPONENTS):
+                    magnitude[t, k, e] += sums[lane, t, k, e]
 
 
 def agreement_counts(
