@@ -12,7 +12,7 @@ from stored_forms import BASES, bf16_agents
 
 pytest.importorskip("numba")
 
-from ram_dist.kernels import agreement_numba  # noqa: E402
+from ram_dist.kernels import agreement_numba, ram_numba  # noqa: E402
 from ram_dist.methods import agreement, ram  # noqa: E402
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -123,10 +123,19 @@ def test_stored_bases(kind: str) -> None:
     assert want[agreement.KEYS[0]][0].sum() > 0  # something changed
 
 
-def test_matches_rams_counts() -> None:
-    base, tasks = random_inputs(3000, (BF16, F16, F32), seed=9)
-    hist, *_ = agreement_numba.agreement_counts(base, tasks, EPS)
+def test_matches_rams_counts_and_precision_check() -> None:
+    """RAM's histogram, and the NaN/Inf counts and precision check RAM's count kernel gives
+    (the check round of a float32 base), from the same sweep."""
+    base, tasks = random_inputs(3000, (F32, BF16, F16, F32), seed=9)
+    tasks[1][::7] = float("inf")
+    hist, _, counts, checks = agreement_numba.agreement_counts(
+        base, tasks, EPS, count_nonfinite=True, check=True
+    )
     np.testing.assert_array_equal(hist, ram.overlap_statistics(base, tasks, EPS).numpy())
+    _, want_counts, want_checks = ram_numba.overlap_counts_checked(base, tasks, EPS)
+    assert counts == want_counts and counts[2] > 0
+    np.testing.assert_array_equal(checks, want_checks)
+    assert checks.any()
 
 
 def test_no_fma_in_compiled_code() -> None:
