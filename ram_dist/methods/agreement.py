@@ -11,14 +11,15 @@ Per chunk, from the same task vectors and change masks as RAM's counts (`ram._ma
 All integers, so the totals are the same for any split, order, worker count or device.
 
 `ProbeStatistics` wraps the counting RAM method so that the reduce pass gathers both; a merge
-never runs it. It takes the eager rule (torch) for every chunk: the fused kernels count
-RAM's histogram only.
+never runs it. On CPU where RAM's fused kernels apply, one kernel counts all of them in one
+sweep (`kernels.agreement_numba`, the same integers); elsewhere (GPU, float64) the eager
+rule (torch) here does.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ram_dist.methods.protocol import Chunk, Defaults, MergeMethod, State, TensorParams
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 #: The keys of the summed statistics (never a tensor's name: `finalize` tells them apart by
@@ -182,9 +184,32 @@ class ProbeStatistics(Defaults):
     def active(self, round_: int, state: State, tensor: str) -> bool:
         return self.inner.active(round_, state, tensor)
 
-    def fused_statistics(self, *args: Any) -> None:
-        """None: the eager rule counts all the statistics from one set of task vectors."""
-        return None
+    @property
+    def reads_stored(self) -> bool:
+        return bool(getattr(self.inner, "reads_stored", False))
+
+    def fused_statistics(
+        self,
+        round_: int,
+        chunk: Chunk,
+        inputs: Sequence[np.ndarray],
+        params: TensorParams,
+        state: State,
+        count_nonfinite: bool,
+    ) -> tuple[dict[str, np.ndarray], list[int] | None, np.ndarray | None]:
+        """RAM's counts and the agreement statistics, and each input's NaN/Inf count and the
+        precision check (where RAM's would run it: `precision.needs_check`), from one sweep
+        of `kernels.agreement_numba`."""
+        from ram_dist.kernels import agreement_numba, precision
+        from ram_dist.kernels.views import kernel_view
+
+        base, *tasks = inputs
+        dtypes = [precision.array_dtype(kernel_view(x, False)) for x in inputs]
+        check = count_nonfinite and precision.needs_check(dtypes[0], dtypes[1:])
+        hist, extra, counts, checks = agreement_numba.agreement_counts(
+            base, tasks, params["epsilon"], count_nonfinite=count_nonfinite, check=check
+        )
+        return {chunk.tensor: hist, **dict(zip(KEYS, extra, strict=True))}, counts, checks
 
     def chunk_statistics(
         self,
