@@ -6,7 +6,6 @@ workers."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping
@@ -278,8 +277,7 @@ def _merge_block(
     else:
         _merge_eager(context, chunk, inputs, dev, out_dtype, raw)
     if entry.fp8_out is not None:
-        scratch = functools.partial(scope.reads.floats, (-1, 1))
-        _requantized(entry, piece.start + block.lo, merged, inputs, target, rows, scratch)
+        _requantized(making, entry, piece.start + block.lo, merged, inputs, target)
     return got
 
 
@@ -361,17 +359,16 @@ def _fused_fp8(
 
 
 def _requantized(
+    making: _Making,
     entry: TensorEntry,
     start: int,
     merged: np.ndarray,
     inputs: BlockInputs,
     target: np.ndarray | None,
-    rows: ScaleRows,
-    scratch: Callable[[int], np.ndarray],
 ) -> None:
     """FP8 blocks of merged bands (elements from `start`, whole bands) into `target` (None:
-    the scales only), and their new scale rows into `rows`; `scratch(n)` a reusable float32
-    array of n elements for the base's values of a few bands."""
+    the scales only), and their new scale rows into the map step's scale rows; the base's
+    values of a few bands at a time go in a reusable float32 scratch of the step's reads."""
     fp8_out = entry.fp8_out
     assert fp8_out is not None and entry.band is not None
     base = inputs.stored[0] if inputs.stored else None
@@ -382,9 +379,10 @@ def _requantized(
     # of them for the block (the method's kernels read it as stored)
     stored = fp8.requantize_stored(
         merged, base[0], base[1], fp8_out.cols, fp8_out.block, fp8_out.scale_dtype,
-        src.rounded_to, target, scratch(min(merged.size, max(fp8.BAND_GROUP, entry.band))),
+        src.rounded_to, target,
+        making.scope.reads.floats((-1, 1), min(merged.size, max(fp8.BAND_GROUP, entry.band))),
     )  # fmt: skip
-    _keep_scale_rows(entry, start, merged.size, stored, rows)
+    _keep_scale_rows(entry, start, merged.size, stored, making.scale_rows)
 
 
 def _keep_scale_rows(

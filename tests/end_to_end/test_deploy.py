@@ -644,10 +644,10 @@ def test_image_warms_the_kernels_it_installed():
         (i, w) for i, w in commands if w[:3] == ["python", "-m", warm.__name__]
     ]
     assert not others and step > install, "warm the kernels once, after installing them"
-    # Every dtype, at least the default task counts, into numba's default place.
+    # Every kernel (one signature each, whatever the dtypes and task count), into numba's
+    # default place.
     args = warm.build_parser().parse_args(words[3:])
-    assert args.cache_dir is None and not args.dtype and not args.out_dtype
-    assert args.tasks >= warm.TASKS
+    assert args.cache_dir is None
     assert not any("NUMBA_CACHE_DIR" in rest for _, rest in steps)
     # Written as the user that owns site-packages and that the pods run as (the last USER).
     users = [
