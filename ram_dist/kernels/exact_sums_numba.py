@@ -1,8 +1,9 @@
 """Exact sums of float32 products (numba), bin for bin `methods.exact_sums`' torch rule:
 each product is formed exactly (in float64, or in float32 where that is exact), and the
-integer significand of its float64 value is split into two addends of `split` bits or fewer, added to the int64 bins of its exponent (the layout, the
-bins for infinities and NaN included, is `methods.exact_sums`'; this kernel takes it as
-arguments). No float is ever rounded here.
+integer significand of its float64 value is split into two addends of `split` bits or fewer,
+added to the int64 bins of its exponent (the layout, the bins for infinities and NaN
+included, is `methods.exact_sums`'; this kernel takes it as arguments).
+No float is ever rounded here.
 
 The work goes a tile of `TILE` elements at a time. One vectorized pass a row bounds its
 values (the OR of their fraction bits, their largest and smallest non-zero exponent field,
