@@ -152,6 +152,43 @@ def test_cancellation_to_zero():
         assert exact_sums.value(got) == 0.0 == _fsum_products(stack, 0, 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sparse_rows_as_task_vectors(dtype):
+    """Rows mostly zero (a task vector's unchanged elements), as the kernel sums them from
+    the sparser row's non-zero values only: 3 %, 40 %, 70 % and all non-zero, signed zeros
+    among them, in float32 products (bfloat16 and float16 agents' updates) and float64 ones
+    (their wider updates, float32's)."""
+    g = torch.Generator().manual_seed(13)
+    n = 3 * TILE + 101
+    base = torch.randn(n, generator=g) * 0.02
+    rows = []
+    for density in (0.03, 0.4, 0.7, 1.0):
+        agent = base + torch.randn(n, generator=g) * 1e-3
+        agent = torch.where(torch.rand(n, generator=g) < density, agent, base)
+        rows.append(_rounded(agent, dtype) - _rounded(base, dtype))
+    stack = np.stack(rows)
+    stack[1, 7] = -0.0
+    _check(stack)
+
+
+@pytest.mark.parametrize("low", [-63, -64])
+def test_the_float32_products_range(low):
+    """bfloat16 values whose products reach float32's smallest normal, 2**-126, and its
+    largest binade below 2**128 (formed in float32), or fall below it (formed in float64):
+    the same bins either way."""
+    g = torch.Generator().manual_seed(17)
+    x = _rounded(torch.randn(2, 2 * TILE, generator=g), torch.bfloat16)
+    top = float(np.float32(2 - 2.0**-7) * np.float32(2.0**63))  # 8 bits, field 190
+    x[0, 3], x[1, 3] = 2.0**-63, 2.0**low
+    x[0, 4], x[1, 4] = 2.0**-63, -(2.0**low) * 1.5
+    x[0, 9], x[1, 9] = top, top
+    x[0, TILE + 1], x[1, TILE + 1] = -top, top
+    x[0, :2] = x[1, :2] = 2.0**-63  # the smallest field in the tile: 64 (or 63)
+    stack = np.ascontiguousarray(x)
+    stack[1, :2] = 2.0**low
+    _check(stack)
+
+
 @pytest.mark.parametrize(
     ("special", "want"),
     [(math.inf, math.inf), (-math.inf, -math.inf), (math.nan, math.nan)],
