@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
-from ram_dist.kernels import precision
 from ram_dist.methods import exact_sums
 from ram_dist.methods.generalized_task_arithmetic import topk
 from ram_dist.methods.generalized_task_arithmetic.combine import ordered_sum, task_vectors
@@ -228,12 +227,11 @@ class SCE(MergekitRule, Eager):
         state: State,
         count_nonfinite: bool,
     ) -> tuple[dict[str, np.ndarray], None] | None:
-        """Without selection, the sums of squares by `exact_sums.gram`'s kernel, bin for bin
-        `chunk_statistics`'; None otherwise (the variance rounds run eagerly) and for a
-        quantized input's stored form (the eager rule then runs on the decoded values: the
-        sums are of float32 task vectors, a copy of every input either way)."""
+        """Without selection, the sums of squares by the records' Gram kernel
+        (`model_stock.fused_gram`), bin for bin `chunk_statistics`', the inputs as stored;
+        None otherwise (the variance rounds run eagerly)."""
         info = state["tensors"][chunk.tensor]
-        if info["select"] or any(precision.is_stored(x) for x in inputs):
+        if info["select"]:
             return None
         n = len(inputs) - 1
         stats = fused_gram(inputs, [(t, t) for t in range(n)])

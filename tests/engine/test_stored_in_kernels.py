@@ -6,8 +6,8 @@ as stored (`MergeMethod.reads_stored`), so in the map pass (and in TIES's, DELLA
 arcee_fusion's rounds) no quantized input is decoded into a copy (its source's `decode` is
 never called), and the bytes are those of the eager path, which decodes it
 (`exactness/test_mxfp4_bases.py` and `test_compressed_bases.py` check those against
-references). A round whose fused statistics take decoded values (the geometric methods',
-model_stock's and sce's sums) still decodes them. The first round's NaN/Inf check of a method
+references). model_stock's and the geometric methods' Gram rounds read it as stored too;
+sce's variance rounds (with selection) still decode it. The first round's NaN/Inf check of a method
 other than RAM's (which counts them in its own sweep) reads them as stored too. (Block FP8:
 `test_fp8_in_kernels.py`.)"""
 
@@ -37,8 +37,8 @@ PARAMETERS = {
     "ties": {"density": 0.5}, "della": {"density": 0.5, "epsilon": 0.1, "seed": 3},
     "multislerp": {"weight": 0.6}, "sce": {"select_topk": 0.5},
 }  # fmt: skip
-#: Methods whose rounds take decoded values (exact sums or variances of float32 vectors).
-ROUNDS_DECODED = {"multislerp", "model_stock", "sce"}
+#: Methods whose rounds take decoded values (sce's variances, with selection).
+ROUNDS_DECODED = {"sce"}
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))
