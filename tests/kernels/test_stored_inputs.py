@@ -143,6 +143,7 @@ def test_no_fma_in_the_kernels_compiled_for_stored_forms():
         blend_numba.stock(stored, agents, out, ts=[0.3])
         sce_numba.merge(stored, agents, out, weights=[0.6, 0.4], select=sce_numba.SELECT_CUT,
                         threshold=1 << 20, start=0)  # fmt: skip
+        sce_numba.statistics(stored, agents, sce_numba.SQUARES, threshold=1 << 20)
         imp = arcee_numba.importance(stored, agents[0], base.shape[-1])
         arcee_numba.merge(stored, agents[0], imp, 1e-4, out)
         vector_sums_numba.gram(stored, agents, vector_sums_numba.DELTAS, [(0, 0), (0, 1)])

@@ -1,12 +1,14 @@
-"""The statistics' exact sums from the inputs as stored (`kernels.vector_sums_numba`, and
-nuslerp's per-column sums, `column_sums_numba`): on every quantized base form (block FP8,
+"""The statistics rounds from the inputs as stored (`kernels.vector_sums_numba`, nuslerp's
+per-column sums, `column_sums_numba`, sce's selection, `sce_numba.statistics`): on every
+quantized base form (block FP8,
 gpt-oss MXFP4, compressed-tensors INT4 with and without zero points, INT8 per channel and
 FP8 per channel; `support/stored_forms.py`) with bf16 agents, the sums the kernels take from
 the stored form are those of the decoded copy, bin for bin, and each one rounded once is
 `math.fsum` of the float64 products of the vectors the eager rule forms (the reference,
-written here from the spec's rule); and model_stock (whole and filter_wise), sce's sums of
-squares and the geometric methods' Gram rounds (slerp's pair, nuslerp's task vectors whole
-and per column, karcher's models, multislerp) take every chunk fused on the stored form,
+written here from the spec's rule); sce's selection's histograms are `topk`'s of the eager
+variance keys; and model_stock (whole and filter_wise), sce (with and without selection) and
+the geometric methods' Gram rounds (slerp's pair, nuslerp's task vectors whole and per
+column, karcher's models, multislerp) take every chunk fused on the stored form,
 at unit budgets of one step (band, expert, row) and of the whole tensor, with the bytes and
 totals of the decoded copy and of the eager rule."""
 
@@ -117,7 +119,8 @@ def _params(name: str, n: int, extra: dict) -> dict:
 
 CASES = [
     ("model_stock", {"filter_wise": False}), ("model_stock", {"filter_wise": True}),
-    ("sce", {"select_topk": 1.0}), ("slerp", {}), ("nuslerp", {}),
+    ("sce", {"select_topk": 1.0}), ("sce", {"select_topk": 0.5}), ("sce", {"select_topk": 0.13}),
+    ("slerp", {}), ("nuslerp", {}),
     ("nuslerp", {"nuslerp_flatten": False, "nuslerp_row_wise": True}), ("karcher", {}),
     ("multislerp", {}),
 ]  # fmt: skip
@@ -147,17 +150,66 @@ def test_every_chunk_fused_on_the_stored_form(base, case, budget):
 
 
 @pytest.mark.parametrize(
-    "name", ["model_stock", "sce", "slerp", "nuslerp", "karcher", "multislerp"]
-)
-def test_the_fused_rounds_take_the_stored_form(name):
+    ("name", "extra"),
+    [("model_stock", {}), ("sce", {"select_topk": 1.0}), ("sce", {"select_topk": 0.5}),
+     ("slerp", {}), ("nuslerp", {}), ("karcher", {}), ("multislerp", {})],
+)  # fmt: skip
+def test_the_fused_rounds_take_the_stored_form(name, extra):
     """Before the records' kernels these rounds declined a stored form (None), and the eager
-    rule decoded it."""
+    rule decoded it (sce's selection declined any input)."""
     base = _make("mxfp4")
     method = METHODS[name]
     n = task_count(name, 3)
-    params = _params(name, n, {"select_topk": 1.0} if name == "sce" else {})
+    params = _params(name, n, extra)
     agents = bf16_agents(base, n, seed=14)
     state = method.initial_state({"w": params}, {"w": base.numel}, n)
     inputs = [base.stored(0, base.numel), *agents]
     got = method.fused_statistics(0, Chunk("w", 0, base.shape), inputs, params, state, False)
     assert got is not None
+
+
+@pytest.mark.parametrize("start", [0, 65536 * 3 - 700])
+def test_sce_s_selection_statistics_from_the_stored_form_are_topk_s(base, start):
+    """sce's variance rounds from the stored form (`sce_numba.statistics`): each histogram
+    is `topk`'s of the eager rule's variance keys (`sce.variance`, `magnitude_keys`) of the
+    decoded copy, and the kept vectors' sums of squares the eager rule's, at a chunk that
+    starts past an index bin (the index histograms' high and low parts)."""
+    from ram_dist.kernels import sce_numba
+    from ram_dist.methods.generalized_task_arithmetic import topk
+    from ram_dist.methods.sce import variance
+
+    agents = bf16_agents(base, 3, seed=15)
+    stored = base.stored(0, base.numel)
+    vectors = [torch.from_numpy(v) for v in _reference_vectors(base.decoded, agents, 0)]
+    keys = topk.magnitude_keys(variance(vectors))
+    numel = start + base.numel
+    hist, nonzero = sce_numba.statistics(stored, agents, sce_numba.HIGH, size=topk.HIGH_BINS)
+    np.testing.assert_array_equal(hist, topk.high_histogram(keys).numpy())
+    assert nonzero == int((keys != 0).sum())
+    threshold = int(keys.sort().values[base.numel // 2])
+    high = threshold >> 16
+    low, _ = sce_numba.statistics(stored, agents, sce_numba.LOW, size=topk.LOW_BINS,
+                                  select_bin=high)  # fmt: skip
+    np.testing.assert_array_equal(low, topk.low_histogram(keys, high).numpy())
+    size = topk.index_bins(numel)
+    index, _ = sce_numba.statistics(stored, agents, sce_numba.INDEX_HIGH, size=size,
+                                    threshold=threshold, start=start)  # fmt: skip
+    want = topk.index_high_histogram(keys, threshold, start, numel)
+    np.testing.assert_array_equal(index, want.numpy())
+    for index_bin in range(size):
+        got, _ = sce_numba.statistics(
+            stored, agents, sce_numba.INDEX_LOW, size=topk.LOW_BINS, threshold=threshold,
+            start=start, select_bin=index_bin,
+        )  # fmt: skip
+        want = topk.index_low_histogram(keys, threshold, start, index_bin)
+        np.testing.assert_array_equal(got, want.numpy())
+    for cut in (None, start + base.numel // 3):
+        squares, _ = sce_numba.statistics(
+            stored, agents, sce_numba.SQUARES, threshold=threshold, index_cut=cut, start=start
+        )
+        keep = topk.keep_mask(keys, threshold, start, cut)
+        want = torch.stack([exact_sums.product_sum(v * keep) for v in vectors])
+        np.testing.assert_array_equal(squares, want.numpy())
+        for t, v in enumerate(vectors):
+            kept = (v * keep).numpy()
+            assert exact_sums.value(squares[t]) == _fsum(kept, kept)
