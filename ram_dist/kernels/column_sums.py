@@ -3,6 +3,7 @@ and the driver's side) and the fused path's numba kernel over numpy arrays (no t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,14 +20,19 @@ _POS_INF, _NEG_INF, _NAN = _LIMBS, _LIMBS + 1, _LIMBS + 2
 SLOTS = _LIMBS + 3
 
 
-def fused_column_sums(vectors: np.ndarray, pairs: list[tuple[int, int]], columns: int) -> Any:
+def fused_column_sums(
+    base: Any, tasks: Sequence[Any], pairs: list[tuple[int, int]], columns: int
+) -> Any:
     """int64[len(pairs), columns, SLOTS]: `methods.geometric.columns.column_sums` of each
-    pair of float32 rows of `vectors`, by the numba kernel (no torch); None without numba."""
+    pair of the task vectors of the inputs as stored (a quantized one decoded as it loads),
+    by the numba kernel (no torch); None without numba."""
     kernel = kernels.numba_module("column_sums_numba")
     if kernel is None:
         return None
+    from ram_dist.kernels.views import kernel_inputs
+
+    arrays = kernel_inputs(base, tasks)
     out = np.zeros((len(pairs), columns, SLOTS), dtype=np.int64)
     index = np.array(pairs, dtype=np.int64).reshape(-1, 2)
-    stack = np.ascontiguousarray(vectors, np.float32)
-    kernel.column_gram(stack, index, columns, _LOWEST, _PIECE, _LIMB, _LIMBS, out)
+    kernel.column_gram(arrays, index, columns, _LOWEST, _PIECE, _LIMB, _LIMBS, out)
     return out

@@ -5,6 +5,11 @@ bits, each shifted into place and added whole to the lowest int64 limb of `limb`
 reaches; infinities and NaN counted in three slots after the limbs. The layout is
 `methods.geometric.columns`'; this kernel takes it as arguments. Products go a tile at a
 time through a float64 scratch whose bits are read as int64, so no float is rounded here.
+
+The vectors are the task vectors of the inputs as stored (records, `views.kernel_inputs`):
+each tile is loaded with the base at each task's precision (`primitives.load_tile_bases`, a
+quantized input decoded as it loads, no float32 copy of any input) and its task vectors
+formed as the eager rule forms them (`vector_sums_numba`'s `DELTAS`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import numpy as np
 from numba import njit
 
 from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.primitives import OPTIONS
+from ram_dist.kernels.primitives import OPTIONS, base_rows, load_tile_bases, size_of
+from ram_dist.kernels.vector_sums_numba import DELTAS, vectors
 
 if TYPE_CHECKING:
     from ram_dist.kernels.warm import Call
@@ -30,20 +36,27 @@ _FRAC = (1 << 52) - 1
 
 
 @njit(cache=True, **OPTIONS)
-def column_gram(stack, pairs, columns, lowest, piece, limb, limbs, out):  # noqa: ANN001, ANN201
-    """`out[k, c] +=` the limbs of `sum_r stack[i, r * columns + c] * stack[j, ...]` for
-    each pair `(i, j) = pairs[k]` (float32 rows of `stack`, whole rows of `columns`)."""
-    n = stack.shape[1]
+def column_gram(inputs, pairs, columns, lowest, piece, limb, limbs, out):  # noqa: ANN001, ANN201
+    """`out[k, c] +=` the limbs of `sum_r v_i[r * columns + c] * v_j[...]` for each pair
+    `(i, j) = pairs[k]` of the task vectors of `inputs` (records, base first; whole rows of
+    `columns`)."""
+    n = size_of(inputs[0])
+    ntasks = inputs.shape[0] - 1
+    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
+    rows = base_rows(inputs)
+    stack = np.empty((ntasks, TILE), np.float32)
     scratch = np.empty(TILE, dtype=np.float64)
     raw = scratch.view(np.int64)
     piece_mask = (np.int64(1) << piece) - 1
     shift_mask = limb - 1
     for lo in range(0, n, TILE):
         w = min(TILE, n - lo)
+        load_tile_bases(inputs, lo, w, buf)
+        vectors(buf.view(np.float32), rows, DELTAS, w, stack)
         for k in range(pairs.shape[0]):
             i, j = pairs[k, 0], pairs[k, 1]
             for t in range(w):
-                scratch[t] = np.float64(stack[i, lo + t]) * np.float64(stack[j, lo + t])
+                scratch[t] = np.float64(stack[i, t]) * np.float64(stack[j, t])
             for t in range(w):
                 b = raw[t]
                 c = (lo + t) % columns
@@ -67,11 +80,11 @@ def column_gram(stack, pairs, columns, lowest, piece, limb, limbs, out):  # noqa
 
 
 def warm_calls() -> Iterator[Call]:
-    """nuslerp's exact sums per column (its compact limbs), through `kernels.column_sums`
-    (`kernels.warm`)."""
+    """nuslerp's exact sums per column (its compact limbs; records: one signature), through
+    `kernels.column_sums` (`kernels.warm`)."""
     from ram_dist.kernels import column_sums, exact_sums
-    from ram_dist.kernels.warm import N
+    from ram_dist.kernels.warm import N, sample
 
-    vectors, pairs = np.zeros((2, N), np.float32), exact_sums.pairs_of(2)
-    by_column = partial(column_sums.fused_column_sums, vectors, pairs, N // 2)
+    base, agents, _ = sample()
+    by_column = partial(column_sums.fused_column_sums, base, agents, exact_sums.pairs_of(1), N // 2)
     yield column_gram, "exact sums per column", by_column

@@ -12,6 +12,13 @@ variance selection, then the sign election and the disjoint merge, op by op in f
 - Merge: `base + ((0 + d_1 e_1) + ...) / max((0 + e_1) + ..., 1e-6)` (torch's `clamp`,
   a NaN stays NaN).
 
+The selection's reduce rounds (`statistics`, `_stats_kernel`) take the same variance keys
+from the same tiles: round 0's histogram of `key >> 16` and count of non-zero keys, round
+1's of `key & 0xFFFF` in the high bin, rounds 2-3's of the flat indices of keys equal to
+the cut (`topk`'s histograms), and the sums of squares of the kept task vectors (`d * keep`,
+exact sums binned by `exact_sums_numba`'s tile step). The inputs are records, so a quantized
+one is decoded as its tile loads, with no float32 copy of any input.
+
 No fastmath, so no multiply-add is contracted into an FMA (`primitives.fma_findings`).
 TIES's kernel (`ties_numba`) weights the task vectors before its election and floors its
 divisor at 1, so it is not this rule.
@@ -28,6 +35,9 @@ from numba import njit
 from numba.extending import register_jitable
 
 from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels.exact_sums import _POS_INF, _SPLIT, BINS
+from ram_dist.kernels.exact_sums_numba import TILE as SUMS_TILE
+from ram_dist.kernels.exact_sums_numba import _flush, _tile, _work
 from ram_dist.kernels.primitives import (
     ABS32,
     OPTIONS,
@@ -55,6 +65,9 @@ use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 SELECT_NONE, SELECT_EMPTY, SELECT_CUT = 0, 1, 2
 #: mergekit's floor of the divisor (a float32 value, as torch's `clamp` takes it).
 MIN_DIVISOR = np.float32(1e-6)
+#: The selection's statistics: `topk`'s four histograms of the variance keys, and the sums
+#: of squares of the kept task vectors.
+HIGH, LOW, INDEX_HIGH, INDEX_LOW, SQUARES = 0, 1, 2, 3, 4
 
 
 @njit(cache=True, **OPTIONS)
@@ -144,6 +157,123 @@ def _sce_tile(vals, rows, m, select, threshold, index_cut, first, weights, scrat
         res[i] = b[i] + total[i] / divisor
 
 
+@register_jitable
+def _variance_keys(vals, m, mean, m2, keys):  # noqa: ANN001, ANN202  (numba arrays)
+    """keys[:m] = the bits of |variance| across the task vectors in rows 1.. of `vals`:
+    `_sce_tile`'s float64 Welford steps, op for op (`sce.variance`, `topk.magnitude_keys`)."""
+    ntasks = vals.shape[0] - 1
+    count = np.float64(ntasks)
+    for i in range(m):
+        mean[i] = 0.0
+        m2[i] = 0.0
+    for t in range(ntasks):
+        x = vals[t + 1]
+        steps = np.float64(t + 1)
+        for i in range(m):
+            v = np.float64(x[i])
+            delta = v - mean[i]
+            mean[i] = mean[i] + delta / steps
+            m2[i] = m2[i] + delta * (v - mean[i])
+    for i in range(m):
+        keys[i] = np.int64(bits(np.float32(m2[i] / count)) & ABS32)
+
+
+@njit(cache=True, **OPTIONS)
+def _stats_kernel(inputs, kind, threshold, index_cut, select_bin, start, hist, squares):  # noqa: ANN001, ANN201, PLR0913  (numba arrays)
+    """hist[:] += statistic `kind` of the variance keys of `inputs` (base first; HIGH also
+    counts the non-zero keys in hist[-1]), or, SQUARES, squares[t] += the exact sums of
+    squares of task t's vector kept by the cut (`threshold`, `index_cut`, -1: none);
+    `select_bin` is LOW's high bin or INDEX_LOW's index bin, `start` the flat index of the
+    first element."""
+    n = size_of(inputs[0])
+    ntasks = inputs.shape[0] - 1
+    buf = np.empty((2 * ntasks + 1, SUMS_TILE), np.uint32)  # `load_tile_bases`' rows
+    vals = buf.view(np.float32)
+    rows = base_rows(inputs)
+    mean, m2 = np.empty(SUMS_TILE, np.float64), np.empty(SUMS_TILE, np.float64)
+    keys = np.empty(SUMS_TILE, np.int64)
+    stack = np.empty((ntasks, SUMS_TILE), np.float32)
+    stack_bits = stack.view(np.uint32)
+    pairs = np.empty((ntasks, 2), np.int64)
+    for t in range(ntasks):
+        pairs[t, 0], pairs[t, 1] = t, t
+    tile, scratch_keys, scratch, bounds = _work(stack, pairs)
+    one, zero = np.float32(1.0), np.float32(0.0)
+    bins = hist.size - 1 if kind == 0 else hist.size
+    for lo in range(0, n, SUMS_TILE):
+        m = min(SUMS_TILE, n - lo)
+        load_tile_bases(inputs, lo, m, buf)
+        for t in range(ntasks):  # the task vectors, over the tasks' rows
+            x = vals[t + 1]
+            base = vals[rows[t]]  # the base at task t's precision
+            for i in range(m):
+                x[i] = x[i] - base[i]
+        _variance_keys(vals[: ntasks + 1], m, mean, m2, keys)
+        if kind == 0:
+            found = 0
+            for i in range(m):
+                hist[keys[i] >> 16] += 1
+                found += 1 if keys[i] != 0 else 0
+            hist[bins] += found
+        elif kind == 1:
+            for i in range(m):
+                if (keys[i] >> 16) == select_bin:
+                    hist[keys[i] & 0xFFFF] += 1
+        elif kind == 2 or kind == 3:
+            for i in range(m):
+                index = start + lo + i
+                if keys[i] != threshold:
+                    continue
+                if kind == 2:
+                    hist[index >> 16] += 1
+                elif (index >> 16) == select_bin:
+                    hist[index & 0xFFFF] += 1
+        else:
+            for i in range(m):
+                key = keys[i]
+                kept = key > threshold or (
+                    key == threshold and (index_cut < 0 or start + lo + i < index_cut)
+                )
+                mean[i] = one if kept else zero  # the keep mask, as float32 values
+            for t in range(ntasks):
+                x, dst = vals[t + 1], stack[t]
+                for i in range(m):
+                    dst[i] = x[i] * np.float32(mean[i])
+            _tile(stack, stack_bits, 0, m, pairs, _SPLIT, _POS_INF, tile, scratch_keys, scratch,
+                  bounds, squares)  # fmt: skip
+    if kind == 4:
+        _flush(scratch, bounds, _SPLIT, squares)
+
+
+def statistics(
+    base: ArrayLike,
+    tasks: Sequence[ArrayLike],
+    kind: int,
+    *,
+    size: int = 0,
+    threshold: int = -1,
+    index_cut: int | None = None,
+    select_bin: int = -1,
+    start: int = 0,
+) -> tuple[np.ndarray, int]:
+    """The selection's statistic `kind` of a chunk (`start` its first flat index): int64
+    [size], `topk`'s histogram of the variance keys (and, HIGH, the count of non-zero
+    keys), or, SQUARES, int64 [N, BINS] the exact sums of squares of the kept task vectors
+    (`threshold`, `index_cut`: the cut, as `merge` takes it) and 0."""
+    arrays = kernel_inputs(base, tasks)
+    ntasks = len(arrays) - 1
+    hist = np.zeros(size + (1 if kind == HIGH else 0), np.int64)
+    squares = np.zeros((ntasks if kind == SQUARES else 0, BINS), np.int64)
+    cut = np.int64(-1 if index_cut is None else index_cut)
+    _stats_kernel(arrays, np.int64(kind), np.int64(threshold), cut, np.int64(select_bin),
+                  np.int64(start), hist, squares)  # fmt: skip
+    if kind == SQUARES:
+        return squares, 0
+    if kind == HIGH:
+        return hist[:-1], int(hist[-1])
+    return hist, 0
+
+
 def merge(
     base: ArrayLike,
     tasks: Sequence[ArrayLike],
@@ -176,12 +306,14 @@ def merge(
     )
 
 
-KERNELS = (_merge_kernel,)
+KERNELS = (_merge_kernel, _stats_kernel)
 
 
 def warm_calls() -> Iterator[Call]:
-    """sce's merge, once (`kernels.warm`)."""
+    """sce's merge and its selection's statistics (the kind is a value: one signature), once
+    each (`kernels.warm`)."""
     from ram_dist.kernels.warm import sample
 
     base, agents, out = sample()
     yield _merge_kernel, "records", partial(merge, base, agents, out, weights=[1.0] * len(agents))
+    yield _stats_kernel, "records", partial(statistics, base, agents, SQUARES)

@@ -12,12 +12,12 @@ Computed here:
   cosines, their mean and t once per tensor in float64 (Python `math`), and rounds t to
   float32 once; the map pass is element-wise with that t (`1 - t` in float32, as torch
   computes it), on the CPU by the fused kernel (`blend_numba.stock`, with filter_wise too),
-  which reads quantized inputs as stored (`reads_stored`; the round's sums and filter_wise's
-  row sums take decoded values).
+  which reads quantized inputs as stored (`reads_stored`), as the round's sums and
+  filter_wise's row sums do (`kernels/vector_sums_numba.py`).
 * `filter_wise`: t per row (mergekit's `dim=-1`; a 1-D tensor is one row). The tensor's
   units hold whole rows (`whole_rows`), so each chunk takes its rows' sums itself, exactly
-  (`rows.gram_rows`: numba's row Gram kernel, or `math.fsum`), and each row's t in float64
-  with Python `math`, rounded to float32 once. No reduce round.
+  (`rows.gram_rows` eagerly; on the fused path the records' Gram kernel per row), and each
+  row's t in float64 with Python `math`, rounded to float32 once. No reduce round.
 
 mergekit sums in float32 (torch's order) and takes the norms, cosines and t in float32, so
 its t may differ from ours by a few float32 ulps; the merged values then differ by at most
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
-from ram_dist.kernels import precision
 from ram_dist.methods import exact_sums, rows
 from ram_dist.methods.parameters import Parameter
 from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
@@ -59,13 +58,17 @@ def pairs(n: int) -> list[tuple[int, int]]:
     return exact_sums.pairs_of(n)
 
 
-def fused_gram(inputs: Sequence[np.ndarray], pairs_: list[tuple[int, int]]) -> np.ndarray | None:
-    """The exact sums of `pairs_` of the task vectors of a chunk's raw inputs (base first) by
-    the numba kernel; None where numba is not installed."""
-    import numpy as np
+def fused_gram(inputs: Sequence[Any], pairs_: list[tuple[int, int]]) -> np.ndarray | None:
+    """The exact sums of `pairs_` of the task vectors of a chunk's inputs (base first, as
+    the engine hands them: a quantized one as stored, decoded as the kernel loads it) by
+    the numba kernel, bin for bin the eager rule's; None where numba is not installed."""
+    from ram_dist import kernels
 
-    deltas = np.stack(precision.task_vectors(list(inputs))[1])  # float32, as the eager rule
-    return exact_sums.gram(deltas, pairs_)
+    kernel = kernels.numba_module("vector_sums_numba")
+    if kernel is None:
+        return None
+    base, *tasks = inputs
+    return kernel.gram(base, tasks, kernel.DELTAS, pairs_)[0]
 
 
 def ratio(sums: Mapping[tuple[int, int], float], n: int) -> float:
@@ -117,9 +120,8 @@ class ModelStock(MergekitRule, Eager):
     rounds: int = 1
     rounds_note: str = "model_stock reads nothing in its round for filter_wise (t per row)"
     reads_stored: bool = True
-    """The map pass's kernel (`blend_numba.stock`) reads quantized inputs as stored; the
-    Gram round and filter_wise's row sums, which need every task vector's float32 values,
-    take decoded ones (`fused_statistics`, `fused_merge` decline a stored form)."""
+    """The kernels read quantized inputs as stored: the Gram round's and filter_wise's row
+    sums (`vector_sums_numba`) and the map pass (`blend_numba.stock`)."""
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -166,12 +168,9 @@ class ModelStock(MergekitRule, Eager):
         state: State,
         count_nonfinite: bool,
     ) -> tuple[dict[str, np.ndarray], None] | None:
-        """The round's exact sums by `exact_sums.gram`'s vectorized kernel, bin for
-        bin `chunk_statistics`'; None where numba is not installed or an input is a
-        quantized one's stored form (the eager rule then runs, on the decoded values: the
-        sums are of float32 task vectors, a copy of every input either way)."""
-        if any(precision.is_stored(x) for x in inputs):
-            return None
+        """The round's exact sums by the records' Gram kernel (`fused_gram`), bin for bin
+        `chunk_statistics`', quantized inputs as stored; None where numba is not
+        installed."""
         stats = fused_gram(inputs, pairs(len(inputs) - 1))
         return None if stats is None else ({chunk.tensor: stats}, None)
 
@@ -186,9 +185,8 @@ class ModelStock(MergekitRule, Eager):
     ) -> bool:
         """`merge_chunk` cast to the output's dtype by `blend_numba.stock`, op for op the
         eager `blend`, the inputs as stored; filter_wise's ratios from the exact sums of
-        the chunk's rows by `exact_sums.row_gram`'s kernel (the integers `rows.gram_rows`
-        reads), which takes float32 task vectors: False there for a stored form (the eager
-        rule runs on the decoded values)."""
+        the chunk's rows by the records' Gram kernel (`vector_sums_numba.gram` per row: the
+        integers `rows.gram_rows` reads), on the inputs as stored too."""
         from ram_dist import kernels
 
         kernel = kernels.numba_module("blend_numba")
@@ -199,16 +197,10 @@ class ModelStock(MergekitRule, Eager):
             t = state["t"][chunk.tensor]
             kernel.stock(base, tasks, out, ts=[float(t)], bf16_nan=bf16_nan)
             return True
-        if any(precision.is_stored(x) for x in inputs):
-            return False
-        import numpy as np
-
+        sums = kernels.numba_module("vector_sums_numba")
         length = rows.row_length(tuple(chunk.shape))
         keys = pairs(len(tasks))
-        deltas = np.stack(precision.task_vectors(list(inputs))[1])
-        stats = exact_sums.row_gram(deltas, keys, length)
-        if stats is None:
-            return False
+        stats = sums.gram(base, tasks, sums.DELTAS, keys, length)
         ts = [
             ratio(dict(zip(keys, map(exact_sums.value, row), strict=True)), len(tasks))
             for row in stats
@@ -217,8 +209,8 @@ class ModelStock(MergekitRule, Eager):
         return True
 
     def fuses(self, params: TensorParams) -> bool:
-        """The kernels take every chunk (filter_wise's ratios from each chunk's rows), but
-        filter_wise's of a quantized input as stored (its rows' sums take decoded values)."""
+        """The kernels take every chunk (filter_wise's ratios from each chunk's rows), a
+        quantized input as stored."""
         return True
 
     def finalize(

@@ -26,7 +26,7 @@ Computed here:
 * The map pass is element-wise float32, mergekit's expression op by op (task sums in task
   order, as torch's `sum(dim=0)` adds up to 4 tasks); on the CPU by the fused kernel
   (`kernels/sce_numba.py`), the variance selection included, which reads quantized inputs
-  as stored (`reads_stored`; the rounds take decoded values).
+  as stored (`reads_stored`), as the rounds' kernels do (`sce_numba.statistics`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
-from ram_dist.kernels import precision
 from ram_dist.methods import exact_sums
 from ram_dist.methods.generalized_task_arithmetic import topk
 from ram_dist.methods.generalized_task_arithmetic.combine import ordered_sum, task_vectors
@@ -123,9 +122,8 @@ class SCE(MergekitRule, Eager):
         "without selection only one round runs"
     )
     reads_stored: bool = True
-    """The map pass's kernel (`sce_numba.merge`) reads quantized inputs as stored; the
-    rounds' sums of squares and variances, numpy and torch sums of float32 task vectors,
-    take decoded ones (`fused_statistics` declines a stored form)."""
+    """The kernels read quantized inputs as stored: the map pass (`sce_numba.merge`), the
+    selection's rounds (`sce_numba.statistics`) and the sums of squares."""
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -228,16 +226,48 @@ class SCE(MergekitRule, Eager):
         state: State,
         count_nonfinite: bool,
     ) -> tuple[dict[str, np.ndarray], None] | None:
-        """Without selection, the sums of squares by `exact_sums.gram`'s kernel, bin for bin
-        `chunk_statistics`'; None otherwise (the variance rounds run eagerly) and for a
-        quantized input's stored form (the eager rule then runs on the decoded values: the
-        sums are of float32 task vectors, a copy of every input either way)."""
+        """`chunk_statistics`, bin for bin, the inputs as stored: without selection, the
+        sums of squares by the records' Gram kernel (`model_stock.fused_gram`); with it,
+        the variance rounds' histograms and the kept vectors' sums of squares by
+        `sce_numba.statistics`. None where numba is not installed."""
+        from ram_dist import kernels
+
         info = state["tensors"][chunk.tensor]
-        if info["select"] or any(precision.is_stored(x) for x in inputs):
+        if not info["select"]:
+            n = len(inputs) - 1
+            stats = fused_gram(inputs, [(t, t) for t in range(n)])
+            return None if stats is None else ({chunk.tensor + SQUARES: stats}, None)
+        kernel = kernels.numba_module("sce_numba")
+        if kernel is None:
             return None
-        n = len(inputs) - 1
-        stats = fused_gram(inputs, [(t, t) for t in range(n)])
-        return None if stats is None else ({chunk.tensor + SQUARES: stats}, None)
+        import numpy as np
+
+        base, *tasks = inputs
+        out: dict[str, np.ndarray] = {}
+        if round_ == self._squares_round(info) and info["weights"] is None:
+            out[chunk.tensor + SQUARES], _ = kernel.statistics(
+                base, tasks, kernel.SQUARES, threshold=int(info["threshold"]),
+                index_cut=info.get("index_cut"), start=chunk.start,
+            )  # fmt: skip
+        if not self._cut_round(round_, info):
+            return out, None
+        if round_ == 0:
+            hist, nonzero = kernel.statistics(base, tasks, kernel.HIGH, size=topk.HIGH_BINS)
+            out[chunk.tensor] = hist
+            out[chunk.tensor + NONZERO] = np.array([nonzero], np.int64)
+        elif round_ == 1:
+            out[chunk.tensor], _ = kernel.statistics(
+                base, tasks, kernel.LOW, size=topk.LOW_BINS, select_bin=int(info["high_bin"])
+            )  # fmt: skip
+        else:
+            index = round_ == 2
+            out[chunk.tensor], _ = kernel.statistics(
+                base, tasks, kernel.INDEX_HIGH if index else kernel.INDEX_LOW,
+                size=topk.index_bins(chunk.numel) if index else topk.LOW_BINS,
+                threshold=int(info["threshold"]), start=chunk.start,
+                select_bin=-1 if index else int(info["index_bin"]),
+            )  # fmt: skip
+        return out, None
 
     def fused_merge(
         self,
@@ -270,10 +300,8 @@ class SCE(MergekitRule, Eager):
         return True
 
     def fuses(self, params: TensorParams) -> bool:
-        """The kernels take every chunk without selection (`select_topk` 1); with it, the
-        variance rounds run the eager rule (the map pass's kernel takes the chunks it is
-        given)."""
-        return float(params["select_topk"]) >= 1
+        """The kernels take every chunk, the variance selection's rounds included."""
+        return True
 
     def finalize(
         self,

@@ -7,8 +7,8 @@ record of its kind, `views.kernel_inputs`), so no decoded copy reached them; and
 kernels take the same chunks on both.
 
 Which methods read the stored form is a claim checked here too: every method with fused
-kernels does (a round whose fused statistics are numpy sums of float32 vectors declines the
-stored form, and the eager rule takes the decoded values)."""
+kernels does, in every fused round too (the Gram rounds of model_stock and the geometric
+methods and sce's sums of squares included: `vector_sums_numba`)."""
 
 from __future__ import annotations
 
@@ -31,17 +31,10 @@ from ram_dist.kernels import (  # noqa: E402
     ram_numba,
     sce_numba,
     ties_numba,
+    vector_sums_numba,
     views,
 )
-from ram_dist.methods.geometric.span import SpanMethod  # noqa: E402
-from ram_dist.methods.model_stock import ModelStock  # noqa: E402
 from ram_dist.methods.ram import RamMethod  # noqa: E402
-from ram_dist.methods.sce import SCE  # noqa: E402
-
-#: Methods whose fused rounds decline the stored form: their statistics are exact sums of
-#: float32 vectors made in numpy (the Gram matrix, `model_stock.fused_gram`), a copy either
-#: way, so the eager rule takes the decoded values there.
-ROUNDS_DECODED = (SpanMethod, ModelStock, SCE)
 
 STORED = [case for case in every_method() if METHODS[case[0]].reads_stored]
 
@@ -115,10 +108,7 @@ def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case, monkeypatch)
                 np.testing.assert_array_equal(mine[key], theirs[key], err_msg=f"{mode} {key}")
     stored, decoded = got["stored"], got["decoded"]
     assert stored.fused_merges == decoded.fused_merges
-    if isinstance(method, ROUNDS_DECODED):  # its rounds' sums take decoded values
-        assert stored.fused_rounds == 0
-    else:
-        assert stored.fused_rounds == decoded.fused_rounds
+    assert stored.fused_rounds == decoded.fused_rounds  # every fused round reads it as stored
     if method.fuses(params):
         assert stored.fused_merges == len(bounds) - 1
     # the kernels that ran were handed the stored form (a record each call), not a copy
@@ -127,10 +117,10 @@ def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case, monkeypatch)
 
 
 def test_no_fma_in_the_kernels_compiled_for_stored_forms():
-    """TIES's, DELLA's, the blend's, model_stock's, sce's and arcee_fusion's code for a
-    stored base has no FMA: their signature (records: every kind's loaders in one, so one
-    compilation covers the three stored bases), called on each stored base, compiled here
-    (uncached)."""
+    """TIES's, DELLA's, the blend's, model_stock's, sce's, arcee_fusion's and the statistics'
+    exact sums' code for a stored base has no FMA: their signature (records: every kind's
+    loaders in one, so one compilation covers the three stored bases), called on each stored
+    base, compiled here (uncached)."""
     from numba import njit
 
     from ram_dist.kernels import primitives
@@ -153,10 +143,13 @@ def test_no_fma_in_the_kernels_compiled_for_stored_forms():
         blend_numba.stock(stored, agents, out, ts=[0.3])
         sce_numba.merge(stored, agents, out, weights=[0.6, 0.4], select=sce_numba.SELECT_CUT,
                         threshold=1 << 20, start=0)  # fmt: skip
+        sce_numba.statistics(stored, agents, sce_numba.SQUARES, threshold=1 << 20)
         imp = arcee_numba.importance(stored, agents[0], base.shape[-1])
         arcee_numba.merge(stored, agents[0], imp, 1e-4, out)
+        vector_sums_numba.gram(stored, agents, vector_sums_numba.DELTAS, [(0, 0), (0, 1)])
     arcee = (arcee_numba._importance_kernel, arcee_numba._merge_kernel)
-    kernels = (*ties_numba.KERNELS, *della_numba.KERNELS, *blend_numba.KERNELS, *sce_numba.KERNELS)
+    kernels = (*ties_numba.KERNELS, *della_numba.KERNELS, *blend_numba.KERNELS, *sce_numba.KERNELS,
+               *vector_sums_numba.KERNELS)  # fmt: skip
     for kernel in (*kernels, *arcee):
         fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
         for sig in kernel.signatures:
@@ -164,10 +157,10 @@ def test_no_fma_in_the_kernels_compiled_for_stored_forms():
         assert fresh.signatures and ram_numba.fma_findings(fresh) == [], kernel
 
 
-def test_model_stock_filter_wise_takes_decoded_values_for_its_row_sums(base):
+def test_model_stock_filter_wise_reads_the_stored_form_for_its_row_sums(base):
     """filter_wise's ratios are exact sums of each row's float32 task vectors: on a stored
-    form its fused map pass declines and the eager rule runs on the decoded values, with the
-    decoded copy's bytes (which the kernel merges)."""
+    form its fused map pass takes every chunk (the row sums from the records, decoded as
+    they load) and gives the decoded copy's bytes and the eager rule's."""
     method = METHODS["model_stock"]
     params = _params("model_stock", 3) | {"filter_wise": True}
     agents = bf16_agents(base, 3, seed=9)
@@ -175,4 +168,4 @@ def test_model_stock_filter_wise_takes_decoded_values_for_its_row_sums(base):
     got = {mode: run_method(method, params, base, agents, bounds, mode)
            for mode in ("stored", "decoded", "eager")}  # fmt: skip
     assert got["stored"].merged == got["decoded"].merged == got["eager"].merged
-    assert got["stored"].fused_merges == 0 and got["decoded"].fused_merges == len(bounds) - 1
+    assert got["stored"].fused_merges == got["decoded"].fused_merges == len(bounds) - 1

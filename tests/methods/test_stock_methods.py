@@ -333,8 +333,8 @@ def test_task_counts_are_mergekits():
     [("model_stock", {"filter_wise": False}), ("sce", {"select_topk": 1.0, "int8_mask": False})],
 )
 def test_fused_exact_sums_are_the_eager_ones_bin_for_bin(method, params, dtype):
-    """The fused path's statistics (numba's `exact_sums.gram` on the raw arrays, bfloat16 as
-    its bits) are the eager torch ones, bin for bin; sce with selection declines."""
+    """The fused path's statistics (numba's kernels on the raw arrays, bfloat16 as its bits)
+    are the eager torch ones, bin for bin; sce's selection's too."""
     pytest.importorskip("numba")
     base, tasks = make_inputs(3, (40, 33), seed=9)
     inputs = [x.to(dtype).reshape(-1) for x in [base, *tasks]]
@@ -346,10 +346,13 @@ def test_fused_exact_sums_are_the_eager_ones_bin_for_bin(method, params, dtype):
     fused, _ = m.fused_statistics(0, chunk, raw, params, state, False)
     assert eager.keys() == fused.keys()
     assert all(np.array_equal(eager[k].numpy(), fused[k]) for k in eager)
-    if method == "sce":
+    if method == "sce":  # the selection's first round too
         selecting = {"select_topk": 0.5, "int8_mask": False}
         state = m.initial_state({"w": selecting}, {"w": base.numel()}, 3)
-        assert m.fused_statistics(0, chunk, raw, selecting, state, False) is None
+        eager = m.chunk_statistics(0, chunk, inputs[0], inputs[1:], selecting, state)
+        fused, _ = m.fused_statistics(0, chunk, raw, selecting, state, False)
+        assert eager.keys() == fused.keys()
+        assert all(np.array_equal(eager[k].numpy(), fused[k]) for k in eager)
 
 
 @pytest.mark.parametrize("method", ["model_stock", "sce", "arcee_fusion"])

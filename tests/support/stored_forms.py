@@ -112,6 +112,46 @@ def int4_base(rows: int = 16, cols: int = 64, group: int = 32) -> StoredBase:
 BASES = {"fp8-block": fp8_block_base, "mxfp4": mxfp4_base, "int4": int4_base}
 
 
+def compressed_base(which: str, rows: int = 16, cols: int = 64) -> StoredBase:
+    """A compressed-tensors base packed by the package itself, cut between rows, its decoded
+    copy compressed-tensors' own (bf16 scales, so bf16 values): `int4-zero` (INT4 groups of
+    32 with zero points, packed along dimension 0), `int8-channel` (INT8, a scale per row)
+    or `fp8-channel` (`float-quantized` FP8, a scale per row)."""
+    from compressed_models import FP8_SCHEMES, INT_SCHEMES, quantize
+    from compressed_tensors.compressors.pack_quantized.base import unpack_from_int32
+
+    scheme = {"int4-zero": INT_SCHEMES[0], "int8-channel": INT_SCHEMES[1],
+              "fp8-channel": FP8_SCHEMES[0]}[which]  # fmt: skip
+    g = torch.Generator().manual_seed(4)
+    weight = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    packed, values = quantize(weight, scheme)
+    assert values.dtype == torch.bfloat16
+    bits = values.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+    scales = packed["weight_scale"].to(torch.float32).numpy()
+    nbits = scheme.weights["num_bits"]
+    zeros = None
+    if "weight_zero_point" in packed:
+        unpacked = unpack_from_int32(packed["weight_zero_point"], nbits, scales.shape, 0)
+        zeros = unpacked.numpy().astype(np.int16)
+    if which == "fp8-channel":
+        q = packed["weight"].view(torch.uint8).numpy().reshape(rows, cols)
+    else:
+        words = packed["weight_packed"].numpy().view(np.uint8).reshape(rows, -1)
+
+    def stored(lo: int, hi: int) -> quantized.QuantizedValues:
+        r0, r1 = lo // cols, hi // cols
+        if which == "fp8-channel":
+            return quantized.fp8_values(q[r0:r1], scales[r0:r1], r1 - r0, cols, "BF16")
+        z = None if zeros is None else zeros[r0:r1]
+        return quantized.int_values(words[r0:r1], nbits, r1 - r0, cols, scales[r0:r1], z, "BF16")
+
+    return StoredBase(which, (rows, cols), bits, cols, stored)
+
+
+#: The compressed-tensors forms beyond `BASES`' INT4 (`compressed_base`).
+COMPRESSED = ("int4-zero", "int8-channel", "fp8-channel")
+
+
 def bf16_agents(base: StoredBase, n: int, seed: int = 0) -> list[np.ndarray]:
     """n bf16 agents (bits) as a trainer saves them: the base in bf16, with 3 %, 46 %, 54 %
     ... of the elements moved."""

@@ -30,7 +30,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ram_dist.kernels import precision
 from ram_dist.methods.geometric import columns
 from ram_dist.methods.geometric.span import (
     Gram,
@@ -161,13 +160,9 @@ class Nuslerp(SpanMethod):
         """The whole tensor's Gram matrix, or each column's sums, by the fused kernels."""
         if variant(params) != "columns":
             return super().fused_statistics(round_, chunk, inputs, params, state, count_nonfinite)
-        import numpy as np
-
-        if any(precision.is_stored(x) for x in inputs):
-            return None  # the eager rule decodes them (see `SpanMethod.fused_statistics`)
-        vectors = np.stack(precision.task_vectors(list(inputs))[1])
+        base, *tasks = inputs  # as stored: the kernel decodes a quantized one as it loads
         pairs = [(0, 0), (1, 1), (0, 1)]
-        stats = columns.fused_column_sums(vectors, pairs, column_count(chunk.shape))
+        stats = columns.fused_column_sums(base, tasks, pairs, column_count(chunk.shape))
         return None if stats is None else ({chunk.tensor: stats}, None)
 
     def finalize(

@@ -23,7 +23,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ram_dist.kernels import precision
 from ram_dist.methods import exact_sums
 from ram_dist.methods import task_vectors as measured
 from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
@@ -163,8 +162,8 @@ class SpanMethod(MergekitRule, Eager):
 
     rounds: int = 1
     reads_stored: bool = True
-    """The blend kernel (`blend_numba`) reads quantized inputs as stored; the Gram round,
-    which needs every vector's float32 values, takes decoded ones (`fused_statistics`)."""
+    """The kernels read quantized inputs as stored: the Gram round's
+    (`vector_sums_numba`) and the blend (`blend_numba`)."""
     adds_base: bool = False
     """Whether the base is added to the blend (the vectors are task vectors)."""
     blends: str = "deltas"
@@ -189,23 +188,19 @@ class SpanMethod(MergekitRule, Eager):
         state: State,
         count_nonfinite: bool,
     ) -> tuple[dict[str, np.ndarray], None] | None:
-        """The Gram statistic by the fused kernel on the raw arrays (base first); None where
-        numba is missing or an input is a quantized one's stored form (the eager rule then
-        runs, on the decoded values: the Gram is of float32 vectors, a copy of every input
-        either way)."""
-        import numpy as np
+        """The Gram statistic by the records' kernel (`vector_sums_numba.gram`), bin for
+        bin `chunk_statistics`', the inputs as stored (a quantized one decoded as it
+        loads); None where numba is missing."""
+        from ram_dist import kernels
 
-        if any(precision.is_stored(x) for x in inputs):
+        kernel = kernels.numba_module("vector_sums_numba")
+        if kernel is None:
             return None
-        if self.blends == "deltas":
-            vectors = precision.task_vectors(list(inputs))[1]  # float32, the eager rule's
-        elif self.blends == "pair":
-            base, (model,) = precision.task_values(list(inputs[:2]))
-            vectors = [base, model]
-        else:
-            vectors = [precision.as_float32(a) for a in inputs[1:]]
-        stats = exact_sums.gram(np.stack(vectors), pairs(len(vectors)))
-        return None if stats is None else ({chunk.tensor: stats}, None)
+        base, *tasks = inputs
+        mode = {"deltas": kernel.DELTAS, "pair": kernel.PAIR, "models": kernel.MODELS}
+        n = self.n_vectors(len(tasks))
+        stats = kernel.gram(base, tasks, mode[self.blends], pairs(n))[0]
+        return {chunk.tensor: stats}, None
 
     def fused_merge(
         self,
