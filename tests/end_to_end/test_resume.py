@@ -57,6 +57,17 @@ def crashed(models) -> tuple[Path, dict, dict[str, int]]:
     return out, manifest, mtimes
 
 
+@pytest.fixture
+def one_ray() -> Iterator[None]:
+    """A local Ray for one test, which its in-process commands join rather than each starting
+    (and stopping) an embedded one. Not the module's: test_node_removed_during_map_pass starts
+    a cluster of its own."""
+    from conftest import local_ray
+
+    with local_ray():
+        yield
+
+
 def _copy(crashed, tmp_path) -> Path:
     out = tmp_path / "out"
     shutil.copytree(crashed[0], out, copy_function=shutil.copy2)
@@ -111,6 +122,7 @@ def test_rerun_after_sigkill_resumes_with_identical_bytes(models, crashed, tmp_p
     assert again.returncode == 0 and "nothing to do" in again.stdout
 
 
+@pytest.mark.usefixtures("one_ray")
 def test_changed_parameter_or_input_is_refused(models, crashed, tmp_path, capsys):
     out = _copy(crashed, tmp_path)
     assert main(_args(models, str(out), "--r", "0.2")) == 2
@@ -271,6 +283,7 @@ def test_resume_on_s3_output(models, s3):
     assert verify.returncode == 0, verify.stderr
 
 
+@pytest.mark.usefixtures("one_ray")
 def test_a_method_with_driver_factors_resumes_with_its_recorded_state(models, tmp_path):
     """model_stock's factors (from exact sums, on the driver) come back from the manifest's
     JSON: a run killed in the map pass resumes without its reduce pass and writes the bytes

@@ -8,6 +8,8 @@ access keys, SlowDown answers), real files deleted or written to /dev/full, a re
 Steps inside a job are found without sleeping: the server calls a test's hook on the request
 that takes the output's lease (every check has passed by then, no pass has started), or on
 the first read of an input's data.
+The commands run in this process join the module's one Ray (`ray_s3`); `_cli` runs the real
+command in a process of its own, with its own embedded Ray.
 """
 
 from __future__ import annotations
@@ -231,6 +233,7 @@ def _policy_removed_after(fs: s3fs.S3FileSystem) -> Iterator[None]:
         fs.call_s3("delete_bucket_policy", Bucket=BUCKET)
 
 
+@pytest.mark.usefixtures("ray_s3")
 def test_missing_input_and_output_buckets(models, options, fs, capsys, caplog):
     base, tasks = _upload(models, fs, "buckets")
     argv = _argv("s3://no-such-inputs/base", tasks, f"s3://{BUCKET}/buckets-out", options)
@@ -243,6 +246,7 @@ def test_missing_input_and_output_buckets(models, options, fs, capsys, caplog):
     _one_line(capsys.readouterr().err, "output s3://no-such-outputs/out cannot be written")
 
 
+@pytest.mark.usefixtures("ray_s3")
 def test_a_denied_input_is_named_before_any_work(models, options, fs, server, capsys):
     base, tasks = _upload(models, fs, "denied-first")
     out = f"s3://{BUCKET}/denied-first-out"
@@ -410,6 +414,7 @@ def test_slowdown_is_retried_by_botocore_then_named(models, options, fs, server)
     assert all((merged[k] == v).all() for k, v in models["expected"].items())
 
 
+@pytest.mark.usefixtures("ray_s3")
 def test_refused_credentials(models, options, fs, capsys):
     """The store checks access keys (moto's IAM authentication, switched on for this test):
     the test's key is unknown to it."""
@@ -434,6 +439,7 @@ def _sparse(path: Path, size: int) -> None:
         f.truncate(size)
 
 
+@pytest.mark.usefixtures("ray_s3")
 def test_an_oversized_index_or_manifest_is_refused_before_it_is_read(models, tmp_path, capsys):
     base, tasks = _local_copy(models, tmp_path / "in")
     _sparse(tasks[0] / INDEX, MAX_INDEX_BYTES + 1)

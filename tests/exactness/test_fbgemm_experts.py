@@ -49,6 +49,9 @@ EPSILON = 1e-5
 ONE_EXPERT = 64 * 64 * 2
 WHOLE = 10**8
 
+# One Ray for the module: every merge joins it rather than starting (and stopping) its own.
+pytestmark = pytest.mark.usefixtures("ray_local")
+
 
 @pytest.fixture(scope="module")
 def llama4(tmp_path_factory) -> Llama4Set:
