@@ -85,9 +85,7 @@ class LoraSource(_LoraFields, SourceDefaults):
             return [(self.file, self.a_start, self.a_start + n)]
         return [(self.file, self.start, self.start + self.rank * self.cols * itemsize(self.dtype))]
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: Base
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         """`cast(float32(theta) + float32(s) * P)`, P in the spec's fixed order, `theta` the
         base at the task's precision: a quantized base's values decoded from its stored form
         as the kernel loads them (`kernels.lora`), never copied first."""
@@ -134,9 +132,7 @@ class LoraBiasSource(_LoraBiasFields, SourceDefaults):
         out = self.theta.ranges(start, stop) if self.theta is not None else []
         return out + super().ranges(start, stop)
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: Base
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         """The LoRA rule with one row of `stop - start` columns, rank 1 and the factors `1`
         and `lora_B.bias`: `1 * b` is `b` exactly, so the value is the bias rule's."""
         theta, read = _theta(self.theta, read, base)

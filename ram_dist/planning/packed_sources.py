@@ -128,9 +128,7 @@ class PackedIntSource(_PackedIntFields, SourceDefaults):
             words, self.bits, rows, self.cols, scales, zeros, self.scale_dtype
         )  # fmt: skip
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: Base
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         """The rows' values in `values_dtype`, as bytes (`kernels.int_packed.decode`)."""
         words, rows, scales, zeros = self._parts(start, stop, read)
         return int_packed.decode_in(

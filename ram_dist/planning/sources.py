@@ -111,9 +111,7 @@ class TensorSource(Protocol):
         read once per unit and tensor, not per compute block."""
         ...
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: Base
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         """The values of elements [start, stop), as bytes in `values_dtype`, from the arrays
         `ranges` and then `unit_ranges` named, as read; `floats(n)` is a reusable float32
         array to write them into; `base` the base input's values of the same elements, or
@@ -160,9 +158,7 @@ class SourceDefaults:
     def encoded(self, start: int, stop: int, read: Arrays) -> object | None:
         return None
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: Base
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         return read[0]
 
 
@@ -193,9 +189,7 @@ class BaseValues(_BaseValuesFields, SourceDefaults):
     def ranges(self, start: int, stop: int) -> list[Range]:
         return []
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: Base
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         return base
 
 
@@ -263,9 +257,7 @@ class Fp8Source(_Fp8Fields, SourceDefaults):
             (self.scale_file, self.scale_start + first * width, self.scale_start + last * width),
         ]
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: Base
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         """The spec's one float32 multiplication per element: `float32(q) * scale`, then
         rounded to `rounded_to` where it is set."""
         values = self._stored(read).values(floats(read[0].size))
@@ -358,9 +350,7 @@ class Mxfp4Source(_Mxfp4Fields, SourceDefaults):
         they load it (`kernels.quantized`): no copy of the values."""
         return quantized.mxfp4_values(read[0], read[1], self.rows, self.groups)
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: Base
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         """The experts' values as bfloat16 (`kernels.mxfp4.decode_bf16`), as bytes."""
         out = floats(stop - start).view(np.uint16)
         return mxfp4.decode_bf16(read[0], read[1], self.rows, self.groups, out).view(np.uint8)

@@ -1,0 +1,94 @@
+"""PEFT LoRA adapters as tasks over a quantized base (issue 42, point 1), end to end on a real
+local Ray: block FP8 (DeepSeek's layout, ragged 16 x 24 blocks), compressed-tensors' packed
+INT4/INT8 (groups of 32 with packed zero points, per channel, per tensor with a float32
+scale) and FP8 (per channel with bf16 scales, per tensor with float32 ones), and fbgemm_fp8
+(a float32 scale per row), each with two adapters and a bf16 agent (`lora_quantized`).
+
+The adapter tasks' values are written from the spec in `lora_quantized` (the base at the
+task's precision, bf16, plus the delta, rounded to bf16; the base's value where the adapter
+does nothing); every method's merge of those values by the independent references
+(`precision_sets.reference_for`) is the expected output: on the compressed-tensors bases
+every method fused in units of about a row, and a few methods of each family eager on whole
+tensors; on block FP8 and fbgemm_fp8 those few both ways. The LoRA kernel reads the base as
+stored (`engine/test_lora_reads_stored.py` checks that no copy of it is decoded).
+
+LoRA applies to matrices only: gpt-oss's MXFP4 weights are its experts ([E, ., .]) and
+Llama-4's fbgemm_fp8 experts are 3-D, which an adapter cannot target (refused, and PEFT's
+`target_parameters` is refused too); gpt-oss's attention weights, which adapters do target,
+are bf16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from builders import assert_same_bytes, load_checkpoint, merge_config
+from lora_quantized import BF16, KINDS, LoraSet, build
+from precision_sets import PARAMETERS, RAM_FAMILY, TASK_WEIGHTS, WEIGHTED, InputSet, reference_for
+
+from ram_dist.api import run_merge
+from ram_dist.methods.registry import METHODS
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+#: Units of about a row of the widest weight (an FP8 block base's: a band), and whole tensors.
+SMALL, WHOLE = 256, 10**8
+#: A few methods of each family.
+SOME = ("ram_plus", "ties", "della", "model_stock", "slerp", "linear")
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory):
+    """Each kind's set, built the first time a test asks for it."""
+    built: dict[str, LoraSet] = {}
+
+    def get(kind: str) -> LoraSet:
+        if kind not in built:
+            built[kind] = build(kind, tmp_path_factory.mktemp(kind))
+        return built[kind]
+
+    return get
+
+
+def _check(s: LoraSet, method: str, out: Path, budget: int, kernels: str) -> None:
+    """The merge of the adapters and the agent, every tensor in bfloat16: the reference
+    merge of the tasks' values by the spec."""
+    picked = [0, 1, 2][: METHODS[method].task_counts[1] or 3]
+    inputs = InputSet(
+        base_dir=s.base_dir, task_dirs=[], base={}, x_base=dict(s.x_base), tasks=s.tasks,
+        touched={}, block=None, row_budget=0,
+    )  # fmt: skip
+    merged, _ = reference_for(method, inputs, picked)
+    parameters = {"epsilon": 1e-5} if method in RAM_FAMILY else PARAMETERS.get(method, {})
+    per_task = tuple({"weight": TASK_WEIGHTS[i]} for i in range(len(picked)))
+    run_merge(
+        merge_config(s.base_dir, [s.task_dirs[i] for i in picked], out, method=method,
+                     parameters=parameters, task_parameters=per_task if method in WEIGHTED else (),
+                     unit_budget_bytes=budget, kernels=kernels, out_dtype="bfloat16")
+    )  # fmt: skip
+    assert_same_bytes(load_checkpoint(out), {n: y.to(BF16) for n, y in merged.items()})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_adapters_change_quantized_weights(sets, kind):
+    """The inputs have teeth: each adapter changes quantized weights."""
+    s = sets(kind)
+    for task in s.tasks[:2]:
+        changed = [n for n in s.quantized if not torch.equal(task[n].float(), s.x_base[n].float())]
+        assert len(changed) >= 2
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("kind", ["int", "fp8-channel"])
+def test_every_method_fused_over_a_compressed_base(sets, tmp_path, kind, method):
+    _check(sets(kind), method, tmp_path / "out", SMALL, "auto")
+
+
+@pytest.mark.parametrize("method", SOME)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_few_methods_eager_and_on_fp8_blocks_and_fbgemm(sets, tmp_path, kind, method):
+    if kind in ("fp8-block", "fbgemm"):
+        _check(sets(kind), method, tmp_path / "fused", SMALL, "auto")
+    _check(sets(kind), method, tmp_path / "eager", WHOLE, "eager")
