@@ -83,12 +83,13 @@ def values(
     rounded = out_dtype if precision.narrows(theta_dtype, out_dtype) else "F32"
     kernels = _numba() if fast else None
     if kernels is not None and (stored or theta_dtype in _BITS) and out_dtype in _BITS:
-        from ram_dist.kernels import views
+        from ram_dist.kernels import primitives, views
 
         n = precision.value_count(theta) if stored else theta.size // INFO[theta_dtype].itemsize
         src = views.kernel_record(theta, False) if stored else theta.view(_BITS[theta_dtype])
         dst = out[: n * INFO[out_dtype].itemsize].view(_BITS[out_dtype])
-        kernels.lora_values(src, coef, basis, scale, start, _KINDS[rounded], dst)
+        kind = {"BF16": primitives.BF16, "F16": primitives.F16}.get(rounded, primitives.F32)
+        kernels.lora_values(src, coef, basis, scale, start, kind, dst)
         return dst.view(np.uint8)
     cols = basis.shape[1]
     base = _decoded(theta) if stored else as_float32(theta, theta_dtype)
@@ -136,5 +137,3 @@ def _decoded(x: fp8.Fp8Values | quantized.QuantizedValues) -> np.ndarray:
 
 #: The array the numba kernel takes for each dtype: its stored elements or their bits.
 _BITS = {"BF16": np.dtype(np.uint16), "F16": np.dtype(np.int16), "F32": np.dtype(np.float32)}
-#: The kernel's `rounded` kind code for each dtype the base is rounded to (F32: not rounded).
-_KINDS = {"BF16": 0, "F16": 1, "F32": 2}
