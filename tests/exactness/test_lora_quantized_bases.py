@@ -14,8 +14,8 @@ stored (`engine/test_lora_reads_stored.py` checks that no copy of it is decoded)
 
 LoRA applies to matrices only: gpt-oss's MXFP4 weights are its experts ([E, ., .]) and
 Llama-4's fbgemm_fp8 experts are 3-D, which an adapter cannot target (refused, and PEFT's
-`target_parameters` is refused too); gpt-oss's attention weights, which adapters do target,
-are bf16.
+`target_parameters` is refused too: checked here for gpt-oss); gpt-oss's attention weights,
+which adapters do target, are bf16.
 """
 
 from __future__ import annotations
@@ -93,3 +93,34 @@ def test_fused_in_rows_and_eager_on_whole_tensors(sets, tmp_path, kind, method):
     _check(sets(kind), method, tmp_path / "fused", ONE_ROW if method == "ram_plus" else ROWS,
            "auto")  # fmt: skip
     _check(sets(kind), method, tmp_path / "eager", WHOLE, "eager")
+
+
+@pytest.mark.parametrize("how", ["factors", "target_parameters"])
+def test_an_adapter_of_mxfp4_experts_is_refused(tmp_path, how):
+    """gpt-oss's MXFP4 weights are its experts, 3-D: an adapter's factors for them name no
+    matrix of the base, and PEFT's `target_parameters` is refused by name."""
+    import json
+
+    from mxfp4_models import build_set as build_gptoss
+    from safetensors.torch import save_file
+
+    from ram_dist.api import plan
+    from ram_dist.errors import CheckpointError
+
+    s = build_gptoss(tmp_path / "set", (0.0,))
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["gate_up_proj"]}
+    if how == "target_parameters":
+        config |= {"target_modules": [], "target_parameters": [name]}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    key = "base_model.model." + name
+    factors = {
+        key + ".lora_A.weight": torch.zeros(2, 64),
+        key + ".lora_B.weight": torch.zeros(128, 2),
+    }
+    save_file(factors, str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(CheckpointError) as refused:
+        plan(base=s.base_dir, tasks=[adapter, s.agent_dirs[0]])
+    assert (name if how == "factors" else "target_parameters") in str(refused.value)
