@@ -7,13 +7,12 @@ a few each, in every worker process that finds it in no cache (loading one takes
 10 ms). The kernels that read a merge's inputs take them as records (`views.kernel_inputs`:
 one int64 table, whatever the inputs' dtypes, stored forms and count, and one record for the
 output, whatever its dtype), so each of them has one specialization; the others are typed by
-their arrays: the finiteness scan per width, the LoRA product per dtype (and once over a
-quantized base's record), the exact sums of products, arcee_fusion's histograms, and
-MXFP4's and packed INT4/INT8's decoding (the eager path's). This calls every kernel
-through its public wrapper, on tiny inputs, so that the signatures are exactly those a
-job meets: 27 specializations in all (about a minute on one core of the development
-machine). Each kernel module declares its kernels' calls in a function `warm_calls()`,
-which this collects (`calls`).
+their arrays: the finiteness scan per width, the LoRA product per pair of dtypes, the exact
+sums of products, arcee_fusion's histograms, and MXFP4's and packed INT4/INT8's decoding
+(the eager path's). This calls every kernel through its public wrapper, on tiny inputs, so
+that the signatures are exactly those a job meets: 27 specializations in all (about a
+minute on one core of the development machine). Each kernel module declares its kernels'
+calls in a function `warm_calls()`, which this collects (`calls`).
 
 The cache goes where numba puts it: `--cache-dir` (or `NUMBA_CACHE_DIR`), else `__pycache__`
 beside the kernel modules when that is writable, else numba's user-wide cache directory
