@@ -330,8 +330,8 @@ def _decoded(
     """A block's inputs from what was read for each (`read[i]`: the block's ranges, then the
     unit's), each decoded one's values made from it (`TensorSource.decode`: an FP8 input's,
     the spec's one multiplication per element, when they are first asked for; a LoRA
-    task's, from the base's values, now), and a task whose source is the base's own given
-    the base's values."""
+    task's, from the base's values, now: from a quantized base's stored form, with no copy
+    of its values), and a task whose source is the base's own given the base's values."""
     same = same_as_base(sources)
     dtypes = tuple(s.values_dtype for s in sources)
     raw: list[np.ndarray | None] = []
@@ -353,7 +353,9 @@ def _decoded(
             kept.append(tuple(got))
             forms.append(form)
         elif src.decoded:
-            base = inputs.value(0) if i else got[0]  # the base decodes from its own bytes
+            # the base decodes from its own bytes; a task computed from the base's values (a
+            # LoRA product) gets a quantized base as stored, and decodes it as it loads it
+            base = (forms[0] if forms[0] is not None else inputs.value(0)) if i else got[0]
             raw.append(src.decode(start, stop, got, part, base))
             decode.append(None)
             kept.append(tuple(got))

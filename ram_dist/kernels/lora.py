@@ -7,6 +7,12 @@ whose blocking, and so whose bytes, would depend on how the rows are split into 
 `delta = float32(s) * P`, and the value `cast(float32(theta_B) + delta)`. `coef` holds the
 rows' factors (a Linear layer's `B` rows; the transposed `A` columns of an embedding or a
 `fan_in_fan_out` layer) and `basis` the factor all rows share (`A`; `B` transposed).
+
+`theta_B` is the base at the task's precision: the base's value rounded to the task's dtype
+where that is a 16-bit dtype the base's values are not in (an FP8 or float32-scaled INT base
+under an adapter trained on the base loaded in bfloat16), `kernels.precision`'s rule. A
+quantized base (`fp8.Fp8Values`, `quantized.QuantizedValues`) is read as stored: the kernel
+decodes each tile of its values as it loads it, so no copy of the base's values is made.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ram_dist.dtypes import INFO
-from ram_dist.kernels import fp8
+from ram_dist.kernels import fp8, int_packed, mxfp4, precision, quantized
 
 
 def _numba() -> Any:
@@ -49,8 +55,13 @@ def cast(values: np.ndarray, dtype: str, out: np.ndarray) -> np.ndarray:
     return target
 
 
+#: A base's values as `values` takes them: its stored elements' bytes, or a quantized
+#: base's stored form.
+Theta = np.ndarray | fp8.Fp8Values | quantized.QuantizedValues
+
+
 def values(
-    theta: np.ndarray,
+    theta: Theta,
     theta_dtype: str,
     coef: np.ndarray,
     basis: np.ndarray,
@@ -62,17 +73,28 @@ def values(
 ) -> np.ndarray:
     """The task's values of flat elements [start, start + n) of a weight whose rows are
     `basis.shape[1]` wide, as bytes of `out_dtype` in `out` (a byte array): `theta` holds the
-    base's values of those elements (bytes of `theta_dtype`), `coef` [rows, r] the factors
-    of the rows they touch, from the first (float32), `basis` [r, cols] (float32). `fast`:
-    the numba kernel where numba is installed and the dtypes are its (the same bytes)."""
+    base's values of those elements (bytes of `theta_dtype`, or a quantized base's stored
+    form, whose values are of `theta_dtype`), rounded to `out_dtype` first where the task
+    measures against the base at its precision (`precision.narrows`); `coef` [rows, r] the
+    factors of the rows they touch, from the first (float32), `basis` [r, cols] (float32).
+    `fast`: the numba kernel where numba is installed and the dtypes are its (the same
+    bytes); the numpy rule decodes a stored form first."""
+    stored = precision.is_stored(theta)
+    rounded = out_dtype if precision.narrows(theta_dtype, out_dtype) else "F32"
     kernels = _numba() if fast else None
-    if kernels is not None and theta_dtype in _BITS and out_dtype in _BITS:
-        n = theta.size // INFO[theta_dtype].itemsize
+    if kernels is not None and (stored or theta_dtype in _BITS) and out_dtype in _BITS:
+        from ram_dist.kernels import primitives, views
+
+        n = precision.value_count(theta) if stored else theta.size // INFO[theta_dtype].itemsize
+        src = views.kernel_record(theta, False) if stored else theta.view(_BITS[theta_dtype])
         dst = out[: n * INFO[out_dtype].itemsize].view(_BITS[out_dtype])
-        kernels.lora_values(theta.view(_BITS[theta_dtype]), coef, basis, scale, start, dst)
+        kind = {"BF16": primitives.BF16, "F16": primitives.F16}.get(rounded, primitives.F32)
+        kernels.lora_values(src, coef, basis, scale, start, kind, dst)
         return dst.view(np.uint8)
     cols = basis.shape[1]
-    base = as_float32(theta, theta_dtype)
+    base = _decoded(theta) if stored else as_float32(theta, theta_dtype)
+    if rounded != "F32":
+        base = precision.rounded(base, rounded)
     n = base.size
     row0, row1 = start // cols, -(-(start + n) // cols)
     c = coef[: row1 - row0]
@@ -82,6 +104,35 @@ def values(
     flat = product.reshape(-1)[start - row0 * cols : start - row0 * cols + n]
     result = base + scale * flat
     return cast(result, out_dtype, out)
+
+
+def _decoded(x: fp8.Fp8Values | quantized.QuantizedValues) -> np.ndarray:
+    """A stored form's float32 values, in numpy (the rule the kernel's loads follow): block
+    FP8's `float32(q) * scale`; MXFP4's `e2m1 * 2**(s - 127)` (NaN where not finite), packed
+    INT's `float32(q - zero) * scale` and rounded FP8's `float32(q) * scale`, each rounded to
+    the values' dtype."""
+    if isinstance(x, fp8.Fp8Values):
+        return x.values()
+    f32 = np.float32
+    if x.format == quantized.MXFP4:
+        experts = x.size // (x.rows * x.cols)
+        codes = x.codes.reshape(experts, x.rows, x.groups, mxfp4.GROUP // 2)
+        factors = x.scales.reshape(experts, x.rows, x.groups, 1)
+        unpacked = np.empty((experts, x.rows, x.groups, mxfp4.GROUP), f32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            unpacked[..., 0::2] = mxfp4.E2M1[codes & 0x0F] * factors
+            unpacked[..., 1::2] = mxfp4.E2M1[codes >> 4] * factors
+        unpacked[~np.isfinite(unpacked)] = np.nan
+        return unpacked.reshape(experts, x.rows, x.cols).transpose(0, 2, 1).reshape(-1)
+    scales = x.scales.reshape(-1, x.groups)
+    if x.format == quantized.FP8:
+        q = fp8.E4M3_VALUES[x.codes[: x.size]].reshape(x.rows, x.cols)
+        values = (q * scales.reshape(-1, 1)).astype(f32).reshape(-1)
+    else:
+        codes = int_packed.unpack_rows(x.codes, x.bits, x.rows, x.cols)
+        zeros = x.zeros.reshape(-1, x.groups) if x.zeros.size else None
+        values = int_packed.decode(codes, zeros, scales, np.empty(x.size, f32))
+    return as_float32(int_packed.in_dtype(values, x.values_dtype), x.values_dtype)
 
 
 #: The array the numba kernel takes for each dtype: its stored elements or their bits.

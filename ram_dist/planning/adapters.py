@@ -183,12 +183,15 @@ class _Module:
 
 def adapter_sources(
     base: Checkpoint,
+    view: Mapping[str, TensorInfo],
     base_sources: Mapping[str, TensorSource],
     adapter: Checkpoint,
     config: LoraConfig,
 ) -> dict[str, TensorSource]:
     """This task's source of every base tensor (`base_sources`, by name; companions left
-    out): a LoRA product, the adapter's own copy, or the base's source itself."""
+    out): a LoRA product, the adapter's own copy, or the base's source itself. `view`: the
+    base's tensors as the merge sees them (`Format.view`: a packed INT weight under its
+    decoded name and shape), which the adapter's keys and shapes are checked against."""
     where = f"{adapter.label} ({adapter.url})"
     modules: dict[str, _Module] = {}
     outright: dict[str, TensorInfo] = {}
@@ -207,10 +210,10 @@ def adapter_sources(
         name: BaseValues(src.values_dtype) for name, src in base_sources.items()
     }
     for name, info in outright.items():
-        _check_shape(where, base, name, info, base.tensors[name].shape)
+        _check_shape(where, base, name, info, view[name].shape)
         sources[name] = Source(info.file, info.start, info.dtype)
     for module in modules.values():
-        sources.update(_module_sources(where, base, base_sources, module, config))
+        sources.update(_module_sources(where, base, view, base_sources, module, config))
     return sources
 
 
@@ -246,6 +249,7 @@ def _check_shape(
 def _module_sources(
     where: str,
     base: Checkpoint,
+    view: Mapping[str, TensorInfo],
     base_sources: Mapping[str, TensorSource],
     module: _Module,
     config: LoraConfig,
@@ -267,7 +271,7 @@ def _module_sources(
     if a is not None and b is not None:
         if weight not in base_sources:
             raise CheckpointError(_no_base_tensor(where, base, a.name, weight))
-        shape = base.tensors[weight].shape
+        shape = view[weight].shape
         if len(shape) != 2:
             raise CheckpointError(
                 f"{where} holds LoRA factors for {weight!r}, whose shape in the {base.label} "
@@ -279,7 +283,7 @@ def _module_sources(
         fan_in, fan_out = (rows, cols) if transposed else (cols, rows)
         _check_shape(where, base, weight, a, (r, fan_in))
         _check_shape(where, base, weight, b, (fan_out, r))
-        theta = _theta(where, base, weight, parts.get("base_weight"))
+        theta = _theta(where, base, view, weight, parts.get("base_weight"))
         out[weight] = LoraSource(
             b.file, b.start, b.dtype, a.start, a.dtype, r, rows, cols, scale, transposed,
             *_dtypes(base_sources[weight], theta),
@@ -287,7 +291,7 @@ def _module_sources(
         )  # fmt: skip
     elif "base_weight" in parts:
         info = parts["base_weight"]
-        _check_shape(where, base, weight, info, base.tensors[weight].shape)
+        _check_shape(where, base, weight, info, view[weight].shape)
         out[weight] = Source(info.file, info.start, info.dtype)
     if "bias" in parts:
         lb = parts["bias"]
@@ -297,23 +301,25 @@ def _module_sources(
                 f"{module.name!r} has no bias ({bias!r}), so the bias cannot be merged (PEFT "
                 "refuses to merge it too); train the adapter without lora_bias for this module"
             )
-        _check_shape(where, base, bias, lb, base.tensors[bias].shape)
-        theta = _theta(where, base, bias, parts.get("base_bias"))
+        _check_shape(where, base, bias, lb, view[bias].shape)
+        theta = _theta(where, base, view, bias, parts.get("base_bias"))
         out[bias] = LoraBiasSource(
             lb.file, lb.start, lb.dtype, scale, *_dtypes(base_sources[bias], theta), theta
         )
     elif "base_bias" in parts:
         info = parts["base_bias"]
-        _check_shape(where, base, bias, info, base.tensors[bias].shape)
+        _check_shape(where, base, bias, info, view[bias].shape)
         out[bias] = Source(info.file, info.start, info.dtype)
     return out
 
 
-def _theta(where: str, base: Checkpoint, name: str, info: TensorInfo | None) -> Source | None:
+def _theta(
+    where: str, base: Checkpoint, view: Mapping[str, TensorInfo], name: str, info: TensorInfo | None
+) -> Source | None:
     """The adapter's own copy of base tensor `name` (`base_layer`), checked; None if none."""
     if info is None:
         return None
-    _check_shape(where, base, name, info, base.tensors[name].shape)
+    _check_shape(where, base, name, info, view[name].shape)
     return Source(info.file, info.start, info.dtype)
 
 

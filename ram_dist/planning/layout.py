@@ -258,7 +258,7 @@ def build_layout(
     for task in tasks:
         if task.adapter is not None:
             config = lora_config(task)
-            adapted.append(adapter_sources(base, base_sources, task, config))
+            adapted.append(adapter_sources(base, base_view, base_sources, task, config))
             formats.append(None)
             views.append({})
             words.append(config.describe())

@@ -1,7 +1,8 @@
 """A LoRA adapter's weight and bias as `TensorSource`s (`planning.sources`'s protocol): their
 values are the base's with the adapter's rank-r product (or bias) added, at the task's
 precision (`kernels.lora`, `kernels.precision`), computed by the workers from what they read
-(`planning.adapters` makes them)."""
+(`planning.adapters` makes them). A quantized base's values are decoded by the LoRA kernel
+from its stored form as it loads them: no copy of the base's values is made."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ram_dist.dtypes import itemsize
-from ram_dist.kernels import lora, precision
-from ram_dist.planning.sources import Arrays, Floats, Range, Source, SourceDefaults
+from ram_dist.kernels import lora
+from ram_dist.planning.sources import Arrays, Base, Floats, Range, Source, SourceDefaults
 
 
 class _LoraFields(NamedTuple):
@@ -84,13 +85,11 @@ class LoraSource(_LoraFields, SourceDefaults):
             return [(self.file, self.a_start, self.a_start + n)]
         return [(self.file, self.start, self.start + self.rank * self.cols * itemsize(self.dtype))]
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: np.ndarray
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         """`cast(float32(theta) + float32(s) * P)`, P in the spec's fixed order, `theta` the
-        base at the task's precision."""
+        base at the task's precision: a quantized base's values decoded from its stored form
+        as the kernel loads them (`kernels.lora`), never copied first."""
         theta, read = _theta(self.theta, read, base)
-        theta, theta_dtype = _at_precision(theta, self.theta_dtype, self.values_dtype)
         first, last = self._rows(start, stop)
         if not self.transposed:
             coef = lora.as_float32(read[0], self.dtype).reshape(last - first, self.rank)
@@ -102,7 +101,8 @@ class LoraSource(_LoraFields, SourceDefaults):
             basis = np.ascontiguousarray(basis.T)
         out = floats(stop - start).view(np.uint8)
         scale = np.float32(self.scale)
-        return lora.values(theta, theta_dtype, coef, basis, scale, start, self.values_dtype, out)
+        return lora.values(theta, self.theta_dtype, coef, basis, scale, start,
+                           self.values_dtype, out)  # fmt: skip
 
 
 class _LoraBiasFields(NamedTuple):
@@ -132,27 +132,19 @@ class LoraBiasSource(_LoraBiasFields, SourceDefaults):
         out = self.theta.ranges(start, stop) if self.theta is not None else []
         return out + super().ranges(start, stop)
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: np.ndarray
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
+        """The LoRA rule with one row of `stop - start` columns, rank 1 and the factors `1`
+        and `lora_B.bias`: `1 * b` is `b` exactly, so the value is the bias rule's."""
         theta, read = _theta(self.theta, read, base)
-        theta, theta_dtype = _at_precision(theta, self.theta_dtype, self.values_dtype)
-        delta = np.float32(self.scale) * lora.as_float32(read[0], self.dtype)
-        value = lora.as_float32(theta, theta_dtype) + delta
-        return lora.cast(value, self.values_dtype, floats(stop - start).view(np.uint8))
+        bias = lora.as_float32(read[0], self.dtype).reshape(1, stop - start)
+        one = np.ones((1, 1), np.float32)
+        out = floats(stop - start).view(np.uint8)
+        scale = np.float32(self.scale)
+        return lora.values(theta, self.theta_dtype, one, np.ascontiguousarray(bias), scale, 0,
+                           self.values_dtype, out)  # fmt: skip
 
 
-def _theta(own: Source | None, read: Arrays, base: np.ndarray) -> tuple[np.ndarray, Arrays]:
+def _theta(own: Source | None, read: Arrays, base: Base) -> tuple[lora.Theta, Arrays]:
     """The base values a LoRA source adds to (the adapter's own copy, read first, or the
-    base input's), and the rest of what was read."""
+    base input's: its values, or its stored form), and the rest of what was read."""
     return (read[0], read[1:]) if own is not None else (base, read)
-
-
-def _at_precision(theta: np.ndarray, dtype: str, values_dtype: str) -> tuple[np.ndarray, str]:
-    """The base values a LoRA task adds to, at the task's precision (`kernels.precision`):
-    rounded to `values_dtype` where that is a 16-bit dtype the base is not stored in (an FP8
-    base's adapter, trained on the base loaded in bfloat16), as bytes, and their dtype."""
-    if not precision.narrows(dtype, values_dtype):
-        return theta, dtype
-    rounded = np.empty(theta.size // itemsize(dtype) * itemsize(values_dtype), np.uint8)
-    return lora.cast(lora.as_float32(theta, dtype), values_dtype, rounded), values_dtype

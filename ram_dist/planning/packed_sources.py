@@ -21,7 +21,7 @@ import numpy as np
 from ram_dist.dtypes import INFO, itemsize
 from ram_dist.errors import CheckpointError
 from ram_dist.kernels import int_packed, quantized
-from ram_dist.planning.sources import Arrays, Floats, Range, SourceDefaults
+from ram_dist.planning.sources import Arrays, Base, Floats, Range, SourceDefaults
 
 if TYPE_CHECKING:
     from ram_dist.io.checkpoint import Checkpoint
@@ -128,9 +128,7 @@ class PackedIntSource(_PackedIntFields, SourceDefaults):
             words, self.bits, rows, self.cols, scales, zeros, self.scale_dtype
         )  # fmt: skip
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: np.ndarray
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         """The rows' values in `values_dtype`, as bytes (`kernels.int_packed.decode`)."""
         words, rows, scales, zeros = self._parts(start, stop, read)
         return int_packed.decode_in(

@@ -13,7 +13,8 @@ through the engine.
 
 A task's tensor may be the base's own (`BaseValues`: one an adapter leaves alone): the
 workers then read nothing more for it and take the base's values. A source whose values are
-computed from the base's (`LoraSource`) gets them in `decode`.
+computed from the base's (`LoraSource`) gets them in `decode`: a quantized base's as its
+stored form, which it decodes as it loads it.
 
 Every source derives from `SourceDefaults`, the protocol's defaults (a plain tensor's), and
 says only what differs. Its fields are a NamedTuple it derives from first, so a source is a
@@ -49,6 +50,11 @@ Arrays = Sequence[np.ndarray]
 
 #: `decode`'s `floats(n)`: a reusable float32 array of n elements to write the values into.
 Floats = Callable[[int], np.ndarray]
+
+#: `decode`'s `base`: the base input's values of the same elements, as bytes, or, where the
+#: base has a stored form the kernels read (`encoded`: a quantized base), that form, which
+#: a source computing from the base's values (`LoraSource`) decodes as it loads it.
+Base = np.ndarray | fp8.Fp8Values | quantized.QuantizedValues
 
 
 class TensorSource(Protocol):
@@ -105,12 +111,11 @@ class TensorSource(Protocol):
         read once per unit and tensor, not per compute block."""
         ...
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: np.ndarray
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         """The values of elements [start, stop), as bytes in `values_dtype`, from the arrays
         `ranges` and then `unit_ranges` named, as read; `floats(n)` is a reusable float32
-        array to write them into; `base` the base input's values of the same elements."""
+        array to write them into; `base` the base input's values of the same elements, or
+        its stored form where it has one (`Base`)."""
         ...
 
     def encoded(self, start: int, stop: int, read: Arrays) -> object | None:
@@ -153,9 +158,7 @@ class SourceDefaults:
     def encoded(self, start: int, stop: int, read: Arrays) -> object | None:
         return None
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: np.ndarray
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         return read[0]
 
 
@@ -186,9 +189,7 @@ class BaseValues(_BaseValuesFields, SourceDefaults):
     def ranges(self, start: int, stop: int) -> list[Range]:
         return []
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: np.ndarray
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         return base
 
 
@@ -256,9 +257,7 @@ class Fp8Source(_Fp8Fields, SourceDefaults):
             (self.scale_file, self.scale_start + first * width, self.scale_start + last * width),
         ]
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: np.ndarray
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         """The spec's one float32 multiplication per element: `float32(q) * scale`, then
         rounded to `rounded_to` where it is set."""
         values = self._stored(read).values(floats(read[0].size))
@@ -351,9 +350,7 @@ class Mxfp4Source(_Mxfp4Fields, SourceDefaults):
         they load it (`kernels.quantized`): no copy of the values."""
         return quantized.mxfp4_values(read[0], read[1], self.rows, self.groups)
 
-    def decode(
-        self, start: int, stop: int, read: Arrays, floats: Floats, base: np.ndarray
-    ) -> np.ndarray:
+    def decode(self, start: int, stop: int, read: Arrays, floats: Floats, base: Base) -> np.ndarray:
         """The experts' values as bfloat16 (`kernels.mxfp4.decode_bf16`), as bytes."""
         out = floats(stop - start).view(np.uint16)
         return mxfp4.decode_bf16(read[0], read[1], self.rows, self.groups, out).view(np.uint8)
