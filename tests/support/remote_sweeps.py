@@ -20,7 +20,8 @@ NAMES = ["ram_plus-r0.1", "ram_plus-r0.2", "ties-density0.5"]
 def check_remote_sweep(tmp_path: Path, out: str, options: dict, fs: Any, path: str) -> dict:
     """Sweep local inputs into `out` (`path`: the same for `fs`) and into a local folder:
     the same variants, files and bytes (those naming no location), the sweep's report where
-    it lies, every variant's parts written by the workers, and every variant verified there. Returns the remote sweep's report."""
+    it lies, every variant's parts written by the workers, and every variant verified there.
+    Returns the remote sweep's report."""
     base, tasks, _, _ = build_model_set(tmp_path / "in", base_shard="100KB")
     local = ram_dist.merge(
         base=base, tasks=tasks, out=tmp_path / "local", unit_budget_bytes=8192, **SWEEP
