@@ -224,8 +224,8 @@ def write_results_md(results: dict, path: str) -> None:
             )
     lines += ["", "## Commands (seed " + str(seeds[0]) + ")", "", "```"]
     lines.append(results["probe"][str(seeds[0])]["command"])
-    for info in results["merges"][str(seeds[0])].values():
-        lines.append(info["command"])
+    commands = [info["command"] for info in results["merges"][str(seeds[0])].values()]
+    lines += list(dict.fromkeys(commands))  # a sweep's command once for all its merges
     lines += ["```", ""]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))

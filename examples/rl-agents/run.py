@@ -56,6 +56,30 @@ SWEEP_MERGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ram_plus@r=0.5", ("--method", "ram_plus", "--r", "0.5", "--alpha", "2.0")),
 )
 
+# The merges above as `ram-dist merge` sweeps (docs/sweeps.md): (folder under seedN/merged,
+# flags, {variant folder: merge name}). The main table is one sweep: each method takes the
+# flags it declares (ties and dare_ties `--density`, the RAM family `--r`/`--alpha`, whose
+# values are `ram`'s and `ram_plus_soft`'s defaults), so every variant is its merge above and
+# its folder seedN/merged/METHOD. The grid of each method's knob is one sweep per method: a
+# sweep crosses every method with every grid name it declares (ties with the weights too).
+MAIN_SWEEP = (
+    ".",
+    (*[f for m, _ in MAIN_MERGES for f in ("--method", m)], "--density", "0.2", "--r", "0.1",
+     "--alpha", "2.0"),
+    {m: m for m, _ in MAIN_MERGES},
+)  # fmt: skip
+SENSITIVITY_SWEEPS = (
+    ("sensitivity-task_arithmetic", ("--method", "task_arithmetic", "--grid",
+     "weight=0.3333333,0.5"), {"task_arithmetic-weight0.3333333": "task_arithmetic@w=0.33",
+     "task_arithmetic-weight0.5": "task_arithmetic@w=0.5"}),
+    ("sensitivity-ties", ("--method", "ties", "--grid", "density=0.1,0.5"),
+     {"ties-density0.1": "ties@d=0.1", "ties-density0.5": "ties@d=0.5"}),
+    ("sensitivity-dare_ties", ("--method", "dare_ties", "--grid", "density=0.1,0.5,0.9"),
+     {f"dare_ties-density{d}": f"dare_ties@d={d}" for d in ("0.1", "0.5", "0.9")}),
+    ("sensitivity-ram_plus", ("--method", "ram_plus", "--alpha", "2.0", "--grid",
+     "r=0.05,0.2,0.5"), {f"ram_plus-r{r}": f"ram_plus@r={r}" for r in ("0.05", "0.2", "0.5")}),
+)  # fmt: skip
+
 # Addition is the slowest skill to learn, so it gets every other supervised step.
 SFT_MIXTURE = ("add", "kv", "add", "tool")
 
@@ -155,15 +179,29 @@ def seed_dirs(out: str, seed: int) -> dict[str, str]:
 
 
 def merge_argv(inputs: list[str], folder: str, flags: tuple[str, ...], seed: int) -> list[str]:
-    """One `ram-dist merge` command line; DARE's random masks take the pipeline's seed."""
+    """One `ram-dist merge` command line (a sweep's too); DARE's random masks take the
+    pipeline's seed."""
     argv = ["merge", *inputs, "--out", folder, "--overwrite", *flags]
-    return argv + (["--seed", str(seed)] if "dare" in flags[1] else [])
+    return argv + (["--seed", str(seed)] if any("dare" in f for f in flags) else [])
 
 
-def merge_seed(
-    cli: CliRunner, out: str, seed: int, merges: list[tuple[str, tuple[str, ...]]]
-) -> tuple[dict, dict]:
-    """`ram-dist probe`, then one `ram-dist merge` per method, for one seed."""
+def run_sweep(
+    cli: CliRunner, inputs: list[str], out: str, sweep: tuple, seed: int, log_name: str
+) -> dict[str, dict]:
+    """One `ram-dist merge` sweep into `out`: each merge's name, with the sweep's command
+    line, wall time and log, and its variant's folder."""
+    _, flags, names = sweep
+    rec = cli(merge_argv(inputs, out, flags, seed), log_name)
+    with open(os.path.join(out, "sweep_report.json"), encoding="utf-8") as f:
+        variants = {os.path.basename(v["out"]): v["out"] for v in json.load(f)["variants"]}
+    if set(variants) != set(names):
+        raise RuntimeError(f"{rec['command']} made {sorted(variants)}, not {sorted(names)}")
+    return {names[v]: {**rec, "folder": folder} for v, folder in variants.items()}
+
+
+def merge_seed(cli: CliRunner, out: str, seed: int, sweeps: list[tuple]) -> tuple[dict, dict]:
+    """`ram-dist probe`, then the merges of every method as `ram-dist merge` sweeps, for one
+    seed."""
     d = seed_dirs(out, seed)
     inputs = ["--base", d["base"]]
     for t in TASK_NAMES:
@@ -174,10 +212,10 @@ def merge_seed(
         probe["report"] = json.load(f)
     probe["figure"] = probe_json[: -len(".json")] + ".figure2.png"
     done = {}
-    for name, flags in merges:
-        folder = os.path.join(d["root"], "merged", name.replace("@", "-").replace("=", ""))
-        argv = merge_argv(inputs, folder, flags, seed)
-        done[name] = {**cli(argv, f"seed{seed}-{os.path.basename(folder)}"), "folder": folder}
+    for sweep in sweeps:
+        folder = os.path.normpath(os.path.join(d["root"], "merged", sweep[0]))
+        name = f"seed{seed}-{os.path.basename(folder)}"
+        done.update(run_sweep(cli, inputs, folder, sweep, seed, name))
     return probe, done
 
 
@@ -191,6 +229,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.seeds is not None:
         plan = Plan(**{**plan.__dict__, "seeds": tuple(range(args.seeds))})
     merges = list(MAIN_MERGES) + ([] if args.no_sweep else list(plan.extra_merges))
+    sweeps = [MAIN_SWEEP] + ([] if args.no_sweep or not plan.extra_merges else
+                             list(SENSITIVITY_SWEEPS))  # fmt: skip
+    swept = [name for sweep in sweeps for name in sweep[2].values()]
+    assert sorted(swept) == sorted(m for m, _ in merges), (swept, merges)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     t_start = time.perf_counter()
@@ -248,7 +290,7 @@ def run(args: argparse.Namespace) -> dict:
                         rl_done[seed].add(task)
                         log(f"seed {seed}: agent-{task} trained ({res['wall_s']:.0f} s)", t_start)
                         if rl_done[seed] == set(TASK_NAMES):
-                            probe, done = merge_seed(cli, out, seed, merges)
+                            probe, done = merge_seed(cli, out, seed, sweeps)
                             probe["bf16_steps"] = {
                                 t: bf16_steps(d["base"], d[f"agent-{t}"]) for t in TASK_NAMES
                             }

@@ -30,7 +30,18 @@ sys.path.insert(0, HERE)
 
 from rl_jobs import Plan, eval_job, init_worker, rl_snapshots_job, sft_job  # noqa: E402
 from rl_tasks import TASK_NAMES  # noqa: E402
-from run import FULL, MAIN_MERGES, SMOKE, SWEEP_MERGES, CliRunner, log, machine, merge_argv  # noqa: E402
+from run import (  # noqa: E402
+    FULL,
+    MAIN_MERGES,
+    MAIN_SWEEP,
+    SMOKE,
+    SWEEP_MERGES,
+    CliRunner,
+    log,
+    machine,
+    merge_argv,
+    run_sweep,
+)
 from sweep_report import (  # noqa: E402
     ablation_point,
     collect,
@@ -149,7 +160,10 @@ def write_json(path: str, data: dict) -> None:
 
 
 def merge_point(cli: CliRunner, lay: Layout, seed: int, point: Point, merges: tuple) -> list[str]:
-    """`ram-dist probe`, then one `ram-dist merge` per method, for one point and seed; the
+    """`ram-dist probe`, then the merges for one point and seed: the main table's as one
+    `ram-dist merge` sweep into the point's merged/ (each variant's folder merged/METHOD),
+    any other as its own merge (task arithmetic at w=0.33 takes a weight that ties and DARE
+    would take too in one sweep; the ablations run after the sweep's points are scored); the
     merged folders not yet scored."""
     inputs = ["--base", lay.base(seed)]
     for t in TASK_NAMES:
@@ -160,6 +174,14 @@ def merge_point(cli: CliRunner, lay: Layout, seed: int, point: Point, merges: tu
     if not done(os.path.join(root, "probe"), "command"):
         rec = cli(["probe", *inputs, "--json", probe_json], f"seed{seed}-{point.name}-probe")
         write_json(record(os.path.join(root, "probe"), "command"), rec)
+    swept = {name for name, _ in merges if name in MAIN_SWEEP[2].values()}
+    if swept and not all(done(lay.merged(seed, point.name, n), "command") for n in swept):
+        out = os.path.join(root, "merged")
+        made = run_sweep(cli, inputs, out, MAIN_SWEEP, seed, f"seed{seed}-{point.name}-sweep")
+        for name, rec in made.items():
+            folder = lay.merged(seed, point.name, name)
+            assert os.path.samefile(rec["folder"], folder), (rec, folder)
+            write_json(record(folder, "command"), {**rec, "folder": folder})
     folders = []
     for name, flags in merges:
         folder = lay.merged(seed, point.name, name)

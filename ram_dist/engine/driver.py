@@ -238,9 +238,7 @@ def _merge_held(
         quantization_left(job),
     )  # fmt: skip
 
-    done = [s for s in manifest.shard_names if s in manifest.shards and fs.exists(join(path, s))]
-    for shard in done:
-        manifest.writing.pop(shard, None)
+    done = kept_shards(job, manifest)
     todo = [s for s in manifest.shard_names if s not in done]
     book = ShardBook(manifest, lambda: save_manifest(job.out, manifest, job.storage), still_ours)
     backward = bool(measured) and not measured[0].backward  # against the last reduce round
@@ -269,6 +267,20 @@ def _merge_held(
         lambdas=report.get("lambda_applied"), bytes_written=passes["map"]["bytes_written"],
     )  # fmt: skip
     return report
+
+
+def kept_shards(job: Job, manifest: Manifest) -> list[str]:
+    """The shards a resumed output holds finished, in order; the manifest forgets a finished
+    shard whose file is gone (it is made again) and the writing of those it holds."""
+    assert job.out is not None
+    fs, path = job.storage.fs(job.out)
+    done = [s for s in manifest.shard_names if s in manifest.shards and fs.exists(join(path, s))]
+    for shard in manifest.shard_names:
+        if shard in done:
+            manifest.writing.pop(shard, None)
+        else:
+            manifest.shards.pop(shard, None)
+    return done
 
 
 def publish(

@@ -129,5 +129,5 @@ class MapOutput:
     backward: bool = False
     also: tuple[tuple[OutputSink, ShardBook], ...] = ()
     """Further outputs made from the same reads, each part once for all (a sweep's other
-    variants: the job's method makes one output each, `outputs`); each is fresh (a killed
-    sweep is not resumed)."""
+    variants: the job's method makes one output each, `outputs`); each resumes from its own
+    book's manifest (the shards it finished, the parts it holds), as the first does."""

@@ -31,8 +31,8 @@ from ram_dist.engine.unit_results import PrecisionCounts
 from ram_dist.engine.worker import WorkFlags
 from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import InputCache
-from ram_dist.io.sinks import OpenShard, plan_record
-from ram_dist.io.storage import Storage
+from ram_dist.io.sinks import KeptTarget, OpenShard, plan_record
+from ram_dist.io.storage import Storage, join
 from ram_dist.planning.devices import DeviceChoice
 from ram_dist.planning.job import Job
 from ram_dist.planning.units import Part, WorkUnit, parts_as_recorded
@@ -213,7 +213,9 @@ def map_pass(context: PassContext, state: dict[str, Any], output: MapOutput) -> 
     last reader of it, a part runs on its first unit's first node (while that node lives)
     and removes what it reads from the cache there; with `pin_to`, every part runs on that
     node (`MapOutput`). With `output.also` (a sweep's other variants), each part is made
-    once for every output, from one read, and each output's shard completes on its own."""
+    once for every output, from one read, and each output's shard completes on its own; a
+    resumed sweep's part is made while any output lacks it, and written only to those (a
+    shard an output finished, a part it holds: `KeptTarget`)."""
     with _devices(context) as on:
         return _map_pass(context, on, state, output)
 
@@ -234,8 +236,10 @@ def _map_pass(
     workers, resources = _cpu_work(job, devices.choice)
     shared = (shipped.context(storage, job.method, state, work_flags(job)),)
     units, headers, plan = context.part_plan(sink.min_part_bytes).of_shards(shards)
+    outs = [(sink, book), *output.also]  # a sweep's variants: every part made once for all
     for name in shards:  # a shard a killed run was writing keeps the parts it recorded
-        recorded = (book.manifest.writing.get(name) or {}).get("plan")
+        records = [(b.manifest.writing.get(name) or {}).get("plan") for _, b in outs]
+        recorded = next((r for r in records if r), None)
         if recorded and recorded != plan_record(plan[name]):
             fresh = 1 + max([u.index for u in job.units] + list(units))
             again = parts_as_recorded(
@@ -246,7 +250,6 @@ def _map_pass(
             if again is not None:
                 plan[name], cut = again
                 units.update({u.index: u for u in cut})
-    outs = [(sink, book), *output.also]  # a sweep's variants: every part made once for all
     opened: list[dict[str, OpenShard]] = [{} for _ in outs]
     progress = progress or Progress()
 
@@ -266,24 +269,33 @@ def _map_pass(
     def parts_to_make() -> Iterator[PartWork]:
         for name in reversed(shards) if backward else shards:
             size = plan[name][-1].stop
-            shard = sink.open(name, size, plan[name], book.manifest.writing.get(name))
-            opened[0][name] = shard
-            book.opened(shard, plan[name])
-            also = []
-            for k, (sink_k, book_k) in enumerate(outs[1:], 1):  # fresh outputs: no resume
-                opened[k][name] = sink_k.open(name, size, plan[name], None)
+            open_k: list[OpenShard | None] = []  # None: finished already in that output
+            for k, (sink_k, book_k) in enumerate(outs):
+                if name in book_k.manifest.shards:  # a resumed sweep's variant finished it
+                    open_k.append(None)
+                    continue
+                opened[k][name] = sink_k.open(
+                    name, size, plan[name], book_k.manifest.writing.get(name)
+                )
                 book_k.opened(opened[k][name], plan[name])
-                also.append(opened[k][name].target)
+                open_k.append(opened[k][name])
             for part in reversed(plan[name]) if backward else plan[name]:
-                if part.number in shard.done:
+                targets = [
+                    s.target if s is not None and part.number not in s.done else None
+                    for s in open_k
+                ]
+                if all(t is None for t in targets):  # in place in every output
                     progress.advance(read_bytes(part))
                     stats.parts_reused += 1
                     continue
+                kept = KeptTarget(join(job.out, name))
+                made = [kept if t is None else t for t in targets]
                 part_units = tuple(units[i] for i in part.units)
                 header = headers[name] if part.number == 1 else b""
-                yield PartWork(part, part_units, header, shard.target, tuple(also))
-            if len(shard.done) == len(plan[name]) and name in opened[0]:
-                complete(0, shard)  # every part was in already (a resumed shard)
+                yield PartWork(part, part_units, header, made[0], tuple(made[1:]))
+            for k, s in enumerate(open_k):
+                if s is not None and len(s.done) == len(plan[name]) and name in opened[k]:
+                    complete(k, s)  # every part was in already (a resumed shard)
 
     def placement(work: PartWork) -> Place | None:
         if pin_to is not None:
@@ -304,7 +316,9 @@ def _map_pass(
             assert result.receipt is not None
             for k, receipt in enumerate((result.receipt, *result.receipts)):
                 sink_k, book_k = outs[k]
-                shard = opened[k][receipt.shard]
+                shard = opened[k].get(receipt.shard)
+                if shard is None or receipt.number in shard.done:
+                    continue  # in place from a killed run (`KeptTarget`): not written again
                 sink_k.accept(shard, receipt)
                 if receipt.data is None:
                     stats.bytes_written_by_workers += receipt.stop - receipt.start

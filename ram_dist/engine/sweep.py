@@ -7,8 +7,12 @@ reads each unit once and writes every variant's part through that variant's own 
 (`driver.publish`): the same shards, index, manifest, report, card and config files. The
 sweep's own report, `sweep_report.json`, lists the variants and what each pass read.
 
-A sweep starts fresh: a variant folder that holds files is refused unless `--overwrite`
-(resuming a killed sweep is not supported yet).
+Rerun on the same folder, a killed sweep resumes as a single merge does: the sweep's record
+(`ram_dist_sweep.json`, written before any variant's folder) must list the same variants, and
+each variant's manifest the same inputs and parameters (else refused, naming what changed);
+the reduce pass is skipped when every variant holds its statistics, each variant keeps the
+shards and parts it finished (`passes.map_pass`: a part is made while any variant lacks it,
+and written only to those), and a variant already complete is left as it is.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ram_dist.engine.driver import (
     CardWriter,
     connected_cluster,
     job_report,
+    kept_shards,
     output_sink,
     pass_reports,
     precision_of,
@@ -32,22 +37,30 @@ from ram_dist.engine.driver import (
 )
 from ram_dist.engine.gpu import Devices, job_devices
 from ram_dist.engine.pass_context import MapOutput, PassContext, Shipped
+from ram_dist.engine.pass_stats import PassStats
 from ram_dist.engine.passes import map_pass, reduce_pass
 from ram_dist.engine.pool import on_every_node
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster
 from ram_dist.engine.shard_book import ShardBook
 from ram_dist.errors import RamDistError
+from ram_dist.io.json_files import MAX_REPORT_BYTES, read_json
 from ram_dist.io.lease import OutputLease
 from ram_dist.io.manifest import Manifest, save_manifest
-from ram_dist.io.names import SWEEP_REPORT_NAME
+from ram_dist.io.names import SWEEP_MANIFEST_NAME, SWEEP_REPORT_NAME
 from ram_dist.io.non_weight_files import copy_files, non_weight_files
 from ram_dist.io.storage import join
 from ram_dist.io.writer import write_json
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.input_cache import cache_report, choose_input_cache
 from ram_dist.planning.job import Job
-from ram_dist.planning.output_state import check_not_an_input, check_writable, clear_published
+from ram_dist.planning.output_state import (
+    OutputState,
+    check_not_an_input,
+    check_writable,
+    clear_published,
+    open_output,
+)
 from ram_dist.planning.plan_report import plan_report
 from ram_dist.planning.sweep import Sweep, describe, prepare_sweep
 from ram_dist.planning.written_config import quantization_left
@@ -57,45 +70,103 @@ __all__ = ["SweepClaim", "sweep_checks", "sweep_on", "sweep_plan"]
 
 @dataclass(frozen=True)
 class SweepClaim:
-    """What `sweep_checks` gives: the planned sweep, under this run's lease on its folder."""
+    """What `sweep_checks` gives: the planned sweep, under this run's lease on its folder,
+    with what each variant's folder holds (new, resumable or finished)."""
 
     sweep: Sweep
     lease: OutputLease
+    found: list[OutputState]
 
 
-def sweep_checks(config: MergeConfig, held: contextlib.ExitStack) -> SweepClaim:
+def sweep_checks(config: MergeConfig, held: contextlib.ExitStack) -> SweepClaim | dict[str, Any]:
     """Everything a sweep does before it needs Ray: every variant checked and planned as its
     single merge (a method that cannot take the tasks, a grid name no method takes: refused
-    here), each variant's folder fresh (or `--overwrite`), then the lease on the sweep's
-    folder (entered into `held`)."""
+    here), the folder's sweep the same as this one (or `--overwrite`), then the lease on the
+    sweep's folder (entered into `held`) and each variant's folder looked at again under it.
+    A sweep found complete gives its stored report."""
     with collector.paused():
         sweep = prepare_sweep(config)
     for job in sweep.jobs:
         job.check_packed_shapes()
         check_not_an_input(job)
-        _check_fresh(job)
     out = sweep.job.out
     assert out is not None
     check_writable(sweep.job)
+    _check_same_sweep(sweep)
+    for v in sweep.jobs:  # a changed variant: refused before the lease
+        open_output(v)
     lease = OutputLease(out, sweep.job.storage, f"ram-dist sweep {uuid.uuid4().hex[:12]}")
     if sweep.job.storage.is_local(out) and not os.path.exists(out):
         held.callback(_remove_if_empty, out)  # the lease makes the folder
     held.enter_context(lease)
-    return SweepClaim(sweep, lease)
+    _check_same_sweep(sweep)
+    found = [open_output(v) for v in sweep.jobs]
+    if all(f.finished for f in found):
+        stored = _stored_report(sweep)
+        if stored is not None:
+            return stored
+    return SweepClaim(sweep, lease, found)
 
 
-def _check_fresh(job: Job) -> None:
-    """A variant's folder must be absent or empty, unless the sweep may overwrite it."""
+def _record(sweep: Sweep) -> dict[str, Any]:
+    """What the sweep's record keeps: its variants' names and methods, in order."""
+    return {"variants": [{"name": v.name, "method": v.method} for v in sweep.variants]}
+
+
+def _check_same_sweep(sweep: Sweep) -> None:
+    """A folder that holds a sweep's record holds this sweep (else refused, naming the
+    variants that differ); one without holds no variant folder with files."""
+    job = sweep.job
     assert job.out is not None
-    fs, path = job.storage.fs(job.out)
-    if job.config.overwrite or not fs.exists(path):
+    if job.config.overwrite:
         return
-    if fs.isdir(path) and not fs.ls(path, detail=False):
+    try:
+        old = read_json(
+            join(job.out, SWEEP_MANIFEST_NAME), job.storage, MAX_REPORT_BYTES, "sweep record",
+            "output",
+        )  # fmt: skip
+    except FileNotFoundError:
+        for v in sweep.jobs:
+            assert v.out is not None
+            fs, path = v.storage.fs(v.out)
+            if fs.exists(path) and (not fs.isdir(path) or fs.ls(path, detail=False)):
+                raise RamDistError(
+                    f"output {v.out} already holds files and {job.out} no sweep record "
+                    f"({SWEEP_MANIFEST_NAME}); choose another output location or pass "
+                    "--overwrite"
+                ) from None
         return
-    raise RamDistError(
-        f"output {job.out} already holds files; a sweep writes fresh folders (a killed sweep "
-        "is not resumed): choose another output location or pass --overwrite"
-    )
+    was = [v.get("name") for v in old.get("variants", [])] if isinstance(old, dict) else []
+    now = [v["name"] for v in _record(sweep)["variants"]]
+    if was != now:
+        gone = [n for n in was if n not in now]
+        new = [n for n in now if n not in was]
+        what = (
+            "; ".join(
+                [*(f"variant {n} removed" for n in gone), *(f"variant {n} added" for n in new)]
+            )
+            or f"variants reordered: {', '.join(map(str, was))} -> {', '.join(now)}"
+        )
+        raise RamDistError(
+            f"output {job.out} holds a sweep of other variants; changed: {what}. Use another "
+            "output location, or pass --overwrite to replace it"
+        )
+
+
+def _stored_report(sweep: Sweep) -> dict[str, Any] | None:
+    """The stored report of a sweep found complete (None: it was not written yet)."""
+    assert sweep.job.out is not None
+    try:
+        report = read_json(
+            join(sweep.job.out, SWEEP_REPORT_NAME), sweep.job.storage, MAX_REPORT_BYTES,
+            "sweep report", "output",
+        )  # fmt: skip
+    except FileNotFoundError:
+        return None
+    if not isinstance(report, dict):
+        raise RamDistError(f"output {sweep.job.out}: {SWEEP_REPORT_NAME} is not a sweep's report")
+    report["already_complete"] = True
+    return report
 
 
 def _remove_if_empty(folder: str) -> None:
@@ -115,7 +186,7 @@ def sweep_on(claim: SweepClaim, cluster: Cluster, card: CardWriter) -> dict[str,
 def _sweep_held(
     claim: SweepClaim, cluster: Cluster, devices: Devices, card: CardWriter
 ) -> dict[str, Any]:
-    sweep, lease = claim.sweep, claim.lease
+    sweep, lease, found = claim.sweep, claim.lease, claim.found
     job = sweep.job.replanned(devices.choice.slots, cluster.memory)
     assert job.out is not None
 
@@ -126,37 +197,57 @@ def _sweep_held(
     progress = Progress(job.config.log_format)
     if lease.note:
         progress.event("lease_taken_over", output=job.out, note=lease.note)
+    resumed = any(f.resumed for f in found)
     progress.event(
         "job_start", command="merge", method="sweep", output=job.out, units=len(job.units),
-        variants=len(sweep.jobs), resumed=False,
+        variants=len(sweep.jobs), resumed=resumed,
     )  # fmt: skip
+    write_json(join(job.out, SWEEP_MANIFEST_NAME), _record(sweep), job.storage)
     cache, cache_note = choose_input_cache(job)
     outs = [output_sink(v) for v in sweep.jobs]
     context = PassContext(
         job, cluster, devices=devices, shipped=Shipped.of(job), progress=progress, cache=cache,
         min_part_bytes=outs[0][0].min_part_bytes,
     )  # fmt: skip
-    state, reduce_stats = reduce_pass(context)
-    precision = precision_of(job, reduce_stats)
+    kept = [f.manifest.method_state for f in found]
+    measured: list[PassStats] = []
+    passes: dict[str, Any] = {}
+    if all(s is not None for s in kept):  # every variant holds its statistics
+        state: dict[str, Any] = {"variants": kept, "share": list(range(len(kept)))}
+        precision = found[0].manifest.precision
+        passes["reduce"] = {"skipped": True, "units": 0, "bytes_read": 0, "wall_s": 0.0}
+    else:
+        state, reduce_stats = reduce_pass(context)
+        measured.append(reduce_stats)
+        precision = precision_of(job, reduce_stats)
+        # A variant that holds statistics made its parts from them: it keeps them.
+        made = zip(kept, state["variants"], strict=True)
+        state["variants"] = [old if old is not None else new for old, new in made]
     names = non_weight_files(job.base.url, job.storage)
-    manifests = []
-    for v, v_state in zip(sweep.jobs, state["variants"], strict=True):
-        manifests.append(_start_output(v, v_state, precision, names))
+    manifests = [
+        _start_output(v, f, state["variants"][k], precision, names)
+        for k, (v, f) in enumerate(zip(sweep.jobs, found, strict=True))
+    ]
+    reused = [kept_shards(v, m) for v, m in zip(sweep.jobs, manifests, strict=True)]
     books = [
         ShardBook(m, _saver(v, m), still_ours) for v, m in zip(sweep.jobs, manifests, strict=True)
     ]
+    todo = [s for s in job.layout.shards if any(s not in done for done in reused)]
     output = MapOutput(
-        list(job.layout.shards), outs[0][0], books[0], first_node=reduce_stats.first_node,
-        pin_to=outs[0][1], backward=not reduce_stats.backward,
+        todo, outs[0][0], books[0], first_node=measured[0].first_node if measured else {},
+        pin_to=outs[0][1], backward=bool(measured) and not measured[0].backward,
         also=tuple((o[0], b) for o, b in zip(outs[1:], books[1:], strict=True)),
     )  # fmt: skip
     map_stats = map_pass(context, state, output)
-    passes = pass_reports({"reduce": reduce_stats, "map": map_stats})
+    measured.append(map_stats)
+    ran = dict(zip(["reduce", "map"][-len(measured) :], measured, strict=True))
+    passes.update(pass_reports(ran))
     cleaned = len(on_every_node(cache.remove)) if cache is not None else 0
     out_dir = job.out
     variants = describe(sweep)
     for k, (v, manifest) in enumerate(zip(sweep.jobs, manifests, strict=True)):
-        measured = [reduce_stats, map_stats]
+        if found[k].finished:
+            continue  # complete before this run: left as it is
         report = job_report(v, state["variants"][k], passes, measured, devices, precision)
         report["unit_budget_bytes"] = job.unit_budget_bytes  # the sweep's, as it ran
         report["input_cache"] = cache_report(job, cache, cache_note)
@@ -165,8 +256,8 @@ def _sweep_held(
             "url": v.out,
             "lease": {"url": lease.url, "took_over": lease.note},
             "files_copied": names,
-            "shards_reused": [],
-            "shards_written": list(v.layout.shards),
+            "shards_reused": reused[k],
+            "shards_written": [s for s in v.layout.shards if s not in reused[k]],
         }
         report["sweep"] = {"out": out_dir, "variant": variants[k]["name"]}
         if k == 0:
@@ -179,7 +270,12 @@ def _sweep_held(
             name: {"bytes_read": p["bytes_read"], "wall_s": p["wall_s"]}
             for name, p in passes.items()
         },
-        "output": {"url": out_dir, "lease": {"url": lease.url, "took_over": lease.note}},
+        "output": {
+            "url": out_dir,
+            "lease": {"url": lease.url, "took_over": lease.note},
+            "resumed": resumed,
+            "shards_reused": {v["name"]: r for v, r in zip(variants, reused, strict=True)},
+        },
         "unit_budget_bytes": job.unit_budget_bytes,
     }
     still_ours()
@@ -192,21 +288,27 @@ def _sweep_held(
 
 
 def _start_output(
-    job: Job, state: dict[str, Any], precision: dict[str, Any] | None, names: list[str]
+    job: Job,
+    found: OutputState,
+    state: dict[str, Any],
+    precision: dict[str, Any] | None,
+    names: list[str],
 ) -> Manifest:
-    """A variant's folder before its map pass: cleared when overwriting, its manifest with
-    its reduce state, and the base's config and tokenizer files."""
+    """A variant's folder before its map pass: a resumed one's manifest as found (a complete
+    one untouched); else cleared when overwriting, a manifest with its reduce state; then the
+    base's config and tokenizer files."""
     assert job.out is not None
-    fs, path = job.storage.fs(job.out)
-    if job.config.overwrite and fs.exists(path):
-        clear_published(job)
-    fs.makedirs(path, exist_ok=True)
-    manifest = Manifest(
-        identity=job.identity(), shard_names=list(job.layout.shards), sharded=job.layout.sharded
-    )
-    manifest.method_state = state
-    manifest.precision = precision
-    save_manifest(job.out, manifest, job.storage)
+    manifest = found.manifest
+    if found.finished:
+        return manifest
+    if not found.resumed:
+        fs, path = job.storage.fs(job.out)
+        if job.config.overwrite and fs.exists(path):
+            clear_published(job)
+        fs.makedirs(path, exist_ok=True)
+        manifest.method_state = state
+        manifest.precision = precision
+        save_manifest(job.out, manifest, job.storage)
     copy_files(
         job.base.url, job.out, names, job.storage,
         job.layout.config_dtype(job.config.out_dtype), quantization_left(job),

@@ -21,6 +21,8 @@ CARD_NAME = "README.md"
 MERGEKIT_CONFIG_NAME = "mergekit_config.yml"
 #: What a sweep writes in its folder beside its variants' folders (`docs/sweeps.md`).
 SWEEP_REPORT_NAME = "sweep_report.json"
+#: A sweep's variants, written before any of their folders: a rerun resumes only the same.
+SWEEP_MANIFEST_NAME = "ram_dist_sweep.json"
 #: The output's lease (claimed before anything is written), and the suffix of a file being
 #: written (renamed into place when complete).
 LEASE_NAME = ".ram-dist-lease.json"

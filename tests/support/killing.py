@@ -1,6 +1,7 @@
 """Kill a `ram-dist merge` once its manifest records a finished part of a shard still being
 written: the one step every store's resume-inside-a-shard test shares; and once a first
-shard is finished (`kill_after_first_shard`, the local and S3 resume tests)."""
+shard is finished (`kill_after_first_shard`, the local and S3 resume tests); and a sweep
+once its variants are inside a shard (`kill_sweep_mid_shard`)."""
 
 from __future__ import annotations
 
@@ -116,6 +117,51 @@ def _try_to_kill(args: list[str], env: dict, read_manifest, mid_shard: bool) -> 
                 return None
             time.sleep(0.01)
         pytest.fail("the map pass never finished a first shard")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def kill_sweep_mid_shard(args: list[str], env: dict, out: Path, watch: list[str]) -> None:
+    """Run a `ram-dist merge` sweep into `out` and SIGKILL its whole process group once the
+    manifest of every variant in `watch` records a finished shard (not all) and finished
+    parts of a shard still being written (its partial file there). A map pass that ends
+    between two looks is run again from an empty `out`."""
+    for _ in range(4):
+        if _try_to_kill_sweep(args, env, out, watch):
+            return
+        shutil.rmtree(out)
+    pytest.fail("the sweep ended before it could be killed, every time")
+
+
+def _mid_shard(folder: Path) -> bool:
+    manifest = manifest_or_none((folder / "ram_dist_manifest.json").read_text)
+    if not manifest or not 1 <= len(manifest["shards"]) < len(manifest["shard_names"]):
+        return False
+    return any(w["parts"] for w in manifest["writing"].values()) and _partial_kept(folder, manifest)
+
+
+def _try_to_kill_sweep(args: list[str], env: dict, out: Path, watch: list[str]) -> bool:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ram_dist.cli", *args],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            if all(_mid_shard(out / name) for name in watch):
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+                return True
+            if proc.poll() is not None:
+                assert proc.returncode == 0, proc.stderr.read()
+                return False
+            time.sleep(0.01)
+        pytest.fail("the sweep's map pass never finished a first shard")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -18,6 +18,7 @@ and `driver` (the ordered stream).
 from ram_dist.io.sinks.base import (
     DIRECT,
     THROUGH_DRIVER,
+    KeptTarget,
     OpenShard,
     OutputSink,
     Part,
@@ -38,6 +39,7 @@ __all__ = [
     "DriverTarget",
     "FileSink",
     "FileTarget",
+    "KeptTarget",
     "OpenShard",
     "OutputSink",
     "Part",

@@ -80,6 +80,18 @@ class ShardTarget:
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class KeptTarget(ShardTarget):
+    """A part one output already holds (a resumed sweep's variant kept it) while another
+    output needs the same part made: its bytes are made with the others' and dropped, and
+    the part in place is neither written again nor touched."""
+
+    url: str
+
+    def write(self, part: Part, data: np.ndarray, sha256: bytes) -> PartReceipt:
+        return PartReceipt(part.shard, part.number, part.start, part.stop, sha256.hex())
+
+
 @dataclass
 class OpenShard:
     """The driver's side of a shard being written."""
