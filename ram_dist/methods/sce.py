@@ -43,7 +43,14 @@ from ram_dist.methods.generalized_task_arithmetic import topk
 from ram_dist.methods.generalized_task_arithmetic.combine import ordered_sum, task_vectors
 from ram_dist.methods.model_stock import fused_gram
 from ram_dist.methods.parameters import INT8_MASK, Parameter
-from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
+from ram_dist.methods.protocol import (
+    ChunkWork,
+    Eager,
+    MergekitRule,
+    RoundTotals,
+    State,
+    TensorParams,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -182,14 +189,9 @@ class SCE(MergekitRule, Eager):
         return topk.keep_mask(keys, info["threshold"], start, info.get("index_cut"))
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
+        round_, chunk, state = work.round_, work.chunk, work.state
         import torch
 
         info = state["tensors"][chunk.tensor]
@@ -220,18 +222,13 @@ class SCE(MergekitRule, Eager):
         return out
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """Without selection, the sums of squares by `exact_sums.gram`'s kernel, bin for bin
         `chunk_statistics`'; None otherwise (the variance rounds run eagerly) and for a
         quantized input's stored form (the eager rule then runs on the decoded values: the
         sums are of float32 task vectors, a copy of every input either way)."""
+        chunk, state = work.chunk, work.state
         info = state["tensors"][chunk.tensor]
         if info["select"] or any(precision.is_stored(x) for x in inputs):
             return None
@@ -239,17 +236,10 @@ class SCE(MergekitRule, Eager):
         stats = fused_gram(inputs, [(t, t) for t in range(n)])
         return None if stats is None else ({chunk.tensor + SQUARES: stats}, None)
 
-    def fused_merge(
-        self,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        out: np.ndarray,
-        bf16_nan: int | None = None,
-    ) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`merge_chunk` cast to the output's dtype by `sce_numba.merge`, op for op the
         eager rule, the variance selection included, the inputs as stored."""
+        chunk, state, bf16_nan = work.chunk, work.state, work.bf16_nan
         from ram_dist import kernels
 
         kernel = kernels.numba_module("sce_numba")
@@ -275,14 +265,14 @@ class SCE(MergekitRule, Eager):
         given)."""
         return float(params["select_topk"]) >= 1
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, torch.Tensor],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
+    def finalize(self, end: RoundTotals) -> State:
+        round_, totals, params, numel, state = (
+            end.round_,
+            end.totals,
+            end.params,
+            end.numel,
+            end.state,
+        )
         n = state["n"]
         for name, info in state["tensors"].items():
             if name + SQUARES in totals:
@@ -316,13 +306,9 @@ class SCE(MergekitRule, Eager):
     # -- map pass ----------------------------------------------------------------------
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        chunk, state = work.chunk, work.state
         import torch
 
         info = state["tensors"][chunk.tensor]

@@ -36,8 +36,10 @@ from ram_dist.methods.parameters import (
 from ram_dist.methods.protocol import (
     MERGEKIT_TEXT,
     Chunk,
+    ChunkWork,
     Defaults,
     MergekitRule,
+    RoundTotals,
     State,
     TensorParams,
 )
@@ -180,14 +182,9 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
         return ordered or (round_ == 2 and info["rescale"])
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
+        round_, chunk, params, state = work.round_, work.chunk, work.params, work.state
         if self.sparsify == "random":
             stats = dare.chunk_statistics(
                 base, tasks, seed=params["seed"], name=chunk.tensor, start=chunk.start,
@@ -196,14 +193,8 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
             return {chunk.tensor: stats}
         return ties.chunk_statistics(round_, chunk, base, tasks, state["tensors"][chunk.tensor])
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, torch.Tensor],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
+    def finalize(self, end: RoundTotals) -> State:
+        round_, totals, params, state = end.round_, end.totals, end.params, end.state
         tensors = state["tensors"]
         if self.sparsify == "random":
             for name, info in tensors.items():
@@ -218,13 +209,9 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
     # -- map pass ----------------------------------------------------------------------
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        chunk, params, state = work.chunk, work.params, work.state
         import torch
 
         if self.tall:
@@ -291,16 +278,11 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
         return b + tall.consensus(whole, mixed, lambdas, int(params["k"][0]))
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """TIES's histograms by the fused kernel; None for DARE's and the L1 statistics of
         rescaling, which it does not compute."""
+        round_, chunk, state = work.round_, work.chunk, work.state
         if self.sparsify != "magnitude":
             return None
         info = state["tensors"][chunk.tensor]
@@ -308,17 +290,10 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
             return None
         return {chunk.tensor: ties.fused_statistics(round_, chunk, inputs, info["cuts"])}, None
 
-    def fused_merge(
-        self,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        out: np.ndarray,
-        bf16_nan: int | None = None,
-    ) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`merge_chunk` by a fused kernel, written straight into `out`; False where none
         applies (DARE, L1 rescaling, TALL masks)."""
+        chunk, params, state, bf16_nan = work.chunk, work.params, work.state, work.bf16_nan
         if self.sparsify == "random" or self.tall:
             return False
         from ram_dist.kernels import ties_numba

@@ -26,7 +26,15 @@ from typing import TYPE_CHECKING, Any
 from ram_dist.kernels import precision
 from ram_dist.methods import exact_sums
 from ram_dist.methods import task_vectors as measured
-from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
+from ram_dist.methods.protocol import (
+    Chunk,
+    ChunkWork,
+    Eager,
+    MergekitRule,
+    RoundTotals,
+    State,
+    TensorParams,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -181,18 +189,13 @@ class SpanMethod(MergekitRule, Eager):
         return [float32(t) for t in tasks]
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """The Gram statistic by the fused kernel on the raw arrays (base first); None where
         numba is missing or an input is a quantized one's stored form (the eager rule then
         runs, on the decoded values: the Gram is of float32 vectors, a copy of every input
         either way)."""
+        chunk = work.chunk
         import numpy as np
 
         if any(precision.is_stored(x) for x in inputs):
@@ -207,18 +210,11 @@ class SpanMethod(MergekitRule, Eager):
         stats = exact_sums.gram(np.stack(vectors), pairs(len(vectors)))
         return None if stats is None else ({chunk.tensor: stats}, None)
 
-    def fused_merge(
-        self,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        out: np.ndarray,
-        bf16_nan: int | None = None,
-    ) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`merge_chunk` cast to the output's dtype by the fused blend kernel, written into
         `out`; False for nuslerp's rows and columns (factors per row or column) and for
         karcher's zeros, which run eagerly."""
+        chunk, params, state, bf16_nan = work.chunk, work.params, work.state, work.bf16_nan
         from ram_dist import kernels
 
         kernel = kernels.numba_module("blend_numba")
@@ -276,24 +272,13 @@ class SpanMethod(MergekitRule, Eager):
         return tensor in state.get("tensors", {})
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
+        chunk = work.chunk
         return {chunk.tensor: gram_statistic(self.vectors(base, tasks))}
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, Any],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
+    def finalize(self, end: RoundTotals) -> State:
+        totals, params, state = end.totals, end.params, end.state
         n = state["n_vectors"]
         for name, info in state["tensors"].items():
             if name not in totals:
@@ -303,13 +288,9 @@ class SpanMethod(MergekitRule, Eager):
         return state
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        chunk, params, state = work.chunk, work.params, work.state
         keep = self.passthrough(len(tasks))
         if keep is not None:  # with a base, the model's values measured against it
             return (
