@@ -24,18 +24,13 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from ram_dist.methods.protocol import (
-    ChunkWork,
-    Defaults,
-    MergeMethod,
-    RoundTotals,
-    State,
-    TensorParams,
-)
+from ram_dist.methods.protocol import Defaults, MergeMethod, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 #: The keys of the summed statistics (never a tensor's name: `finalize` tells them apart by
 #: the job's tensors).

@@ -37,19 +37,14 @@ from typing import TYPE_CHECKING, Any
 from ram_dist.methods import float64_math, rows
 from ram_dist.methods.generalized_task_arithmetic import topk
 from ram_dist.methods.parameters import Parameter
-from ram_dist.methods.protocol import (
-    ChunkWork,
-    Eager,
-    MergekitRule,
-    RoundTotals,
-    State,
-    TensorParams,
-)
+from ram_dist.methods.protocol import Eager, MergekitRule, State, TensorParams
 from ram_dist.methods.task_vectors import task_values
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 #: mergekit's smoothing of both distributions before the log.
 EPS = 1e-8

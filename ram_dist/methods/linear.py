@@ -21,15 +21,12 @@ from typing import TYPE_CHECKING
 from ram_dist.errors import RamDistError
 from ram_dist.methods.generalized_task_arithmetic.combine import ordered_sum
 from ram_dist.methods.parameters import NORMALIZE, WEIGHT, Parameter, variant
-from ram_dist.methods.protocol import (
-    ChunkWork,
-    MergekitRule,
-    NoStatistics,
-    TensorParams,
-)
+from ram_dist.methods.protocol import MergekitRule, NoStatistics, TensorParams
 
 if TYPE_CHECKING:
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork
 
 
 def merge_chunk(

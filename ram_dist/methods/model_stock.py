@@ -36,19 +36,14 @@ from ram_dist.errors import RamDistError
 from ram_dist.kernels import precision
 from ram_dist.methods import exact_sums, rows
 from ram_dist.methods.parameters import Parameter
-from ram_dist.methods.protocol import (
-    ChunkWork,
-    Eager,
-    MergekitRule,
-    RoundTotals,
-    State,
-    TensorParams,
-)
+from ram_dist.methods.protocol import Eager, MergekitRule, State, TensorParams
 from ram_dist.methods.task_vectors import task_values, task_vectors
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 #: mergekit's floors: of a norm product, and of |1 + (N - 1) cos| before t is taken as 0.
 MIN_NORM_PRODUCT = 1e-6

@@ -15,15 +15,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ram_dist.methods.parameters import Parameter
-from ram_dist.methods.protocol import (
-    ChunkWork,
-    MergekitRule,
-    NoStatistics,
-)
+from ram_dist.methods.protocol import MergekitRule, NoStatistics
 from ram_dist.methods.task_vectors import task_values
 
 if TYPE_CHECKING:
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork
 
 #: mergekit's floor of |base - model| before its reciprocal.
 MIN_DISTANCE = 1e-6

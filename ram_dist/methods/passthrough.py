@@ -19,14 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ram_dist.methods.parameters import Parameter
-from ram_dist.methods.protocol import (
-    ChunkWork,
-    MergekitRule,
-    NoStatistics,
-)
+from ram_dist.methods.protocol import MergekitRule, NoStatistics
 
 if TYPE_CHECKING:
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork
 
 SCALE = Parameter(
     "scale", 1.0, "multiply the model's tensors by this", per_task=True,

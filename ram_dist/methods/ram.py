@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ram_dist.errors import RamDistError
 from ram_dist.methods.decoder_layers import layer_index, layer_name
 from ram_dist.methods.parameters import ALPHA, EPSILON, SCOPE, Parameter, R, variant
-from ram_dist.methods.protocol import Chunk, ChunkWork, Defaults, RoundTotals, State, TensorParams
+from ram_dist.methods.protocol import Chunk, Defaults, State, TensorParams
 from ram_dist.methods.task_vectors import compute_dtype, task_vectors
 
 if TYPE_CHECKING:
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 
 def _masks(

@@ -43,18 +43,13 @@ from ram_dist.methods.generalized_task_arithmetic import topk
 from ram_dist.methods.generalized_task_arithmetic.combine import ordered_sum, task_vectors
 from ram_dist.methods.model_stock import fused_gram
 from ram_dist.methods.parameters import INT8_MASK, Parameter
-from ram_dist.methods.protocol import (
-    ChunkWork,
-    Eager,
-    MergekitRule,
-    RoundTotals,
-    State,
-    TensorParams,
-)
+from ram_dist.methods.protocol import Eager, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 NONZERO = "#nonzero"
 SQUARES = "#squares"

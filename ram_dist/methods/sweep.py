@@ -18,18 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ram_dist.methods.protocol import (
-    ChunkWork,
-    Defaults,
-    MergeMethod,
-    RoundTotals,
-    State,
-    TensorParams,
-)
+from ram_dist.methods.protocol import Defaults, MergeMethod, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 #: Separates a variant's index from its statistic's key in the summed statistics.
 _SEP = "|"

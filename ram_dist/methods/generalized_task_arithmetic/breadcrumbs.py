@@ -41,18 +41,13 @@ from ram_dist.methods.parameters import (
     WEIGHT,
     Parameter,
 )
-from ram_dist.methods.protocol import (
-    ChunkWork,
-    Eager,
-    MergekitRule,
-    RoundTotals,
-    State,
-    TensorParams,
-)
+from ram_dist.methods.protocol import Eager, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 L1 = "#l1"
 L1_ABOVE = "#l1-above"

@@ -51,19 +51,13 @@ from ram_dist.methods.parameters import (
     Parameter,
     variant,
 )
-from ram_dist.methods.protocol import (
-    Chunk,
-    ChunkWork,
-    Eager,
-    MergekitRule,
-    RoundTotals,
-    State,
-    TensorParams,
-)
+from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 
 def rank_groups(shape: Sequence[int]) -> tuple[int, int]:

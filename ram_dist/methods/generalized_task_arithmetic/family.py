@@ -35,11 +35,8 @@ from ram_dist.methods.parameters import (
 )
 from ram_dist.methods.protocol import (
     MERGEKIT_TEXT,
-    Chunk,
-    ChunkWork,
     Defaults,
     MergekitRule,
-    RoundTotals,
     State,
     TensorParams,
 )
@@ -47,6 +44,8 @@ from ram_dist.methods.protocol import (
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 #: mergekitty's tolerance below which an L1 norm counts as zero in its consensus methods'
 #: rescale (`sparsify.rescale_sum`; mergekit's is `dare.RESCALE_EPS`).
@@ -215,7 +214,7 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
         import torch
 
         if self.tall:
-            return self._tall_chunk(chunk, base, tasks, params, state)
+            return self._tall_chunk(work, base, tasks)
         weights = _weights(params)
         normalize = bool(params["normalize"])
         lam = float(params["lambda"])
@@ -247,16 +246,12 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
         return TALL_RESCALE_EPS if self.tall else dare.RESCALE_EPS
 
     def _tall_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
         """mergekitty's consensus members (`tall`): the combine step without lambda on the
         (TIES-cut) task vectors, then TALL masks against each whole task vector (rescaled
         by its L1 factor, if any, as mergekitty rescales it in place), then the base."""
+        chunk, params, state = work.chunk, work.params, work.state
         import torch
 
         b, deltas = combine.task_vectors(base, tasks)

@@ -43,11 +43,13 @@ from ram_dist.methods.geometric.span import (
     task_vectors,
 )
 from ram_dist.methods.parameters import WEIGHT, Parameter
-from ram_dist.methods.protocol import Chunk, ChunkWork, RoundTotals, State, TensorParams
+from ram_dist.methods.protocol import State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 #: mergekit's floor of a norm, and its colinearity threshold `eps**2`.
 NORM_FLOOR = 1e-7
@@ -176,15 +178,11 @@ class Nuslerp(SpanMethod):
         return state
 
     def merge_rows(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
         """Whole rows of the tensor: each row's own factors (computed here, on the CPU's
         Python, from exact sums per row), or each column's (from the state)."""
+        chunk, params, state = work.chunk, work.params, work.state
         import torch
 
         if variant(params) == "columns":

@@ -26,19 +26,13 @@ from typing import TYPE_CHECKING, Any
 from ram_dist.kernels import precision
 from ram_dist.methods import exact_sums
 from ram_dist.methods import task_vectors as measured
-from ram_dist.methods.protocol import (
-    Chunk,
-    ChunkWork,
-    Eager,
-    MergekitRule,
-    RoundTotals,
-    State,
-    TensorParams,
-)
+from ram_dist.methods.protocol import Eager, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 #: Gram matrix of a tensor's vectors, float64, `gram[i][j] = x_i . x_j`.
 Gram = list[list[float]]
@@ -299,7 +293,7 @@ class SpanMethod(MergekitRule, Eager):
                 else float32(tasks[keep])
             )
         if self.whole_rows(params):
-            return self.merge_rows(chunk, base, tasks, params, state)
+            return self.merge_rows(work, base, tasks)
         info = state["tensors"][chunk.tensor]
         if info.get("zeros"):
             import torch
@@ -313,12 +307,7 @@ class SpanMethod(MergekitRule, Eager):
         )
 
     def merge_rows(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
         """The map pass of a tensor computed on whole rows (`whole_rows`)."""
         raise NotImplementedError
