@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ram_dist.methods import get_method
-from ram_dist.methods.protocol import Chunk
+from ram_dist.methods.protocol import Chunk, ChunkWork, RoundTotals
 from ram_dist.synthetic.weights import AGENT_DENSITIES, base_tensor, task_tensor
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -59,8 +59,8 @@ def prepared(method: Any, params: dict, chunk: Chunk, base: torch.Tensor, tasks:
     state = method.initial_state({"w": params}, {"w": numel}, len(tasks))
     for round_ in range(method.rounds):
         if method.active(round_, state, "w"):
-            totals = method.chunk_statistics(round_, chunk, base, tasks, params, state)
-            state = method.finalize(round_, totals, {"w": params}, {"w": numel}, state)
+            totals = method.chunk_statistics(ChunkWork(chunk, params, state, round_), base, tasks)
+            state = method.finalize(RoundTotals(round_, totals, {"w": params}, {"w": numel}, state))
     return state
 
 
@@ -74,16 +74,16 @@ def passes(
     dtype = base.dtype
 
     def eager_map() -> None:
-        held["e"] = method.merge_chunk(chunk, base, ts, params, state).to(dtype)
+        held["e"] = method.merge_chunk(ChunkWork(chunk, params, state), base, ts).to(dtype)
 
     def fused_map() -> None:
-        held["f"] = method.fused_merge(chunk, inputs, params, state, out)
+        held["f"] = method.fused_merge(ChunkWork(chunk, params, state), inputs, out)
 
     def eager_round() -> None:
-        held["es"] = method.chunk_statistics(0, chunk, base, ts, params, state)
+        held["es"] = method.chunk_statistics(ChunkWork(chunk, params, state, 0), base, ts)
 
     def fused_round() -> None:
-        held["fs"] = method.fused_statistics(0, chunk, inputs, params, state, False)
+        held["fs"] = method.fused_statistics(ChunkWork(chunk, params, state, 0), inputs)
 
     found = [(f"{label}: map", eager_map, fused_map)]
     if method.name == "arcee_fusion":

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from benchmarks.bench_kernels import REPO_ROOT, make_inputs, parse_count
+from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 
 def kernels_at(revision: str) -> Any:
@@ -92,17 +93,19 @@ def bench(n: int, row: int, tasks: int, before: str | None, repeats: int) -> Non
     state = method.initial_state({"w": params}, {"w": n}, tasks)
     for round_ in range(method.rounds):
         if method.active(round_, state, "w"):
-            got = method.fused_statistics(round_, chunk, inputs, params, state, False)
+            got = method.fused_statistics(ChunkWork(chunk, params, state, round_), inputs)
             totals = {k: torch.from_numpy(v) for k, v in got[0].items()}
-            state = method.finalize(round_, totals, {"w": params}, {"w": n}, state)
+            state = method.finalize(RoundTotals(round_, totals, {"w": params}, {"w": n}, state))
     fused_out = torch.empty(n, dtype=torch.bfloat16)
     holder = {}
 
     def eager() -> None:
-        holder["eager"] = method.merge_chunk(chunk, base, agents, params, state).to(torch.bfloat16)
+        holder["eager"] = method.merge_chunk(ChunkWork(chunk, params, state), base, agents).to(
+            torch.bfloat16
+        )
 
     def fused() -> None:
-        method.fused_merge(chunk, inputs, params, state, fused_out)
+        method.fused_merge(ChunkWork(chunk, params, state), inputs, fused_out)
 
     fused()
     for _ in range(repeats):

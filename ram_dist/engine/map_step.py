@@ -23,7 +23,7 @@ from ram_dist.engine.unit_results import UnitResult
 from ram_dist.engine.worker import Fused, TaskContext, WorkScope, device, ran_by, worker_context
 from ram_dist.io.sinks import ShardTarget
 from ram_dist.kernels import fp8
-from ram_dist.methods.protocol import Chunk
+from ram_dist.methods.protocol import Chunk, ChunkWork
 from ram_dist.planning.layout import Layout, TensorEntry, unit_out_bytes
 from ram_dist.planning.sources import Fp8Source
 from ram_dist.planning.units import Part, Piece, WorkUnit
@@ -270,7 +270,7 @@ def _merge_block(
         view is not None
         and fused.take(inputs.dtypes, out_dtype)
         and method.fused_merge(
-            chunk, inputs.arrays(encoded), p, state, view, bf16_nan=flags.bf16_nan
+            ChunkWork(chunk, p, state, bf16_nan=flags.bf16_nan), inputs.arrays(encoded), view
         )
     ):
         got = n
@@ -352,7 +352,7 @@ def _fused_fp8(
         np.empty(0, np.uint8) if target is None else target, fp8_out.scale_dtype, base_scales,
         np.empty_like(base_scales),
     )  # fmt: skip
-    if not method.fused_merge(chunk, inputs.arrays(True), params, state, out):
+    if not method.fused_merge(ChunkWork(chunk, params, state), inputs.arrays(True), out):
         return False
     _keep_scale_rows(entry, chunk.start, inputs.encoded[0].size, out.scales, rows)  # type: ignore[union-attr]
     return True
@@ -423,7 +423,7 @@ def _merge_eager(
     from ram_dist.dtypes import SAFETENSORS_DTYPES
 
     base, *tasks = inputs.tensors(dev)
-    merged = method.merge_chunk(chunk, base, tasks, params, state)
+    merged = method.merge_chunk(ChunkWork(chunk, params, state), base, tasks)
     raw = merged.to(SAFETENSORS_DTYPES[out_dtype]).cpu().reshape(-1).view(torch.uint8)
     torch.from_numpy(target).copy_(raw)
 

@@ -33,6 +33,7 @@ from ram_dist.errors import RamDistError
 from ram_dist.io.range_cache import InputCache
 from ram_dist.io.sinks import KeptTarget, OpenShard, plan_record
 from ram_dist.io.storage import Storage, join
+from ram_dist.methods.protocol import RoundTotals
 from ram_dist.planning.devices import DeviceChoice
 from ram_dist.planning.job import Job
 from ram_dist.planning.units import Part, WorkUnit, parts_as_recorded
@@ -146,7 +147,7 @@ def _reduce_pass(context: PassContext, devices: Devices) -> tuple[dict[str, Any]
             import torch  # imported by the checks while Ray started (`runtime.ray_session`)
 
             sums = {key: torch.from_numpy(value) for key, value in totals.items()}
-            state = method.finalize(round_, sums, job.params, numel, state)
+            state = method.finalize(RoundTotals(round_, sums, job.params, numel, state))
     stats.wall_s = time.perf_counter() - start
     stats.timeline.end()
     _finish(stats, devices)

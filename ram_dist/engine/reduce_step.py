@@ -16,7 +16,7 @@ from ram_dist.engine.worker import Fused, TaskContext, WorkScope, device, ran_by
 from ram_dist.kernels import precision, stored_nonfinite
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.parameters import EPSILON
-from ram_dist.methods.protocol import Chunk, TensorParams
+from ram_dist.methods.protocol import Chunk, ChunkWork, TensorParams
 from ram_dist.planning.units import WorkUnit
 
 
@@ -47,13 +47,12 @@ def reduce_unit(
         active = method_rounds and method.active(round_, state, piece.tensor)
         chunk = Chunk(piece.tensor, piece.start + block.lo, entry.shape)
         p = params[piece.tensor]
+        work = ChunkWork(chunk, p, state, round_, check_finite)
         stats: dict[str, np.ndarray] | None = None
         counts: list[int] | None = None
         swept: np.ndarray | None = None  # the precision check, from the method's sweep
         if active and fused.take(inputs.dtypes):
-            got = method.fused_statistics(
-                round_, chunk, inputs.arrays(encoded), p, state, check_finite
-            )  # fmt: skip
+            got = method.fused_statistics(work, inputs.arrays(encoded))
             if got is not None:
                 stats, counts, swept = (*got, None)[:3]
         if check_finite and counts is None:
@@ -67,7 +66,7 @@ def reduce_unit(
             continue
         if stats is None:
             base, *tasks = inputs.tensors(dev)
-            eager = method.chunk_statistics(round_, chunk, base, tasks, p, state)
+            eager = method.chunk_statistics(work, base, tasks)
             stats = {k: v.cpu().numpy() for k, v in eager.items()}
         _add(totals, integers(method, stats))
     return UnitResult(

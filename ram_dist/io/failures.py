@@ -164,6 +164,21 @@ def reported(url: str | None, action: str, role: str | None = None) -> Iterator[
         raise
 
 
+#: What to do about a failure of each kind whose advice depends on nothing but its detail
+#: (`{detail}`: the store's own words, in parentheses).
+_ADVICE = {
+    "denied": "permission denied{detail}; check the bucket policy or the file permissions, "
+    "and what the credentials may do",
+    "full": "no space left on the device{detail}; free space (or choose another location) "
+    "and run again: a re-run resumes",
+    "throttled": "the store is still throttling requests after its retries{detail}; run "
+    "again later or with fewer --workers: a re-run resumes",
+    "server": "the store failed after its retries{detail}; run again: a re-run resumes",
+    "unreachable": "the store could not be reached{detail}; check the endpoint and the "
+    "network, then run again: a re-run resumes",
+}
+
+
 def _explain(failure: Failure, url: str | None, action: str) -> str:
     detail = f" ({failure.detail})" if failure.detail else ""
     kind = failure.kind
@@ -180,9 +195,8 @@ def _explain(failure: Failure, url: str | None, action: str) -> str:
         if "ENOTDIR" in failure.detail:
             return f"a file is in the way of a folder{detail}; move it or fix the path"
         return f"no such file or folder{detail}; fix the path or URL"
-    if kind == "denied":
-        return (f"permission denied{detail}; check the bucket policy or the file permissions, "
-                "and what the credentials may do")  # fmt: skip
+    if kind in _ADVICE:
+        return _ADVICE[kind].format(detail=detail)
     if kind == "credentials":
         if failure.expired:
             return f"the credentials have expired{detail}; renew them and run again"
@@ -190,17 +204,6 @@ def _explain(failure: Failure, url: str | None, action: str) -> str:
         hint = f" ({hint})" if hint else ""
         return (f"the store refused the credentials{detail}; check the credentials the job "
                 f"runs with{hint}")  # fmt: skip
-    if kind == "full":
-        return (f"no space left on the device{detail}; free space (or choose another "
-                "location) and run again: a re-run resumes")  # fmt: skip
-    if kind == "throttled":
-        return (f"the store is still throttling requests after its retries{detail}; run "
-                "again later or with fewer --workers: a re-run resumes")  # fmt: skip
-    if kind == "server":
-        return f"the store failed after its retries{detail}; run again: a re-run resumes"
-    if kind == "unreachable":
-        return (f"the store could not be reached{detail}; check the endpoint and the network, "
-                "then run again: a re-run resumes")  # fmt: skip
     if kind == "changed":
         return (f"{failure.detail}; the file changed while the job ran: restore it, or run "
                 "again to merge what it holds now")  # fmt: skip

@@ -6,7 +6,7 @@ files are copied as bytes."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ram_dist.dtypes import FLOATING, dtype_name
@@ -75,26 +75,29 @@ def _with_dtype(data: bytes, name: str) -> bytes:
     `name`, and without the base's `quantization_config` (fine-grained FP8, MXFP4): every
     merged tensor, the quantized weights too, is written in that dtype, without scales.
     Unchanged if it is not a JSON object."""
-    try:
-        config = json.loads(data)
-    except ValueError:
-        return data
-    if not isinstance(config, dict):
-        return data
-    keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
-    config.update({k: name for k in keys})
-    config.pop("quantization_config", None)
-    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+    def edit(config: dict[str, Any]) -> None:
+        keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
+        config.update({k: name for k in keys})
+        config.pop("quantization_config", None)
+
+    return _edited(data, edit)
 
 
 def _with_quantization(data: bytes, quantization: Mapping[str, Any] | None) -> bytes:
     """config.json with `quantization` as its quantization_config (unchanged if it is not a
     JSON object)."""
+    return _edited(data, lambda config: config.update(quantization_config=dict(quantization or {})))
+
+
+def _edited(data: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
+    """config.json after `edit` changed it in place, written as the merge writes it (sorted
+    keys, indent 2); unchanged if it is not a JSON object."""
     try:
         config = json.loads(data)
     except ValueError:
         return data
     if not isinstance(config, dict):
         return data
-    config["quantization_config"] = dict(quantization or {})
+    edit(config)
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()

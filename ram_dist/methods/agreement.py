@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from ram_dist.methods.protocol import Chunk, Defaults, MergeMethod, State, TensorParams
+from ram_dist.methods.protocol import Defaults, MergeMethod, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 #: The keys of the summed statistics (never a tensor's name: `finalize` tells them apart by
 #: the job's tensors).
@@ -189,17 +191,12 @@ class ProbeStatistics(Defaults):
         return bool(getattr(self.inner, "reads_stored", False))
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], list[int] | None, np.ndarray | None]:
         """RAM's counts and the agreement statistics, and each input's NaN/Inf count and the
         precision check (where RAM's would run it: `precision.needs_check`), from one sweep
         of `kernels.agreement_numba`."""
+        chunk, params, count_nonfinite = work.chunk, work.params, work.count_nonfinite
         from ram_dist.kernels import agreement_numba, precision
         from ram_dist.kernels.views import kernel_view
 
@@ -212,36 +209,26 @@ class ProbeStatistics(Defaults):
         return {chunk.tensor: hist, **dict(zip(KEYS, extra, strict=True))}, counts, checks
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
+        chunk, params = work.chunk, work.params
         hist, extra = agreement_statistics(base, tasks, params["epsilon"])
         return {chunk.tensor: hist, **extra}
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, torch.Tensor],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
-        own = {k: v for k, v in totals.items() if k in KEYS}
-        rest = {k: v for k, v in totals.items() if k not in KEYS}
-        out = self.inner.finalize(round_, rest, params, numel, state)
+    def finalize(self, end: RoundTotals) -> State:
+        own = {k: v for k, v in end.totals.items() if k in KEYS}
+        rest = {k: v for k, v in end.totals.items() if k not in KEYS}
+        out = self.inner.finalize(replace(end, totals=rest))
         if len(own) == len(KEYS):
             return {**out, "agreement": summarize(own, out["summary"])}
         return out
 
-    def merge_chunk(self, *args: Any) -> torch.Tensor:
+    def merge_chunk(
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
+    ) -> torch.Tensor:
         raise NotImplementedError("probe statistics merge nothing")
 
-    def fused_merge(self, *args: Any, **kwargs: Any) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         return False
 
     def report(self, state: State) -> dict[str, Any]:

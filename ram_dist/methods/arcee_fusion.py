@@ -37,12 +37,14 @@ from typing import TYPE_CHECKING, Any
 from ram_dist.methods import float64_math, rows
 from ram_dist.methods.generalized_task_arithmetic import topk
 from ram_dist.methods.parameters import Parameter
-from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
+from ram_dist.methods.protocol import Eager, MergekitRule, State, TensorParams
 from ram_dist.methods.task_vectors import task_values
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 #: mergekit's smoothing of both distributions before the log.
 EPS = 1e-8
@@ -155,14 +157,9 @@ class ArceeFusion(MergekitRule, Eager):
         return tensor in state["tensors"]
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
+        round_, chunk, state = work.round_, work.chunk, work.state
         import torch
 
         length = rows.row_length(tuple(chunk.shape))
@@ -175,17 +172,12 @@ class ArceeFusion(MergekitRule, Eager):
         return {chunk.tensor: torch.stack(hists)}
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """The round's histogram of the importances by `arcee_numba.importance` (the KL in
         float64, step for step the eager rule's) and `arcee_numba.histogram`, bin for bin
         `chunk_statistics`'."""
+        round_, chunk, state = work.round_, work.chunk, work.state
         from ram_dist import kernels
 
         kernel = kernels.numba_module("arcee_numba")
@@ -195,17 +187,10 @@ class ArceeFusion(MergekitRule, Eager):
         high = [] if round_ == 0 else state["tensors"][chunk.tensor]["high_bins"]
         return {chunk.tensor: kernel.histogram(imp, high)}, None
 
-    def fused_merge(
-        self,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        out: np.ndarray,
-        bf16_nan: int | None = None,
-    ) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`merge_chunk` cast to the output's dtype: the importances by
         `arcee_numba.importance`, the selection by `arcee_numba.merge`."""
+        chunk, state, bf16_nan = work.chunk, work.state, work.bf16_nan
         from ram_dist import kernels
 
         kernel = kernels.numba_module("arcee_numba")
@@ -221,14 +206,8 @@ class ArceeFusion(MergekitRule, Eager):
         """The kernels take every chunk (whole rows: each row's KL inside its chunk)."""
         return True
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, torch.Tensor],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
+    def finalize(self, end: RoundTotals) -> State:
+        round_, totals, state = end.round_, end.totals, end.state
         for name, info in state["tensors"].items():
             if name not in totals:
                 continue
@@ -248,13 +227,9 @@ class ArceeFusion(MergekitRule, Eager):
         return state
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        chunk, state = work.chunk, work.state
         import torch
 
         a, b = _pair(base, tasks)

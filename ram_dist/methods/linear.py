@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING
 from ram_dist.errors import RamDistError
 from ram_dist.methods.generalized_task_arithmetic.combine import ordered_sum
 from ram_dist.methods.parameters import NORMALIZE, WEIGHT, Parameter, variant
-from ram_dist.methods.protocol import Chunk, MergekitRule, NoStatistics, State, TensorParams
+from ram_dist.methods.protocol import MergekitRule, NoStatistics, TensorParams
 
 if TYPE_CHECKING:
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork
 
 
 def merge_chunk(
@@ -67,13 +69,9 @@ class LinearMethod(MergekitRule, NoStatistics):
             raise RamDistError(f"{where}: the weights sum to 0; linear cannot normalize by it")
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        params = work.params
         weights = [float(w) for w in params["weight"]]
         return merge_chunk(tasks, weights, normalize=bool(params["normalize"]))
 

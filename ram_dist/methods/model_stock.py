@@ -35,12 +35,14 @@ from typing import TYPE_CHECKING, Any
 from ram_dist.errors import RamDistError
 from ram_dist.methods import exact_sums, rows
 from ram_dist.methods.parameters import Parameter
-from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
+from ram_dist.methods.protocol import Eager, MergekitRule, State, TensorParams
 from ram_dist.methods.task_vectors import task_values, task_vectors
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 #: mergekit's floors: of a norm product, and of |1 + (N - 1) cos| before t is taken as 0.
 MIN_NORM_PRODUCT = 1e-6
@@ -142,14 +144,9 @@ class ModelStock(MergekitRule, Eager):
         return tensor in state["t"]
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
+        chunk = work.chunk
         import torch
 
         _, deltas = task_vectors(base, tasks)
@@ -160,33 +157,21 @@ class ModelStock(MergekitRule, Eager):
         return {chunk.tensor: torch.stack(stats)}
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """The round's exact sums by the records' Gram kernel (`fused_gram`), bin for bin
         `chunk_statistics`', quantized inputs as stored; None where numba is not
         installed."""
+        chunk = work.chunk
         stats = fused_gram(inputs, pairs(len(inputs) - 1))
         return None if stats is None else ({chunk.tensor: stats}, None)
 
-    def fused_merge(
-        self,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        out: np.ndarray,
-        bf16_nan: int | None = None,
-    ) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`merge_chunk` cast to the output's dtype by `blend_numba.stock`, op for op the
         eager `blend`, the inputs as stored; filter_wise's ratios from the exact sums of
         the chunk's rows by the records' Gram kernel (`vector_sums_numba.gram` per row: the
         integers `rows.gram_rows` reads), on the inputs as stored too."""
+        chunk, params, state, bf16_nan = work.chunk, work.params, work.state, work.bf16_nan
         from ram_dist import kernels
 
         kernel = kernels.numba_module("blend_numba")
@@ -213,14 +198,8 @@ class ModelStock(MergekitRule, Eager):
         quantized input as stored."""
         return True
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, torch.Tensor],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
+    def finalize(self, end: RoundTotals) -> State:
+        totals, state = end.totals, end.state
         n = state["n"]
         for name in state["t"]:
             if name in totals:
@@ -229,13 +208,9 @@ class ModelStock(MergekitRule, Eager):
         return state
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        chunk, params, state = work.chunk, work.params, work.state
         import torch
 
         b, ws = task_values(base, tasks)  # each against the base at its precision

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ram_dist.methods.parameters import Parameter
-from ram_dist.methods.protocol import Chunk, MergekitRule, NoStatistics, State, TensorParams
+from ram_dist.methods.protocol import MergekitRule, NoStatistics
 from ram_dist.methods.task_vectors import task_values
 
 if TYPE_CHECKING:
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork
 
 #: mergekit's floor of |base - model| before its reciprocal.
 MIN_DISTANCE = 1e-6
@@ -57,13 +59,9 @@ class NearSwap(MergekitRule, NoStatistics):
         return (T,)
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        params = work.params
         if len(tasks) != 1:
             raise ValueError(f"nearswap merges one task model into the base, got {len(tasks)}")
         return merge_chunk(base, tasks[0], float(params["t"]))

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ram_dist.methods.parameters import Parameter
-from ram_dist.methods.protocol import Chunk, MergekitRule, NoStatistics, State, TensorParams
+from ram_dist.methods.protocol import MergekitRule, NoStatistics
 
 if TYPE_CHECKING:
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork
 
 SCALE = Parameter(
     "scale", 1.0, "multiply the model's tensors by this", per_task=True,
@@ -53,13 +55,9 @@ class Passthrough(MergekitRule, NoStatistics):
         return (SCALE,)
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        params = work.params
         if len(tasks) != 1:
             raise ValueError(f"passthrough takes one model, got {len(tasks)}")
         return merge_chunk(tasks[0], float(params["scale"][0]))

@@ -11,6 +11,9 @@ with other settings). The engine drives it through reduce rounds and a map pass:
   the method's state (plain data: JSON-able, stored in the manifest for resume).
 * `merge_chunk` runs on workers in the map pass with the final state.
 
+Each call on a chunk takes one `ChunkWork` (the chunk, its parameters, the state, the round)
+and the chunk's inputs; `finalize` takes one `RoundTotals`.
+
 Both run eagerly on torch tensors (CPU or GPU). A method with fused CPU kernels also offers
 `fused_statistics` and `fused_merge`, which take the raw numpy arrays the engine read (no
 torch: a CPU worker on the fused path never imports it) and may decline a chunk (None,
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ram_dist.methods.parameters import Parameter
@@ -70,6 +73,42 @@ class Chunk:
     def row(self) -> int:
         """Elements in one row (one index of the first dimension; a 1-D tensor is one row)."""
         return math.prod(self.shape[1:]) if len(self.shape) > 1 else self.numel
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    """What one call of a method on one chunk works with, built by the engine (and by a
+    method that drives others, for each of them): the chunk, its tensor's parameters, the
+    method's state, and the reduce round with whether to count NaN/Inf (a reduce call) or
+    the bits of bfloat16's NaN (a map call). One object, so that no method repeats the
+    protocol's argument list."""
+
+    chunk: Chunk
+    params: TensorParams
+    state: State
+    round_: int = 0
+    count_nonfinite: bool = False
+    """Whether `fused_statistics` should count each input's NaN/Inf from its sweep."""
+    bf16_nan: int | None = None
+    """The bits of a NaN cast to bfloat16, as the engine probed them (None: the kernel
+    probes)."""
+
+    def of(self, params: TensorParams, state: State) -> ChunkWork:
+        """The same work with another method's parameters and state (a wrapper's inner
+        method, a sweep's variant)."""
+        return replace(self, params=params, state=state)
+
+
+@dataclass(frozen=True)
+class RoundTotals:
+    """What `finalize` folds into the state at the end of a reduce round, on the driver: the
+    round, its statistics summed per key, every tensor's parameters and size, the state."""
+
+    round_: int
+    totals: dict[str, Any]
+    params: Mapping[str, TensorParams]
+    numel: Mapping[str, int]
+    state: State
 
 
 class MergeMethod(Protocol):
@@ -132,65 +171,35 @@ class MergeMethod(Protocol):
     def active(self, round_: int, state: State, tensor: str) -> bool: ...
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]: ...
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, torch.Tensor],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State: ...
+    def finalize(self, end: RoundTotals) -> State: ...
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor: ...
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> (
         tuple[dict[str, np.ndarray], list[int] | None]
         | tuple[dict[str, np.ndarray], list[int] | None, np.ndarray | None]
         | None
     ):
         """`chunk_statistics` by a fused kernel (int64 arrays) on the inputs' raw arrays
-        (base first), with each input's NaN/Inf count from the same sweep when asked and
-        the kernel has it (else None: the engine counts them); None to decline. Where it
-        counts NaN/Inf it may add, third, the chunk's precision check from the same sweep
-        (`kernels.precision.check_counts`, int64 [N, 3]; None: the engine runs it)."""
+        (base first), with each input's NaN/Inf count from the same sweep when the work asks
+        (`count_nonfinite`) and the kernel has it (else None: the engine counts them); None
+        to decline. Where it counts NaN/Inf it may add, third, the chunk's precision check
+        from the same sweep (`kernels.precision.check_counts`, int64 [N, 3]; None: the
+        engine runs it)."""
         ...
 
-    def fused_merge(
-        self,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        out: np.ndarray,
-        bf16_nan: int | None = None,
-    ) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`merge_chunk(...)` cast to the output dtype, by a fused kernel, written into `out`
-        (the output's raw array: bfloat16 as uint16); False to decline. `bf16_nan`: the bits
-        of a NaN cast to bfloat16, as the engine probed them (None: the kernel probes)."""
+        (the output's raw array: bfloat16 as uint16); False to decline. The work's
+        `bf16_nan`: the bits of a NaN cast to bfloat16, as the engine probed them (None: the
+        kernel probes)."""
         ...
 
     def fuses(self, params: TensorParams) -> bool:
@@ -240,10 +249,10 @@ class Eager(Defaults):
     def fuses(self, params: TensorParams) -> bool:
         return False
 
-    def fused_statistics(self, *args: Any) -> None:
+    def fused_statistics(self, work: ChunkWork, inputs: Sequence[np.ndarray]) -> None:
         return None
 
-    def fused_merge(self, *args: Any, **kwargs: Any) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         return False
 
 
@@ -261,11 +270,13 @@ class NoStatistics(Eager):
     def active(self, round_: int, state: State, tensor: str) -> bool:
         return False
 
-    def chunk_statistics(self, *args: Any) -> dict[str, torch.Tensor]:
+    def chunk_statistics(
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         return {}
 
-    def finalize(self, *args: Any) -> State:
-        return args[-1]
+    def finalize(self, end: RoundTotals) -> State:
+        return end.state
 
     def report(self, state: State) -> dict[str, Any]:
         return {}

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
+
 
 def _masks(
     base: torch.Tensor, tasks: list[torch.Tensor], eps: float
@@ -228,27 +230,17 @@ class RamMethod(Defaults):
         return True
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
+        chunk, params = work.chunk, work.params
         return {chunk.tensor: overlap_statistics(base, tasks, params["epsilon"])}
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], list[int] | None, np.ndarray | None]:
         """The overlap counts, and each input's NaN/Inf count and the precision check (where
         it can find something: `precision.needs_check`), from one sweep."""
+        chunk, params, count_nonfinite = work.chunk, work.params, work.count_nonfinite
         from ram_dist.kernels import precision, ram_numba
         from ram_dist.kernels.views import kernel_view
 
@@ -264,14 +256,8 @@ class RamMethod(Defaults):
             return {chunk.tensor: hist}, counts, None
         return {chunk.tensor: ram_numba.overlap_counts(base, tasks, params["epsilon"])}, None, None
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, torch.Tensor],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
+    def finalize(self, end: RoundTotals) -> State:
+        totals, params, state = end.totals, end.params, end.state
         import torch
 
         size = state["n_tasks"] + 1
@@ -299,30 +285,19 @@ class RamMethod(Defaults):
         return out
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        chunk, params, state = work.chunk, work.params, work.state
         if params["scope"] == "model":
             lambdas = state["lambdas"]
         else:
             lambdas = state["tensor_lambdas"][chunk.tensor]
         return merge_ram(base, tasks, params["epsilon"], lambdas)
 
-    def fused_merge(
-        self,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        out: np.ndarray,
-        bf16_nan: int | None = None,
-    ) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """The fused kernel's merge, written straight into `out` (FP8 blocks when it is an
         `Fp8Target`); it takes every chunk."""
+        chunk, params, state, bf16_nan = work.chunk, work.params, work.state, work.bf16_nan
         from ram_dist.kernels import ram_numba
         from ram_dist.kernels.fp8 import Fp8Target
 

@@ -42,11 +42,13 @@ from ram_dist.methods.generalized_task_arithmetic import topk
 from ram_dist.methods.generalized_task_arithmetic.combine import ordered_sum, task_vectors
 from ram_dist.methods.model_stock import fused_gram
 from ram_dist.methods.parameters import INT8_MASK, Parameter
-from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
+from ram_dist.methods.protocol import Eager, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 NONZERO = "#nonzero"
 SQUARES = "#squares"
@@ -180,14 +182,9 @@ class SCE(MergekitRule, Eager):
         return topk.keep_mask(keys, info["threshold"], start, info.get("index_cut"))
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
+        round_, chunk, state = work.round_, work.chunk, work.state
         import torch
 
         info = state["tensors"][chunk.tensor]
@@ -218,18 +215,13 @@ class SCE(MergekitRule, Eager):
         return out
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """`chunk_statistics`, bin for bin, the inputs as stored: without selection, the
         sums of squares by the records' Gram kernel (`model_stock.fused_gram`); with it,
         the variance rounds' histograms and the kept vectors' sums of squares by
         `sce_numba.statistics`. None where numba is not installed."""
+        chunk, state, round_ = work.chunk, work.state, work.round_
         from ram_dist import kernels
 
         info = state["tensors"][chunk.tensor]
@@ -269,17 +261,10 @@ class SCE(MergekitRule, Eager):
             )  # fmt: skip
         return out, None
 
-    def fused_merge(
-        self,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        out: np.ndarray,
-        bf16_nan: int | None = None,
-    ) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`merge_chunk` cast to the output's dtype by `sce_numba.merge`, op for op the
         eager rule, the variance selection included, the inputs as stored."""
+        chunk, state, bf16_nan = work.chunk, work.state, work.bf16_nan
         from ram_dist import kernels
 
         kernel = kernels.numba_module("sce_numba")
@@ -303,14 +288,14 @@ class SCE(MergekitRule, Eager):
         """The kernels take every chunk, the variance selection's rounds included."""
         return True
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, torch.Tensor],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
+    def finalize(self, end: RoundTotals) -> State:
+        round_, totals, params, numel, state = (
+            end.round_,
+            end.totals,
+            end.params,
+            end.numel,
+            end.state,
+        )
         n = state["n"]
         for name, info in state["tensors"].items():
             if name + SQUARES in totals:
@@ -344,13 +329,9 @@ class SCE(MergekitRule, Eager):
     # -- map pass ----------------------------------------------------------------------
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        chunk, state = work.chunk, work.state
         import torch
 
         info = state["tensors"][chunk.tensor]

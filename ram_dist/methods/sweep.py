@@ -15,17 +15,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ram_dist.methods.protocol import Chunk, Defaults, MergeMethod, State, TensorParams
+from ram_dist.methods.protocol import Defaults, MergeMethod, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
+
 #: Separates a variant's index from its statistic's key in the summed statistics.
 _SEP = "|"
+
+
+def _variant(work: ChunkWork, k: int) -> ChunkWork:
+    """Variant `k`'s own work on the chunk: its parameters and state."""
+    return work.of(work.params["variants"][k], work.state["variants"][k])
 
 
 def variant_params(params: Mapping[str, TensorParams], k: int) -> dict[str, TensorParams]:
@@ -116,41 +123,25 @@ class Variants(Defaults):
         )
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for k in self._counting(round_, state, chunk.tensor):
-            got = self.methods[k].chunk_statistics(
-                round_, chunk, base, tasks, params["variants"][k], state["variants"][k]
-            )
+        for k in self._counting(work.round_, work.state, work.chunk.tensor):
+            got = self.methods[k].chunk_statistics(_variant(work, k), base, tasks)
             out.update({f"{k}{_SEP}{key}": value for key, value in got.items()})
         return out
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], list[int] | None, np.ndarray | None] | None:
         """Each counting variant's fused statistics; the first also counts NaN/Inf (and the
         precision check) when asked. None when any declines: all then run eagerly."""
         out: dict[str, np.ndarray] = {}
         counts: list[int] | None = None
         swept: np.ndarray | None = None
-        for i, k in enumerate(self._counting(round_, state, chunk.tensor)):
-            got = self.methods[k].fused_statistics(
-                round_, chunk, inputs, params["variants"][k], state["variants"][k],
-                count_nonfinite and i == 0,
-            )  # fmt: skip
+        for i, k in enumerate(self._counting(work.round_, work.state, work.chunk.tensor)):
+            own = replace(_variant(work, k), count_nonfinite=work.count_nonfinite and i == 0)
+            got = self.methods[k].fused_statistics(own, inputs)
             if got is None:
                 return None
             stats, *rest = got
@@ -159,18 +150,12 @@ class Variants(Defaults):
             out.update({f"{k}{_SEP}{key}": value for key, value in stats.items()})
         return out, counts, swept
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, torch.Tensor],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
+    def finalize(self, end: RoundTotals) -> State:
         """Each variant's own finalize, on the statistics of the variant it shares them with.
         A variant none of whose tensors was active this round is left as it is (the engine
         does not finalize a round that read nothing), except in round 0, which every job
         reads."""
+        round_, totals, params, state = end.round_, end.totals, end.params, end.state
         states = list(state["variants"])
         for k, m in enumerate(self.methods):
             if round_ >= m.rounds:
@@ -179,13 +164,16 @@ class Variants(Defaults):
                 continue
             prefix = f"{state['share'][k]}{_SEP}"
             own = {key[len(prefix) :]: v for key, v in totals.items() if key.startswith(prefix)}
-            states[k] = m.finalize(round_, own, variant_params(params, k), numel, states[k])
+            k_params = variant_params(params, k)
+            states[k] = m.finalize(replace(end, totals=own, params=k_params, state=states[k]))
         return {"variants": states, "share": self._share(round_ + 1, params, states)}
 
-    def merge_chunk(self, *args: Any) -> torch.Tensor:
+    def merge_chunk(
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
+    ) -> torch.Tensor:
         raise TypeError("a sweep's map pass merges each variant on its own (`outputs`)")
 
-    def fused_merge(self, *args: Any, **kwargs: Any) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         raise TypeError("a sweep's map pass merges each variant on its own (`outputs`)")
 
     def report(self, state: State) -> dict[str, Any]:

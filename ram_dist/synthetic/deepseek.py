@@ -30,6 +30,7 @@ name. The published files' exact split differs a little.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,37 +87,9 @@ class DeepSeekDims:
 
     def layer(self, n: int) -> list[Tensor]:
         """The tensors of decoder layer `n` (dense below `dense_layers`, else MoE)."""
-        h, p = self.hidden, f"model.layers.{n}."
-        q_head = self.qk_nope_head_dim + self.qk_rope_head_dim
-        out: list[Tensor] = [
-            (p + "input_layernorm.weight", (h,), "BF16"),
-            *self._linear(p + "self_attn.q_a_proj.weight", self.q_lora_rank, h),
-            (p + "self_attn.q_a_layernorm.weight", (self.q_lora_rank,), "BF16"),
-            *self._linear(p + "self_attn.q_b_proj.weight", self.heads * q_head, self.q_lora_rank),
-            *self._linear(
-                p + "self_attn.kv_a_proj_with_mqa.weight",
-                self.kv_lora_rank + self.qk_rope_head_dim,
-                h,
-            ),
-            (p + "self_attn.kv_a_layernorm.weight", (self.kv_lora_rank,), "BF16"),
-            *self._linear(
-                p + "self_attn.kv_b_proj.weight",
-                self.heads * (self.qk_nope_head_dim + self.v_head_dim),
-                self.kv_lora_rank,
-            ),
-            *self._linear(p + "self_attn.o_proj.weight", h, self.heads * self.v_head_dim),
-            (p + "post_attention_layernorm.weight", (h,), "BF16"),
-        ]
-        if n < self.dense_layers:
-            return out + self._mlp(p + "mlp.", self.intermediate)
-        out += [
-            (p + "mlp.gate.weight", (self.routed_experts, h), "BF16"),
-            (p + "mlp.gate.e_score_correction_bias", (self.routed_experts,), "F32"),
-        ]
-        for e in range(self.routed_experts):
-            out += self._mlp(f"{p}mlp.experts.{e}.", self.moe_intermediate)
-        shared = self.moe_intermediate * self.shared_experts
-        return out + self._mlp(p + "mlp.shared_experts.", shared)
+        return decoder_layer(
+            self, n, self._linear, lambda prefix, inner, _: self._mlp(prefix, inner)
+        )
 
     def mtp_extras(self, n: int) -> list[Tensor]:
         """The multi-token-prediction module's own weights of layer `n` (BF16)."""
@@ -189,6 +162,45 @@ class DeepSeekDims:
             "eos_token_id": 1,
             "quantization_config": dict(QUANTIZATION_CONFIG),
         }
+
+
+def decoder_layer(
+    dims: Any,
+    n: int,
+    linear: Callable[[str, int, int], list[Tensor]],
+    mlp: Callable[[str, int, bool], list[Tensor]],
+) -> list[Tensor]:
+    """The tensors of decoder layer `n` of DeepSeek-V3's architecture (Kimi-K2's too), in the
+    published order: MLA attention, then a dense MLP below `dims.dense_layers`, else the
+    router, the routed experts and the shared one. `linear(name, rows, cols)`: an attention
+    projection's stored tensors; `mlp(prefix, inner, routed)`: an MLP's (`routed`: an
+    expert of the router's)."""
+    h, p = dims.hidden, f"model.layers.{n}."
+    a = p + "self_attn."
+    q_head = dims.qk_nope_head_dim + dims.qk_rope_head_dim
+    kv_a = dims.kv_lora_rank + dims.qk_rope_head_dim
+    kv_b = dims.heads * (dims.qk_nope_head_dim + dims.v_head_dim)
+    out: list[Tensor] = [
+        (p + "input_layernorm.weight", (h,), "BF16"),
+        *linear(a + "q_a_proj.weight", dims.q_lora_rank, h),
+        (a + "q_a_layernorm.weight", (dims.q_lora_rank,), "BF16"),
+        *linear(a + "q_b_proj.weight", dims.heads * q_head, dims.q_lora_rank),
+        *linear(a + "kv_a_proj_with_mqa.weight", kv_a, h),
+        (a + "kv_a_layernorm.weight", (dims.kv_lora_rank,), "BF16"),
+        *linear(a + "kv_b_proj.weight", kv_b, dims.kv_lora_rank),
+        *linear(a + "o_proj.weight", h, dims.heads * dims.v_head_dim),
+        (p + "post_attention_layernorm.weight", (h,), "BF16"),
+    ]
+    if n < dims.dense_layers:
+        return out + mlp(p + "mlp.", dims.intermediate, False)
+    out += [
+        (p + "mlp.gate.weight", (dims.routed_experts, h), "BF16"),
+        (p + "mlp.gate.e_score_correction_bias", (dims.routed_experts,), "F32"),
+    ]
+    for e in range(dims.routed_experts):
+        out += mlp(f"{p}mlp.experts.{e}.", dims.moe_intermediate, True)
+    shared = dims.moe_intermediate * dims.shared_experts
+    return out + mlp(p + "mlp.shared_experts.", shared, False)
 
 
 def shard_name(k: int, count: int) -> str:

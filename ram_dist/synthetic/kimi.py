@@ -54,7 +54,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ram_dist.synthetic.deepseek import Tensor
+from ram_dist.synthetic.deepseek import Tensor, decoder_layer
 from ram_dist.synthetic.files import in_files
 
 #: The published `quantization_config` of Kimi-K2-Thinking.
@@ -143,32 +143,11 @@ class KimiDims:
     def layer(self, n: int, int4: bool = True) -> list[Tensor]:
         """The tensors of decoder layer `n` (dense below `dense_layers`, else MoE): the base's
         (`int4`), or an agent's in bf16."""
-        h, p = self.hidden, f"model.layers.{n}."
-        a = p + "self_attn."
-        q_head = self.qk_nope_head_dim + self.qk_rope_head_dim
-        kv_a = self.kv_lora_rank + self.qk_rope_head_dim
-        kv_b = self.heads * (self.qk_nope_head_dim + self.v_head_dim)
-        out: list[Tensor] = [
-            (p + "input_layernorm.weight", (h,), "BF16"),
-            (a + "q_a_proj.weight", (self.q_lora_rank, h), "BF16"),
-            (a + "q_a_layernorm.weight", (self.q_lora_rank,), "BF16"),
-            (a + "q_b_proj.weight", (self.heads * q_head, self.q_lora_rank), "BF16"),
-            (a + "kv_a_proj_with_mqa.weight", (kv_a, h), "BF16"),
-            (a + "kv_a_layernorm.weight", (self.kv_lora_rank,), "BF16"),
-            (a + "kv_b_proj.weight", (kv_b, self.kv_lora_rank), "BF16"),
-            (a + "o_proj.weight", (h, self.heads * self.v_head_dim), "BF16"),
-            (p + "post_attention_layernorm.weight", (h,), "BF16"),
-        ]
-        if n < self.dense_layers:
-            return out + self._mlp(p + "mlp.", self.intermediate)
-        out += [
-            (p + "mlp.gate.weight", (self.routed_experts, h), "BF16"),
-            (p + "mlp.gate.e_score_correction_bias", (self.routed_experts,), "F32"),
-        ]
-        for e in range(self.routed_experts):
-            out += self._mlp(f"{p}mlp.experts.{e}.", self.moe_intermediate, int4)
-        shared = self.moe_intermediate * self.shared_experts
-        return out + self._mlp(p + "mlp.shared_experts.", shared)
+
+        def mlp(prefix: str, inner: int, routed: bool) -> list[Tensor]:
+            return self._mlp(prefix, inner, int4 if routed else None)
+
+        return decoder_layer(self, n, lambda name, r, c: [(name, (r, c), "BF16")], mlp)
 
     def tensors(self, int4: bool = True) -> list[Tensor]:
         """Every stored tensor, in DeepSeek-V3's grouping (see the module docstring): the

@@ -20,6 +20,7 @@ from ram_dist import kernels
 from ram_dist.engine import driver
 from ram_dist.engine.map_step import PartWork
 from ram_dist.engine.passes import work_flags
+from ram_dist.methods.protocol import RoundTotals
 from ram_dist.planning.config import MergeConfig
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
@@ -135,7 +136,7 @@ def _final_state(job) -> dict:
                 r = reduce_unit(unit, context, round_, False, scope)
             add_up(r, totals, {})
         sums = {k: torch.from_numpy(v) for k, v in totals.items()}
-        state = job.method.finalize(round_, sums, job.params, job.numel(), state)
+        state = job.method.finalize(RoundTotals(round_, sums, job.params, job.numel(), state))
     return state
 
 

@@ -11,6 +11,7 @@ from reference import reference_merge, reference_stats
 from ram_dist.engine import blocks, driver, map_step, reduce_step, unit_results, worker
 from ram_dist.io.sinks import DriverTarget
 from ram_dist.methods import get_method
+from ram_dist.methods.protocol import RoundTotals
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.units import Part
 
@@ -44,7 +45,7 @@ def test_units_and_compute_blocks_reassemble_the_reference(tmp_path, monkeypatch
             )
         reduce_step.add_up(result, totals, {})
     sums = {key: torch.from_numpy(value) for key, value in totals.items()}
-    state = method.finalize(0, sums, job.params, job.numel(), state)
+    state = method.finalize(RoundTotals(0, sums, job.params, job.numel(), state))
     ref = reference_stats(base, tasks)
     histograms = [t["histogram"] for t in state["summary"]["tasks"]]
     assert histograms == [list(map(int, h)) for h in ref["H"]]
@@ -97,7 +98,7 @@ def test_small_tensors_are_read_together(tmp_path, monkeypatch, small, group):
             )
         reduce_step.add_up(result, totals, {})
     sums = {key: torch.from_numpy(value) for key, value in totals.items()}
-    state = method.finalize(0, sums, job.params, job.numel(), state)
+    state = method.finalize(RoundTotals(0, sums, job.params, job.numel(), state))
     calls.clear()
     data = b"".join(_map(unit, *args, state).tobytes() for unit in job.units)
     unit_blocks = [

@@ -18,7 +18,10 @@ from numba import njit  # noqa: E402
 
 from ram_dist.kernels import arcee_numba, primitives  # noqa: E402
 from ram_dist.methods import arcee_fusion, float64_math, get_method  # noqa: E402
-from ram_dist.methods.protocol import Chunk  # noqa: E402
+from ram_dist.methods.protocol import (
+    Chunk,  # noqa: E402
+    ChunkWork,
+)
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -143,7 +146,7 @@ def test_fuses_and_declines_an_empty_tensor() -> None:
     assert method.fuses({})
     x = np.zeros(0, np.float32)
     state = method.initial_state({"w": {}}, {"w": 0}, 1)
-    assert not method.fused_merge(Chunk("w", 0, (0, 4)), [x, x], {}, state, x)
+    assert not method.fused_merge(ChunkWork(Chunk("w", 0, (0, 4)), {}, state), [x, x], x)
     with pytest.raises(ValueError, match="whole rows"):
         arcee_numba.importance(*stored([torch.zeros(10), torch.zeros(10)]), 4)
 

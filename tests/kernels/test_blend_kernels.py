@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ram_dist.methods import get_method
-from ram_dist.methods.protocol import Chunk
+from ram_dist.methods.protocol import Chunk, ChunkWork, RoundTotals
 
 pytest.importorskip("numba")
 
@@ -47,13 +47,19 @@ def test_fused_blend_gives_the_eager_bytes(case, dtype, infinite):
     flat_base, flat_tasks = base.reshape(-1), [t.reshape(-1) for t in tasks]
     state = method.initial_state({"w": params}, {"w": base.numel()}, n)
     if method.active(0, state, "w"):
-        total = method.chunk_statistics(0, chunk, flat_base, flat_tasks, params, state)["w"]
-        state = method.finalize(0, {"w": total}, {"w": params}, {"w": base.numel()}, state)
-    eager = method.merge_chunk(chunk, flat_base, flat_tasks, params, state)
+        total = method.chunk_statistics(ChunkWork(chunk, params, state, 0), flat_base, flat_tasks)[
+            "w"
+        ]
+        state = method.finalize(
+            RoundTotals(0, {"w": total}, {"w": params}, {"w": base.numel()}, state)
+        )
+    eager = method.merge_chunk(ChunkWork(chunk, params, state), flat_base, flat_tasks)
     assert method.fuses(params)
     for out_dtype, kind in OUT.items():
         out = np.empty(base.numel(), kind)
-        assert method.fused_merge(chunk, [_raw(base), *map(_raw, tasks)], params, state, out)
+        assert method.fused_merge(
+            ChunkWork(chunk, params, state), [_raw(base), *map(_raw, tasks)], out
+        )
         want = eager.to(out_dtype).contiguous().view(torch.uint8).numpy()
         assert np.array_equal(out.view(np.uint8), want), out_dtype
 
@@ -65,7 +71,7 @@ def test_nuslerp_rows_and_columns_decline_the_fused_blend():
         assert not method.fuses(params)
         out = np.empty(4, np.float32)
         x = np.zeros(4, np.float32)
-        assert not method.fused_merge(Chunk("w", 0, (2, 2)), [x, x, x], params, {}, out)
+        assert not method.fused_merge(ChunkWork(Chunk("w", 0, (2, 2)), params, {}), [x, x, x], out)
 
 
 def test_no_fused_multiply_add_in_the_blend():

@@ -21,7 +21,11 @@ from numba import njit  # noqa: E402
 
 from ram_dist.kernels import della_numba, primitives, ram_numba  # noqa: E402
 from ram_dist.methods import get_method  # noqa: E402
-from ram_dist.methods.protocol import Chunk  # noqa: E402
+from ram_dist.methods.protocol import (
+    Chunk,  # noqa: E402
+    ChunkWork,
+    RoundTotals,
+)
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -179,17 +183,17 @@ def test_breadcrumbs_fused_statistics_are_eager(dtypes, edges) -> None:
             totals: dict[str, torch.Tensor] = {}
             for lo, hi in ((0, 1000), (1000, 1001), (1001, n)):
                 chunk, b, ts = Chunk("w", lo, (n,)), base[lo:hi], [t[lo:hi] for t in tasks]
-                got = method.fused_statistics(round_, chunk, [b, *ts], params, state, False)
+                got = method.fused_statistics(ChunkWork(chunk, params, state, round_), [b, *ts])
                 if fused:
                     stats = {k: torch.from_numpy(v) for k, v in got[0].items()}
                 else:
-                    stats = method.chunk_statistics(round_, chunk, b, ts, params, state)
+                    stats = method.chunk_statistics(ChunkWork(chunk, params, state, round_), b, ts)
                 for key, value in stats.items():
                     totals[key] = totals[key] + value if key in totals else value
             all_totals.append(totals)
-            state = method.finalize(round_, totals, {"w": params}, {"w": n}, state)
+            state = method.finalize(RoundTotals(round_, totals, {"w": params}, {"w": n}, state))
             state = json.loads(json.dumps(state))
-        merged = method.merge_chunk(Chunk("w", 0, (n,)), base, tasks, params, state)
+        merged = method.merge_chunk(ChunkWork(Chunk("w", 0, (n,)), params, state), base, tasks)
         results.append((state, all_totals, merged))
     (state_f, totals_f, merged_f), (state_e, totals_e, merged_e) = results
     assert state_f == state_e and len(totals_f) == len(totals_e) >= 2
@@ -201,7 +205,7 @@ def test_breadcrumbs_fused_statistics_are_eager(dtypes, edges) -> None:
     assert method.fuses(params) and not method.fuses(with_l1)
     state = method.initial_state({"w": with_l1}, {"w": n}, len(tasks))
     chunk = Chunk("w", 0, (n,))
-    assert method.fused_statistics(0, chunk, [base, *tasks], with_l1, state, False) is None
+    assert method.fused_statistics(ChunkWork(chunk, with_l1, state, 0), [base, *tasks]) is None
 
 
 BREADCRUMBS_CASES = [

@@ -16,7 +16,10 @@ from kernel_runs import run, run_rows, sparse_inputs, stored  # noqa: E402
 
 from ram_dist.kernels import blend_numba, primitives  # noqa: E402
 from ram_dist.methods import get_method  # noqa: E402
-from ram_dist.methods.protocol import Chunk  # noqa: E402
+from ram_dist.methods.protocol import (
+    Chunk,  # noqa: E402
+    ChunkWork,
+)
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 TILE = primitives.TILE
@@ -101,9 +104,9 @@ def test_model_stock_one_dimensional_filter_wise_is_one_row() -> None:
     assert method.fuses(params) and method.fuses({"filter_wise": False})
     chunk = Chunk("w", 0, (300,))
     state = method.initial_state({"w": params}, {"w": 300}, 2)
-    want = method.merge_chunk(chunk, base, tasks, params, state).to(BF16)
+    want = method.merge_chunk(ChunkWork(chunk, params, state), base, tasks).to(BF16)
     out = torch.empty(300, dtype=BF16)
-    assert method.fused_merge(chunk, stored([base, *tasks]), params, state, out)
+    assert method.fused_merge(ChunkWork(chunk, params, state), stored([base, *tasks]), out)
     assert np.array_equal(bits(out), bits(want))
 
 

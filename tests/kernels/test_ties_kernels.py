@@ -21,7 +21,7 @@ from kernel_runs import run, sparse_inputs, ties_params  # noqa: E402
 from ram_dist import kernels  # noqa: E402
 from ram_dist.kernels import primitives, ram_numba, ties_numba  # noqa: E402
 from ram_dist.methods import get_method  # noqa: E402
-from ram_dist.methods.protocol import Chunk  # noqa: E402
+from ram_dist.methods.protocol import Chunk, ChunkWork  # noqa: E402
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 TILE = ram_numba.TILE
@@ -113,14 +113,15 @@ def test_fused_declines_what_it_does_not_compute() -> None:
     dare = get_method("dare_ties")
     dare_params = {"weight": [1.0, 1.0], "density": [0.5, 0.5], "normalize": True,
                    "lambda": 1.0, "rescale": True, "seed": 0}  # fmt: skip
-    assert not dare.fused_merge(chunk, [base, *tasks], dare_params, {}, out)
-    assert dare.fused_statistics(0, chunk, [base, *tasks], dare_params, {}, True) is None
+    assert not dare.fused_merge(ChunkWork(chunk, dare_params, {}), [base, *tasks], out)
+    work = ChunkWork(chunk, dare_params, {}, 0, count_nonfinite=True)
+    assert dare.fused_statistics(work, [base, *tasks]) is None
     assert not kernels.handle(["F64", "F32"]) and kernels.handle(["F32", "BF16"], "F64")
     params = ties_params(2, rescale=True, density=[0.5, 0.5])
     _, state, _ = run("ties", params, base, tasks, [0, 100], False, F32)
     ties = get_method("ties")
-    assert not ties.fused_merge(chunk, [base, *tasks], params, state, out)
-    assert ties.fused_statistics(0, chunk, [base, *tasks], params, state, False) is None
+    assert not ties.fused_merge(ChunkWork(chunk, params, state), [base, *tasks], out)
+    assert ties.fused_statistics(ChunkWork(chunk, params, state), [base, *tasks]) is None
 
 
 def test_no_fma_in_compiled_ties_kernels() -> None:

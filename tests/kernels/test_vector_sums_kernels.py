@@ -24,7 +24,7 @@ from stored_forms import BASES, COMPRESSED, bf16_agents, compressed_base, run_me
 
 from ram_dist.methods import exact_sums
 from ram_dist.methods.geometric import columns
-from ram_dist.methods.protocol import Chunk
+from ram_dist.methods.protocol import Chunk, ChunkWork
 from ram_dist.methods.registry import METHODS
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.tensor_params import resolve_all
@@ -164,7 +164,7 @@ def test_the_fused_rounds_take_the_stored_form(name, extra):
     agents = bf16_agents(base, n, seed=14)
     state = method.initial_state({"w": params}, {"w": base.numel}, n)
     inputs = [base.stored(0, base.numel), *agents]
-    got = method.fused_statistics(0, Chunk("w", 0, base.shape), inputs, params, state, False)
+    got = method.fused_statistics(ChunkWork(Chunk("w", 0, base.shape), params, state, 0), inputs)
     assert got is not None
 
 

@@ -18,7 +18,7 @@ import torch
 from ram_dist.methods import get_method, linear
 from ram_dist.methods.generalized_task_arithmetic import combine, dare
 from ram_dist.methods.generalized_task_arithmetic.topk import LOW_BINS, kept_count
-from ram_dist.methods.protocol import Chunk, State
+from ram_dist.methods.protocol import Chunk, ChunkWork, RoundTotals, State
 
 try:
     import mergekit.merge_methods.base as mk_base
@@ -111,11 +111,13 @@ def ties_state(base, tasks, bounds, weights, densities, *, rescale=False, normal
             continue
         totals: dict[str, torch.Tensor] = {}
         for lo, b, ts in split(base, tasks, bounds):
-            stats = method.chunk_statistics(round_, Chunk(name, lo, (numel,)), b, ts, params, state)
+            stats = method.chunk_statistics(
+                ChunkWork(Chunk(name, lo, (numel,)), params, state, round_), b, ts
+            )
             for key, value in stats.items():
                 assert value.dtype == torch.int64, key
                 totals[key] = totals[key] + value if key in totals else value
-        state = method.finalize(round_, totals, {name: params}, {name: numel}, state)
+        state = method.finalize(RoundTotals(round_, totals, {name: params}, {name: numel}, state))
         state = json.loads(json.dumps(state))
     return params, state
 
@@ -128,7 +130,7 @@ def run_ties(base, tasks, bounds, weights, densities, rescale=False, name="w", *
     )
     numel = base.numel()
     parts = [
-        method.merge_chunk(Chunk(name, lo, (numel,)), b, ts, params, state)
+        method.merge_chunk(ChunkWork(Chunk(name, lo, (numel,)), params, state), b, ts)
         for lo, b, ts in split(base, tasks, bounds)
     ]
     return torch.cat(parts).reshape(base.shape)

@@ -15,7 +15,7 @@ from geometric_reference import karcher, multislerp, nuslerp, slerp
 
 from ram_dist.errors import RamDistError
 from ram_dist.methods import get_method
-from ram_dist.methods.protocol import Chunk
+from ram_dist.methods.protocol import Chunk, ChunkWork, RoundTotals
 
 try:
     from mergekit.merge_methods import registry as mk_registry
@@ -71,17 +71,21 @@ def run(name: str, params: dict, base, tasks, bounds, tensor: str = "w"):
         totals: dict = {}
         for lo, hi in zip(bounds, bounds[1:], strict=False):
             stats = method.chunk_statistics(
-                round_, chunk(lo), flat_base[lo:hi], [t[lo:hi] for t in flat_tasks], params, state
+                ChunkWork(chunk(lo), params, state, round_),
+                flat_base[lo:hi],
+                [t[lo:hi] for t in flat_tasks],
             )
             for key, value in stats.items():
                 assert value.dtype == torch.int64, key
                 totals[key] = totals[key] + value if key in totals else value
-        state = method.finalize(round_, totals, {tensor: params}, {tensor: numel}, state)
+        state = method.finalize(
+            RoundTotals(round_, totals, {tensor: params}, {tensor: numel}, state)
+        )
         state = json.loads(json.dumps(state))
     parts = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         pieces = flat_base[lo:hi], [t[lo:hi] for t in flat_tasks]
-        parts.append(method.merge_chunk(chunk(lo), *pieces, params, state))
+        parts.append(method.merge_chunk(ChunkWork(chunk(lo), params, state), *pieces))
     return torch.cat([p.reshape(-1) for p in parts]).reshape(base.shape), state
 
 
@@ -357,8 +361,8 @@ def test_fused_statistics_are_the_eager_rules_integers(name, dtype):
     method = get_method(name)
     chunk = Chunk("w", 0, SHAPE)
     state = method.initial_state({"w": params}, {"w": base.numel()}, n)
-    eager = method.chunk_statistics(0, chunk, base.reshape(-1), [t.reshape(-1) for t in tasks],
-                                    params, state)["w"]  # fmt: skip
+    work = ChunkWork(chunk, params, state)
+    eager = method.chunk_statistics(work, base.reshape(-1), [t.reshape(-1) for t in tasks])["w"]
 
     def raw(x: torch.Tensor) -> np.ndarray:
         return (
@@ -367,8 +371,7 @@ def test_fused_statistics_are_the_eager_rules_integers(name, dtype):
             else x.reshape(-1).numpy()
         )
 
-    fused, counts = method.fused_statistics(0, chunk, [raw(base), *map(raw, tasks)], params,
-                                            state, False)  # fmt: skip
+    fused, counts = method.fused_statistics(work, [raw(base), *map(raw, tasks)])
     assert counts is None and fused["w"].dtype == np.int64
     assert np.array_equal(fused["w"], eager.numpy())
 

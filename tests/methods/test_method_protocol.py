@@ -7,7 +7,6 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from ram_dist.api import run_merge
 from ram_dist.errors import RamDistError
 from ram_dist.methods import exact_sums
 from ram_dist.methods.parameters import PARAMETERS, Parameter, check_flag, check_table
-from ram_dist.methods.protocol import Chunk, NoStatistics, State, TensorParams
+from ram_dist.methods.protocol import ChunkWork, NoStatistics, State, TensorParams
 from ram_dist.planning.config import MergeConfig, check_task_count
 
 
@@ -35,8 +34,9 @@ class RowShift(NoStatistics):
         return True
 
     def merge_chunk(
-        self, chunk: Chunk, base: torch.Tensor, tasks: list[torch.Tensor], params: Any, state: State
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        chunk = work.chunk
         assert chunk.start % chunk.row == 0 and base.numel() % chunk.row == 0, chunk
         b = base.to(torch.float32).reshape(-1, chunk.row)
         d = tasks[0].to(torch.float32).reshape(-1, chunk.row) - b
@@ -56,10 +56,10 @@ class FloatSum(NoStatistics):
     def active(self, round_: int, state: State, tensor: str) -> bool:
         return True
 
-    def chunk_statistics(self, round_, chunk, base, tasks, params, state):
-        return {chunk.tensor: tasks[0].to(torch.float32).sum().reshape(1)}
+    def chunk_statistics(self, work, base, tasks):
+        return {work.chunk.tensor: tasks[0].to(torch.float32).sum().reshape(1)}
 
-    def merge_chunk(self, chunk, base, tasks, params, state):
+    def merge_chunk(self, work, base, tasks):
         return base.to(torch.float32)
 
 

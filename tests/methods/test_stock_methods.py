@@ -17,7 +17,7 @@ import torch
 from ram_dist.errors import RamDistError
 from ram_dist.io.writer import json_text
 from ram_dist.methods import float64_math, get_method
-from ram_dist.methods.protocol import Chunk
+from ram_dist.methods.protocol import Chunk, ChunkWork, RoundTotals
 
 try:
     import mergekit.merge_methods.base as mk_base
@@ -70,12 +70,16 @@ def run(method_name: str, base, tasks, params, bounds, name: str = "w") -> tuple
             continue
         totals: dict[str, torch.Tensor] = {}
         for chunk, (b, *ts) in pieces:
-            for key, value in method.chunk_statistics(round_, chunk, b, ts, params, state).items():
+            for key, value in method.chunk_statistics(
+                ChunkWork(chunk, params, state, round_), b, ts
+            ).items():
                 assert value.dtype == torch.int64, key
                 totals[key] = totals[key] + value if key in totals else value
-        state = method.finalize(round_, totals, {name: params}, numel, state)
+        state = method.finalize(RoundTotals(round_, totals, {name: params}, numel, state))
         state = json.loads(json_text(state))  # as the manifest keeps it
-    parts = [method.merge_chunk(chunk, b, ts, params, state) for chunk, (b, *ts) in pieces]
+    parts = [
+        method.merge_chunk(ChunkWork(chunk, params, state), b, ts) for chunk, (b, *ts) in pieces
+    ]
     return torch.cat([p.reshape(-1) for p in parts]).reshape(base.shape), state
 
 
@@ -342,15 +346,16 @@ def test_fused_exact_sums_are_the_eager_ones_bin_for_bin(method, params, dtype):
     m = get_method(method)
     chunk = Chunk("w", 0, (40, 33))
     state = m.initial_state({"w": params}, {"w": base.numel()}, 3)
-    eager = m.chunk_statistics(0, chunk, inputs[0], inputs[1:], params, state)
-    fused, _ = m.fused_statistics(0, chunk, raw, params, state, False)
+    eager = m.chunk_statistics(ChunkWork(chunk, params, state, 0), inputs[0], inputs[1:])
+    fused, _ = m.fused_statistics(ChunkWork(chunk, params, state, 0), raw)
     assert eager.keys() == fused.keys()
     assert all(np.array_equal(eager[k].numpy(), fused[k]) for k in eager)
     if method == "sce":  # the selection's first round too
         selecting = {"select_topk": 0.5, "int8_mask": False}
         state = m.initial_state({"w": selecting}, {"w": base.numel()}, 3)
-        eager = m.chunk_statistics(0, chunk, inputs[0], inputs[1:], selecting, state)
-        fused, _ = m.fused_statistics(0, chunk, raw, selecting, state, False)
+        work = ChunkWork(chunk, selecting, state, 0)
+        eager = m.chunk_statistics(work, inputs[0], inputs[1:])
+        fused, _ = m.fused_statistics(work, raw)
         assert eager.keys() == fused.keys()
         assert all(np.array_equal(eager[k].numpy(), fused[k]) for k in eager)
 

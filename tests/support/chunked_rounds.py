@@ -9,7 +9,7 @@ import json
 import torch
 
 from ram_dist.methods import get_method
-from ram_dist.methods.protocol import Chunk
+from ram_dist.methods.protocol import Chunk, ChunkWork, RoundTotals
 
 
 def run_chunked(
@@ -32,10 +32,12 @@ def run_chunked(
             continue
         totals: dict[str, torch.Tensor] = {}
         for chunk, b, ts in pieces():
-            for key, value in m.chunk_statistics(round_, chunk, b, ts, params, state).items():
+            for key, value in m.chunk_statistics(
+                ChunkWork(chunk, params, state, round_), b, ts
+            ).items():
                 assert value.dtype == torch.int64, key
                 totals[key] = totals[key] + value if key in totals else value
-        state = m.finalize(round_, totals, {name: params}, {name: numel}, state)
+        state = m.finalize(RoundTotals(round_, totals, {name: params}, {name: numel}, state))
         state = json.loads(json.dumps(state))
-    parts = [m.merge_chunk(c, b, ts, params, state) for c, b, ts in pieces()]
+    parts = [m.merge_chunk(ChunkWork(c, params, state), b, ts) for c, b, ts in pieces()]
     return torch.cat(parts).reshape(base.shape), state

@@ -14,6 +14,7 @@ from ram_dist.dtypes import itemsize
 from ram_dist.engine import driver, map_step, reduce_step, worker
 from ram_dist.io.sinks import DriverTarget
 from ram_dist.methods import get_method
+from ram_dist.methods.protocol import RoundTotals
 from ram_dist.planning.config import MergeConfig
 from ram_dist.planning.units import Part
 
@@ -49,7 +50,7 @@ def merge_inline(
                 got = reduce_step.reduce_unit(unit, context, round_, False, scope)
             reduce_step.add_up(got, totals, {})
         sums = {key: torch.from_numpy(value) for key, value in totals.items()}
-        state = method.finalize(round_, sums, job.params, job.numel(), state)
+        state = method.finalize(RoundTotals(round_, sums, job.params, job.numel(), state))
     if on_pass is not None:
         on_pass("map")
     pieces: dict[str, list[tuple[int, bytes]]] = {}

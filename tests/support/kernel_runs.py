@@ -9,7 +9,7 @@ import json
 import torch
 
 from ram_dist.methods import get_method
-from ram_dist.methods.protocol import Chunk
+from ram_dist.methods.protocol import Chunk, ChunkWork, RoundTotals
 
 
 def sparse_inputs(n: int, dtypes: tuple[torch.dtype, ...], seed: int):
@@ -48,26 +48,26 @@ def run(method_name, params, base, tasks, bounds, fused, out_dtype, as_stored=Fa
         totals: dict[str, torch.Tensor] = {}
         for lo, b, ts in chunks:
             chunk = Chunk("w", lo, shape or (numel,))
-            got = method.fused_statistics(round_, chunk, hand([b, *ts]), params, state, False)
+            got = method.fused_statistics(ChunkWork(chunk, params, state, round_), hand([b, *ts]))
             if fused and got is not None:
                 stats = {k: torch.from_numpy(v) for k, v in got[0].items()}
             else:
-                stats = method.chunk_statistics(round_, chunk, b, ts, params, state)
+                stats = method.chunk_statistics(ChunkWork(chunk, params, state, round_), b, ts)
             for key, value in stats.items():
                 assert value.dtype == torch.int64
                 totals[key] = totals[key] + value if key in totals else value
         totals_by_round.append(totals)
-        state = method.finalize(round_, totals, {"w": params}, {"w": numel}, state)
+        state = method.finalize(RoundTotals(round_, totals, {"w": params}, {"w": numel}, state))
         state = json.loads(json.dumps(state))
     parts = []
     for lo, b, ts in chunks:
         chunk = Chunk("w", lo, shape or (numel,))
         if fused:
             out = torch.empty(b.numel(), dtype=out_dtype)
-            assert method.fused_merge(chunk, hand([b, *ts]), params, state, out)
+            assert method.fused_merge(ChunkWork(chunk, params, state), hand([b, *ts]), out)
             parts.append(out)
         else:
-            parts.append(method.merge_chunk(chunk, b, ts, params, state).to(out_dtype))
+            parts.append(method.merge_chunk(ChunkWork(chunk, params, state), b, ts).to(out_dtype))
     return torch.cat(parts), state, totals_by_round
 
 
@@ -98,22 +98,22 @@ def run_rows(
     if method.active(0, state, "w"):
         for chunk, b, ts in chunks:
             if fused:
-                got = method.fused_statistics(0, chunk, hand([b, *ts]), params, state, False)
+                got = method.fused_statistics(ChunkWork(chunk, params, state, 0), hand([b, *ts]))
                 stats = {k: torch.from_numpy(v) for k, v in got[0].items()}
             else:
-                stats = method.chunk_statistics(0, chunk, b, ts, params, state)
+                stats = method.chunk_statistics(ChunkWork(chunk, params, state, 0), b, ts)
             for key, value in stats.items():
                 totals[key] = totals[key] + value if key in totals else value
-        state = method.finalize(0, totals, {"w": params}, {"w": numel}, state)
+        state = method.finalize(RoundTotals(0, totals, {"w": params}, {"w": numel}, state))
         state = json.loads(json.dumps(state))
     parts = []
     for chunk, b, ts in chunks:
         if fused:
             out = torch.empty(b.numel(), dtype=out_dtype)
-            assert method.fused_merge(chunk, hand([b, *ts]), params, state, out)
+            assert method.fused_merge(ChunkWork(chunk, params, state), hand([b, *ts]), out)
             parts.append(out)
         else:
-            parts.append(method.merge_chunk(chunk, b, ts, params, state).to(out_dtype))
+            parts.append(method.merge_chunk(ChunkWork(chunk, params, state), b, ts).to(out_dtype))
     return torch.cat(parts), state, totals
 
 

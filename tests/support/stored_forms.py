@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ram_dist.kernels import fp8, quantized
-from ram_dist.methods.protocol import Chunk, MergeMethod
+from ram_dist.methods.protocol import Chunk, ChunkWork, MergeMethod, RoundTotals
 
 
 @dataclass(frozen=True)
@@ -209,35 +209,35 @@ def run_method(
             continue
         totals: dict[str, np.ndarray] = {}
         for lo, hi in spans:
-            chunk = Chunk("w", lo, base.shape)
+            work = ChunkWork(Chunk("w", lo, base.shape), params, state, round_)
             got = None
             if mode != "eager":
-                got = method.fused_statistics(
-                    round_, chunk, kernel_inputs(lo, hi), params, state, False
-                )  # fmt: skip
+                got = method.fused_statistics(work, kernel_inputs(lo, hi))
             if got is not None:
                 stats = dict(got[0])
                 fused_rounds += 1
             else:
                 b, ts = eager_inputs(lo, hi)
-                eager = method.chunk_statistics(round_, chunk, b, ts, params, state)
+                eager = method.chunk_statistics(work, b, ts)
                 stats = {k: v.numpy() for k, v in eager.items()}
             for key, value in stats.items():
                 value = np.asarray(value, np.int64)
                 totals[key] = totals[key] + value if key in totals else value
         rounds.append(totals)
         sums = {k: torch.from_numpy(v) for k, v in totals.items()}
-        state = method.finalize(round_, sums, {"w": params}, {"w": numel}, state)
+        state = method.finalize(RoundTotals(round_, sums, {"w": params}, {"w": numel}, state))
         state = json.loads(json.dumps(state))
     parts, fused_merges = [], 0
     for lo, hi in spans:
         chunk = Chunk("w", lo, base.shape)
         out = np.empty(hi - lo, np.uint16)
-        if mode != "eager" and method.fused_merge(chunk, kernel_inputs(lo, hi), params, state, out):
+        if mode != "eager" and method.fused_merge(
+            ChunkWork(chunk, params, state), kernel_inputs(lo, hi), out
+        ):
             fused_merges += 1
         else:
             b, ts = eager_inputs(lo, hi)
-            merged = method.merge_chunk(chunk, b, ts, params, state).to(torch.bfloat16)
+            merged = method.merge_chunk(ChunkWork(chunk, params, state), b, ts).to(torch.bfloat16)
             out = merged.reshape(-1).view(torch.int16).numpy().view(np.uint16)
         parts.append(out)
     return MethodRun(np.concatenate(parts).tobytes(), rounds, fused_rounds, fused_merges)

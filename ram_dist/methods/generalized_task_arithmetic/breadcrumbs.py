@@ -41,11 +41,13 @@ from ram_dist.methods.parameters import (
     WEIGHT,
     Parameter,
 )
-from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
+from ram_dist.methods.protocol import Eager, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 L1 = "#l1"
 L1_ABOVE = "#l1-above"
@@ -195,14 +197,9 @@ class Breadcrumbs(MergekitRule, Eager):
         return ordered or (round_ == 2 and info["rescale"] and bool(cuts))
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
+        round_, chunk, state = work.round_, work.chunk, work.state
         import torch
 
         info = state["tensors"][chunk.tensor]
@@ -247,14 +244,8 @@ class Breadcrumbs(MergekitRule, Eager):
             out[chunk.tensor + L1_ABOVE] = above
         return out
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, torch.Tensor],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
+    def finalize(self, end: RoundTotals) -> State:
+        round_, totals, state = end.round_, end.totals, end.state
         for name, info in state["tensors"].items():
             if name not in totals:
                 continue
@@ -301,13 +292,9 @@ class Breadcrumbs(MergekitRule, Eager):
     # -- map pass ----------------------------------------------------------------------
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        chunk, params, state = work.chunk, work.params, work.state
         info = state["tensors"][chunk.tensor]
         b, deltas = combine.task_vectors(base, tasks)
         sparse = []
@@ -323,16 +310,11 @@ class Breadcrumbs(MergekitRule, Eager):
         )  # fmt: skip
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """The rounds' histograms by TIES's fused kernel (`ties_numba.statistics`), once per
         cut row; None where L1 rescaling adds statistics the kernel does not compute."""
+        round_, chunk, state = work.round_, work.chunk, work.state
         import numpy as np
 
         from ram_dist.kernels import ties_numba
@@ -367,18 +349,11 @@ class Breadcrumbs(MergekitRule, Eager):
             rows.append(ties_numba.statistics(base, tasks, kind, size, select, chunk.start))
         return {chunk.tensor: np.stack(rows, axis=1)}, None
 
-    def fused_merge(
-        self,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        out: np.ndarray,
-        bf16_nan: int | None = None,
-    ) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`merge_chunk` by TIES's merge kernel (`ties_numba.merge`), each task's kept set
         between its two cuts (`KEEP_BETWEEN`), written straight into `out`; False where L1
         rescaling multiplies by a factor the kernel does not apply."""
+        chunk, params, state, bf16_nan = work.chunk, work.params, work.state, work.bf16_nan
         from ram_dist.kernels import ties_numba
         from ram_dist.methods.generalized_task_arithmetic.family import weight_sum
 

@@ -57,6 +57,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
+
 
 def rank_groups(shape: Sequence[int]) -> tuple[int, int]:
     """(n, inner): a tensor's rank groups have n elements, `inner` apart in flat order; a
@@ -209,15 +211,10 @@ class Della(MergekitRule, Eager):
         return masks
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """int64[N, 2, 256]: per task the L1 statistics of delta and of the kept delta."""
+        chunk, params = work.chunk, work.params
         import torch
 
         _, deltas = combine.task_vectors(base, tasks)
@@ -230,14 +227,8 @@ class Della(MergekitRule, Eager):
             rows.append(torch.stack([dare.l1_statistic(d), dare.l1_statistic(kept)]))
         return {chunk.tensor: torch.stack(rows)}
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, torch.Tensor],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
+    def finalize(self, end: RoundTotals) -> State:
+        totals, params, state = end.totals, end.params, end.state
         for name, info in state["tensors"].items():
             if name in totals:
                 densities = [float(d) for d in params[name]["density"]]
@@ -245,13 +236,9 @@ class Della(MergekitRule, Eager):
         return state
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        chunk, params, state = work.chunk, work.params, work.state
         b, deltas = combine.task_vectors(base, tasks)
         factors = state["tensors"][chunk.tensor].get("factors") or [None] * len(tasks)
         masks = self._masks(chunk, deltas, params)
@@ -289,15 +276,10 @@ class Della(MergekitRule, Eager):
         }
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """The L1 round by the fused kernel; None for groups too long for its ranks."""
+        chunk, params = work.chunk, work.params
         if rank_groups(chunk.shape)[0] > 1 << 24:
             return None
         from ram_dist.kernels import della_numba
@@ -308,16 +290,9 @@ class Della(MergekitRule, Eager):
         )
         return {chunk.tensor: stats}, None
 
-    def fused_merge(
-        self,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        out: np.ndarray,
-        bf16_nan: int | None = None,
-    ) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`merge_chunk` by the fused kernel, written straight into `out`."""
+        chunk, params, state, bf16_nan = work.chunk, work.params, work.state, work.bf16_nan
         if rank_groups(chunk.shape)[0] > 1 << 24:
             return False
         from ram_dist.kernels import della_numba

@@ -35,7 +35,6 @@ from ram_dist.methods.parameters import (
 )
 from ram_dist.methods.protocol import (
     MERGEKIT_TEXT,
-    Chunk,
     Defaults,
     MergekitRule,
     State,
@@ -45,6 +44,8 @@ from ram_dist.methods.protocol import (
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 #: mergekitty's tolerance below which an L1 norm counts as zero in its consensus methods'
 #: rescale (`sparsify.rescale_sum`; mergekit's is `dare.RESCALE_EPS`).
@@ -180,14 +181,9 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
         return ordered or (round_ == 2 and info["rescale"])
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
+        round_, chunk, params, state = work.round_, work.chunk, work.params, work.state
         if self.sparsify == "random":
             stats = dare.chunk_statistics(
                 base, tasks, seed=params["seed"], name=chunk.tensor, start=chunk.start,
@@ -196,14 +192,8 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
             return {chunk.tensor: stats}
         return ties.chunk_statistics(round_, chunk, base, tasks, state["tensors"][chunk.tensor])
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, torch.Tensor],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
+    def finalize(self, end: RoundTotals) -> State:
+        round_, totals, params, state = end.round_, end.totals, end.params, end.state
         tensors = state["tensors"]
         if self.sparsify == "random":
             for name, info in tensors.items():
@@ -218,17 +208,13 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
     # -- map pass ----------------------------------------------------------------------
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        chunk, params, state = work.chunk, work.params, work.state
         import torch
 
         if self.tall:
-            return self._tall_chunk(chunk, base, tasks, params, state)
+            return self._tall_chunk(work, base, tasks)
         weights = _weights(params)
         normalize = bool(params["normalize"])
         lam = float(params["lambda"])
@@ -260,16 +246,12 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
         return TALL_RESCALE_EPS if self.tall else dare.RESCALE_EPS
 
     def _tall_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
         """mergekitty's consensus members (`tall`): the combine step without lambda on the
         (TIES-cut) task vectors, then TALL masks against each whole task vector (rescaled
         by its L1 factor, if any, as mergekitty rescales it in place), then the base."""
+        chunk, params, state = work.chunk, work.params, work.state
         import torch
 
         b, deltas = combine.task_vectors(base, tasks)
@@ -291,16 +273,11 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
         return b + tall.consensus(whole, mixed, lambdas, int(params["k"][0]))
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """TIES's histograms by the fused kernel; None for DARE's and the L1 statistics of
         rescaling, which it does not compute."""
+        round_, chunk, state = work.round_, work.chunk, work.state
         if self.sparsify != "magnitude":
             return None
         info = state["tensors"][chunk.tensor]
@@ -308,17 +285,10 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
             return None
         return {chunk.tensor: ties.fused_statistics(round_, chunk, inputs, info["cuts"])}, None
 
-    def fused_merge(
-        self,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        out: np.ndarray,
-        bf16_nan: int | None = None,
-    ) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`merge_chunk` by a fused kernel, written straight into `out`; False where none
         applies (DARE, L1 rescaling, TALL masks)."""
+        chunk, params, state, bf16_nan = work.chunk, work.params, work.state, work.bf16_nan
         if self.sparsify == "random" or self.tall:
             return False
         from ram_dist.kernels import ties_numba

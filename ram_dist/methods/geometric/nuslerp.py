@@ -26,7 +26,7 @@ task vectors give mergekit's bytes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -42,11 +42,13 @@ from ram_dist.methods.geometric.span import (
     task_vectors,
 )
 from ram_dist.methods.parameters import WEIGHT, Parameter
-from ram_dist.methods.protocol import Chunk, State, TensorParams
+from ram_dist.methods.protocol import State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 #: mergekit's floor of a norm, and its colinearity threshold `eps**2`.
 NORM_FLOOR = 1e-7
@@ -129,18 +131,13 @@ class Nuslerp(SpanMethod):
         return {"factors": [f0, f1], "divisor": divisor, "linear": colinear_cos(g)}
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """The whole tensor's Gram matrix, or (columns) each column's sums: `|v_0|**2`,
         `|v_1|**2` and `v_0 . v_1`, int64[3, columns, SLOTS]."""
+        chunk, params = work.chunk, work.params
         if variant(params) != "columns":
-            return super().chunk_statistics(round_, chunk, base, tasks, params, state)
+            return super().chunk_statistics(work, base, tasks)
         import torch
 
         v0, v1 = task_vectors(base, tasks)
@@ -149,30 +146,19 @@ class Nuslerp(SpanMethod):
         return {chunk.tensor: torch.stack([columns.column_sums(x, y, n) for x, y in pairs])}
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """The whole tensor's Gram matrix, or each column's sums, by the fused kernels."""
+        chunk, params = work.chunk, work.params
         if variant(params) != "columns":
-            return super().fused_statistics(round_, chunk, inputs, params, state, count_nonfinite)
+            return super().fused_statistics(work, inputs)
         base, *tasks = inputs  # as stored: the kernel decodes a quantized one as it loads
         pairs = [(0, 0), (1, 1), (0, 1)]
         stats = columns.fused_column_sums(base, tasks, pairs, column_count(chunk.shape))
         return None if stats is None else ({chunk.tensor: stats}, None)
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, Any],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
+    def finalize(self, end: RoundTotals) -> State:
+        totals, params, state = end.totals, end.params, end.state
         for name, info in state["tensors"].items():
             if name not in totals:
                 continue
@@ -187,15 +173,11 @@ class Nuslerp(SpanMethod):
         return state
 
     def merge_rows(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
         """Whole rows of the tensor: each row's own factors (computed here, on the CPU's
         Python, from exact sums per row), or each column's (from the state)."""
+        chunk, params, state = work.chunk, work.params, work.state
         import torch
 
         if variant(params) == "columns":

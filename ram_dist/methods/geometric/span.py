@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from ram_dist.methods import exact_sums
 from ram_dist.methods import task_vectors as measured
-from ram_dist.methods.protocol import Chunk, Eager, MergekitRule, State, TensorParams
+from ram_dist.methods.protocol import Eager, MergekitRule, State, TensorParams
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from ram_dist.methods.protocol import ChunkWork, RoundTotals
 
 #: Gram matrix of a tensor's vectors, float64, `gram[i][j] = x_i . x_j`.
 Gram = list[list[float]]
@@ -180,17 +182,12 @@ class SpanMethod(MergekitRule, Eager):
         return [float32(t) for t in tasks]
 
     def fused_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        count_nonfinite: bool,
+        self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], None] | None:
         """The Gram statistic by the records' kernel (`vector_sums_numba.gram`), bin for
         bin `chunk_statistics`', the inputs as stored (a quantized one decoded as it
         loads); None where numba is missing."""
+        chunk = work.chunk
         from ram_dist import kernels
 
         kernel = kernels.numba_module("vector_sums_numba")
@@ -202,18 +199,11 @@ class SpanMethod(MergekitRule, Eager):
         stats = kernel.gram(base, tasks, mode[self.blends], pairs(n))[0]
         return {chunk.tensor: stats}, None
 
-    def fused_merge(
-        self,
-        chunk: Chunk,
-        inputs: Sequence[np.ndarray],
-        params: TensorParams,
-        state: State,
-        out: np.ndarray,
-        bf16_nan: int | None = None,
-    ) -> bool:
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`merge_chunk` cast to the output's dtype by the fused blend kernel, written into
         `out`; False for nuslerp's rows and columns (factors per row or column) and for
         karcher's zeros, which run eagerly."""
+        chunk, params, state, bf16_nan = work.chunk, work.params, work.state, work.bf16_nan
         from ram_dist import kernels
 
         kernel = kernels.numba_module("blend_numba")
@@ -271,24 +261,13 @@ class SpanMethod(MergekitRule, Eager):
         return tensor in state.get("tensors", {})
 
     def chunk_statistics(
-        self,
-        round_: int,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
+        chunk = work.chunk
         return {chunk.tensor: gram_statistic(self.vectors(base, tasks))}
 
-    def finalize(
-        self,
-        round_: int,
-        totals: dict[str, Any],
-        params: Mapping[str, TensorParams],
-        numel: Mapping[str, int],
-        state: State,
-    ) -> State:
+    def finalize(self, end: RoundTotals) -> State:
+        totals, params, state = end.totals, end.params, end.state
         n = state["n_vectors"]
         for name, info in state["tensors"].items():
             if name not in totals:
@@ -298,13 +277,9 @@ class SpanMethod(MergekitRule, Eager):
         return state
 
     def merge_chunk(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
+        chunk, params, state = work.chunk, work.params, work.state
         keep = self.passthrough(len(tasks))
         if keep is not None:  # with a base, the model's values measured against it
             return (
@@ -313,7 +288,7 @@ class SpanMethod(MergekitRule, Eager):
                 else float32(tasks[keep])
             )
         if self.whole_rows(params):
-            return self.merge_rows(chunk, base, tasks, params, state)
+            return self.merge_rows(work, base, tasks)
         info = state["tensors"][chunk.tensor]
         if info.get("zeros"):
             import torch
@@ -327,12 +302,7 @@ class SpanMethod(MergekitRule, Eager):
         )
 
     def merge_rows(
-        self,
-        chunk: Chunk,
-        base: torch.Tensor,
-        tasks: list[torch.Tensor],
-        params: TensorParams,
-        state: State,
+        self, work: ChunkWork, base: torch.Tensor, tasks: list[torch.Tensor]
     ) -> torch.Tensor:
         """The map pass of a tensor computed on whole rows (`whole_rows`)."""
         raise NotImplementedError
