@@ -146,6 +146,23 @@ def test_mxfp4_every_code_at_edge_scales(scale):
 
 
 @pytest.mark.quick
+def test_mxfp4_every_code_at_every_scale():
+    """Every byte at every scale byte 0..255, 4096 packed rows of one group (16 rows a
+    scale, their 256 bytes every byte once), read as rows of 4096 values (the panel's fill
+    in scratch tiles, with a partial last tile of a row, `fill_panel`)."""
+    r, g = 16 * 256, 1
+    blocks = np.tile(np.arange(256, dtype=np.uint8), 256)
+    scales = np.repeat(np.arange(256, dtype=np.uint8), 16)
+    want = _mxfp4_want(blocks, scales, r, g)
+    _assert_spans(quantized.mxfp4_values(blocks, scales, r, g), want, r)
+    r = 16 * 255 + 5  # rows not a multiple of the scratch's tile
+    blocks, scales = blocks[: r * 16], scales[:r]
+    _assert_spans(
+        quantized.mxfp4_values(blocks, scales, r, g), _mxfp4_want(blocks, scales, r, g), r
+    )
+
+
+@pytest.mark.quick
 def test_mxfp4_a_nan_scale_in_one_block_only():
     blocks, scales = _mxfp4_case(2, 9, 2, None, seed=7)
     scales[5] = 255
