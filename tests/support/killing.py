@@ -92,6 +92,19 @@ def _partial_kept(out: Path, manifest: dict) -> bool:
 
 
 def _try_to_kill(args: list[str], env: dict, read_manifest, mid_shard: bool) -> dict | None:
+    def ready() -> dict | None:
+        manifest = read_manifest()
+        if not manifest or not 1 <= len(manifest["shards"]) < len(manifest["shard_names"]):
+            return None
+        inside = not mid_shard or any(w["parts"] for w in manifest.get("writing", {}).values())
+        return manifest if inside else None
+
+    return _kill_when(args, env, ready, "the map pass never finished a first shard")
+
+
+def _kill_when(args: list[str], env: dict, ready: Callable[[], Any], never: str) -> Any:
+    """Run the CLI with `args` in a session of its own and SIGKILL the whole session once
+    `ready()` is truthy: return what it gave, or None where the run ended first."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "ram_dist.cli", *args],
         env=env,
@@ -102,21 +115,15 @@ def _try_to_kill(args: list[str], env: dict, read_manifest, mid_shard: bool) -> 
     deadline = time.monotonic() + 240
     try:
         while time.monotonic() < deadline:
-            manifest = read_manifest()
-            inside = (
-                not mid_shard or any(w["parts"] for w in manifest.get("writing", {}).values())
-                if manifest
-                else False
-            )
-            if manifest and 1 <= len(manifest["shards"]) < len(manifest["shard_names"]) and inside:
+            if got := ready():
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
-                return manifest
+                return got
             if proc.poll() is not None:
                 assert proc.returncode == 0, proc.stderr.read()
                 return None
             time.sleep(0.01)
-        pytest.fail("the map pass never finished a first shard")
+        pytest.fail(never)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -143,26 +150,5 @@ def _mid_shard(folder: Path) -> bool:
 
 
 def _try_to_kill_sweep(args: list[str], env: dict, out: Path, watch: list[str]) -> bool:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ram_dist.cli", *args],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 240
-    try:
-        while time.monotonic() < deadline:
-            if all(_mid_shard(out / name) for name in watch):
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-                return True
-            if proc.poll() is not None:
-                assert proc.returncode == 0, proc.stderr.read()
-                return False
-            time.sleep(0.01)
-        pytest.fail("the sweep's map pass never finished a first shard")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    ready = lambda: all(_mid_shard(out / name) for name in watch)  # noqa: E731
+    return bool(_kill_when(args, env, ready, "the sweep's map pass never finished a first shard"))
