@@ -120,3 +120,37 @@ def test_wide_rows_four_at_a_time_and_in_tiles(start, stop):
         for fast in (True, False)
     ]  # fmt: skip
     assert got[0] == got[1]
+
+
+@pytest.mark.parametrize(("start", "stop"), [(0, 11 * 327), (5, 11 * 327 - 3), (671, 2389)])
+def test_register_blocks_at_rank_64_and_their_edges(start, stop):
+    """Rank 64 over rows of 327 columns: whole blocks of 16 columns (four rows) and of 64
+    (a row alone, from a column that is not a block's first), and the columns around them:
+    the same bytes as the numpy rule, and as the rule step by step."""
+    rng = np.random.default_rng(12)
+    rows, cols, r = 11, 327, 64
+    coef = rng.standard_normal((rows, r)).astype(np.float32)
+    basis = rng.standard_normal((r, cols)).astype(np.float32)
+    theta = _stored(rng.standard_normal(rows * cols), "F32")[start * 4 : stop * 4]
+    got = [
+        lora.values(theta, "F32", coef[start // cols :], basis, np.float32(0.7), start, "F32",
+                    np.empty((stop - start) * 4, np.uint8), fast=fast).tobytes()
+        for fast in (True, False)
+    ]  # fmt: skip
+    assert got[0] == got[1]
+    if start == 671:
+        want = _by_hand(lora.as_float32(theta, "F32"), coef[start // cols :], basis,
+                        np.float32(0.7), start)  # fmt: skip
+        assert got[0] == want.tobytes()
+
+
+def test_the_fma_check_covers_the_functions_the_kernel_calls():
+    """`fma_instructions` compiles each helper afresh too, for the signatures the kernel
+    called it with: none is left unchecked."""
+    rng = np.random.default_rng(1)
+    coef = rng.standard_normal((9, 3)).astype(np.float32)
+    basis = rng.standard_normal((3, 80)).astype(np.float32)
+    theta = _stored(rng.standard_normal(9 * 80), "BF16")[2:]
+    lora.values(theta, "BF16", coef, basis, np.float32(1), 1, "BF16", np.empty(9 * 320, np.uint8))
+    assert lora_numba.fma_instructions() == []
+    assert all(helper.signatures for helper in lora_numba.HELPERS)
