@@ -154,3 +154,59 @@ def test_the_fma_check_covers_the_functions_the_kernel_calls():
     lora.values(theta, "BF16", coef, basis, np.float32(1), 1, "BF16", np.empty(9 * 320, np.uint8))
     assert lora_numba.fma_instructions() == []
     assert all(helper.signatures for helper in lora_numba.HELPERS)
+
+
+@pytest.fixture
+def on_torch():
+    """This process's LoRA products computed with torch (on the CPU), as a GPU worker's
+    are (`lora.compute_on`), for the test's length."""
+    lora.compute_on("cpu")
+    try:
+        yield
+    finally:
+        lora.compute_on(None)
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
+@pytest.mark.parametrize(("start", "stop"), [(0, 9 * 300), (299, 2401), (601, 899)])
+def test_torch_on_a_device_gives_the_kernels_bytes(dtype, start, stop):
+    """A GPU worker's products (torch, elementwise, k ascending): the numba kernel's bytes,
+    into every dtype, over whole and partial rows."""
+    rng = np.random.default_rng(21)
+    rows, cols, r = 9, 300, 16
+    coef = rng.standard_normal((rows, r)).astype(np.float32)
+    basis = rng.standard_normal((r, cols)).astype(np.float32)
+    isz = np.dtype(NUMPY[dtype]).itemsize
+    theta = _stored(rng.standard_normal(rows * cols), dtype)[start * isz : stop * isz]
+    args = (theta, dtype, coef[start // cols :], basis, np.float32(1.5), start)
+    for out_dtype in ("BF16", "F16", "F32"):
+        kernel = lora.values(*args, out_dtype, np.empty((stop - start) * 4, np.uint8)).tobytes()
+        lora.compute_on("cpu")
+        try:
+            torch_got = lora.values(*args, out_dtype, np.empty((stop - start) * 4, np.uint8))
+        finally:
+            lora.compute_on(None)
+        assert torch_got.tobytes() == kernel
+
+
+def test_torch_keeps_the_order_and_two_roundings(on_torch):
+    """On the torch path too: k ascending (`(2**24 + 1) - 2**24` is 0), and `acc + a * a`
+    rounded twice (an FMA would give another value), and a quantized base decoded first."""
+    from ram_dist.kernels import fp8
+
+    one = np.array([[1.0, 1.0, 1.0]], np.float32)
+    big = np.array([[2.0**24], [1.0], [-(2.0**24)]], np.float32)
+    zero = np.zeros(1, np.float32).view(np.uint8)
+    out = lora.values(zero, "F32", one, big, np.float32(1), 0, "F32", np.empty(4, np.uint8))
+    assert out.view(np.float32)[0] == 0.0
+    a = np.float32(1 + 2**-12)
+    coef, basis = np.array([[1, a]], np.float32), np.array([[-1], [a]], np.float32)
+    out = lora.values(zero, "F32", coef, basis, np.float32(1), 0, "F32", np.empty(4, np.uint8))
+    assert out.view(np.float32)[0] == 2**-11
+    codes = np.random.default_rng(2).integers(0, 0x7E, 16).astype(np.uint8)
+    base = fp8.Fp8Values(codes, np.full(1, 0.5, np.float32), 4, (4, 4))
+    factors = np.full((4, 2), 0.25, np.float32), np.full((2, 4), 0.5, np.float32)
+    got = lora.values(base, "F32", *factors, np.float32(3), 0, "BF16", np.empty(64, np.uint8))
+    lora.compute_on(None)
+    want = lora.values(base, "F32", *factors, np.float32(3), 0, "BF16", np.empty(64, np.uint8))
+    assert got.tobytes() == want.tobytes()
