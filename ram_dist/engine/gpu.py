@@ -9,7 +9,11 @@ that one reads while the other computes. A worker that dies is restarted by Ray 
 process) and the units it held run again; one that cannot be replaced fails the job with a
 line that says so.
 
-Without CUDA (Ray's fake GPUs in tests) a GPU worker computes the same eager rule on the CPU.
+A GPU worker also makes its units' LoRA products with torch on its GPU (`kernels.lora`'s
+`compute_on`): r multiplies and adds per element, the same bytes as the CPU kernel's.
+
+Without CUDA (Ray's fake GPUs in tests) a GPU worker computes the same eager rule, and the
+same torch products, on the CPU.
 """
 
 from __future__ import annotations
@@ -54,9 +58,11 @@ class GpuWorker:
         import torch
 
         from ram_dist.engine import worker
+        from ram_dist.kernels import lora
 
         if torch.cuda.is_available():
             torch.cuda.init()  # the CUDA context, once, before the first unit
+        lora.compute_on(worker.device())
         worker.warm_up()
         self._process = f"{socket.gethostname()}:{os.getpid()}"
 

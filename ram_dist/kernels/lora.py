@@ -13,6 +13,9 @@ where that is a 16-bit dtype the base's values are not in (an FP8 or float32-sca
 under an adapter trained on the base loaded in bfloat16), `kernels.precision`'s rule. A
 quantized base (`fp8.Fp8Values`, `quantized.QuantizedValues`) is read as stored: the kernel
 decodes each tile of its values as it loads it, so no copy of the base's values is made.
+
+In a process told to (`compute_on`: a GPU worker's), the product is computed with torch on
+that device instead (`lora_torch`), by the same rule: the same bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,23 @@ import numpy as np
 
 from ram_dist.dtypes import INFO
 from ram_dist.kernels import fp8, int_packed, mxfp4, precision, quantized
+
+#: The torch device this process computes the products on (`compute_on`); None: the kernels.
+_DEVICE: str | None = None
+
+
+def compute_on(device: str | None) -> None:
+    """Compute this process's LoRA products with torch on `device` ("cuda", or "cpu" where a
+    GPU worker has no CUDA: Ray's fake GPUs in tests), or with the kernels (None). A GPU
+    worker process says so once, when it starts (`engine.gpu`): its units' blocks are read,
+    and their products made, by threads of its own."""
+    global _DEVICE
+    _DEVICE = device
+
+
+def computing_on() -> str | None:
+    """The device `compute_on` named for this process (None: the kernels)."""
+    return _DEVICE
 
 
 def _numba() -> Any:
@@ -77,10 +97,16 @@ def values(
     form, whose values are of `theta_dtype`), rounded to `out_dtype` first where the task
     measures against the base at its precision (`precision.narrows`); `coef` [rows, r] the
     factors of the rows they touch, from the first (float32), `basis` [r, cols] (float32).
-    `fast`: the numba kernel where numba is installed and the dtypes are its (the same
-    bytes); the numpy rule decodes a stored form first."""
+    `fast`: the numba kernel where numba is installed and the dtypes are its, or torch on
+    the device `compute_on` named (the same bytes); the numpy rule decodes a stored form
+    first."""
     stored = precision.is_stored(theta)
     rounded = out_dtype if precision.narrows(theta_dtype, out_dtype) else "F32"
+    if fast and _DEVICE is not None:
+        from ram_dist.kernels import lora_torch
+
+        base = _base(theta, theta_dtype, rounded)
+        return cast(lora_torch.values(base, coef, basis, scale, start, _DEVICE), out_dtype, out)
     kernels = _numba() if fast else None
     if kernels is not None and (stored or theta_dtype in _BITS) and out_dtype in _BITS:
         from ram_dist.kernels import primitives, views
@@ -92,9 +118,7 @@ def values(
         kernels.lora_values(src, coef, basis, scale, start, kind, dst)
         return dst.view(np.uint8)
     cols = basis.shape[1]
-    base = _decoded(theta) if stored else as_float32(theta, theta_dtype)
-    if rounded != "F32":
-        base = precision.rounded(base, rounded)
+    base = _base(theta, theta_dtype, rounded)
     n = base.size
     row0, row1 = start // cols, -(-(start + n) // cols)
     c = coef[: row1 - row0]
@@ -104,6 +128,14 @@ def values(
     flat = product.reshape(-1)[start - row0 * cols : start - row0 * cols + n]
     result = base + scale * flat
     return cast(result, out_dtype, out)
+
+
+def _base(theta: Theta, theta_dtype: str, rounded: str) -> np.ndarray:
+    """The base's float32 values (a stored form decoded in numpy), rounded to `rounded`
+    unless that is F32: `theta_B^t`."""
+    stored = precision.is_stored(theta)
+    base = _decoded(theta) if stored else as_float32(theta, theta_dtype)
+    return precision.rounded(base, rounded) if rounded != "F32" else base
 
 
 def _decoded(x: fp8.Fp8Values | quantized.QuantizedValues) -> np.ndarray:

@@ -3,10 +3,12 @@
 Merging is bound by storage, not arithmetic: the fused CPU kernels pass about 0.7 GB/s per
 core, so the tensors they take are merged on the CPUs, every CPU, even on a cluster with
 GPUs. The GPUs pay for the tensors that need the eager torch rule (DARE's random masks, L1
-rescaling, float64, `--kernels eager`): with `--device auto` the units holding one go to the
-GPU workers (one long-lived process per GPU, `engine.gpu`), the others to the CPUs the GPU
-workers leave. `cpu` runs every unit on the CPUs; `cuda` every unit on the GPUs, and refuses
-a cluster without any. The bytes are the same wherever a unit runs.
+rescaling, float64, `--kernels eager`), and for LoRA tasks' products (r multiplies and adds
+per element, in both passes: compute, not storage): with `--device auto` the units holding
+one go to the GPU workers (one long-lived process per GPU, `engine.gpu`, where torch makes
+the products: `kernels.lora.compute_on`), the others to the CPUs the GPU workers leave.
+`cpu` runs every unit on the CPUs; `cuda` every unit on the GPUs, and refuses a cluster
+without any. The bytes are the same wherever a unit runs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ram_dist.errors import RamDistError
 from ram_dist.methods import MergeMethod
 from ram_dist.methods.protocol import TensorParams
 from ram_dist.planning.layout import Layout, TensorEntry
+from ram_dist.planning.lora_sources import LoraSource
 from ram_dist.planning.units import WorkUnit
 from ram_dist.settings import DEVICES
 
@@ -30,15 +33,19 @@ GPU_UNITS_AT_ONCE = 2
 
 @dataclass(frozen=True)
 class EagerTensors:
-    """The merged tensors the fused CPU kernels do not take (with the new FP8 scales of
-    such a weight, made from its merged bands), and why, in words (the first one's)."""
+    """The merged tensors the fused CPU kernels do not take, and those a LoRA task's
+    product is made for (with the new FP8 scales of such a weight, made from its merged
+    bands): the tensors whose units go to the GPUs with `auto`; and why, in words (the
+    first eager one's)."""
 
     names: frozenset[str]
     count: int
-    """Merged tensors among `names` (scales not counted)."""
+    """Merged tensors among `names` that need the eager rule (scales not counted)."""
     merged: int
     """Merged tensors in the job."""
     why: str
+    products: int = 0
+    """Merged tensors among `names` for their LoRA products only (scales not counted)."""
 
 
 NO_EAGER = EagerTensors(frozenset(), 0, 0, "")
@@ -51,18 +58,22 @@ def eager_tensors(
     `--kernels` is `auto` (the kernels also need numba, asked here)."""
     names: set[str] = set()
     why = ""
+    products: set[str] = set()
     for name, entry in layout.tensors.items():
         if not entry.participating:
             continue
         cause = _eager_cause(entry, params[name], method, kernels_on)
-        if cause:
+        product = not cause and any(isinstance(s, LoraSource) for s in entry.sources)
+        if cause or product:
             names.add(name)
             if entry.fp8_out is not None:
                 names.add(entry.fp8_out.scale_name)
             why = why or cause
-    count = sum(1 for n in names if layout.tensors[n].scale_of is None)
+            if product:
+                products.add(name)
+    count = sum(1 for n in names if layout.tensors[n].scale_of is None) - len(products)
     merged = sum(1 for e in layout.tensors.values() if e.participating)
-    return EagerTensors(frozenset(names), count, merged, why)
+    return EagerTensors(frozenset(names), count, merged, why, len(products))
 
 
 def _eager_cause(
@@ -157,10 +168,18 @@ def choose_device(
             f"auto: the fused CPU kernels take every merged tensor, and merging is bound by "
             f"storage: one unit per CPU ({cpus}); the {gpus} GPU(s) stay idle",
         )  # fmt: skip
-    need = f"{eager.count} of {eager.merged} merged tensors need the eager rule ({eager.why})"
+    needs = []
+    if eager.count:
+        needs.append(f"{eager.count} of {eager.merged} merged tensors need the eager rule "
+                     f"({eager.why})")  # fmt: skip
+    if eager.products:
+        needs.append(f"{eager.products} of {eager.merged} merged tensors have LoRA products "
+                     "to compute")  # fmt: skip
+    need = "; ".join(needs)
     left = cpus - gpus  # a GPU worker holds a CPU too
-    if eager.count == eager.merged or left < 1:
-        held = "" if eager.count == eager.merged else f"; they hold the {cpus} CPU(s)"
+    every = eager.count + eager.products == eager.merged
+    if every or left < 1:
+        held = "" if every else f"; they hold the {cpus} CPU(s)"
         return DeviceChoice(
             requested, "cuda", gpus, 0, f"auto: {need}: every unit on the GPUs, {workers}{held}"
         )

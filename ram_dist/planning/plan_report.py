@@ -24,7 +24,8 @@ from ram_dist.settings import ray_address
 #: How `plan` says what `--device` would do on a cluster it cannot see.
 UNKNOWN_CLUSTER_DEVICE = {
     "auto": "every CPU with the fused kernels; on a cluster with GPUs, the units of tensors "
-    "that need the eager rule on one worker per GPU: known once a merge connects to it",
+    "that need the eager rule or have LoRA products to compute on one worker per GPU: known "
+    "once a merge connects to it",
     "cpu": "one unit per CPU of the cluster",
     "cuda": "every unit on one worker per GPU; a cluster without GPUs is refused when a merge "
     "connects",

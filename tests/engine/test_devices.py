@@ -108,6 +108,15 @@ def test_choose_device():
     assert crowded.reason.endswith("they hold the 2 CPU(s)")
     every = choose_device("auto", 2, 16, EagerTensors(frozenset({"x"}), 3, 3, "why"))
     assert (every.device, every.gpus, every.cpu_slots) == ("cuda", 2, 0)
+    products = choose_device("auto", 2, 16, EagerTensors(frozenset({"w"}), 0, 4, "", 1))
+    assert products.device == "cpu+cuda" and products.reason.startswith(
+        "auto: 1 of 4 merged tensors have LoRA products to compute: their units on the GPUs"
+    )
+    both = choose_device("auto", 2, 16, EagerTensors(frozenset({"w", "x"}), 1, 2, "F64 tensors", 1))
+    assert both.device == "cuda" and both.reason.startswith(
+        "auto: 1 of 2 merged tensors need the eager rule (F64 tensors); 1 of 2 merged tensors "
+        "have LoRA products to compute: every unit on the GPUs"
+    )
     with pytest.raises(RamDistError, match=r"^--device cuda, but the Ray cluster has no GPU"):
         choose_device("cuda", 0, 16)
     with pytest.raises(RamDistError, match="device must be one of auto, cpu, cuda"):
@@ -324,6 +333,80 @@ def test_dare_ties_on_the_gpus_starts_two_processes_for_the_whole_job(inputs, fa
         assert len(map_["gpu_ids"]) == 2
     assert "dare_ties has no fused kernel" in reports["auto"]["device"]["reason"]
     assert reports["cpu"]["passes"]["map"]["units_on_gpu"] == 0
+
+
+def _adapter(folder: Path, rank: int = 4) -> Path:
+    """A LoRA adapter of `inputs`' base that touches `a.weight` [128, 32] only."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    g = torch.Generator().manual_seed(5)
+    factors = {
+        "base_model.model.a.lora_A.weight": torch.randn(rank, 32, generator=g) * 0.1,
+        "base_model.model.a.lora_B.weight": torch.randn(128, rank, generator=g) * 0.02,
+    }
+    save_file(factors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 8, "target_modules": ["a"]}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_auto_sends_lora_products_to_the_gpus(inputs, fake_gpus, tmp_path):
+    """A LoRA task's products are compute, not storage: with `auto` their units go to the GPU
+    workers, which make them with torch (on the CPU here), with the bytes of `--device cpu`'s
+    numba kernel; the tensors no adapter touches stay on the CPUs where the cluster has
+    CPUs to spare."""
+    from ram_dist.api import run_merge
+    from ram_dist.engine.gpu import GpuWorkers
+    from ram_dist.engine.pool import Routing, unordered_map
+    from ram_dist.planning.job import prepare
+    from ram_dist.planning.units import Piece, WorkUnit
+
+    base, tasks = inputs
+    lora_inputs = (base, [_adapter(tmp_path / "adapter"), tasks[1]])
+    split = prepare(_config(lora_inputs)).device_choice(gpus=2, cpus=8)
+    assert split.device == "cpu+cuda" and split.reason.startswith(
+        "auto: 1 of 3 merged tensors have LoRA products to compute: their units on the GPUs"
+    )
+    units = {
+        t: WorkUnit(0, "model.safetensors", (Piece(t, 0, 4),)) for t in ("a.weight", "c.weight")
+    }
+    assert split.on_gpu([units["a.weight"]]) and not split.on_gpu([units["c.weight"]])
+    shards, reports = {}, {}
+    for device in ("auto", "cpu"):
+        out = tmp_path / device
+        reports[device] = run_merge(
+            _config(lora_inputs, out, device=device, unit_budget_bytes=UNIT)
+        ).data
+        shards[device] = _merged(out)
+    assert shards["auto"] == shards["cpu"]
+    auto, cpu = reports["auto"], reports["cpu"]
+    # two CPUs, held by the two GPU workers: every unit on the GPUs
+    assert (
+        auto["device"]["device"] == "cuda"
+        and "have LoRA products to compute" in auto["device"]["reason"]
+    )
+    for stats in auto["passes"].values():
+        assert stats["units"] >= 20 and stats["units_on_gpu"] == stats["units"], stats
+        assert stats["units_on_cpu"] == 0 and 0 < stats["gpu_busy_share"] <= 1
+    assert auto["passes"]["map"]["fused_elements"] == 0  # the eager rule, on the GPU workers
+    for stats in cpu["passes"].values():
+        assert stats["units_on_gpu"] == 0 and stats["units_on_cpu"] == stats["units"]
+
+    def _products_on(item: int) -> str | None:
+        from ram_dist.kernels import lora
+
+        return lora.computing_on()
+
+    workers = GpuWorkers(1)  # a GPU worker makes its products with torch, on its device
+    try:
+        routing = Routing(gpu=workers, on_gpu=lambda item: True)
+        assert [r for _, _, r in unordered_map(_products_on, range(1), (), 1, {}, routing)] == [
+            "cpu"
+        ]
+    finally:
+        workers.close()
 
 
 def test_plan_says_the_device(inputs, fake_gpus, tmp_path, capsys):

@@ -76,8 +76,9 @@ def test_eager_units_on_the_gpu_the_rest_on_the_cpus(inputs, fake_gpu, tmp_path)
 
 def test_adapter_tasks_on_the_gpu_workers_give_the_cpu_bytes(fake_gpu, tmp_path):
     """PEFT adapter tasks with `--device cuda`: the GPU worker reads the blocks (the LoRA
-    products computed by its reader, in the spec's fixed order) and merges them; the bytes
-    are the CPU run's."""
+    products computed by its reader with torch, in the spec's fixed order) and merges them;
+    the bytes are the CPU run's. With `auto`, the units of the tensors the adapters change
+    go to the GPU worker and the others to the CPUs it leaves: the same bytes."""
     from builders import build_tiny_base
     from peft_adapters import build_adapter
 
@@ -91,13 +92,17 @@ def test_adapter_tasks_on_the_gpu_workers_give_the_cpu_bytes(fake_gpu, tmp_path)
         build_adapter(base, tmp_path / "two", r=2, target_modules=("embed_tokens",), seed=2),
     ]
     shards = {}
-    for device in ("cuda", "cpu"):
+    for device in ("cuda", "auto", "cpu"):
         out = tmp_path / device
         config = MergeConfig(
             base=str(base), tasks=tuple(map(str, tasks)), out=str(out), device=device,
             unit_budget_bytes=4096,
         )  # fmt: skip
         report = run_merge(config).data
-        assert report["device"]["device"] == device
+        assert report["device"]["device"] == ("cpu+cuda" if device == "auto" else device)
         shards[device] = (out / "model.safetensors").read_bytes()
-    assert shards["cuda"] == shards["cpu"]
+        if device == "auto":
+            assert "merged tensors have LoRA products to compute" in report["device"]["reason"]
+            for stats in report["passes"].values():
+                assert 0 < stats["units_on_gpu"] < stats["units"], stats
+    assert shards["cuda"] == shards["auto"] == shards["cpu"]

@@ -96,9 +96,14 @@ def test_fp8_inputs_give_the_cpus_bytes(ray_local, tmp_path, method):
 
 def test_lora_adapters_give_the_cpus_bytes(ray_local, tmp_path):
     """Two PEFT adapters (one with an embedding, rank and alpha patterns) and a full
-    checkpoint as tasks: the adapters' products on the GPU give the CPU's bytes."""
+    checkpoint as tasks: the adapters' products on the GPU give the CPU's bytes, with every
+    unit on the GPU workers and with `auto`, which sends the units of the tensors the
+    adapters change there (torch makes their products on the GPU)."""
     from builders import build_tiny_base, make_task_state, save_checkpoint
     from peft_adapters import build_adapter
+
+    from ram_dist.api import run_merge
+    from ram_dist.planning.config import MergeConfig
 
     base_dir = tmp_path / "base"
     base = build_tiny_base(base_dir, kind="llama", dtype=torch.bfloat16)
@@ -112,6 +117,14 @@ def test_lora_adapters_give_the_cpus_bytes(ray_local, tmp_path):
     ]  # fmt: skip
     save_checkpoint(make_task_state(base, 0.3, seed=7), tasks[2], copy_from=base_dir)
     _gpu_gives_the_cpus_bytes(base_dir, tasks, tmp_path, ("auto", "eager"))
+    out = tmp_path / "auto"
+    config = MergeConfig(base=str(base_dir), tasks=tuple(map(str, tasks)), out=str(out),
+                         unit_budget_bytes=BUDGET)  # fmt: skip
+    report = run_merge(config).data
+    assert "have LoRA products to compute" in report["device"]["reason"]
+    assert report["passes"]["map"]["units_on_gpu"] > 0
+    cpu, written = tmp_path / "cpu-auto", sorted(out.glob("*.safetensors"))
+    assert written and all(p.read_bytes() == (cpu / p.name).read_bytes() for p in written)
 
 
 #: The quantized bases: gpt-oss's MXFP4 and compressed-tensors' packed INT4 and FP8 per

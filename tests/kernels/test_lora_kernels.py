@@ -120,3 +120,93 @@ def test_wide_rows_four_at_a_time_and_in_tiles(start, stop):
         for fast in (True, False)
     ]  # fmt: skip
     assert got[0] == got[1]
+
+
+@pytest.mark.parametrize(("start", "stop"), [(0, 11 * 327), (5, 11 * 327 - 3), (671, 2389)])
+def test_register_blocks_at_rank_64_and_their_edges(start, stop):
+    """Rank 64 over rows of 327 columns: whole blocks of 16 columns (four rows) and of 64
+    (a row alone, from a column that is not a block's first), and the columns around them:
+    the same bytes as the numpy rule, and as the rule step by step."""
+    rng = np.random.default_rng(12)
+    rows, cols, r = 11, 327, 64
+    coef = rng.standard_normal((rows, r)).astype(np.float32)
+    basis = rng.standard_normal((r, cols)).astype(np.float32)
+    theta = _stored(rng.standard_normal(rows * cols), "F32")[start * 4 : stop * 4]
+    got = [
+        lora.values(theta, "F32", coef[start // cols :], basis, np.float32(0.7), start, "F32",
+                    np.empty((stop - start) * 4, np.uint8), fast=fast).tobytes()
+        for fast in (True, False)
+    ]  # fmt: skip
+    assert got[0] == got[1]
+    if start == 671:
+        want = _by_hand(lora.as_float32(theta, "F32"), coef[start // cols :], basis,
+                        np.float32(0.7), start)  # fmt: skip
+        assert got[0] == want.tobytes()
+
+
+def test_the_fma_check_covers_the_functions_the_kernel_calls():
+    """`fma_instructions` compiles each helper afresh too, for the signatures the kernel
+    called it with: none is left unchecked."""
+    rng = np.random.default_rng(1)
+    coef = rng.standard_normal((9, 3)).astype(np.float32)
+    basis = rng.standard_normal((3, 80)).astype(np.float32)
+    theta = _stored(rng.standard_normal(9 * 80), "BF16")[2:]
+    lora.values(theta, "BF16", coef, basis, np.float32(1), 1, "BF16", np.empty(9 * 320, np.uint8))
+    assert lora_numba.fma_instructions() == []
+    assert all(helper.signatures for helper in lora_numba.HELPERS)
+
+
+@pytest.fixture
+def on_torch():
+    """This process's LoRA products computed with torch (on the CPU), as a GPU worker's
+    are (`lora.compute_on`), for the test's length."""
+    lora.compute_on("cpu")
+    try:
+        yield
+    finally:
+        lora.compute_on(None)
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
+@pytest.mark.parametrize(("start", "stop"), [(0, 9 * 300), (299, 2401), (601, 899)])
+def test_torch_on_a_device_gives_the_kernels_bytes(dtype, start, stop):
+    """A GPU worker's products (torch, elementwise, k ascending): the numba kernel's bytes,
+    into every dtype, over whole and partial rows."""
+    rng = np.random.default_rng(21)
+    rows, cols, r = 9, 300, 16
+    coef = rng.standard_normal((rows, r)).astype(np.float32)
+    basis = rng.standard_normal((r, cols)).astype(np.float32)
+    isz = np.dtype(NUMPY[dtype]).itemsize
+    theta = _stored(rng.standard_normal(rows * cols), dtype)[start * isz : stop * isz]
+    args = (theta, dtype, coef[start // cols :], basis, np.float32(1.5), start)
+    for out_dtype in ("BF16", "F16", "F32"):
+        kernel = lora.values(*args, out_dtype, np.empty((stop - start) * 4, np.uint8)).tobytes()
+        lora.compute_on("cpu")
+        try:
+            torch_got = lora.values(*args, out_dtype, np.empty((stop - start) * 4, np.uint8))
+        finally:
+            lora.compute_on(None)
+        assert torch_got.tobytes() == kernel
+
+
+def test_torch_keeps_the_order_and_two_roundings(on_torch):
+    """On the torch path too: k ascending (`(2**24 + 1) - 2**24` is 0), and `acc + a * a`
+    rounded twice (an FMA would give another value), and a quantized base decoded first."""
+    from ram_dist.kernels import fp8
+
+    one = np.array([[1.0, 1.0, 1.0]], np.float32)
+    big = np.array([[2.0**24], [1.0], [-(2.0**24)]], np.float32)
+    zero = np.zeros(1, np.float32).view(np.uint8)
+    out = lora.values(zero, "F32", one, big, np.float32(1), 0, "F32", np.empty(4, np.uint8))
+    assert out.view(np.float32)[0] == 0.0
+    a = np.float32(1 + 2**-12)
+    coef, basis = np.array([[1, a]], np.float32), np.array([[-1], [a]], np.float32)
+    out = lora.values(zero, "F32", coef, basis, np.float32(1), 0, "F32", np.empty(4, np.uint8))
+    assert out.view(np.float32)[0] == 2**-11
+    codes = np.random.default_rng(2).integers(0, 0x7E, 16).astype(np.uint8)
+    base = fp8.Fp8Values(codes, np.full(1, 0.5, np.float32), 4, (4, 4))
+    factors = np.full((4, 2), 0.25, np.float32), np.full((2, 4), 0.5, np.float32)
+    got = lora.values(base, "F32", *factors, np.float32(3), 0, "BF16", np.empty(64, np.uint8))
+    lora.compute_on(None)
+    want = lora.values(base, "F32", *factors, np.float32(3), 0, "BF16", np.empty(64, np.uint8))
+    assert got.tobytes() == want.tobytes()
