@@ -51,6 +51,7 @@ class LoraSource(_LoraFields, SourceDefaults):
     __slots__ = ()
 
     decoded = True
+    costly = True  # the rank-r product: formed once per element per job (`engine.kept_values`)
 
     @property
     def itemsize(self) -> int:
