@@ -34,6 +34,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from dataclasses import dataclass, replace
@@ -86,6 +87,8 @@ class KeptValues:
     def take(self, key: tuple[str, int, int, int], into: np.ndarray) -> np.ndarray | None:
         """The kept values of `key` (tensor, block start, block stop, input) read into the
         byte array `into`, as bytes over it; None when none are kept here."""
+        if not _private(os.path.dirname(self.root())):
+            return None
         path = os.path.join(self.root(), _file_name(key))
         try:
             with open(path, "rb", buffering=0) as f:
@@ -108,7 +111,11 @@ class KeptValues:
             return False  # nobody reads it again
         root = self.root()
         try:
-            os.makedirs(root, mode=0o700, exist_ok=True)
+            for folder in (os.path.dirname(root), root):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(folder, 0o700)
+            if not _private(os.path.dirname(root)):
+                return False  # another user's folder: never read nor written
             path = os.path.join(root, _file_name(key))
             if os.path.exists(path) or not self._room(root, values.size):
                 return False
@@ -175,6 +182,16 @@ def kept_for(job: Job, budget_bytes: int | None = None) -> KeptValues | None:
     if total == 0:
         return None
     return KeptValues(uuid.uuid4().hex, total if budget_bytes is None else budget_bytes)
+
+
+def _private(folder: str) -> bool:
+    """A real folder of this user that nobody else may write to (a shared `/dev/shm` lets
+    anyone make a folder of any name: one made by another user is not trusted)."""
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _file_name(key: tuple[str, int, int, int]) -> str:

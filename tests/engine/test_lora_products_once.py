@@ -35,13 +35,14 @@ PARAMS = {"ties": {"density": 0.5}, "ram_plus": {}}
 
 @pytest.fixture(scope="module")
 def lora_job(tmp_path_factory) -> dict:
-    """A tiny bf16 Llama base, two PEFT adapters (r 4 and 8) and a full checkpoint."""
+    """A tiny bf16 Llama base, two PEFT adapters (r 8 and 16: products worth keeping,
+    `lora_sources.KEEP_MIN_RANK`) and a full checkpoint."""
     root = tmp_path_factory.mktemp("lora-once")
     base_dir = root / "base"
     base = build_tiny_base(base_dir, kind="llama", dtype=torch.bfloat16)
     adapters = [
-        build_adapter(base_dir, root / "a0", r=4, target_modules=("q_proj", "v_proj"), seed=1),
-        build_adapter(base_dir, root / "a1", r=8, target_modules=("q_proj", "up_proj"), seed=2),
+        build_adapter(base_dir, root / "a0", r=8, target_modules=("q_proj", "v_proj"), seed=1),
+        build_adapter(base_dir, root / "a1", r=16, target_modules=("q_proj", "up_proj"), seed=2),
     ]
     save_checkpoint(make_task_state(base, 0.3, seed=7), root / "full", copy_from=base_dir)
     return {"base_dir": base_dir, "tasks": [*adapters, root / "full"], "root": root}
