@@ -22,7 +22,7 @@ from ram_dist.engine.worker import WorkScope
 from ram_dist.io.storage import Storage
 from ram_dist.planning.layout import Layout, TensorEntry
 from ram_dist.planning.sizing import COMPUTE_BLOCK
-from ram_dist.planning.sources import Range, TensorSource, same_as_base
+from ram_dist.planning.sources import Arrays, Base, Floats, Range, TensorSource, same_as_base
 from ram_dist.planning.units import Piece
 
 if TYPE_CHECKING:
@@ -286,7 +286,30 @@ class BlockStream:
         for i, src in enumerate(sources):
             if src.decoded:
                 read[i] += self._unit_arrays(piece.tensor, i, src)
-        return _decoded(sources, start, stop, read, self._scope.reads.floats, slot)
+        floats = self._scope.reads.floats
+        scope, tensor = self._scope, piece.tensor
+
+        def form(i: int, src: TensorSource, got: Arrays, part: Floats, base: Base) -> np.ndarray:
+            """Input i's values computed from what was read: a costly source's (a LoRA
+            product) taken as an earlier pass kept them where it did, else formed, and kept
+            for the passes after this one where the budget has room (`engine.kept_values`)."""
+            if not src.costly:
+                return src.decode(start, stop, got, part, base)
+            key, kept = (tensor, start, stop, i), scope.kept
+            if kept is not None:
+                taken = kept.take(key, part(stop - start).view(np.uint8))
+                if taken is not None:
+                    scope.products.reused += stop - start
+                    return taken
+            values = src.decode(start, stop, got, part, base)
+            scope.products.formed += stop - start
+            if kept is not None:
+                kept.keep(key, values)
+            return values
+
+        return _decoded(
+            sources, (start, stop), read, lambda i: functools.partial(floats, (slot, i)), form
+        )
 
     def _read(self, g: int) -> list[BlockInputs]:
         group = self._groups[g]
@@ -321,17 +344,19 @@ class BlockStream:
 
 def _decoded(
     sources: Sequence[TensorSource],
-    start: int,
-    stop: int,
+    span: tuple[int, int],
     read: list[list[np.ndarray]],
-    floats: Callable[[tuple[int, int], int], np.ndarray],
-    slot: int,
+    floats_of: Callable[[int], Floats],
+    form: Callable[[int, TensorSource, Arrays, Floats, Base], np.ndarray],
 ) -> BlockInputs:
-    """A block's inputs from what was read for each (`read[i]`: the block's ranges, then the
-    unit's), each decoded one's values made from it (`TensorSource.decode`: an FP8 input's,
-    the spec's one multiplication per element, when they are first asked for; a LoRA
-    task's, from the base's values, now: from a quantized base's stored form, with no copy
-    of its values), and a task whose source is the base's own given the base's values."""
+    """A block's inputs (elements `span`) from what was read for each (`read[i]`: the
+    block's ranges, then the unit's), each decoded one's values made from it
+    (`TensorSource.decode`: an FP8 input's, the spec's one multiplication per element, when
+    they are first asked for, into `floats_of(i)`; a LoRA task's, from the base's values,
+    now, by `form`: from a quantized base's stored form, with no copy of its values, or as
+    an earlier pass kept them), and a task whose source is the base's own given the base's
+    values."""
+    start, stop = span
     same = same_as_base(sources)
     dtypes = tuple(s.values_dtype for s in sources)
     raw: list[np.ndarray | None] = []
@@ -340,23 +365,23 @@ def _decoded(
     forms: list[object | None] = []
     inputs = BlockInputs(raw, dtypes, decode=decode)  # holds the lists filled below
     for i, (src, got) in enumerate(zip(sources, read, strict=True)):
-        form = src.encoded(start, stop, got) if src.decoded and not same[i] else None
-        part = functools.partial(floats, (slot, i))
+        encoded = src.encoded(start, stop, got) if src.decoded and not same[i] else None
+        part = floats_of(i)
         if same[i]:
             raw.append(None)
             decode.append(functools.partial(inputs.value, 0))
             kept.append(None)
             forms.append(forms[0])
-        elif form is not None:  # decoded when its values are asked for
+        elif encoded is not None:  # decoded when its values are asked for
             raw.append(None)
             decode.append(functools.partial(src.decode, start, stop, got, part, None))
             kept.append(tuple(got))
-            forms.append(form)
+            forms.append(encoded)
         elif src.decoded:
             # the base decodes from its own bytes; a task computed from the base's values (a
             # LoRA product) gets a quantized base as stored, and decodes it as it loads it
             base = (forms[0] if forms[0] is not None else inputs.value(0)) if i else got[0]
-            raw.append(src.decode(start, stop, got, part, base))
+            raw.append(form(i, src, got, part, base))
             decode.append(None)
             kept.append(tuple(got))
             forms.append(None)

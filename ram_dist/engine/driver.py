@@ -23,6 +23,7 @@ import ray
 from ram_dist import __version__
 from ram_dist.engine import collector, memory
 from ram_dist.engine.gpu import Devices, job_devices
+from ram_dist.engine.kept_values import kept_for
 from ram_dist.engine.pass_context import MapOutput, PassContext, Shipped
 from ram_dist.engine.pass_stats import PassStats
 from ram_dist.engine.passes import map_pass, reduce_pass
@@ -219,7 +220,7 @@ def _merge_held(
     measured: list[PassStats] = []
     context = PassContext(  # both passes': the values shipped once, the parts planned once
         job, cluster, devices=devices, shipped=Shipped.of(job), progress=progress, cache=cache,
-        min_part_bytes=sink.min_part_bytes,
+        min_part_bytes=sink.min_part_bytes, kept=kept_for(job),
     )  # fmt: skip
     if manifest.method_state is not None:
         method_state = manifest.method_state

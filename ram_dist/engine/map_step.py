@@ -98,6 +98,7 @@ class _Output:
 
 def _map_part(work: PartWork, context: TaskContext, scope: WorkScope) -> UnitResult:
     part = work.part
+    scope.kept = context.flags.kept
     layout = context.layout
     bytes_read = [0] * input_count(layout)
     contexts = output_contexts(context)
@@ -164,7 +165,8 @@ def _map_part(work: PartWork, context: TaskContext, scope: WorkScope) -> UnitRes
         part.units[0] if part.units else -1, None, None, tuple(bytes_read), peak_rss(),
         fused_elements=fused_elements, peak_private_bytes=scope.memory.note(),
         receipt=receipts[0], receipts=tuple(receipts[1:]), traffic=scope.traffic.total(),
-        times=clock.times(len(work.units)), **ran_by(),
+        times=clock.times(len(work.units)), lora_formed=scope.products.formed,
+        lora_reused=scope.products.reused, **ran_by(),
     )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ram_dist.engine.gpu import Devices
+from ram_dist.engine.kept_values import KeptValues
 from ram_dist.engine.pool import Shared
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.runtime import Cluster
@@ -93,7 +94,8 @@ class PassContext:
     object store (None: each pass ships its own); where progress goes (None: a fresh
     `Progress` per pass); the input cache (None: none); and the least size of an output
     part, as the map pass's sink asks (the reduce pass reads the units of one part together,
-    `PartPlan.unit_groups`)."""
+    `PartPlan.unit_groups`); and where the passes keep LoRA task values for the passes after
+    the one that formed them (`engine.kept_values`; None: every pass forms them)."""
 
     job: Job
     cluster: Cluster
@@ -102,6 +104,7 @@ class PassContext:
     progress: Progress | None = None
     cache: InputCache | None = None
     min_part_bytes: int = 0
+    kept: KeptValues | None = None
     _plans: dict[int, PartPlan] = field(default_factory=dict, repr=False, compare=False)
 
     def part_plan(self, min_part_bytes: int | None = None) -> PartPlan:

@@ -24,6 +24,10 @@ class PassStats:
     worker_peak_rss_bytes: int = 0
     worker_peak_private_bytes: int = 0
     fused_elements: int = 0
+    lora_formed: int = 0
+    """Elements of LoRA task values whose product the pass formed (all rounds)."""
+    lora_reused: int = 0
+    """Elements of LoRA task values the pass took as an earlier pass kept them."""
     cache_bytes_read: int = 0
     cache_bytes_written: int = 0
     units_per_node: dict[str, int] = field(default_factory=dict)
@@ -107,6 +111,8 @@ class PassStats:
             if result.gpus:
                 self.gpu_workers.add(result.worker)
         self.fused_elements += result.fused_elements
+        self.lora_formed += result.lora_formed
+        self.lora_reused += result.lora_reused
         self.bytes_read += sum(bytes_read)
         if not self.max_unit_bytes_read:
             self.max_unit_bytes_read = [0] * len(bytes_read)
@@ -126,6 +132,7 @@ class PassStats:
             "bytes_written": self.bytes_written,
             "max_unit_bytes_read_per_input": self.max_unit_bytes_read,
             "fused_elements": self.fused_elements,
+            "lora_products": {"formed": self.lora_formed, "reused": self.lora_reused},
             "bytes_fetched": self.bytes_read - self.cache_bytes_read,
             "cache_bytes_read": self.cache_bytes_read,
             "cache_bytes_written": self.cache_bytes_written,

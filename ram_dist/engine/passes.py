@@ -21,10 +21,11 @@ import numpy as np
 from ram_dist import kernels
 from ram_dist.dtypes import dtype_name, itemsize
 from ram_dist.engine.gpu import Devices, job_devices
+from ram_dist.engine.kept_values import KeptValues
 from ram_dist.engine.map_step import PartWork, map_part
 from ram_dist.engine.pass_context import MapOutput, PassContext, Shipped
 from ram_dist.engine.pass_stats import PassStats
-from ram_dist.engine.pool import Place, Routing, near, unordered_map
+from ram_dist.engine.pool import Place, Routing, near, on_every_node, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.reduce_step import add_up, reduce_group
 from ram_dist.engine.unit_results import PrecisionCounts
@@ -71,13 +72,13 @@ def _finish(stats: PassStats, devices: Devices) -> None:
 
 
 def _placement(
-    storage: Storage, cache: InputCache | None, first_node: dict[int, str]
+    storage: Storage, cache: InputCache | None, first_node: dict[int, str], kept: bool = False
 ) -> tuple[Storage, Callable[[WorkUnit], str | None]]:
     """The storage a pass's workers read through (with the cache, if any), and the node
-    each unit should run on: the one that read it first, when a cache may hold its bytes."""
-    if cache is None:
-        return storage, lambda unit: None
-    return replace(storage, cache=cache), lambda unit: first_node.get(unit.index)
+    each unit should run on: the one that read it first, when a cache may hold its bytes or
+    the node may keep its LoRA task values (`kept`, `engine.kept_values`)."""
+    sent_back = (lambda unit: first_node.get(unit.index)) if cache or kept else lambda unit: None
+    return (replace(storage, cache=cache) if cache else storage), sent_back
 
 
 def reduce_pass(context: PassContext) -> tuple[dict[str, Any], PassStats]:
@@ -89,7 +90,11 @@ def reduce_pass(context: PassContext) -> tuple[dict[str, Any], PassStats]:
     unit. A task reads the units of one output part of at least the context's
     `min_part_bytes` (`PartPlan.unit_groups`)."""
     with _devices(context) as on:
-        return _reduce_pass(context, on)
+        try:
+            return _reduce_pass(context, on)
+        except BaseException:
+            _forget(context.kept)  # no map pass will read them
+            raise
 
 
 def _reduce_pass(context: PassContext, devices: Devices) -> tuple[dict[str, Any], PassStats]:
@@ -97,7 +102,9 @@ def _reduce_pass(context: PassContext, devices: Devices) -> tuple[dict[str, Any]
     stats = PassStats()
     shipped = context.shipped or Shipped.of(job)
     groups = context.part_plan().unit_groups()
-    storage, node_of = _placement(job.storage, context.cache, stats.first_node)
+    storage, node_of = _placement(
+        job.storage, context.cache, stats.first_node, context.kept is not None
+    )
     start = time.perf_counter()
     stats.timeline.begin()
     method, state = job.method, job.initial_state()
@@ -125,7 +132,8 @@ def _reduce_pass(context: PassContext, devices: Devices) -> tuple[dict[str, Any]
         totals: dict[str, np.ndarray] = {}
         nonfinite: dict[str, list[int]] = {}
         checked = PrecisionCounts.zeros(len(job.tasks)) if checking else None
-        shared = (shipped.context(storage, method, state, work_flags(job)), round_, checking)
+        flags = replace(work_flags(job), kept=context.kept)
+        shared = (shipped.context(storage, method, state, flags), round_, checking)
         routing = Routing(lambda g: near(node_of(g[0])), devices.gpu, devices.on_gpu)
         results = unordered_map(reduce_group, items, shared, workers, resources, routing)
         progress = progress or Progress()
@@ -217,8 +225,18 @@ def map_pass(context: PassContext, state: dict[str, Any], output: MapOutput) -> 
     once for every output, from one read, and each output's shard completes on its own; a
     resumed sweep's part is made while any output lacks it, and written only to those (a
     shard an output finished, a part it holds: `KeptTarget`)."""
-    with _devices(context) as on:
-        return _map_pass(context, on, state, output)
+    try:
+        with _devices(context) as on:
+            return _map_pass(context, on, state, output)
+    finally:
+        _forget(context.kept)
+
+
+def _forget(kept: KeptValues | None) -> None:
+    """Delete a job's kept LoRA task values on every node (the map pass took and deleted
+    those it read; this is what is left: another node's, or a failed job's)."""
+    if kept is not None:
+        on_every_node(kept.remove)
 
 
 def _map_pass(
@@ -231,11 +249,13 @@ def _map_pass(
     shipped = context.shipped or Shipped.of(job)
     stats = PassStats(output_path=sink.path, output_path_reason=sink.reason, backward=backward)
     last = cache.for_last_pass() if cache is not None else None
-    storage, node_of = _placement(job.storage, last, output.first_node)
+    storage, node_of = _placement(job.storage, last, output.first_node, context.kept is not None)
     start = time.perf_counter()
     stats.timeline.begin()
     workers, resources = _cpu_work(job, devices.choice)
-    shared = (shipped.context(storage, job.method, state, work_flags(job)),)
+    kept = context.kept.for_last_pass() if context.kept is not None else None
+    flags = replace(work_flags(job), kept=kept)
+    shared = (shipped.context(storage, job.method, state, flags),)
     units, headers, plan = context.part_plan(sink.min_part_bytes).of_shards(shards)
     outs = [(sink, book), *output.also]  # a sweep's variants: every part made once for all
     for name in shards:  # a shard a killed run was writing keeps the parts it recorded

@@ -33,6 +33,8 @@ def reduce_unit(
         return layout.tensors[tensor].participating and (active or check_finite)
 
     pieces = tuple(p for p in unit.pieces if wanted(p.tensor))
+    scope.kept = context.flags.kept
+    formed, reused = scope.products.formed, scope.products.reused
     bytes_read = [0] * input_count(layout)
     dev = device()
     fused = Fused.of(context.flags, dev)
@@ -72,6 +74,7 @@ def reduce_unit(
     return UnitResult(
         unit.index, totals, None, tuple(bytes_read), peak_rss(), nonfinite or None,
         peak_private_bytes=scope.memory.note(), precision=checked,
+        lora_formed=scope.products.formed - formed, lora_reused=scope.products.reused - reused,
     )  # fmt: skip
 
 
@@ -136,6 +139,8 @@ def reduce_group(
             precision=checked,
             traffic=scope.traffic.total(),
             times=scope.clock.times(len(units)),
+            lora_formed=scope.products.formed,
+            lora_reused=scope.products.reused,
             **ran_by(),
         )
 

@@ -47,6 +47,10 @@ class UnitResult:
     """When the task ran and where its time went (`engine.timeline`)."""
     precision: PrecisionCounts | None = None
     """Reduce round 0: the precision check of the unit's tensors that need one."""
+    lora_formed: int = 0
+    """Elements of LoRA task values whose product the task formed (`engine.kept_values`)."""
+    lora_reused: int = 0
+    """Elements of LoRA task values the task took as an earlier pass kept them."""
 
 
 @dataclass

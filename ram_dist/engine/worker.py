@@ -10,7 +10,7 @@ import os
 import socket
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +18,7 @@ import ray
 
 from ram_dist import kernels
 from ram_dist.engine import collector, ray_private
+from ram_dist.engine.kept_values import KeptValues, ProductCount
 from ram_dist.engine.memory import PeakMemory
 from ram_dist.engine.timeline import TaskClock
 from ram_dist.io.range_cache import Traffic
@@ -167,6 +168,10 @@ class WorkScope:
     memory: PeakMemory
     traffic: Traffic
     clock: TaskClock
+    kept: KeptValues | None = None
+    """Where the task keeps and finds LoRA task values (`engine.kept_values`); None: never."""
+    products: ProductCount = field(default_factory=ProductCount)
+    """The LoRA task values the task formed and took as kept, in elements."""
 
 
 class WorkerContext:
@@ -226,10 +231,12 @@ class WorkFlags:
     never inside it (the state is the method's alone, kept in the manifest): whether the
     fused kernels are on for the job (`--kernels`), and the bits torch gives a NaN cast to
     bfloat16 (probed on the driver, so that a worker need not import torch; None: the kernel
-    probes where it runs). The default is the eager path."""
+    probes where it runs). The default is the eager path. `kept`: where the pass keeps and
+    finds LoRA task values (`engine.kept_values`), None: nowhere."""
 
     fused: bool = False
     bf16_nan: int | None = None
+    kept: KeptValues | None = None
 
 
 #: The eager path's flags: fused kernels off.

@@ -14,6 +14,12 @@ from ram_dist.dtypes import itemsize
 from ram_dist.kernels import lora
 from ram_dist.planning.sources import Arrays, Base, Floats, Range, Source, SourceDefaults
 
+#: The least rank whose product is kept for the passes after the first rather than formed in
+#: each: the product costs about 0.8 ns an element per unit of rank on one core of the
+#: project's machine (2r float32 operations), keeping a bf16 value in shared memory and
+#: taking it back about 4 to 5 ns (`engine.kept_values`).
+KEEP_MIN_RANK = 8
+
 
 class _LoraFields(NamedTuple):
     file: str
@@ -51,6 +57,12 @@ class LoraSource(_LoraFields, SourceDefaults):
     __slots__ = ()
 
     decoded = True
+
+    @property
+    def costly(self) -> bool:
+        """Whether the product costs more to form again than its values cost to keep and
+        take back (`engine.kept_values`): from rank `KEEP_MIN_RANK` on."""
+        return self.rank >= KEEP_MIN_RANK
 
     @property
     def itemsize(self) -> int:
