@@ -12,9 +12,11 @@ loaded it, in the agent's own dtype:
 3. a bf16 base with fp16 agents (and a bf16 one), some base values fp16 subnormals (ties to
    even included), the unchanged one `base.to(float16)`.
 
-Every method of the registry (as many tasks as it takes) runs on the fused kernels with one
-row (an FP8 weight: one band) per unit, and on the eager rule with whole tensors; the bytes
-must be those of the independent references (`tests/support`, which never import ram_dist).
+Every method of the registry (as many tasks as it takes) runs on every set, on the fused
+kernels with one row (an FP8 weight: one band) per unit or on the eager rule with whole
+tensors, alternating along the registry and from one set to the next (every method meets
+both paths, every set meets both over half the registry); the bytes must be those of the
+independent references (`tests/support`, which never import ram_dist).
 For the RAM family also: the unchanged agent changed 0 elements, and every element no agent
 touched is the base's own bytes (a -0.0 included; an FP8 block no agent touched keeps the
 base's bytes and scale).
@@ -194,14 +196,26 @@ def _assert_untouched_elements_are_the_base(got: dict, s: InputSet) -> None:
         assert bool(negative_zero.any()) and bool(torch.signbit(got[name][negative_zero]).all())
 
 
-#: Each set runs at one row per unit on the fused kernels and whole tensors on the eager
-#: rule; the FP8 set written to bf16 once, at one row per unit, eagerly.
+#: Each set's paths: one row per unit on the fused kernels, or whole tensors on the eager
+#: rule (`_path` picks one per method); the FP8 set written to bf16 at one row per unit,
+#: eagerly.
 SPLITS = {
     "fp8-base-bf16-agents": [("row", "auto"), ("whole", "eager")],
     "fp8-base-bf16-agents-to-bf16": [("row", "eager")],
     "f32-base-bf16-agents": [("row", "auto"), ("whole", "eager")],
     "bf16-base-fp16-agents": [("row", "auto"), ("whole", "eager")],
 }
+
+
+def _path(method: str, which: str) -> tuple[str, str]:
+    """The (budget, kernels) `method` merges set `which` with: of a set's two paths, the one
+    that alternates along the registry and from one set to the next, so that every method
+    runs both and every set meets both over half the registry."""
+    paths = SPLITS[which]
+    both = [w for w, p in SPLITS.items() if len(p) == 2]
+    if which not in both:
+        return paths[0]
+    return paths[(list(METHODS).index(method) + both.index(which)) % 2]
 
 
 @pytest.mark.parametrize("which", list(SPLITS))
@@ -215,29 +229,29 @@ def test_every_method_measures_tasks_at_their_precision(sets, tmp_path, method, 
     parameters = PARAMETERS.get(method, {})
     if method in RAM_FAMILY:
         parameters = {"epsilon": s.epsilon}
-    for budget, kernels in SPLITS[which]:
-        out = tmp_path / f"{budget}-{kernels}"
-        report = run_merge(
-            MergeConfig(
-                base=str(s.base_dir), tasks=tuple(str(s.task_dirs[i]) for i in picked),
-                out=str(out), method=method, parameters=parameters,
-                task_parameters=per_task if method in WEIGHTED else (),
-                unit_budget_bytes=s.row_budget if budget == "row" else 10**8,
-                kernels=kernels, out_dtype=s.out_dtype,
-            )
-        ).data  # fmt: skip
-        got = load_checkpoint(out)
-        assert_same_bytes(got, expected)
-        if kernels == "eager":
-            assert report["passes"]["map"]["fused_elements"] == 0
-        if method not in RAM_FAMILY:
-            continue
-        tasks = report["tasks"]
-        assert tasks[UNCHANGED]["changed"] == 0
-        assert all(tasks[i]["changed"] > 0 for i in CHANGED)
-        assert [t["histogram"] for t in tasks] == stats["H"]
-        if "lambda_per_tensor" in stats:  # ramplus_tl: per tensor, from its own counts
-            assert report["lambda_per_tensor"] == stats["lambda_per_tensor"]
-        else:
-            assert report["lambda_applied"] == stats["lambda32"]
-        _assert_untouched_elements_are_the_base(got, s)
+    budget, kernels = _path(method, which)
+    out = tmp_path / f"{budget}-{kernels}"
+    report = run_merge(
+        MergeConfig(
+            base=str(s.base_dir), tasks=tuple(str(s.task_dirs[i]) for i in picked),
+            out=str(out), method=method, parameters=parameters,
+            task_parameters=per_task if method in WEIGHTED else (),
+            unit_budget_bytes=s.row_budget if budget == "row" else 10**8,
+            kernels=kernels, out_dtype=s.out_dtype,
+        )
+    ).data  # fmt: skip
+    got = load_checkpoint(out)
+    assert_same_bytes(got, expected)
+    if kernels == "eager":
+        assert report["passes"]["map"]["fused_elements"] == 0
+    if method not in RAM_FAMILY:
+        return
+    tasks = report["tasks"]
+    assert tasks[UNCHANGED]["changed"] == 0
+    assert all(tasks[i]["changed"] > 0 for i in CHANGED)
+    assert [t["histogram"] for t in tasks] == stats["H"]
+    if "lambda_per_tensor" in stats:  # ramplus_tl: per tensor, from its own counts
+        assert report["lambda_per_tensor"] == stats["lambda_per_tensor"]
+    else:
+        assert report["lambda_applied"] == stats["lambda32"]
+    _assert_untouched_elements_are_the_base(got, s)

@@ -11,9 +11,11 @@ of each tensor changed at known positions, one agent unchanged, saved in bf16). 
 the base's values is compressed-tensors' own `decompress`.
 
 1. transformers loads each scheme as compressed-tensors decompresses it (the agents' start).
-2. Every method of the registry on the INT base, fused at a few rows per unit and eager on
-   whole tensors, against the references; the FP8 base likewise, written FP8 again by the
-   block rule's analogue (a scale per row or per tensor) or in bf16 with `out_dtype`.
+2. Every method of the registry on the INT base and on the FP8 base, against the
+   references: fused at a few rows per unit on one base and eager on whole tensors on the
+   other, alternating along the registry (every method meets both bases and both paths;
+   each base meets both paths over half the registry). The FP8 base is written FP8 again by
+   the block rule's analogue (a scale per row or per tensor) or in bf16 with `out_dtype`.
 3. probe: exact changed counts, the formats and the "measured against" sentences in words.
 4. The output of an INT base is the bf16 Llama: config.json without quantization_config,
    loaded and run by transformers; of a mixed INT4 + FP8 base, config.json keeps only the
@@ -72,9 +74,17 @@ EPSILON = 1e-5
 ONE_ROW = 128 * 2
 #: Five such rows: every quantized weight still spans several units, and units start inside
 #: a packed zero point's 8 rows, for a fifth of the one-row units' tasks (the every-method
-#: tests merge 44 times).
+#: tests merge 24 times at this budget).
 FEW_ROWS = 5 * ONE_ROW
 WHOLE = 10**8
+
+
+def _path(method: str, base: str) -> tuple[int, str]:
+    """The unit budget and kernels a method merges `base` ("int" or "fp8") with: fused at a
+    few rows per unit on one base, eager on whole tensors on the other, alternating along the
+    registry."""
+    fused = (list(METHODS).index(method) % 2 == 0) == (base == "int")
+    return (FEW_ROWS, "auto") if fused else (WHOLE, "eager")
 
 
 @pytest.fixture(scope="module")
@@ -160,14 +170,13 @@ def test_every_method_merges_an_int_base_exactly(int_set, tmp_path, method):
     picked = tasks_for(method)
     merged, stats = reference_for(method, _input_set(s, [s.agents[i] for i in picked]),
                                list(range(len(picked))))  # fmt: skip
-    expected = _int_expected(s, merged)
-    for budget, kernels in ((FEW_ROWS, "auto"), (WHOLE, "eager")):
-        report = _merge(s, picked, tmp_path / f"{budget}", method,
-                        unit_budget_bytes=budget, kernels=kernels)  # fmt: skip
-        assert_same_bytes(load_checkpoint(tmp_path / f"{budget}"), expected)
-        if method in RAM_FAMILY:
-            assert [t["histogram"] for t in report["tasks"]] == stats["H"]
-            assert report["tasks"][2]["changed"] == 0
+    budget, kernels = _path(method, "int")
+    report = _merge(s, picked, tmp_path / "out", method, unit_budget_bytes=budget,
+                    kernels=kernels)  # fmt: skip
+    assert_same_bytes(load_checkpoint(tmp_path / "out"), _int_expected(s, merged))
+    if method in RAM_FAMILY:
+        assert [t["histogram"] for t in report["tasks"]] == stats["H"]
+        assert report["tasks"][2]["changed"] == 0
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -176,13 +185,12 @@ def test_every_method_merges_an_fp8_base_exactly(fp8_set, tmp_path, method):
     picked = tasks_for(method)
     merged, stats = reference_for(method, _input_set(s, [s.agents[i] for i in picked]),
                                list(range(len(picked))))  # fmt: skip
-    expected = _fp8_expected(s, merged)
-    for budget, kernels in ((FEW_ROWS, "auto"), (WHOLE, "eager")):
-        report = _merge(s, picked, tmp_path / f"{budget}", method,
-                        unit_budget_bytes=budget, kernels=kernels)  # fmt: skip
-        assert_same_bytes(load_checkpoint(tmp_path / f"{budget}"), expected)
-        if method in RAM_FAMILY:
-            assert [t["histogram"] for t in report["tasks"]] == stats["H"]
+    budget, kernels = _path(method, "fp8")
+    report = _merge(s, picked, tmp_path / "out", method, unit_budget_bytes=budget,
+                    kernels=kernels)  # fmt: skip
+    assert_same_bytes(load_checkpoint(tmp_path / "out"), _fp8_expected(s, merged))
+    if method in RAM_FAMILY:
+        assert [t["histogram"] for t in report["tasks"]] == stats["H"]
     if method in ("ram_plus", "ties", "model_stock"):
         _merge(s, picked, tmp_path / "bf16", method, out_dtype="bfloat16")
         assert_same_bytes(load_checkpoint(tmp_path / "bf16"),
@@ -475,9 +483,9 @@ def test_an_int_base_in_a_bucket_merges_to_the_local_bytes(int_set, fs, options,
         fs.put(str(d), f"{BUCKET}/in/{d.name}", recursive=True)
     base, *tasks = [f"s3://{BUCKET}/in/{d.name}" for d in dirs]
     local, remote = tmp_path / "local", tmp_path / "remote"
-    run_merge(merge_config(s.base_dir, dirs[1:], local, unit_budget_bytes=ONE_ROW))
+    run_merge(merge_config(s.base_dir, dirs[1:], local, unit_budget_bytes=FEW_ROWS))
     server.clear()
-    run_merge(merge_config(base, tasks, remote, options, unit_budget_bytes=ONE_ROW))
+    run_merge(merge_config(base, tasks, remote, options, unit_budget_bytes=FEW_ROWS))
     for name in ("model.safetensors", "config.json"):
         assert (remote / name).read_bytes() == (local / name).read_bytes(), name
     gets = [g for g in server.object_gets(f"{BUCKET}/in/") if g.path.endswith(".safetensors")]

@@ -118,9 +118,13 @@ def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case, monkeypatch)
 
 def test_no_fma_in_the_kernels_compiled_for_stored_forms():
     """TIES's, DELLA's, the blend's, model_stock's, sce's, arcee_fusion's and the statistics'
-    exact sums' code for a stored base has no FMA: their signature (records: every kind's
-    loaders in one, so one compilation covers the three stored bases), called on each stored
-    base, compiled here (uncached)."""
+    exact sums' code for a stored base has no FMA. Their signature is records (every kind's
+    loaders in one): each kernel, called here on each stored base and on its decoded copy (a
+    plain array), holds one specialization, the one plain inputs give it, whose code each
+    kernel's own no-FMA test compiles uncached and inspects (test_ties_kernels,
+    test_sparse_kernels, test_blend_kernels, test_sce_kernels, test_arcee_kernels); it is not
+    compiled a second time here. The Gram kernel, which only the stored-form tests call, is
+    compiled here (uncached) and inspected."""
     from numba import njit
 
     from ram_dist.kernels import primitives
@@ -128,33 +132,41 @@ def test_no_fma_in_the_kernels_compiled_for_stored_forms():
     for make in BASES.values():
         base = make()
         agents = bf16_agents(base, 2, seed=7)
-        stored = base.stored(0, base.numel)
-        out = np.empty(base.numel, np.uint16)
-        ties_numba.statistics(stored, agents, ties_numba.HIGH, 1 << 15)
-        ties_numba.merge(stored, agents, out, weights=[0.5, 0.25], keep=[2, 0],
-                         cuts=[(0, -1)] * 2, start=0, consensus=True, normalize=True,
-                         divisor=1.0, lambda_=0.5)  # fmt: skip
-        kw = dict(start=0, groups=(base.numel, 1), stream_keys=[1, None], densities=[0.5, 1.0],
-                  epsilons=[0.1, 0.1])  # fmt: skip
-        della_numba.statistics(stored, agents, **kw)
-        della_numba.merge(stored, agents, out, **kw, factors=[1.5, None], weights=[0.5, 0.25],
-                          consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
-        blend_numba.blend(stored, agents, out, mode=blend_numba.DELTAS, factors=[0.3, 0.7])
-        blend_numba.stock(stored, agents, out, ts=[0.3])
-        sce_numba.merge(stored, agents, out, weights=[0.6, 0.4], select=sce_numba.SELECT_CUT,
-                        threshold=1 << 20, start=0)  # fmt: skip
-        sce_numba.statistics(stored, agents, sce_numba.SQUARES, threshold=1 << 20)
-        imp = arcee_numba.importance(stored, agents[0], base.shape[-1])
-        arcee_numba.merge(stored, agents[0], imp, 1e-4, out)
-        vector_sums_numba.gram(stored, agents, vector_sums_numba.DELTAS, [(0, 0), (0, 1)])
+        for first in (base.stored(0, base.numel), base.decoded):
+            _call_every_record_kernel(first, agents, base.numel, base.shape[-1])
     arcee = (arcee_numba._importance_kernel, arcee_numba._merge_kernel)
     kernels = (*ties_numba.KERNELS, *della_numba.KERNELS, *blend_numba.KERNELS, *sce_numba.KERNELS,
                *vector_sums_numba.KERNELS)  # fmt: skip
     for kernel in (*kernels, *arcee):
+        assert len(kernel.signatures) == 1, (kernel, kernel.signatures)
+    for kernel in vector_sums_numba.KERNELS:
         fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
         for sig in kernel.signatures:
             fresh.compile(sig)
         assert fresh.signatures and ram_numba.fma_findings(fresh) == [], kernel
+
+
+def _call_every_record_kernel(first, agents: list, numel: int, row: int) -> None:
+    """Each record kernel above through its public wrapper, `first` (a stored form or a plain
+    array) the first input."""
+    out = np.empty(numel, np.uint16)
+    ties_numba.statistics(first, agents, ties_numba.HIGH, 1 << 15)
+    ties_numba.merge(first, agents, out, weights=[0.5, 0.25], keep=[2, 0],
+                     cuts=[(0, -1)] * 2, start=0, consensus=True, normalize=True,
+                     divisor=1.0, lambda_=0.5)  # fmt: skip
+    kw = dict(start=0, groups=(numel, 1), stream_keys=[1, None], densities=[0.5, 1.0],
+              epsilons=[0.1, 0.1])  # fmt: skip
+    della_numba.statistics(first, agents, **kw)
+    della_numba.merge(first, agents, out, **kw, factors=[1.5, None], weights=[0.5, 0.25],
+                      consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
+    blend_numba.blend(first, agents, out, mode=blend_numba.DELTAS, factors=[0.3, 0.7])
+    blend_numba.stock(first, agents, out, ts=[0.3])
+    sce_numba.merge(first, agents, out, weights=[0.6, 0.4], select=sce_numba.SELECT_CUT,
+                    threshold=1 << 20, start=0)  # fmt: skip
+    sce_numba.statistics(first, agents, sce_numba.SQUARES, threshold=1 << 20)
+    imp = arcee_numba.importance(first, agents[0], row)
+    arcee_numba.merge(first, agents[0], imp, 1e-4, out)
+    vector_sums_numba.gram(first, agents, vector_sums_numba.DELTAS, [(0, 0), (0, 1)])
 
 
 def test_model_stock_filter_wise_reads_the_stored_form_for_its_row_sums(base):
