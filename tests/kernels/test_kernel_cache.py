@@ -4,9 +4,10 @@ compiling, the command fails loudly, and the kernels import (and cache) even whe
 the package's directory nor the user's cache directory can be written.
 
 Every case runs in subprocesses with a cache directory of its own (numba reads
-`NUMBA_CACHE_DIR` once, at import). The whole warm is 27 specializations: the kernels
-that read a merge's inputs take them as records (`views.kernel_inputs`), one signature
-each whatever the dtypes, stored forms, task count and output dtype.
+`NUMBA_CACHE_DIR` once, at import). The whole warm is the calls each kernel module declares
+(`warm_calls()`; the docs' count of them is checked below): the kernels that read a merge's
+inputs take them as records (`views.kernel_inputs`), one signature each whatever the
+dtypes, stored forms, task count and output dtype.
 """
 
 from __future__ import annotations
