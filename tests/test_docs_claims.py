@@ -471,3 +471,30 @@ def test_the_trainer_names_inputs_md_lists_are_the_checks():
     for wrapper in tensor_names.WRAPPERS:
         assert f"`{wrapper}.`" in text, wrapper
     assert f"`{tensor_names.DROP_EXTRA}`" in text
+
+
+def test_the_output_page_s_paths_are_the_backends_sinks():
+    """output.md's table of who writes the merged bytes: a store named in a "direct" row has
+    a sink of its own (its workers write), one in the "through-driver" row has the driver's,
+    every store with a sink of its own is named; and the S3 part sizes it states are the
+    planner's."""
+    from ram_dist.io import s3
+    from ram_dist.io.backend import Backend
+
+    text = (DOCS / "output.md").read_text()
+    table = text[text.index("| output | path | how |") :].split("\n\n")[0]
+    rows = [r.split(" | ")[:2] for r in table.splitlines()[2:]]
+    driver = Backend.__dataclass_fields__["sink"].default
+    named: set[str] = set()
+    for cell, path in rows:
+        for protocol in re.findall(r"`(\w+)://`", cell):
+            named.add(protocol)
+            assert (backend(protocol).sink == driver) == (path == "through-driver"), cell
+    local = {"file", "local"}  # "a local folder": the file sink, on one node or shared
+    assert {p for p, b in BACKENDS.items() if b.sink != driver} - local <= named
+    assert any("a local folder" in cell and path == "direct" for cell, path in rows)
+    said = _said("output.md")
+    parts = re.search(r"Parts are planned at least (\d+) MiB long .*? at most ([\d,]+) per", said)
+    assert parts is not None
+    assert int(parts.group(1)) * 2**20 == s3.MIN_PART_BYTES
+    assert int(parts.group(2).replace(",", "")) == s3.MAX_PARTS
