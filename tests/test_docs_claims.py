@@ -498,3 +498,20 @@ def test_the_output_page_s_paths_are_the_backends_sinks():
     assert parts is not None
     assert int(parts.group(1)) * 2**20 == s3.MIN_PART_BYTES
     assert int(parts.group(2).replace(",", "")) == s3.MAX_PARTS
+
+
+def test_the_method_recipe_names_every_member_of_the_protocol():
+    """docs/extending.md's "Adding a method" names each member of `MergeMethod` (a new
+    member is a line of the page) and the bases that hold the protocol's defaults."""
+    from ram_dist.methods import protocol
+
+    page = (DOCS / "extending.md").read_text()
+    section = page.split("## Adding a method")[1].split("\n## ")[0]
+    named = set(re.findall(r"`(\w+)", section))
+    members = set(protocol.MergeMethod.__annotations__)
+    members |= {n for n in dir(protocol.MergeMethod) if not n.startswith("_")}
+    assert {"merge_chunk", "fuses", "initial_state", "writes_fp8"} <= members
+    assert members <= named, sorted(members - named)
+    assert {"Defaults", "Eager", "NoStatistics"} <= named
+    for name, method in METHODS.items():
+        assert isinstance(method, protocol.Defaults), name
