@@ -515,3 +515,12 @@ def test_the_method_recipe_names_every_member_of_the_protocol():
     assert {"Defaults", "Eager", "NoStatistics"} <= named
     for name, method in METHODS.items():
         assert isinstance(method, protocol.Defaults), name
+
+
+def test_the_demo_s_densities_are_the_generator_s():
+    from ram_dist.synthetic.weights import AGENT_DENSITIES
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    said = re.search(r"three agents that changed about (\d+)%, (\d+)% and (\d+)%", text)
+    assert said is not None
+    assert tuple(int(p) / 100 for p in said.groups()) == AGENT_DENSITIES
