@@ -524,3 +524,18 @@ def test_the_demo_s_densities_are_the_generator_s():
     said = re.search(r"three agents that changed about (\d+)%, (\d+)% and (\d+)%", text)
     assert said is not None
     assert tuple(int(p) / 100 for p in said.groups()) == AGENT_DENSITIES
+
+
+def test_the_log_events_observability_md_lists_are_the_ones_emitted():
+    """The table of `--log-format json` events names every kind the code emits (each a
+    `Progress.event(KIND, ...)` call), and no other."""
+    emitted = {
+        kind
+        for source in (ROOT / "ram_dist").rglob("*.py")
+        for kind in re.findall(r"\.event\(\s*\"(\w+)\"", source.read_text())
+    }
+    text = (DOCS / "observability.md").read_text()
+    table = text[text.index("| event | when |") :].split("\n\n")[0]
+    listed = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
+    assert {"job_start", "progress", "done", "warning"} <= emitted
+    assert listed == emitted
