@@ -539,3 +539,17 @@ def test_the_log_events_observability_md_lists_are_the_ones_emitted():
     listed = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
     assert {"job_start", "progress", "done", "warning"} <= emitted
     assert listed == emitted
+
+
+def test_the_yaml_keys_cli_md_lists_are_the_reader_s():
+    """docs/cli.md's table of a config's keys is the reader's top-level keys, and the keys it
+    says are refused as not supported are the reader's."""
+    from ram_dist.mergekit_config import reading
+
+    text = (DOCS / "cli.md").read_text()
+    table = text[text.index("| key | what it sets |") :].split("\n\n")[0]
+    assert set(re.findall(r"^\| `(\w+)` \|", table, re.M)) == set(reading.TOP_KEYS)
+    refused = _said("cli.md").split("These mergekit keys are refused as not supported:")[1]
+    refused = refused.split("Values that vary")[0]
+    named = set(re.findall(r"`(\w+)`", refused)) - {"base"}
+    assert named == set(reading._UNSUPPORTED_KEYS) | {"tokenizer_source"}
