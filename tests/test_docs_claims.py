@@ -553,3 +553,20 @@ def test_the_yaml_keys_cli_md_lists_are_the_reader_s():
     refused = refused.split("Values that vary")[0]
     named = set(re.findall(r"`(\w+)`", refused)) - {"base"}
     assert named == set(reading._UNSUPPORTED_KEYS) | {"tokenizer_source"}
+
+
+def test_the_adapters_inputs_md_refuses_are_the_planner_s():
+    """inputs.md's table of refused adapters names each adapter config key that makes an
+    adapter something a plain LoRA merge is not (`planning.adapters.VARIANTS`), and reads
+    the keys of `adapter_config.json` the planner reads."""
+    from ram_dist.planning import adapters
+
+    text = _said("inputs.md")
+    refused = text.split("### Adapters that are refused")[1].split("For example")[0]
+    for key, words in adapters.VARIANTS.items():
+        assert words.split(" (")[0] in refused, key
+    read = text.split("What is read from `adapter_config.json`")[1].split("An embedding")[0]
+    source = (ROOT / "ram_dist" / "planning" / "adapters.py").read_text()
+    for key in re.findall(r"raw\.get\(\"(\w+)\"", source):
+        if key not in {"peft_type", "target_modules"}:  # the kind, and what the card names
+            assert f"`{key}`" in read, key
