@@ -187,7 +187,9 @@ def test_the_sizes_and_periods_the_pages_state_are_the_code_s():
     from ram_dist import settings
     from ram_dist.engine import blocks, map_step
     from ram_dist.engine.shard_book import ShardBook
-    from ram_dist.io import header_reads, json_files, range_cache, s3, storage
+    from ram_dist.io import gcs, header_reads, json_files, range_cache, s3, storage
+    from ram_dist.io.sinks.gcs import PART_SUFFIX as GCS_PART_SUFFIX
+    from ram_dist.io.sinks.gcs import PARTS_DIR as GCS_PARTS_DIR
     from ram_dist.io.sinks.gcs import GcsSink
     from ram_dist.planning import sizing, units
 
@@ -215,6 +217,9 @@ def test_the_sizes_and_periods_the_pages_state_are_the_code_s():
             f"{range_cache.RESERVE_MIN_BYTES // 2**30} GiB) free",
             f"Parts are at least {GcsSink.min_part_bytes // 2**10} KiB (GCS composes any "
             f"size; S3 needs {_mib(s3.MIN_PART_BYTES)})",
+            f"One compose takes at most {gcs.MAX_COMPOSE_SOURCES} objects, so past "
+            f"{gcs.MAX_COMPOSE_SOURCES} parts it composes groups of {gcs.MAX_COMPOSE_SOURCES}",
+            f"`PREFIX/{GCS_PARTS_DIR}/SHARD/UPLOAD/NNNNN{GCS_PART_SUFFIX}`",
         ],
         "resume.md": [
             f"at most every {every_s:g} s as parts finish",
