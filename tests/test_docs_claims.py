@@ -75,11 +75,13 @@ def test_the_parameter_table_has_every_method_s_every_parameter_with_its_default
 
 def test_the_kernel_table_says_what_the_engine_asks_of_each_method():
     """A map pass is "fused kernels" where the method gives `fused_merge` and its `fuses`
-    takes a tensor at the defaults: della's and breadcrumbs' are, DARE's is not."""
+    takes a tensor at the defaults: della's and breadcrumbs' are, DARE's is not, nor is its
+    round (its draws are the eager rule's: `tests/engine/test_fp8_in_kernels.py` sees it
+    decode FP8 inputs)."""
     cells = {name: flag_table.kernel_cells(m) for name, m in METHODS.items()}
     assert cells["della"][1] == cells["breadcrumbs"][1] == "fused kernels"
     assert cells["ram_plus"][:2] == ("at most 1, on fused kernels", "fused kernels")
-    assert cells["dare_ties"][1] == "the eager rule"
+    assert cells["dare_ties"][:3] == ("at most 1, on the eager rule", "the eager rule", "decoded")
     assert cells["ties"][0] == "at most 4, on fused kernels"
     assert cells["task_arithmetic"][0] == "the input check only"
     assert cells["linear"][0] == "the input check only"
@@ -185,7 +187,9 @@ def test_the_sizes_and_periods_the_pages_state_are_the_code_s():
     from ram_dist import settings
     from ram_dist.engine import blocks, map_step
     from ram_dist.engine.shard_book import ShardBook
-    from ram_dist.io import header_reads, json_files, range_cache, s3, storage
+    from ram_dist.io import gcs, header_reads, json_files, range_cache, s3, storage
+    from ram_dist.io.sinks.gcs import PART_SUFFIX as GCS_PART_SUFFIX
+    from ram_dist.io.sinks.gcs import PARTS_DIR as GCS_PARTS_DIR
     from ram_dist.io.sinks.gcs import GcsSink
     from ram_dist.planning import sizing, units
 
@@ -213,6 +217,9 @@ def test_the_sizes_and_periods_the_pages_state_are_the_code_s():
             f"{range_cache.RESERVE_MIN_BYTES // 2**30} GiB) free",
             f"Parts are at least {GcsSink.min_part_bytes // 2**10} KiB (GCS composes any "
             f"size; S3 needs {_mib(s3.MIN_PART_BYTES)})",
+            f"One compose takes at most {gcs.MAX_COMPOSE_SOURCES} objects, so past "
+            f"{gcs.MAX_COMPOSE_SOURCES} parts it composes groups of {gcs.MAX_COMPOSE_SOURCES}",
+            f"`PREFIX/{GCS_PARTS_DIR}/SHARD/UPLOAD/NNNNN{GCS_PART_SUFFIX}`",
         ],
         "resume.md": [
             f"at most every {every_s:g} s as parts finish",
@@ -469,3 +476,102 @@ def test_the_trainer_names_inputs_md_lists_are_the_checks():
     for wrapper in tensor_names.WRAPPERS:
         assert f"`{wrapper}.`" in text, wrapper
     assert f"`{tensor_names.DROP_EXTRA}`" in text
+
+
+def test_the_output_page_s_paths_are_the_backends_sinks():
+    """output.md's table of who writes the merged bytes: a store named in a "direct" row has
+    a sink of its own (its workers write), one in the "through-driver" row has the driver's,
+    every store with a sink of its own is named; and the S3 part sizes it states are the
+    planner's."""
+    from ram_dist.io import s3
+    from ram_dist.io.backend import Backend
+
+    text = (DOCS / "output.md").read_text()
+    table = text[text.index("| output | path | how |") :].split("\n\n")[0]
+    rows = [r.split(" | ")[:2] for r in table.splitlines()[2:]]
+    driver = Backend.__dataclass_fields__["sink"].default
+    named: set[str] = set()
+    for cell, path in rows:
+        for protocol in re.findall(r"`(\w+)://`", cell):
+            named.add(protocol)
+            assert (backend(protocol).sink == driver) == (path == "through-driver"), cell
+    local = {"file", "local"}  # "a local folder": the file sink, on one node or shared
+    assert {p for p, b in BACKENDS.items() if b.sink != driver} - local <= named
+    assert any("a local folder" in cell and path == "direct" for cell, path in rows)
+    said = _said("output.md")
+    parts = re.search(r"Parts are planned at least (\d+) MiB long .*? at most ([\d,]+) per", said)
+    assert parts is not None
+    assert int(parts.group(1)) * 2**20 == s3.MIN_PART_BYTES
+    assert int(parts.group(2).replace(",", "")) == s3.MAX_PARTS
+
+
+def test_the_method_recipe_names_every_member_of_the_protocol():
+    """docs/extending.md's "Adding a method" names each member of `MergeMethod` (a new
+    member is a line of the page) and the bases that hold the protocol's defaults."""
+    from ram_dist.methods import protocol
+
+    page = (DOCS / "extending.md").read_text()
+    section = page.split("## Adding a method")[1].split("\n## ")[0]
+    named = set(re.findall(r"`(\w+)", section))
+    members = set(protocol.MergeMethod.__annotations__)
+    members |= {n for n in dir(protocol.MergeMethod) if not n.startswith("_")}
+    assert {"merge_chunk", "fuses", "initial_state", "writes_fp8"} <= members
+    assert members <= named, sorted(members - named)
+    assert {"Defaults", "Eager", "NoStatistics"} <= named
+    for name, method in METHODS.items():
+        assert isinstance(method, protocol.Defaults), name
+
+
+def test_the_demo_s_densities_are_the_generator_s():
+    from ram_dist.synthetic.weights import AGENT_DENSITIES
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    said = re.search(r"three agents that changed about (\d+)%, (\d+)% and (\d+)%", text)
+    assert said is not None
+    assert tuple(int(p) / 100 for p in said.groups()) == AGENT_DENSITIES
+
+
+def test_the_log_events_observability_md_lists_are_the_ones_emitted():
+    """The table of `--log-format json` events names every kind the code emits (each a
+    `Progress.event(KIND, ...)` call), and no other."""
+    emitted = {
+        kind
+        for source in (ROOT / "ram_dist").rglob("*.py")
+        for kind in re.findall(r"\.event\(\s*\"(\w+)\"", source.read_text())
+    }
+    text = (DOCS / "observability.md").read_text()
+    table = text[text.index("| event | when |") :].split("\n\n")[0]
+    listed = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
+    assert {"job_start", "progress", "done", "warning"} <= emitted
+    assert listed == emitted
+
+
+def test_the_yaml_keys_cli_md_lists_are_the_reader_s():
+    """docs/cli.md's table of a config's keys is the reader's top-level keys, and the keys it
+    says are refused as not supported are the reader's."""
+    from ram_dist.mergekit_config import reading
+
+    text = (DOCS / "cli.md").read_text()
+    table = text[text.index("| key | what it sets |") :].split("\n\n")[0]
+    assert set(re.findall(r"^\| `(\w+)` \|", table, re.M)) == set(reading.TOP_KEYS)
+    refused = _said("cli.md").split("These mergekit keys are refused as not supported:")[1]
+    refused = refused.split("Values that vary")[0]
+    named = set(re.findall(r"`(\w+)`", refused)) - {"base"}
+    assert named == set(reading._UNSUPPORTED_KEYS) | {"tokenizer_source"}
+
+
+def test_the_adapters_inputs_md_refuses_are_the_planner_s():
+    """inputs.md's table of refused adapters names each adapter config key that makes an
+    adapter something a plain LoRA merge is not (`planning.adapters.VARIANTS`), and reads
+    the keys of `adapter_config.json` the planner reads."""
+    from ram_dist.planning import adapters
+
+    text = _said("inputs.md")
+    refused = text.split("### Adapters that are refused")[1].split("For example")[0]
+    for key, words in adapters.VARIANTS.items():
+        assert words.split(" (")[0] in refused, key
+    read = text.split("What is read from `adapter_config.json`")[1].split("An embedding")[0]
+    source = (ROOT / "ram_dist" / "planning" / "adapters.py").read_text()
+    for key in re.findall(r"raw\.get\(\"(\w+)\"", source):
+        if key not in {"peft_type", "target_modules"}:  # the kind, and what the card names
+            assert f"`{key}`" in read, key

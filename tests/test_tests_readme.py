@@ -1,6 +1,7 @@
 """tests/README.md's table lists every test file once, and names no file that does not
 exist; no two test files share a name (pytest imports each by its bare name); no test file
-imports another (what two share lives in `tests/support/`); the quick tier
+imports another (what two share lives in `tests/support/`), and none asserts how long
+something took (a busy machine fails it for nothing); the quick tier
 (`pytest -m quick`) has tests of every package; every `tests/....py` path the repository's
 text names is a file."""
 
@@ -22,6 +23,13 @@ TEXT = {".md", ".py", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".sh"}
 #: `import test_x`, `from tests.x import`).
 IMPORTS_A_TEST = re.compile(
     r"^\s*(?:from\s+(?:tests\.|test_)\S*\s+import|import\s+(?:tests\.|test_))", re.M
+)
+#: An assertion that bounds a duration: `assert wall < 90`, `assert elapsed_s <= 2.5`,
+#: `assert time.monotonic() - start < 5` (a deadline that ends a wait is not one).
+TIMED = re.compile(
+    r"^\s*assert\b.*?(?:\b(?:wall|elapsed|took|duration|seconds|\w+_s)\s*<=?\s*\d"
+    r"|(?:perf_counter|monotonic|time)\(\)\s*-\s*\w+\s*<=?\s*\d)",
+    re.M,
 )
 NAMED = re.compile(r"\btests/[\w/]+\.py\b")
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+) \| ([^|]+) \|$")
@@ -67,6 +75,21 @@ def test_no_test_file_imports_another() -> None:
         for m in IMPORTS_A_TEST.finditer(p.read_text(encoding="utf-8"))
     ]
     assert importing == [], "\n".join(importing)
+
+
+def test_no_test_asserts_a_duration() -> None:
+    timed = [
+        f"{path}: {m.group(0).strip()}"
+        for path in _test_files()
+        for m in TIMED.finditer((TESTS / path).read_text(encoding="utf-8"))
+    ]
+    assert timed == [], "\n".join(timed)
+    for sample in ("    assert wall < 90", "assert t.elapsed_s <= 2.5",
+                   "    assert time.monotonic() - start < 5"):  # fmt: skip
+        assert TIMED.search(sample), sample
+    for sample in ("assert 0.0 < workers.busy_share(wall) <= 1.0", "assert stats.seconds > 0",
+                   "assert time.monotonic() < deadline, errors"):  # fmt: skip
+        assert not TIMED.search(sample), sample
 
 
 def test_the_quick_tier_touches_every_package() -> None:

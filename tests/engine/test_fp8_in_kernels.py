@@ -2,10 +2,11 @@
 RAM's kernels read every FP8 input as stored and write the FP8 output themselves, so no
 input is ever dequantized into a float32 copy (`Fp8Source.decode` is never called), and the
 bytes are the spec's reference's (`fp8_reference`), for an FP8 base with FP8 or bf16
-agents, a bf16 base with FP8 agents, and `out_dtype`. TIES's, DELLA's, the geometric
-blend's, model_stock's, sce's and arcee_fusion's kernels read them as stored too
-(`MergeMethod.reads_stored`), with the eager path's bytes, in their rounds too (the geometric
-methods' and model_stock's Gram rounds, sce's variance selection and sums of squares)."""
+agents, a bf16 base with FP8 agents, and `out_dtype`. Every other method of the registry
+whose kernels read quantized inputs (`MergeMethod.reads_stored`: TIES's, DELLA's, the
+geometric blend's, model_stock's, sce's, arcee_fusion's...) reads them as stored too, with
+the eager path's bytes, in its rounds too (the geometric methods' and model_stock's Gram
+rounds, sce's variance selection and sums of squares)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ import torch
 from fp8_models import BLOCK, build_fp8_set
 from fp8_reference import reference_fp8_merge
 from inline_passes import FUSED, merge_inline
+from method_cases import case_id, every_method, task_count, tensor_parameters
 
+from ram_dist.cli import flag_table
 from ram_dist.engine import blocks, worker
 from ram_dist.kernels import fp8
+from ram_dist.methods.registry import METHODS
 from ram_dist.planning.sources import Fp8Source
 
 pytest.importorskip("numba")
@@ -52,9 +56,9 @@ def decoded(monkeypatch) -> list[int]:
 
 
 def _merge_inline(s, method_name: str, flags=FUSED, **kw) -> dict[str, bytes]:
-    """Both passes, unit by unit in this process; the output tensors' bytes by name
-    (arcee_fusion merges the first task only: it takes one model)."""
-    tasks = s.task_dirs[:1] if method_name == "arcee_fusion" else s.task_dirs
+    """Both passes, unit by unit in this process; the output tensors' bytes by name (as
+    many tasks as the method takes: arcee_fusion and slerp one)."""
+    tasks = s.task_dirs[: task_count(method_name, len(s.task_dirs))]
     return merge_inline(s.base_dir, tasks, method_name, flags, **kw)
 
 
@@ -78,32 +82,47 @@ def test_out_dtype_from_fp8_inputs_in_the_kernels(sets, decoded):
     assert decoded == []
 
 
-#: Each method's parameters here (selecting ones where it has them).
-PARAMETERS = {
-    "ties": {"density": 0.5}, "della": {"density": 0.5}, "multislerp": {"weight": 0.6},
-    "model_stock": {}, "sce": {"select_topk": 0.5}, "arcee_fusion": {},
-}  # fmt: skip
+#: Each method's parameters here (selecting ones where it has them), for the test of FP8
+#: output below.
+PARAMETERS = {"ties": {"density": 0.5}, "della": {"density": 0.5}}
+#: Every method whose kernels read quantized inputs as stored but leave FP8 output to the
+#: engine (RAM's kernels write it: the tests above), as its case in `method_cases`.
+STORED = [
+    (name, params) for name, params in every_method()
+    if METHODS[name].reads_stored and not getattr(METHODS[name], "writes_fp8", False)
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("method", list(PARAMETERS))
-def test_every_method_s_kernels_read_fp8_as_stored(sets, decoded, method):
-    """Every method's kernels read the FP8 inputs as stored too, in its rounds and its map
-    pass: no FP8 input is dequantized into a float32 copy, and the bytes are the eager
-    path's, which dequantizes them (`test_fp8_checkpoints` checks those against the rule).
-    bf16 output: FP8 output from a method other than RAM is requantized from the merged
-    values and the base's."""
+@pytest.mark.parametrize("case", STORED, ids=case_id)
+def test_every_method_s_kernels_read_fp8_as_stored(sets, decoded, case):
+    """Every method's kernels read the FP8 inputs as stored too, in its rounds where they are
+    fused and in its map pass where its kernels take the tensor (`fuses`), as docs/methods.md's
+    kernel table says (`flag_table.kernel_cells`): no FP8 input is dequantized into a float32
+    copy there, and the bytes are the eager path's, which dequantizes them
+    (`test_fp8_checkpoints` checks those against the rule). bf16 output: FP8 output from a
+    method other than RAM is requantized from the merged values and the base's."""
+    method, parameters = case
     s = sets["fp8-base-bf16-agent"]
-    params = {"parameters": PARAMETERS[method]}
+    n = task_count(method, len(s.task_dirs))
+    fused_map = METHODS[method].fuses(tensor_parameters(method, parameters, n))
+    rounds_cell, map_cell, quantized_cell, _ = flag_table.kernel_cells(METHODS[method])
+    assert (map_cell == "fused kernels") == fused_map
+    fused_rounds = "on fused kernels" in rounds_cell
+    assert quantized_cell == ("as stored" if fused_map or fused_rounds else "decoded")
     starts: list[int] = []  # where each pass starts in `decoded`
 
     def mark(name: str) -> None:
         starts.append(len(decoded))
 
-    got = _merge_inline(s, method, on_pass=mark, out_dtype="bfloat16", **params)
-    assert decoded[starts[-1] :] == []  # the map pass decoded nothing
-    assert decoded == []  # nor did the rounds
-    assert got == _merge_inline(s, method, worker.EAGER, out_dtype="bfloat16", **params)
-    assert sum(decoded[starts[-1] :]) > 0  # the eager path did
+    kw = {"on_pass": mark, "out_dtype": "bfloat16", "parameters": parameters}
+    got = _merge_inline(s, method, **kw)
+    rounds = decoded[: starts[-1]]
+    assert (rounds == []) == (fused_rounds or METHODS[method].rounds == 0)  # fused: nothing
+    assert (decoded[starts[-1] :] == []) == fused_map  # nor did a fused map pass
+    before = len(decoded)
+    eager = _merge_inline(s, method, worker.EAGER, out_dtype="bfloat16", parameters=parameters)
+    assert got == eager
+    assert sum(decoded[before:]) > 0  # the eager path did
 
 
 @pytest.mark.parametrize("method", ["ties", "della", "task_arithmetic"])

@@ -2,9 +2,11 @@
 switches that make a method compute on whole rows) gives the same bytes on the GPU workers
 (`--device cuda`, the eager rule on the GPU) as on the CPUs, fused (`--device cpu`, the
 kernels where they apply) and eager (`--kernels eager`, on the mixed set): for bf16, fp16,
-fp32 and mixed inputs; on fine-grained FP8 inputs (a method that reads FP8 in its kernels and
-one that does not); on MXFP4, packed INT4 and per-channel FP8 bases (every method on one of
-them); and with PEFT LoRA adapters as tasks (their products on the GPU).
+fp32 and mixed inputs; on fine-grained FP8 inputs (a method whose kernels write FP8, one
+whose kernels read it and leave the engine to requantize, and one whose rounds take it
+decoded: `FP8_METHODS`; test_fp8_checkpoints.py runs every method on them on the CPU); on
+MXFP4, packed INT4 and per-channel FP8 bases (every method on one of them); and with PEFT
+LoRA adapters as tasks (their products on the GPU).
 
 Skipped without CUDA: the scheduling is tested with fake GPUs in `tests/engine/test_devices.py`
 and `tests/engine/test_devices_mixed.py`, where the GPU workers compute on the CPU and so

@@ -4,14 +4,14 @@ compiling, the command fails loudly, and the kernels import (and cache) even whe
 the package's directory nor the user's cache directory can be written.
 
 Every case runs in subprocesses with a cache directory of its own (numba reads
-`NUMBA_CACHE_DIR` once, at import). The whole warm is 27 specializations: the kernels
-that read a merge's inputs take them as records (`views.kernel_inputs`), one signature
-each whatever the dtypes, stored forms, task count and output dtype. That cache directory
-starts as a copy of the package's own cache (which the README's test command fills before
-the suite) less the `FRESH` kernels, so warm compiles those into it and loads the others:
-the suite does not pay the whole compile (about a minute and a half) a second time. Where the
-package's cache lacks a kernel or is stale, warm compiles it too; the assertions hold either
-way.
+`NUMBA_CACHE_DIR` once, at import). The whole warm is the calls each kernel module declares
+(`warm_calls()`; the docs' count of them is checked below): the kernels that read a merge's
+inputs take them as records (`views.kernel_inputs`), one signature each whatever the
+dtypes, stored forms, task count and output dtype. That cache directory starts as a copy of
+the package's own cache (which the README's test command fills before the suite) less the
+`FRESH` kernels, so warm compiles those into it and loads the others: the suite does not pay
+the whole compile a second time. Where the package's cache lacks a kernel or is stale, warm
+compiles it too; the assertions hold either way.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from builders import build_model_set, load_checkpoint
 
 from ram_dist import methods
 from ram_dist.api import run_merge
+from ram_dist.methods import registry
 from ram_dist.planning.config import MergeConfig
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
@@ -35,8 +36,9 @@ def _example_source() -> str:
 
 @pytest.fixture
 def mean_method(tmp_path, monkeypatch):
-    """The example's module, imported from a file, and its METHODS added to the table (Ray
-    ships it to the workers by value: they cannot import a file only this process has)."""
+    """The example's module, imported from a file, and its METHODS added to the table as its
+    one line in `registry.py` would add them (Ray ships it to the workers by value: they
+    cannot import a file only this process has)."""
     path = tmp_path / "mean_example.py"
     path.write_text(_example_source())
     spec = importlib.util.spec_from_file_location("mean_example", path)
@@ -45,9 +47,12 @@ def mean_method(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "mean_example", module)
     spec.loader.exec_module(module)
     ray.cloudpickle.register_pickle_by_value(module)
+    # The table with the example's line added, built as `registry.METHODS` is (its checks
+    # of names and flags included), then put in place of the one every module imported.
+    table = registry._table(tuple(methods.METHODS.values()), module.METHODS)
     try:
-        for method in module.METHODS:
-            monkeypatch.setitem(methods.METHODS, method.name, method)
+        for name, method in table.items():
+            monkeypatch.setitem(methods.METHODS, name, method)
         yield module.METHODS[0]
     finally:
         ray.cloudpickle.unregister_pickle_by_value(module)

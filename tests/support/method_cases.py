@@ -52,8 +52,9 @@ def task_count(name: str, available: int) -> int:
     return n
 
 
-def _resolved(name: str, params: dict[str, Any], n_tasks: int) -> dict[str, Any]:
-    """`params` over the declared defaults, as one tensor's parameters (per task: lists)."""
+def tensor_parameters(name: str, params: dict[str, Any], n_tasks: int) -> dict[str, Any]:
+    """`params` over the declared defaults, as one tensor's parameters (per task: lists):
+    what `whole_rows` and `fuses` are asked."""
     out = {}
     for p in METHODS[name].parameters:
         value = params.get(p.name, p.default)
@@ -67,12 +68,12 @@ def row_variants(name: str) -> list[dict[str, Any]]:
     chunks are cut otherwise."""
     method, params = METHODS[name], case_parameters(name)
     n = task_count(name, 3)
-    rows = method.whole_rows(_resolved(name, params, n))
+    rows = method.whole_rows(tensor_parameters(name, params, n))
     out = []
     for p in method.parameters:
         if p.kind is bool and p.default is not None and p.effect:
             flipped = params | {p.name: not params.get(p.name, p.default)}
-            if method.whole_rows(_resolved(name, flipped, n)) != rows:
+            if method.whole_rows(tensor_parameters(name, flipped, n)) != rows:
                 out.append(flipped)
     return out
 

@@ -119,6 +119,13 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
         return {None: 0, "random": 1, "magnitude": 4}[self.sparsify]
 
     @property
+    def fused_rounds(self) -> bool:
+        """Whether `fused_statistics` computes the rounds (TIES's histograms): DARE's draws
+        run the eager rule, so its inputs are decoded in its round too (docs/methods.md's
+        kernel table says so, `cli.flag_table.kernel_cells`)."""
+        return self.sparsify != "random"
+
+    @property
     def rounds_note(self) -> str:
         if self.sparsify == "magnitude":
             return (
