@@ -31,6 +31,10 @@ T = TypeVar("T")
 
 #: How long the raylet gets to stop its workers and agents before it is killed.
 RAYLET_GRACE_S = 3.0
+#: An embedded Ray's setting that has each worker process import `engine.worker_preload`
+#: (the task modules, the kernels, numba's registries) as it starts, before it takes a task:
+#: the workers Ray starts while `ray.init` still runs are ready when it returns.
+PRELOADED = {"preload_python_modules": ["ram_dist.engine.worker_preload"]}
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ def ray_session(address: str | None, checks: Callable[[], T]) -> Iterator[tuple[
                     include_dashboard=False,
                     logging_level=logging.WARNING,
                     log_to_driver=True,
+                    **({"_system_config": PRELOADED} if embedded else {}),
                 )
             # The workers start now, while the checks may still run: on a running Ray,
             # connecting takes a fraction of the driver's imports and planning.

@@ -2,8 +2,9 @@
 checks (`driver.prepare`) begin torch's import in a thread of their own (`preload`), beside
 themselves and Ray's start (`runtime.ray_session`); the reduce pass's first tasks are sent
 without waiting for torch (a reduce pass ships no NaN bits); the workers are asked for as
-soon as Ray is up, while the checks may still run. Each, on the way from Ray's start to the
-first task, costs about a second."""
+soon as Ray is up, while the checks may still run, and an embedded Ray's workers load the
+kernels as they start (`worker_preload`). Each, on the way from Ray's start to the first
+task, costs about a second."""
 
 from __future__ import annotations
 
@@ -78,4 +79,12 @@ def test_the_workers_are_asked_for_while_the_checks_still_run(monkeypatch) -> No
     with runtime.ray_session(None, checks) as (cluster, asked_first):
         assert cluster.embedded
         assert asked_first
+        assert ray.get(_preloaded.remote())
     assert not ray.is_initialized()
+
+
+@ray.remote(num_cpus=1)
+def _preloaded() -> bool:
+    """Whether this worker imported the preload module (the kernels, numba's registries) as
+    it started, before this task: an embedded Ray's workers do (`runtime.PRELOADED`)."""
+    return "ram_dist.engine.worker_preload" in sys.modules and "numba" in sys.modules
