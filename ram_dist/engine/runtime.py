@@ -172,7 +172,10 @@ def stop_embedded(earlier: frozenset[tuple[int, float]] = frozenset()) -> None:
 
     Last, any of Ray's processes below this one that were not there before it started
     (`earlier`) is killed: what a start cut short by a signal leaves, which Ray does not
-    know of yet, or an agent whose raylet had to be killed."""
+    know of yet, or an agent whose raylet had to be killed; and so is any worker that was
+    below it when the stop began and outlived its raylet (a worker still loading its
+    preload, no longer below this process once its raylet is gone)."""
+    below = _ray_processes()
     processes = ray_private.node_processes()
     try:
         if processes is None:  # not started, or not what this was written for
@@ -187,7 +190,7 @@ def stop_embedded(earlier: frozenset[tuple[int, float]] = frozenset()) -> None:
             _end(raylets, graceful=True)
             _end(rest, graceful=False)
     finally:
-        _kill_left(earlier)
+        _kill_left(earlier, below)
 
 
 def _ray_processes() -> frozenset[tuple[int, float]]:
@@ -201,11 +204,18 @@ def _ray_processes() -> frozenset[tuple[int, float]]:
     return frozenset(found)
 
 
-def _kill_left(earlier: frozenset[tuple[int, float]]) -> None:
+def _kill_left(
+    earlier: frozenset[tuple[int, float]], below: frozenset[tuple[int, float]] = frozenset()
+) -> None:
+    """Kill Ray's processes below this one now, and those `below` it when the stop began,
+    unless they were there before Ray started (`earlier`); a pid is killed only while its
+    start time is the one recorded (never a process that reused it)."""
     left = []
-    for pid, _ in _ray_processes() - earlier:
+    for pid, started in (_ray_processes() | below) - earlier:
         with contextlib.suppress(psutil.Error):
             p = psutil.Process(pid)
+            if p.create_time() != started:
+                continue
             p.kill()
             left.append(p)
     psutil.wait_procs(left, timeout=5)
