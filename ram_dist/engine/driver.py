@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import ray
 
 from ram_dist import __version__
-from ram_dist.engine import collector, memory
+from ram_dist.engine import collector, memory, preload
 from ram_dist.engine.gpu import Devices, job_devices
 from ram_dist.engine.kept_values import kept_for
 from ram_dist.engine.pass_context import MapOutput, PassContext, Shipped
@@ -76,10 +76,9 @@ def prepare(config: MergeConfig) -> Job:
     without, to read the headers). Cycles made meanwhile are collected once it is back on.
 
     torch, which the passes need on the driver (a reduce round's sums, the fused kernels'
-    NaN probe), is imported here: in the thread that checks while Ray starts
-    (`runtime.ray_session`), not between Ray's start and the first task (about a second)."""
-    import torch  # noqa: F401
-
+    NaN probe), starts loading here, in a thread of its own (`preload`): beside the checks
+    and Ray's start, and never between Ray's start and the first task (about a second)."""
+    preload.start()
     with collector.paused():
         return planning.prepare(config)
 

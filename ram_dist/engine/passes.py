@@ -20,6 +20,7 @@ import numpy as np
 
 from ram_dist import kernels
 from ram_dist.dtypes import dtype_name, itemsize
+from ram_dist.engine import preload
 from ram_dist.engine.gpu import Devices, job_devices
 from ram_dist.engine.kept_values import KeptValues
 from ram_dist.engine.map_step import PartWork, map_part
@@ -132,7 +133,7 @@ def _reduce_pass(context: PassContext, devices: Devices) -> tuple[dict[str, Any]
         totals: dict[str, np.ndarray] = {}
         nonfinite: dict[str, list[int]] = {}
         checked = PrecisionCounts.zeros(len(job.tasks)) if checking else None
-        flags = replace(work_flags(job), kept=context.kept)
+        flags = replace(work_flags(job, writes=False), kept=context.kept)
         shared = (shipped.context(storage, method, state, flags), round_, checking)
         routing = Routing(lambda g: near(node_of(g[0])), devices.gpu, devices.on_gpu)
         results = unordered_map(reduce_group, items, shared, workers, resources, routing)
@@ -152,7 +153,7 @@ def _reduce_pass(context: PassContext, devices: Devices) -> tuple[dict[str, Any]
                 raise _overflow_error(job, checked.overflow)
             stats.precision = checked
         if round_ < method.rounds:
-            import torch  # imported by the checks while Ray started (`runtime.ray_session`)
+            import torch  # loading since the checks (`preload`): waits for it at most
 
             sums = {key: torch.from_numpy(value) for key, value in totals.items()}
             state = method.finalize(RoundTotals(round_, sums, job.params, numel, state))
@@ -162,15 +163,15 @@ def _reduce_pass(context: PassContext, devices: Devices) -> tuple[dict[str, Any]
     return state, stats
 
 
-def work_flags(job: Job) -> WorkFlags:
+def work_flags(job: Job, *, writes: bool = True) -> WorkFlags:
     """The engine's settings for the fused kernels, shipped beside the method's state:
-    whether they are on (`--kernels`), and the bits torch gives a NaN cast to bfloat16 on
-    this machine (probed here, so that workers need not import torch)."""
+    whether they are on (`--kernels`), and, for a pass that `writes` merged values, the bits
+    torch gives a NaN cast to bfloat16 on this machine (probed here, so that workers need
+    not import torch; `preload` probes it beside the checks). A reduce pass writes none: its
+    first tasks are sent without waiting for torch."""
     if not (job.config.kernels == "auto" and kernels.available()):
         return WorkFlags()
-    from ram_dist.kernels.views import torch_bf16_nan
-
-    return WorkFlags(fused=True, bf16_nan=torch_bf16_nan())
+    return WorkFlags(fused=True, bf16_nan=preload.bf16_nan() if writes else None)
 
 
 def _overflow_error(job: Job, found: dict[str, list[int]]) -> RamDistError:

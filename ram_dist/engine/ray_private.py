@@ -6,7 +6,8 @@ pyproject.toml pins `ray` to the releases tested.
 - the running task's attempt number (`UnitResult.attempt`);
 - the processes of the Ray this process started, and forgetting them, so that an embedded
   Ray is stopped at once rather than one process after another (`runtime.stop_embedded`);
-- the logger of Ray's notice that token authentication is on (`runtime`'s filter).
+- the logger of Ray's notice that token authentication is on (`runtime`'s filter);
+- a worker's serialization context, built as the worker starts (`worker_preload`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ def task_attempt() -> int:
         return int(get()) if get is not None else 0
     except Exception:  # noqa: BLE001  (a private call: never let it fail a task)
         return 0
+
+
+def serialization_ready() -> bool:
+    """Build this process's serialization context now, which Ray otherwise builds on the
+    first task's arguments (importing pydantic among others: about 0.2 s of CPU), and say
+    whether it exists (False when the private call is gone or fails: never fatal)."""
+    get = getattr(_worker_module().global_worker, "get_serialization_context", None)
+    try:
+        return get is not None and get() is not None
+    except Exception:  # noqa: BLE001  (a private call: never let it fail a worker's start)
+        return False
 
 
 def node_processes() -> dict[str, list[Any]] | None:

@@ -31,6 +31,10 @@ T = TypeVar("T")
 
 #: How long the raylet gets to stop its workers and agents before it is killed.
 RAYLET_GRACE_S = 3.0
+#: An embedded Ray's setting that has each worker process import `engine.worker_preload`
+#: (the task modules, the kernels, numba's registries) as it starts, before it takes a task:
+#: the workers Ray starts while `ray.init` still runs are ready when it returns.
+PRELOADED = {"preload_python_modules": ["ram_dist.engine.worker_preload"]}
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ def ray_session(address: str | None, checks: Callable[[], T]) -> Iterator[tuple[
                     include_dashboard=False,
                     logging_level=logging.WARNING,
                     log_to_driver=True,
+                    **({"_system_config": PRELOADED} if embedded else {}),
                 )
             # The workers start now, while the checks may still run: on a running Ray,
             # connecting takes a fraction of the driver's imports and planning.
@@ -167,7 +172,10 @@ def stop_embedded(earlier: frozenset[tuple[int, float]] = frozenset()) -> None:
 
     Last, any of Ray's processes below this one that were not there before it started
     (`earlier`) is killed: what a start cut short by a signal leaves, which Ray does not
-    know of yet, or an agent whose raylet had to be killed."""
+    know of yet, or an agent whose raylet had to be killed; and so is any worker that was
+    below it when the stop began and outlived its raylet (a worker still loading its
+    preload, no longer below this process once its raylet is gone)."""
+    below = _ray_processes()
     processes = ray_private.node_processes()
     try:
         if processes is None:  # not started, or not what this was written for
@@ -182,7 +190,7 @@ def stop_embedded(earlier: frozenset[tuple[int, float]] = frozenset()) -> None:
             _end(raylets, graceful=True)
             _end(rest, graceful=False)
     finally:
-        _kill_left(earlier)
+        _kill_left(earlier, below)
 
 
 def _ray_processes() -> frozenset[tuple[int, float]]:
@@ -196,11 +204,18 @@ def _ray_processes() -> frozenset[tuple[int, float]]:
     return frozenset(found)
 
 
-def _kill_left(earlier: frozenset[tuple[int, float]]) -> None:
+def _kill_left(
+    earlier: frozenset[tuple[int, float]], below: frozenset[tuple[int, float]] = frozenset()
+) -> None:
+    """Kill Ray's processes below this one now, and those `below` it when the stop began,
+    unless they were there before Ray started (`earlier`); a pid is killed only while its
+    start time is the one recorded (never a process that reused it)."""
     left = []
-    for pid, _ in _ray_processes() - earlier:
+    for pid, started in (_ray_processes() | below) - earlier:
         with contextlib.suppress(psutil.Error):
             p = psutil.Process(pid)
+            if p.create_time() != started:
+                continue
             p.kill()
             left.append(p)
     psutil.wait_procs(left, timeout=5)

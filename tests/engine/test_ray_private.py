@@ -75,3 +75,12 @@ def test_a_tasks_attempt_counts_its_retries(embedded, tmp_path):
 def test_the_token_notice_comes_from_the_logger_the_filter_is_on():
     module = importlib.import_module(ray_private.TOKEN_NOTICE_LOGGER)
     assert module.logger is logging.getLogger(ray_private.TOKEN_NOTICE_LOGGER)
+
+
+def test_a_workers_serialization_context_is_built_on_demand(embedded):
+    @ray.remote(num_cpus=1)
+    def ready() -> bool:
+        return ray_private.serialization_ready()
+
+    assert ray.get(ready.remote())
+    assert ray_private.serialization_ready()

@@ -1,7 +1,10 @@
 """What a merge does while Ray starts: the driver imports its engine without torch, and the
-checks (`driver.prepare`) import torch, in the thread that runs while Ray starts
-(`runtime.ray_session`); the workers are asked for as soon as Ray is up, while the checks may
-still run. Either, on the way from Ray's start to the first task, costs about a second."""
+checks (`driver.prepare`) begin torch's import in a thread of their own (`preload`), beside
+themselves and Ray's start (`runtime.ray_session`); the reduce pass's first tasks are sent
+without waiting for torch (a reduce pass ships no NaN bits); the workers are asked for as
+soon as Ray is up, while the checks may still run, and an embedded Ray's workers load the
+kernels as they start (`worker_preload`). Each, on the way from Ray's start to the first
+task, costs about a second."""
 
 from __future__ import annotations
 
@@ -18,15 +21,23 @@ from ram_dist.engine import runtime
 IMPORTS = """
 import sys
 from ram_dist import api
-from ram_dist.engine import driver, runtime
+from ram_dist.engine import driver, passes, preload, runtime
+from ram_dist.planning import job as planning
 from ram_dist.planning.config import MergeConfig
+config = MergeConfig(base=sys.argv[1], tasks=tuple(sys.argv[2:]), method="ram_plus")
 print("torch" in sys.modules)
-driver.prepare(MergeConfig(base=sys.argv[1], tasks=tuple(sys.argv[2:]), method="ram_plus"))
-print("torch" in sys.modules)
+job = planning.prepare(config)  # the plan alone, no preload begun
+flags = passes.work_flags(job, writes=False)  # what the reduce pass ships
+print("torch" in sys.modules, flags.fused, flags.bf16_nan)
+driver.prepare(config)
+preload.start().join()  # the thread `driver.prepare` began, not another
+print("torch" in sys.modules, passes.work_flags(job).bf16_nan == preload.bf16_nan())
 """
 
 
-def test_the_engine_imports_without_torch_and_the_checks_import_it(tmp_path) -> None:
+def test_the_checks_begin_torchs_import_and_the_reduce_pass_does_not_wait_for_it(
+    tmp_path,
+) -> None:
     base_dir, task_dirs, _, _ = build_model_set(tmp_path, kind="qwen2")
     done = subprocess.run(
         [sys.executable, "-c", IMPORTS, str(base_dir), *map(str, task_dirs)],
@@ -35,7 +46,19 @@ def test_the_engine_imports_without_torch_and_the_checks_import_it(tmp_path) -> 
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["False", "True"]
+    assert done.stdout.split() == ["False", "False", "True", "None", "True", "True"]
+
+
+def test_the_preload_probes_what_the_kernels_views_probe() -> None:
+    from ram_dist import kernels
+    from ram_dist.engine import preload
+
+    if not kernels.available():
+        pytest.skip("numba is not installed")
+    from ram_dist.kernels.views import torch_bf16_nan
+
+    assert preload.bf16_nan() == torch_bf16_nan()
+    assert preload.start() is preload.start()  # one thread per process
 
 
 def test_the_workers_are_asked_for_while_the_checks_still_run(monkeypatch) -> None:
@@ -56,4 +79,12 @@ def test_the_workers_are_asked_for_while_the_checks_still_run(monkeypatch) -> No
     with runtime.ray_session(None, checks) as (cluster, asked_first):
         assert cluster.embedded
         assert asked_first
+        assert ray.get(_preloaded.remote())
     assert not ray.is_initialized()
+
+
+@ray.remote(num_cpus=1)
+def _preloaded() -> bool:
+    """Whether this worker imported the preload module (the kernels, numba's registries) as
+    it started, before this task: an embedded Ray's workers do (`runtime.PRELOADED`)."""
+    return "ram_dist.engine.worker_preload" in sys.modules and "numba" in sys.modules
