@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.primitives import (
     BF16,
     F16,
@@ -24,17 +24,13 @@ from ram_dist.kernels.primitives import (
     OPTIONS,
     TILE,
     VALUES,
-    base_rows,
     float_bits_to_bf16,
     float_bits_to_half,
     half_to_float_bits,
     load_tile_bases,
-    size_of,
+    tiles_of,
 )
 from ram_dist.kernels.views import kernel_inputs
-
-if TYPE_CHECKING:
-    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -109,10 +105,7 @@ def check_tile(
 @njit(cache=True, **OPTIONS)
 def _check_kernel(inputs: tuple[Any, ...], eps: np.float32, counts: np.ndarray) -> None:
     """counts[t] += (changed, rounding, overflow) of task t over inputs = (base, tasks)."""
-    n = size_of(inputs[0])
-    ntasks = len(inputs) - 1
-    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
-    rows = base_rows(inputs)
+    n, buf, _, rows = tiles_of(inputs, TILE)
     tests = task_tests(inputs)
     scratch = np.empty((2, TILE), np.uint32)
     for lo in range(0, n, TILE):
