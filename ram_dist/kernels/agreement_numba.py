@@ -22,12 +22,11 @@ import numpy as np
 from numba import njit
 
 from ram_dist.kernels import Call, use_writable_cache
-from ram_dist.kernels.precision_numba import check_tile, task_tests
+from ram_dist.kernels.precision_numba import check_inputs, task_tests
 from ram_dist.kernels.primitives import (
     LANES,
     OPTIONS,
     TILE,
-    count_nonfinite,
     fma_findings,
     load_tile_bases,
     tiles_of,
@@ -71,9 +70,7 @@ def _agreement_kernel(
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
         load_tile_bases(inputs, lo, m, buf)
-        count_nonfinite(buf, m, nonfinite)
-        if checks.size:
-            check_tile(buf, rows, tests, m, eps, checks, scratch)
+        check_inputs(buf, rows, tests, m, eps, nonfinite, checks, scratch)
         for i in range(m):
             count[i] = 0
             ups[i] = 0

@@ -40,7 +40,7 @@ from ram_dist.kernels.primitives import (
     store_span,
     tiles_of,
 )
-from ram_dist.kernels.ties_numba import combine_tile
+from ram_dist.kernels.ties_numba import combine_scratch, combine_tile
 from ram_dist.kernels.views import ArrayLike, input_size, kernel_inputs, merge_records
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
@@ -294,9 +294,7 @@ def _merge_kernel(
     scratch = rank_scratch(n)
     table = by_rank(n, lows, epss)
     probs = np.empty(row, np.float32)
-    total = np.empty(row, np.float32)
-    div = np.empty(row, np.float32)
-    res = np.empty(row, np.float32)
+    total, div, res = combine_scratch(row)
     zero = np.float32(0.0)
     one = np.float32(1.0)
     for lo in range(0, size, row):

@@ -24,6 +24,7 @@ from ram_dist.kernels.primitives import (
     OPTIONS,
     TILE,
     VALUES,
+    count_nonfinite,
     float_bits_to_bf16,
     float_bits_to_half,
     half_to_float_bits,
@@ -100,6 +101,17 @@ def check_tile(
                     moved = abs(x[i] - at[i]) > eps
                     rounding += 1 if moved and x[i] != bf16[i] and x[i] == f16[i] else 0
             counts[t, 1] += rounding
+
+
+@register_jitable
+def check_inputs(buf, rows, tests, m, eps, nonfinite, checks, scratch):  # noqa: ANN001, ANN201, PLR0913  (numba arrays)
+    """The checks a reduce round's first sweep makes of a loaded tile, each where its counts
+    are asked for (not empty): every input's NaN and Inf (`count_nonfinite`, base first) and
+    each task's precision check (`check_tile`); RAM's count kernel and the agreement probe
+    both make them."""
+    count_nonfinite(buf, m, nonfinite)
+    if checks.size:
+        check_tile(buf, rows, tests, m, eps, checks, scratch)
 
 
 @njit(cache=True, **OPTIONS)

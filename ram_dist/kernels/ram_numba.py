@@ -66,13 +66,12 @@ from numba.extending import register_jitable
 
 from ram_dist.kernels import Call, handle, use_writable_cache
 from ram_dist.kernels.fp8 import Fp8Target, Fp8Values, stored_scales
-from ram_dist.kernels.precision_numba import check_tile, task_tests
+from ram_dist.kernels.precision_numba import check_inputs, task_tests
 from ram_dist.kernels.primitives import (
     LANES,
     OPTIONS,
     TILE,
     bits,
-    count_nonfinite,
     e4m3_code,
     float32_of,
     float_bits_to_bf16,
@@ -121,9 +120,7 @@ def _count_kernel(
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
         load_tile_bases(inputs, lo, m, buf)
-        count_nonfinite(buf, m, nonfinite)
-        if checks.size:
-            check_tile(buf, rows, tests, m, eps, checks, scratch)
+        check_inputs(buf, rows, tests, m, eps, nonfinite, checks, scratch)
         for i in range(m):
             code[i] = 0
         if small:  # code = bit pattern of the active tasks

@@ -154,6 +154,12 @@ def combine_tile(vals, m, weights, consensus, normalize, divisor, lam, scale, to
 
 
 @register_jitable
+def combine_scratch(width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`combine_tile`'s float32 work rows (total, div, res) for tiles of `width` elements."""
+    return np.empty(width, np.float32), np.empty(width, np.float32), np.empty(width, np.float32)
+
+
+@register_jitable
 def _in_top(key: np.int64, index: int, threshold: np.int64, index_cut: np.int64) -> bool:
     """Whether an element is in a top-k (`topk.keep_mask`): its key above the threshold, or
     equal to it and its flat index below the index cut (-1: every equal key)."""
@@ -182,9 +188,7 @@ def _merge_kernel(
     consensus); `scale`: multiply by lam."""
     ntasks = len(inputs) - 1
     n, buf, vals, rows = tiles_of(inputs, TILE)
-    total = np.empty(TILE, np.float32)
-    div = np.empty(TILE, np.float32)
-    res = np.empty(TILE, np.float32)
+    total, div, res = combine_scratch(TILE)
     zero = np.float32(0.0)
     one = np.float32(1.0)
     for lo in range(0, n, TILE):
