@@ -21,7 +21,7 @@ import importlib
 import importlib.util
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,13 @@ _MODULES: dict[str, Any] = {}
 def handle(inputs: Sequence[str], out: str | None = None) -> bool:
     """Whether the kernels read these input dtypes (and write the output dtype)."""
     return all(d in READS for d in inputs) and (out is None or out in WRITES)
+
+
+#: A warm-up call (`kernels.warm`): a kernel (a numba dispatcher), its signature's label, and
+#: a call of the kernel's public wrapper on tiny inputs that compiles (or loads) that
+#: signature. Declared here, where each kernel module's `warm_calls` names it without
+#: importing `warm` (which imports the kernel modules).
+Call = tuple[Any, str, Callable[[], Any]]
 
 
 def _probe() -> None:

@@ -17,27 +17,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 
-from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.precision_numba import check_tile, task_tests
+from ram_dist.kernels import Call, use_writable_cache
+from ram_dist.kernels.precision_numba import check_inputs, task_tests
 from ram_dist.kernels.primitives import (
-    INF32,
     LANES,
     OPTIONS,
     TILE,
-    base_rows,
     fma_findings,
     load_tile_bases,
-    size_of,
+    tiles_of,
 )
 from ram_dist.kernels.views import ArrayLike, kernel_inputs
-
-if TYPE_CHECKING:
-    from ram_dist.kernels.warm import Call
 
 #: `agreement.EXPONENTS`: one |tau| bin per float32 exponent (kernels import no method).
 EXPONENTS = 256
@@ -60,11 +54,8 @@ def _agreement_kernel(
     pairs [2, N, N], agree [N], magnitude [N, 2, EXPONENTS] += the agreement statistics;
     when nonfinite has N+1 entries, nonfinite[j] += NaN and Inf count of input j; when
     `checks` has N rows, checks[t] += the precision check of task t."""
-    n = size_of(inputs[0])
     ntasks = inputs.shape[0] - 1
-    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)
-    vals = buf.view(np.float32)
-    rows = base_rows(inputs)
+    n, buf, vals, rows = tiles_of(inputs, TILE)
     tests = task_tests(inputs)
     scratch = np.empty((2, TILE), np.uint32)
     tau = np.empty((ntasks, TILE), np.float32)
@@ -79,15 +70,7 @@ def _agreement_kernel(
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
         load_tile_bases(inputs, lo, m, buf)
-        if nonfinite.size:
-            for j in range(ntasks + 1):
-                row = buf[j, :m]
-                found = 0
-                for i in range(m):
-                    found += 1 if (row[i] & INF32) == INF32 else 0
-                nonfinite[j] += found
-        if checks.size:
-            check_tile(buf, rows, tests, m, eps, checks, scratch)
+        check_inputs(buf, rows, tests, m, eps, nonfinite, checks, scratch)
         for i in range(m):
             count[i] = 0
             ups[i] = 0

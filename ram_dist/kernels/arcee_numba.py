@@ -16,34 +16,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.primitives import (
     OPTIONS,
     TILE,
-    base_rows,
     bits,
     float64_of,
     int_bits64,
     load_tile_bases,
-    size_of,
     store_span,
+    tiles_of,
 )
-from ram_dist.kernels.views import (
-    ArrayLike,
-    input_size,
-    kernel_inputs,
-    kernel_output,
-    torch_bf16_nan,
-)
-
-if TYPE_CHECKING:
-    from ram_dist.kernels.warm import Call
+from ram_dist.kernels.views import ArrayLike, input_size, kernel_inputs, merge_records
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -155,10 +144,7 @@ def _softmax(v: np.ndarray, length: int, width: int, e: np.ndarray, out: np.ndar
 def _importance_kernel(inputs, length, imp):  # noqa: ANN001, ANN201
     """imp[:] = float32 `|b - a| * kl` of the chunk's whole rows of `length` (inputs: the
     base, then the model)."""
-    n = size_of(inputs[0])
-    rows = base_rows(inputs)
-    buf = np.empty((3, length), np.uint32)  # `load_tile_bases`' rows, one row of the tensor
-    vals = buf.view(np.float32)
+    n, buf, vals, rows = tiles_of(inputs, length)  # one row of the tensor
     width = 1
     while width < length:
         width *= 2
@@ -186,10 +172,7 @@ def _importance_kernel(inputs, length, imp):  # noqa: ANN001, ANN201
 @njit(cache=True, **OPTIONS)
 def _merge_kernel(inputs, imp, limit, out, nan_bits):  # noqa: ANN001, ANN201
     """out[:] = `a + (b - a) * (imp >= limit)` cast to out's dtype."""
-    n = size_of(inputs[0])
-    rows = base_rows(inputs)
-    buf = np.empty((3, TILE), np.uint32)
-    vals = buf.view(np.float32)
+    n, buf, vals, rows = tiles_of(inputs, TILE)
     res = np.empty(TILE, np.float32)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
@@ -265,9 +248,7 @@ def merge(
 ) -> None:
     """Write `a + (b - a) * (imp >= limit)` into `out` (the output's raw array: bfloat16 as
     uint16); `limit` is a float32 value."""
-    arrays = kernel_inputs(base, [task])
-    target = kernel_output(out, input_size(arrays[0]))
-    nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
+    arrays, target, nan_bits, _ = merge_records(base, [task], out, bf16_nan)
     _merge_kernel(arrays, np.asarray(imp, np.float32), np.float32(limit), target, nan_bits)
 
 

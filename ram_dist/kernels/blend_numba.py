@@ -18,31 +18,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.primitives import (
     OPTIONS,
     TILE,
-    base_rows,
     load_tile_bases,
-    size_of,
     store_span,
+    tiles_of,
 )
-from ram_dist.kernels.views import (
-    ArrayLike,
-    input_size,
-    kernel_inputs,
-    kernel_output,
-    torch_bf16_nan,
-)
-
-if TYPE_CHECKING:
-    from ram_dist.kernels.warm import Call
+from ram_dist.kernels.views import ArrayLike, merge_records
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -53,11 +42,7 @@ DELTAS, PAIR, MODELS, REBASED = 0, 1, 2, 3
 @njit(cache=True, **OPTIONS)
 def _blend_kernel(inputs, mode, factors, divide, divisor, add_base, out, nan_bits):  # noqa: ANN001, ANN201
     """out[:] = the blend of `inputs` (base first) cast to out's dtype."""
-    n = size_of(inputs[0])
-    ntasks = len(inputs) - 1
-    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
-    vals = buf.view(np.float32)
-    rows = base_rows(inputs)
+    n, buf, vals, rows = tiles_of(inputs, TILE)
     res = np.empty(TILE, np.float32)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
@@ -104,12 +89,10 @@ def blend(
 ) -> None:
     """Write the blend into `out` (the output's raw array: bfloat16 as uint16). `factors`
     and `divisor` are float32 values, one factor per vector (`mode`)."""
-    arrays = kernel_inputs(base, tasks)
-    target = kernel_output(out, input_size(arrays[0]))
+    arrays, target, nan_bits, _ = merge_records(base, tasks, out, bf16_nan)
     vectors = 2 if mode == PAIR else len(arrays) - 1
     if len(factors) != vectors:
         raise ValueError(f"{len(factors)} factors for {vectors} vectors")
-    nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
     _blend_kernel(
         arrays,
         mode,
@@ -126,11 +109,8 @@ def blend(
 def _stock_kernel(inputs, ts, row, out, nan_bits):  # noqa: ANN001, ANN201
     """out[:] = model_stock's blend of `inputs` (base first) with `ts[k]` the ratio of the
     elements [k * row, (k + 1) * row), cast to out's dtype."""
-    n = size_of(inputs[0])
     ntasks = len(inputs) - 1
-    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
-    vals = buf.view(np.float32)
-    rows = base_rows(inputs)
+    n, buf, vals, rows = tiles_of(inputs, TILE)
     total = np.empty(TILE, np.float32)
     res = np.empty(TILE, np.float32)
     zero = np.float32(0.0)
@@ -176,13 +156,10 @@ def stock(
 ) -> None:
     """Write model_stock's blend into `out` (the output's raw array: bfloat16 as uint16).
     `ts` are float32 values: one per `row` elements (None: one for all)."""
-    arrays = kernel_inputs(base, tasks)
-    n = input_size(arrays[0])
-    target = kernel_output(out, n)
+    arrays, target, nan_bits, n = merge_records(base, tasks, out, bf16_nan)
     size = n if row is None else row
     if len(ts) * max(size, 1) < n:
         raise ValueError(f"{len(ts)} ratios for {n} elements in rows of {size}")
-    nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
     _stock_kernel(arrays, np.asarray(ts, np.float32), max(size, 1), target, nan_bits)
 
 

@@ -16,17 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 
-from ram_dist.kernels import use_writable_cache
-from ram_dist.kernels.primitives import OPTIONS, base_rows, load_tile_bases, size_of
+from ram_dist.kernels import Call, use_writable_cache
+from ram_dist.kernels.primitives import OPTIONS, load_tile_bases, tiles_of
 from ram_dist.kernels.vector_sums_numba import DELTAS, vectors
-
-if TYPE_CHECKING:
-    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -40,10 +36,8 @@ def column_gram(inputs, pairs, columns, lowest, piece, limb, limbs, out):  # noq
     """`out[k, c] +=` the limbs of `sum_r v_i[r * columns + c] * v_j[...]` for each pair
     `(i, j) = pairs[k]` of the task vectors of `inputs` (records, base first; whole rows of
     `columns`)."""
-    n = size_of(inputs[0])
     ntasks = inputs.shape[0] - 1
-    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
-    rows = base_rows(inputs)
+    n, buf, vals, rows = tiles_of(inputs, TILE)
     stack = np.empty((ntasks, TILE), np.float32)
     scratch = np.empty(TILE, dtype=np.float64)
     raw = scratch.view(np.int64)
@@ -52,7 +46,7 @@ def column_gram(inputs, pairs, columns, lowest, piece, limb, limbs, out):  # noq
     for lo in range(0, n, TILE):
         w = min(TILE, n - lo)
         load_tile_bases(inputs, lo, w, buf)
-        vectors(buf.view(np.float32), rows, DELTAS, w, stack)
+        vectors(vals, rows, DELTAS, w, stack)
         for k in range(pairs.shape[0]):
             i, j = pairs[k, 0], pairs[k, 1]
             for t in range(w):

@@ -25,34 +25,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.primitives import (
     ABS32,
     LANES,
     OPTIONS,
-    base_rows,
     bits,
     load_tile_bases,
-    size_of,
     store_span,
+    tiles_of,
 )
-from ram_dist.kernels.ties_numba import combine_tile
-from ram_dist.kernels.views import (
-    ArrayLike,
-    input_size,
-    kernel_inputs,
-    kernel_output,
-    torch_bf16_nan,
-)
-
-if TYPE_CHECKING:
-    from ram_dist.kernels.warm import Call
+from ram_dist.kernels.ties_numba import combine_scratch, combine_tile
+from ram_dist.kernels.views import ArrayLike, input_size, kernel_inputs, merge_records
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -258,12 +247,9 @@ def _stats_kernel(
     keys: np.ndarray, lows: np.ndarray, epss: np.ndarray, stats: np.ndarray,
 ) -> None:  # fmt: skip
     """stats[t] += (L1 statistic of delta, of kept delta) for each sampled task t."""
-    size = size_of(inputs[0])
     ntasks = len(inputs) - 1
     row = n * inner
-    buf = np.empty((2 * ntasks + 1, row), np.uint32)  # `load_tile_bases`' rows
-    vals = buf.view(np.float32)
-    rows = base_rows(inputs)
+    size, buf, vals, rows = tiles_of(inputs, row)
     scratch = rank_scratch(n)
     table = by_rank(n, lows, epss)
     probs = np.empty(row, np.float32)
@@ -302,18 +288,13 @@ def _merge_kernel(
     divisor: np.float32, lam: np.float32, scale: bool, out: np.ndarray, nan_bits: int,
 ) -> None:  # fmt: skip
     """out[:] = combine(base, DELLA-sparsified deltas) in out's dtype."""
-    size = size_of(inputs[0])
     ntasks = len(inputs) - 1
     row = n * inner
-    buf = np.empty((2 * ntasks + 1, row), np.uint32)  # `load_tile_bases`' rows
-    vals = buf.view(np.float32)
-    rows = base_rows(inputs)
+    size, buf, vals, rows = tiles_of(inputs, row)
     scratch = rank_scratch(n)
     table = by_rank(n, lows, epss)
     probs = np.empty(row, np.float32)
-    total = np.empty(row, np.float32)
-    div = np.empty(row, np.float32)
-    res = np.empty(row, np.float32)
+    total, div, res = combine_scratch(row)
     zero = np.float32(0.0)
     one = np.float32(1.0)
     for lo in range(0, size, row):
@@ -399,15 +380,12 @@ def merge(
 ) -> None:
     """Write the eager `Della.merge_chunk` into `out` (float32 factors and weights; `divisor`
     the plain weight sum, 1 where mergekit takes it as zero; `lambda_` applied unless 1)."""
-    arrays = kernel_inputs(base, tasks)
-    size = input_size(arrays[0])
-    target = kernel_output(out, size)
+    arrays, target, nan_bits, size = merge_records(base, tasks, out, bf16_nan)
     n, inner = groups
     if size % (n * inner):
         raise ValueError(f"a chunk of {size} elements is not whole rows of {n * inner}")
     if size == 0:
         return
-    nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
     _merge_kernel(
         arrays, start, n, inner, *_tasks(stream_keys, densities, epsilons),
         np.array([f or 0.0 for f in factors], np.float32),

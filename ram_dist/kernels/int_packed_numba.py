@@ -11,16 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 
-from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.primitives import OPTIONS, bits, float_bits_to_bf16, float_bits_to_half
-
-if TYPE_CHECKING:
-    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 

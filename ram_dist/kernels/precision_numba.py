@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.primitives import (
     BF16,
     F16,
@@ -24,17 +24,14 @@ from ram_dist.kernels.primitives import (
     OPTIONS,
     TILE,
     VALUES,
-    base_rows,
+    count_nonfinite,
     float_bits_to_bf16,
     float_bits_to_half,
     half_to_float_bits,
     load_tile_bases,
-    size_of,
+    tiles_of,
 )
 from ram_dist.kernels.views import kernel_inputs
-
-if TYPE_CHECKING:
-    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -106,13 +103,21 @@ def check_tile(
             counts[t, 1] += rounding
 
 
+@register_jitable
+def check_inputs(buf, rows, tests, m, eps, nonfinite, checks, scratch):  # noqa: ANN001, ANN201, PLR0913  (numba arrays)
+    """The checks a reduce round's first sweep makes of a loaded tile, each where its counts
+    are asked for (not empty): every input's NaN and Inf (`count_nonfinite`, base first) and
+    each task's precision check (`check_tile`); RAM's count kernel and the agreement probe
+    both make them."""
+    count_nonfinite(buf, m, nonfinite)
+    if checks.size:
+        check_tile(buf, rows, tests, m, eps, checks, scratch)
+
+
 @njit(cache=True, **OPTIONS)
 def _check_kernel(inputs: tuple[Any, ...], eps: np.float32, counts: np.ndarray) -> None:
     """counts[t] += (changed, rounding, overflow) of task t over inputs = (base, tasks)."""
-    n = size_of(inputs[0])
-    ntasks = len(inputs) - 1
-    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
-    rows = base_rows(inputs)
+    n, buf, _, rows = tiles_of(inputs, TILE)
     tests = task_tests(inputs)
     scratch = np.empty((2, TILE), np.uint32)
     for lo in range(0, n, TILE):

@@ -425,6 +425,15 @@ def base_rows(inputs: np.ndarray) -> np.ndarray:
 
 
 @register_jitable
+def tiles_of(inputs: np.ndarray, width: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """The elements of `inputs` and a `load_tile_bases` tile of `width` for them: its uint32
+    rows (base, tasks, the base at each narrower task's precision), their float32 view, and
+    `base_rows` (the prologue of every kernel that reads tiles of a merge's inputs)."""
+    buf = np.empty((2 * inputs.shape[0] - 1, width), np.uint32)
+    return size_of(inputs[0]), buf, buf.view(np.float32), base_rows(inputs)
+
+
+@register_jitable
 def load_tile_bases(inputs: np.ndarray, lo: int, m: int, buf: np.ndarray) -> None:
     """`load_tile`, and, for each task t that measures against the base rounded to its dtype,
     row `ntasks + 1 + t` of `buf` (which has `2 * ntasks + 1` rows) = the base's row rounded
@@ -434,6 +443,29 @@ def load_tile_bases(inputs: np.ndarray, lo: int, m: int, buf: np.ndarray) -> Non
     for j in range(1, ntasks + 1):
         if narrows(inputs[0], inputs[j]):
             round_bits(inputs[j, VALUES], buf[0, :m], buf[ntasks + j, :m])
+
+
+@register_jitable
+def task_vectors(vals: np.ndarray, rows: np.ndarray, m: int) -> None:
+    """vals[t + 1, :m] -= the base at task t's precision (row `rows[t]`), in place: each
+    task's row of a `load_tile_bases` tile becomes its task vector."""
+    for t in range(rows.size):
+        x = vals[t + 1]
+        base = vals[rows[t]]
+        for i in range(m):
+            x[i] = x[i] - base[i]
+
+
+@register_jitable
+def count_nonfinite(buf: np.ndarray, m: int, counts: np.ndarray) -> None:
+    """counts[j] += how many of the first `m` float32 bits in row j of `buf` are NaN or Inf,
+    for each of counts' rows (a tile's inputs, base first)."""
+    for j in range(counts.size):
+        row = buf[j, :m]
+        found = 0
+        for i in range(m):
+            found += 1 if (row[i] & INF32) == INF32 else 0
+        counts[j] += found
 
 
 # ---- no fused multiply-add -------------------------------------------------------------

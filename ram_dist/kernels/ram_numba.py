@@ -64,37 +64,26 @@ import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from ram_dist.kernels import handle, use_writable_cache
+from ram_dist.kernels import Call, handle, use_writable_cache
 from ram_dist.kernels.fp8 import Fp8Target, Fp8Values, stored_scales
-from ram_dist.kernels.precision_numba import check_tile, task_tests
+from ram_dist.kernels.precision_numba import check_inputs, task_tests
 from ram_dist.kernels.primitives import (
-    INF32,
     LANES,
     OPTIONS,
     TILE,
-    base_rows,
     bits,
     e4m3_code,
     float32_of,
     float_bits_to_bf16,
     fma_findings,
     load_tile_bases,
-    size_of,
     store_span,
+    tiles_of,
 )
-from ram_dist.kernels.views import (
-    ArrayLike,
-    input_size,
-    kernel_inputs,
-    kernel_output,
-    kernel_view,
-    torch_bf16_nan,
-)
+from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_view, merge_records
 
 if TYPE_CHECKING:
     import torch
-
-    from ram_dist.kernels.warm import Call
 
 _U32 = np.uint32
 
@@ -121,11 +110,8 @@ def _count_kernel(
     nonfinite has N+1 entries, nonfinite[j] += NaN and Inf count of input j; when `checks`
     has N rows, checks[t] += the precision check of task t (`precision_numba.check_tile`),
     from the same tiles."""
-    n = size_of(inputs[0])
     ntasks = len(inputs) - 1
-    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)
-    vals = buf.view(np.float32)
-    rows = base_rows(inputs)
+    n, buf, vals, rows = tiles_of(inputs, TILE)
     tests = task_tests(inputs)
     scratch = np.empty((2, TILE), np.uint32)  # the precision check's
     code = np.empty(TILE, np.int32)
@@ -134,15 +120,7 @@ def _count_kernel(
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
         load_tile_bases(inputs, lo, m, buf)
-        if nonfinite.size:
-            for j in range(ntasks + 1):
-                row = buf[j, :m]
-                found = 0
-                for i in range(m):
-                    found += 1 if (row[i] & INF32) == INF32 else 0
-                nonfinite[j] += found
-        if checks.size:
-            check_tile(buf, rows, tests, m, eps, checks, scratch)
+        check_inputs(buf, rows, tests, m, eps, nonfinite, checks, scratch)
         for i in range(m):
             code[i] = 0
         if small:  # code = bit pattern of the active tasks
@@ -228,11 +206,7 @@ def _merge_kernel(
     inputs: tuple[np.ndarray, ...], eps: np.float32, lam: np.ndarray, out: np.ndarray, nan_bits: int
 ) -> None:
     """out[:] = RAM merge of inputs = (base, task_1, ..., task_N), cast to out's dtype."""
-    n = size_of(inputs[0])
-    ntasks = len(inputs) - 1
-    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)
-    vals = buf.view(np.float32)
-    rows = base_rows(inputs)
+    n, buf, vals, rows = tiles_of(inputs, TILE)
     total = np.empty(TILE, np.float32)
     count = np.empty(TILE, np.int32)
     scale = np.empty(TILE, np.float32)
@@ -265,12 +239,8 @@ def _merge_fp8_kernel(
     when it is (the block keeps `base_q`'s bytes), else `s_out[k]` = the block's scale as
     stored (`amax / 448`, 1 where amax is 0; rounded to bfloat16 when `bf16_scales`) and the
     bytes `e4m3fn(y / s_out[k])` into `q_out` (left alone when it is empty: scales only)."""
-    n = size_of(inputs[0])
     per = (cols + bn - 1) // bn
-    ntasks = len(inputs) - 1
-    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)
-    vals = buf.view(np.float32)
-    rows = base_rows(inputs)
+    n, buf, vals, rows = tiles_of(inputs, TILE)
     total = np.empty(TILE, np.float32)
     count = np.empty(TILE, np.int32)
     scale = np.empty(TILE, np.float32)
@@ -425,12 +395,10 @@ def merge_ram(
     the inputs' length, and must not overlap them. `lambdas` are rounded to float32 once.
     `bf16_nan`: the bits of a NaN cast to bfloat16; by default what torch writes here (the
     engine passes what it probed on the driver, so that workers need no torch)."""
-    arrays = kernel_inputs(base, tasks)
-    target = kernel_output(out, input_size(arrays[0]))
+    arrays, target, nan_bits, _ = merge_records(base, tasks, out, bf16_nan)
     if len(lambdas) != len(arrays) - 1:
         raise ValueError(f"{len(lambdas)} lambdas for {len(arrays) - 1} tasks")
     lam = np.asarray(lambdas, dtype=np.float64).astype(np.float32)
-    nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
     _merge_kernel(arrays, np.float32(eps), lam, target, nan_bits)
 
 

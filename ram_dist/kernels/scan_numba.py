@@ -16,12 +16,10 @@ import numpy as np
 from numba import njit
 
 from ram_dist.dtypes import FLOATING, INFO, ITEMSIZE
-from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels import Call, use_writable_cache
 
 if TYPE_CHECKING:
     import torch
-
-    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.exact_sums import _POS_INF, _SPLIT, BINS
 from ram_dist.kernels.exact_sums_numba import TILE as SUMS_TILE
 from ram_dist.kernels.exact_sums_numba import _flush, _tile, _work
@@ -42,22 +41,13 @@ from ram_dist.kernels.primitives import (
     ABS32,
     OPTIONS,
     TILE,
-    base_rows,
     bits,
     load_tile_bases,
-    size_of,
     store_span,
+    task_vectors,
+    tiles_of,
 )
-from ram_dist.kernels.views import (
-    ArrayLike,
-    input_size,
-    kernel_inputs,
-    kernel_output,
-    torch_bf16_nan,
-)
-
-if TYPE_CHECKING:
-    from ram_dist.kernels.warm import Call
+from ram_dist.kernels.views import ArrayLike, kernel_inputs, merge_records
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -75,11 +65,7 @@ def _merge_kernel(inputs, select, threshold, index_cut, start, weights, out, nan
     """out[:] = sce's merge of `inputs` (base first) cast to out's dtype (see the module);
     `threshold` and `index_cut` (-1: none) are the variance cut's, `start` the flat index of
     the first element."""
-    n = size_of(inputs[0])
-    ntasks = len(inputs) - 1
-    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
-    vals = buf.view(np.float32)
-    rows = base_rows(inputs)
+    n, buf, vals, rows = tiles_of(inputs, TILE)
     scratch = (np.empty(TILE, np.float64), np.empty(TILE, np.float64),
                np.empty(TILE, np.float32), np.empty(TILE, np.float32))  # fmt: skip
     res = np.empty(TILE, np.float32)
@@ -160,7 +146,9 @@ def _sce_tile(vals, rows, m, select, threshold, index_cut, first, weights, scrat
 @register_jitable
 def _variance_keys(vals, m, mean, m2, keys):  # noqa: ANN001, ANN202  (numba arrays)
     """keys[:m] = the bits of |variance| across the task vectors in rows 1.. of `vals`:
-    `_sce_tile`'s float64 Welford steps, op for op (`sce.variance`, `topk.magnitude_keys`)."""
+    `_sce_tile`'s float64 Welford steps, op for op (`sce.variance`, `topk.magnitude_keys`).
+    The merge keeps its copy inline: its cut's keys taken from here (an int64 row a tile)
+    ran slower on one thread (best of 8 runs: 93 against 122 M el/s, on a loaded machine)."""
     ntasks = vals.shape[0] - 1
     count = np.float64(ntasks)
     for i in range(m):
@@ -185,11 +173,8 @@ def _stats_kernel(inputs, kind, threshold, index_cut, select_bin, start, hist, s
     squares of task t's vector kept by the cut (`threshold`, `index_cut`, -1: none);
     `select_bin` is LOW's high bin or INDEX_LOW's index bin, `start` the flat index of the
     first element."""
-    n = size_of(inputs[0])
     ntasks = inputs.shape[0] - 1
-    buf = np.empty((2 * ntasks + 1, SUMS_TILE), np.uint32)  # `load_tile_bases`' rows
-    vals = buf.view(np.float32)
-    rows = base_rows(inputs)
+    n, buf, vals, rows = tiles_of(inputs, SUMS_TILE)
     mean, m2 = np.empty(SUMS_TILE, np.float64), np.empty(SUMS_TILE, np.float64)
     keys = np.empty(SUMS_TILE, np.int64)
     stack = np.empty((ntasks, SUMS_TILE), np.float32)
@@ -203,11 +188,7 @@ def _stats_kernel(inputs, kind, threshold, index_cut, select_bin, start, hist, s
     for lo in range(0, n, SUMS_TILE):
         m = min(SUMS_TILE, n - lo)
         load_tile_bases(inputs, lo, m, buf)
-        for t in range(ntasks):  # the task vectors, over the tasks' rows
-            x = vals[t + 1]
-            base = vals[rows[t]]  # the base at task t's precision
-            for i in range(m):
-                x[i] = x[i] - base[i]
+        task_vectors(vals, rows, m)
         _variance_keys(vals[: ntasks + 1], m, mean, m2, keys)
         if kind == 0:
             found = 0
@@ -289,11 +270,9 @@ def merge(
     """Write sce's merge into `out` (the output's raw array: bfloat16 as uint16): `weights`
     are float32 values; `select` is SELECT_*, with the cut's `threshold` key and `index_cut`
     (None: every key equal to the threshold is kept) for SELECT_CUT."""
-    arrays = kernel_inputs(base, tasks)
-    target = kernel_output(out, input_size(arrays[0]))
+    arrays, target, nan_bits, _ = merge_records(base, tasks, out, bf16_nan)
     if len(weights) != len(arrays) - 1:
         raise ValueError(f"{len(weights)} weights for {len(arrays) - 1} tasks")
-    nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
     _merge_kernel(
         arrays,
         select,

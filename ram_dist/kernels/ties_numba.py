@@ -26,34 +26,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.primitives import (
     ABS32,
     LANES,
     OPTIONS,
     TILE,
-    base_rows,
     bits,
     load_tile_bases,
-    size_of,
     store_span,
+    tiles_of,
 )
-from ram_dist.kernels.views import (
-    ArrayLike,
-    input_size,
-    kernel_inputs,
-    kernel_output,
-    torch_bf16_nan,
-)
-
-if TYPE_CHECKING:
-    from ram_dist.kernels.warm import Call
+from ram_dist.kernels.views import ArrayLike, kernel_inputs, merge_records
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -77,11 +66,8 @@ def _stats_kernel(
     """hist[t] += statistic `kind` of task t's keys (base is inputs[0]); `select[t]` is the
     high bin (LOW), the cut key (INDEX_*) or -1 to skip the task; `select[t, 1]` the index
     bin (INDEX_LOW); `start` the flat index of the first element."""
-    n = size_of(inputs[0])
     ntasks = len(inputs) - 1
-    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
-    vals = buf.view(np.float32)
-    rows = base_rows(inputs)
+    n, buf, vals, rows = tiles_of(inputs, TILE)
     # HIGH: increments go to LANES sub-histograms in turn (int32, folded into `hist` every
     # FOLD elements): consecutive increments of one bin wait on each other, and sparse task
     # vectors (mostly zero deltas, bin 0) and narrow magnitude ranges hit few bins.
@@ -168,6 +154,12 @@ def combine_tile(vals, m, weights, consensus, normalize, divisor, lam, scale, to
 
 
 @register_jitable
+def combine_scratch(width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`combine_tile`'s float32 work rows (total, div, res) for tiles of `width` elements."""
+    return np.empty(width, np.float32), np.empty(width, np.float32), np.empty(width, np.float32)
+
+
+@register_jitable
 def _in_top(key: np.int64, index: int, threshold: np.int64, index_cut: np.int64) -> bool:
     """Whether an element is in a top-k (`topk.keep_mask`): its key above the threshold, or
     equal to it and its flat index below the index cut (-1: every equal key)."""
@@ -194,14 +186,9 @@ def _merge_kernel(
     index cut or -1) of the top-k kept, then the same of a top-k dropped from it (a
     threshold of NOTHING: none); `divisor` is the plain weight sum (used without
     consensus); `scale`: multiply by lam."""
-    n = size_of(inputs[0])
     ntasks = len(inputs) - 1
-    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
-    vals = buf.view(np.float32)
-    rows = base_rows(inputs)
-    total = np.empty(TILE, np.float32)
-    div = np.empty(TILE, np.float32)
-    res = np.empty(TILE, np.float32)
+    n, buf, vals, rows = tiles_of(inputs, TILE)
+    total, div, res = combine_scratch(TILE)
     zero = np.float32(0.0)
     one = np.float32(1.0)
     for lo in range(0, n, TILE):
@@ -281,12 +268,10 @@ def merge(
     (ignored for the other modes). `weights` and `divisor` (the plain weight sum, 1 where
     mergekit treats it as zero) are float32 values; `lambda_` is applied (rounded to
     float32) unless it is 1."""
-    arrays = kernel_inputs(base, tasks)
-    target = kernel_output(out, input_size(arrays[0]))
+    arrays, target, nan_bits, _ = merge_records(base, tasks, out, bf16_nan)
     ntasks = len(arrays) - 1
     if not len(weights) == len(keep) == len(cuts) == ntasks:
         raise ValueError(f"weights, keep and cuts must have one entry per task ({ntasks})")
-    nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
     _merge_kernel(
         arrays,
         np.asarray(keep, np.int64),

@@ -21,20 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 from numba.extending import register_jitable
 
-from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.exact_sums import _POS_INF, _SPLIT, BINS
 from ram_dist.kernels.exact_sums_numba import TILE, _flush, _tile, _work
-from ram_dist.kernels.primitives import OPTIONS, base_rows, load_tile_bases, size_of
+from ram_dist.kernels.primitives import OPTIONS, load_tile_bases, tiles_of
 from ram_dist.kernels.views import ArrayLike, input_size, kernel_inputs
-
-if TYPE_CHECKING:
-    from ram_dist.kernels.warm import Call
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -73,11 +69,8 @@ def _gram_kernel(inputs, mode, pairs, row, split, special, out):  # noqa: ANN001
     """out[r, k] += the bins of `sum_e v_i[e] * v_j[e]` over row r of `row` elements (the
     whole input where `row` is 0), for each pair `(i, j) = pairs[k]` of the vectors of
     `inputs` (base first) that `mode` says."""
-    n = size_of(inputs[0])
     ntasks = inputs.shape[0] - 1
-    buf = np.empty((2 * ntasks + 1, TILE), np.uint32)  # `load_tile_bases`' rows
-    vals = buf.view(np.float32)
-    rows = base_rows(inputs)
+    n, buf, vals, rows = tiles_of(inputs, TILE)
     stack = np.empty((2 if mode == 1 else ntasks, TILE), np.float32)
     stack_bits = stack.view(np.uint32)
     tile, keys, scratch, bounds = _work(stack, pairs)

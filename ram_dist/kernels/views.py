@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -139,6 +139,31 @@ def kernel_output(out: ArrayLike, size: int) -> np.ndarray:
     if target[SIZE] != size:
         raise ValueError(f"out has {target[SIZE]} elements, the inputs {size}")
     return target
+
+
+class MergeRecords(NamedTuple):
+    """What a kernel that writes a merge takes from its wrapper (`merge_records`)."""
+
+    inputs: np.ndarray
+    out: np.ndarray
+    nan_bits: int
+    size: int
+
+
+def merge_records(
+    base: ArrayLike | Fp8Values | QuantizedValues,
+    tasks: Sequence[ArrayLike | Fp8Values | QuantizedValues],
+    out: ArrayLike,
+    bf16_nan: int | None,
+) -> MergeRecords:
+    """The inputs' table (`kernel_inputs`), the output's record checked to hold as many
+    elements, the bits of a NaN cast to bfloat16 (`bf16_nan`, else what torch writes here:
+    the engine passes what it probed on the driver, so that workers need no torch), and the
+    element count: what every wrapper of a kernel that writes a merge starts from."""
+    arrays = kernel_inputs(base, tasks)
+    size = input_size(arrays[0])
+    nan_bits = torch_bf16_nan() if bf16_nan is None else bf16_nan
+    return MergeRecords(arrays, kernel_output(out, size), nan_bits, size)
 
 
 def kernel_record(x: ArrayLike | Fp8Values | QuantizedValues, writable: bool) -> np.ndarray:

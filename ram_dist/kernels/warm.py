@@ -30,15 +30,13 @@ import os
 import pkgutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
+
+from ram_dist.kernels import Call
 
 EPS = 1e-5
 N = 16  # elements per input
-
-#: A warm-up call: a kernel (a numba dispatcher), its signature's label, and a call of the
-#: kernel's public wrapper on tiny inputs that compiles (or loads) that signature.
-Call = tuple[Any, str, Callable[[], Any]]
 
 
 def calls() -> Iterator[Call]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from inline_passes import FUSED, merge_inline
 from lora_quantized import build
+from stored_forms import count_decodes
 
 from ram_dist.engine import worker
 from ram_dist.planning.packed_sources import PackedIntSource
@@ -31,16 +32,7 @@ def lora_set(request, tmp_path_factory):
 @pytest.fixture
 def decoded(lora_set, monkeypatch) -> list[int]:
     """Elements of the base's quantized weights decoded into copies, counted."""
-    counts: list[int] = []
-    source = lora_set[1]
-    decode = source.decode
-
-    def counting(self, start, stop, read, floats, base):
-        counts.append(stop - start)
-        return decode(self, start, stop, read, floats, base)
-
-    monkeypatch.setattr(source, "decode", counting)
-    return counts
+    return count_decodes(lora_set[1], monkeypatch)
 
 
 @pytest.mark.parametrize("method", ["ties", "ram_plus"])

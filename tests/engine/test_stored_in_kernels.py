@@ -18,6 +18,7 @@ from compressed_models import FP8_SCHEMES, INT_SCHEMES
 from compressed_models import build_set as build_compressed
 from inline_passes import FUSED, check_round_inline, merge_inline
 from mxfp4_models import build_set as build_gptoss
+from stored_forms import count_decodes
 
 from ram_dist.engine import worker
 from ram_dist.planning.packed_sources import PackedIntSource
@@ -48,16 +49,7 @@ def quantized_set(request, tmp_path_factory):
 @pytest.fixture
 def decoded(quantized_set, monkeypatch) -> list[int]:
     """Elements of the base's quantized tensors decoded into copies, counted."""
-    counts: list[int] = []
-    source = quantized_set[1]
-    decode = source.decode
-
-    def counting(self, start, stop, read, floats, base):
-        counts.append(stop - start)
-        return decode(self, start, stop, read, floats, base)
-
-    monkeypatch.setattr(source, "decode", counting)
-    return counts
+    return count_decodes(quantized_set[1], monkeypatch)
 
 
 def _merge(s, method: str, flags: worker.WorkFlags = FUSED, **kw) -> dict[str, bytes]:

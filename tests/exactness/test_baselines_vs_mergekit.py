@@ -15,9 +15,10 @@ import pytest
 import torch
 import yaml
 from builders import build_model_set, load_checkpoint, save_checkpoint
+from mergekit_runs import mergekit_config, run_mergekit, run_ours
 
 from ram_dist.api import run_merge
-from ram_dist.planning.config import MergeConfig, load_yaml
+from ram_dist.planning.config import MergeConfig
 
 mergekit = pytest.importorskip("mergekit", reason="mergekit is the oracle of these tests")
 pytestmark = [
@@ -30,40 +31,6 @@ pytestmark = [
 def models(tmp_path_factory) -> tuple:
     root = tmp_path_factory.mktemp("models")
     return build_model_set(root, base_dtype=torch.float32, base_shard="100KB", seed=5)
-
-
-def _config(method: str, base: Path | None, tasks: list[Path], params=None, per_model=None):
-    config: dict = {"merge_method": method, "dtype": "float32", "models": []}
-    if base is not None:
-        config["base_model"] = str(base)
-    for i, task in enumerate(tasks):
-        entry: dict = {"model": str(task)}
-        if per_model:
-            entry["parameters"] = per_model[i]
-        config["models"].append(entry)
-    if params:
-        config["parameters"] = params
-    return config
-
-
-def _mergekit(config: dict, out: Path) -> dict[str, torch.Tensor]:
-    from mergekit.config import MergeConfiguration
-    from mergekit.merge import MergeOptions, run_merge
-
-    run_merge(
-        MergeConfiguration.model_validate(config),
-        str(out),
-        MergeOptions(quiet=True, copy_tokenizer=False),
-    )
-    return load_checkpoint(out)
-
-
-def _ours(config: dict, tmp_path: Path, name: str, **overrides) -> dict[str, torch.Tensor]:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    kwargs = load_yaml(str(path)) | {"out": str(tmp_path / name), "unit_budget_bytes": 3000}
-    run_merge(MergeConfig(**(kwargs | overrides)))
-    return load_checkpoint(tmp_path / name)
 
 
 def _same_bytes(ours: dict, theirs: dict) -> None:
@@ -91,8 +58,8 @@ W = [1.0, 0.5, 0.8]
 )
 def test_byte_identical_to_mergekit(models, tmp_path, method, params, per_model):
     base_dir, task_dirs, _, _ = models
-    config = _config(method, base_dir, task_dirs, params, per_model)
-    _same_bytes(_ours(config, tmp_path, "ours"), _mergekit(config, tmp_path / "theirs"))
+    config = mergekit_config(method, base_dir, task_dirs, params, per_model)
+    _same_bytes(run_ours(config, tmp_path / "ours")[0], run_mergekit(config, tmp_path / "theirs"))
 
 
 def test_layer_gradients_and_filters_resolve_as_mergekit(models, tmp_path):
@@ -103,11 +70,11 @@ def test_layer_gradients_and_filters_resolve_as_mergekit(models, tmp_path):
         {"weight": 0.9},
     ]
     params = {"density": 0.5, "lambda": [0.7, 1.2], "normalize": True}
-    config = _config("ties", base_dir, task_dirs, params, per_model)
-    _same_bytes(_ours(config, tmp_path, "ours"), _mergekit(config, tmp_path / "theirs"))
+    config = mergekit_config("ties", base_dir, task_dirs, params, per_model)
+    _same_bytes(run_ours(config, tmp_path / "ours")[0], run_mergekit(config, tmp_path / "theirs"))
     effective = yaml.safe_load((tmp_path / "ours" / "mergekit_config.yml").read_text())
     # Replaying the resolved config gives the same model again, per tensor values included.
-    _same_bytes(_ours(effective, tmp_path, "replay"), load_checkpoint(tmp_path / "ours"))
+    _same_bytes(run_ours(effective, tmp_path / "replay")[0], load_checkpoint(tmp_path / "ours"))
 
 
 def _tolerance(base: torch.Tensor, tasks: list[torch.Tensor]) -> torch.Tensor:
@@ -127,11 +94,11 @@ def _tolerance(base: torch.Tensor, tasks: list[torch.Tensor]) -> torch.Tensor:
 def test_close_to_mergekit_where_the_order_of_operations_differs(models, tmp_path, method, params):
     base_dir, task_dirs, base, tasks = models
     if method == "linear":
-        config = _config("linear", None, task_dirs, None, [{"weight": w} for w in W])
+        config = mergekit_config("linear", None, task_dirs, None, [{"weight": w} for w in W])
     else:
-        config = _config(method, base_dir, task_dirs, params)
-    ours = _ours(config, tmp_path, "ours")
-    theirs = _mergekit(config, tmp_path / "theirs")
+        config = mergekit_config(method, base_dir, task_dirs, params)
+    ours = run_ours(config, tmp_path / "ours")[0]
+    theirs = run_mergekit(config, tmp_path / "theirs")
     differ = 0
     for name, want in theirs.items():
         reference = torch.zeros_like(base[name]) if method == "linear" else base[name]
@@ -260,13 +227,17 @@ EXAMPLE_TASKS = [
 
 def _example(name: str, base: Path, tasks: list[Path]) -> dict:
     if name == "ties-gradients":
-        config = _config("ties", base, tasks, {"normalize": True}, EXAMPLE_TASKS)
+        config = mergekit_config("ties", base, tasks, {"normalize": True}, EXAMPLE_TASKS)
     elif name == "ties-float16":
         per_model = [{"density": d, "weight": w} for d, w in zip([0.5, 0.5, 0.3], W, strict=True)]
-        config = _config("ties", base, tasks, {"normalize": False, "int8_mask": True}, per_model)
+        config = mergekit_config(
+            "ties", base, tasks, {"normalize": False, "int8_mask": True}, per_model
+        )
         config["dtype"] = "float16"
     else:  # linear-float16
-        config = _config("linear", None, tasks, None, [{"weight": w} for w in (1.0, 0.3, 0.7)])
+        config = mergekit_config(
+            "linear", None, tasks, None, [{"weight": w} for w in (1.0, 0.3, 0.7)]
+        )
         config["dtype"] = "float16"
     return config
 
@@ -275,8 +246,8 @@ def _example(name: str, base: Path, tasks: list[Path]) -> dict:
 def test_mergekit_example_shapes(models, tmp_path, name):
     base_dir, task_dirs, _, _ = models
     config = _example(name, base_dir, task_dirs)
-    ours = _ours(config, tmp_path, "ours")
-    theirs = _mergekit(config, tmp_path / "theirs")
+    ours = run_ours(config, tmp_path / "ours")[0]
+    theirs = run_mergekit(config, tmp_path / "theirs")
     if config["dtype"] == "float32":
         _same_bytes(ours, theirs)
         return
@@ -293,7 +264,7 @@ def test_mergekit_example_shapes(models, tmp_path, name):
     assert "writes float16, as mergekit writes it" in note and "out_dtype: float16" in note
     written = yaml.safe_load(text)
     assert written["dtype"] == "float32" and written["out_dtype"] == "float16"
-    noted = _mergekit(config | {"dtype": "float32", "out_dtype": "float16"}, tmp_path / "noted")
+    noted = run_mergekit(config | {"dtype": "float32", "out_dtype": "float16"}, tmp_path / "noted")
     for key, want in noted.items():
         got, want = ours[key].view(torch.int16), want.view(torch.int16)
         if name == "linear-float16":  # the order of operations differs (see above): 1 ulp

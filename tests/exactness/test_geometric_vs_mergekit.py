@@ -6,17 +6,12 @@ on the tiny models; bad parameters refused before any work (exit 2, naming them)
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import yaml
-from builders import load_checkpoint
 from geometric_models import build_geometric_models
+from mergekit_runs import mergekit_config, run_mergekit, run_ours
 from refusals import merge_refused
-
-from ram_dist.api import run_merge
-from ram_dist.planning.config import MergeConfig, load_yaml
 
 pytestmark = [
     pytest.mark.usefixtures("ray_local"),
@@ -30,43 +25,6 @@ def models(tmp_path_factory) -> tuple:
 
 
 # ---------------------------------------------------------------- against mergekit
-
-
-def _config(method, base, tasks, params=None, per_model=None) -> dict:
-    config: dict = {"merge_method": method, "dtype": "float32", "models": []}
-    if base is not None:
-        config["base_model"] = str(base)
-    for i, task in enumerate(tasks):
-        entry: dict = {"model": str(task)}
-        if per_model:
-            entry["parameters"] = per_model[i]
-        config["models"].append(entry)
-    if params:
-        config["parameters"] = params
-    return config
-
-
-def _mergekit(config: dict, out: Path) -> dict[str, torch.Tensor]:
-    mergekit = pytest.importorskip("mergekit", reason="mergekit is the oracle of this test")
-    del mergekit
-    from mergekit.config import MergeConfiguration
-    from mergekit.merge import MergeOptions
-    from mergekit.merge import run_merge as mergekit_merge
-
-    mergekit_merge(
-        MergeConfiguration.model_validate(config),
-        str(out),
-        MergeOptions(quiet=True, copy_tokenizer=False),
-    )
-    return load_checkpoint(out)
-
-
-def _ours(config: dict, tmp_path: Path, name: str) -> dict[str, torch.Tensor]:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    kwargs = load_yaml(str(path)) | {"out": str(tmp_path / name), "unit_budget_bytes": 3000}
-    run_merge(MergeConfig(**kwargs))
-    return load_checkpoint(tmp_path / name)
 
 
 def _within_bound(ours: dict, theirs: dict, inputs: list[dict]) -> int:
@@ -85,12 +43,12 @@ def _within_bound(ours: dict, theirs: dict, inputs: list[dict]) -> int:
 
 def test_slerp_close_to_mergekit_and_its_bytes_on_the_linear_branch(models, tmp_path):
     base_dir, task_dirs, base, tasks = models
-    far = _config("slerp", base_dir, [task_dirs[1]], {"t": 0.3})
-    theirs = _mergekit(far, tmp_path / "theirs")
-    assert _within_bound(_ours(far, tmp_path, "ours"), theirs, [base, tasks[1]]) > 0
-    near = _config("slerp", base_dir, [task_dirs[0]], {"t": 0.7})
-    theirs = _mergekit(near, tmp_path / "theirs-near")
-    assert _within_bound(_ours(near, tmp_path, "ours-near"), theirs, [base, tasks[0]]) == 0
+    far = mergekit_config("slerp", base_dir, [task_dirs[1]], {"t": 0.3})
+    theirs = run_mergekit(far, tmp_path / "theirs")
+    assert _within_bound(run_ours(far, tmp_path / "ours")[0], theirs, [base, tasks[1]]) > 0
+    near = mergekit_config("slerp", base_dir, [task_dirs[0]], {"t": 0.7})
+    theirs = run_mergekit(near, tmp_path / "theirs-near")
+    assert _within_bound(run_ours(near, tmp_path / "ours-near")[0], theirs, [base, tasks[0]]) == 0
 
 
 @pytest.mark.parametrize(
@@ -109,18 +67,20 @@ def test_close_to_mergekit(models, tmp_path, method, params, picked, with_base):
     per_model = [{"weight": w} for w in (0.6, 0.9, 0.4)][: len(picked)]
     if method == "karcher":
         per_model = None
-    config = _config(
+    config = mergekit_config(
         method, base_dir if with_base else None, [task_dirs[i] for i in picked], params, per_model
     )
     inputs = [tasks[i] for i in picked] + ([base] if with_base else [])
-    _within_bound(_ours(config, tmp_path, "ours"), _mergekit(config, tmp_path / "theirs"), inputs)
+    _within_bound(
+        run_ours(config, tmp_path / "ours")[0], run_mergekit(config, tmp_path / "theirs"), inputs
+    )
 
 
 def test_karcher_takes_base_model_as_one_more_input_as_mergekit(models, tmp_path):
     base_dir, task_dirs, base, tasks = models
-    config = _config("karcher", base_dir, task_dirs[1:])
-    theirs = _mergekit(config, tmp_path / "theirs")
-    _within_bound(_ours(config, tmp_path, "ours"), theirs, [base, *tasks[1:]])
+    config = mergekit_config("karcher", base_dir, task_dirs[1:])
+    theirs = run_mergekit(config, tmp_path / "theirs")
+    _within_bound(run_ours(config, tmp_path / "ours")[0], theirs, [base, *tasks[1:]])
 
 
 def test_mergekit_example_gradient_slerp(models, tmp_path):
@@ -141,8 +101,8 @@ def test_mergekit_example_gradient_slerp(models, tmp_path):
         "dtype": "float32",
     }
     del config["slices"]  # the example's equivalent `models:` form
-    ours = _ours(config, tmp_path, "ours")
-    _within_bound(ours, _mergekit(config, tmp_path / "theirs"), [base, tasks[2]])
+    ours = run_ours(config, tmp_path / "ours")[0]
+    _within_bound(ours, run_mergekit(config, tmp_path / "theirs"), [base, tasks[2]])
     # t = 0 (first layer's attention) is the base itself; t = 1 (last layer's) the model
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(ours[name], base[name].float())
@@ -150,7 +110,7 @@ def test_mergekit_example_gradient_slerp(models, tmp_path):
     assert torch.equal(ours[name], tasks[2][name].float())
     # Replaying the resolved config (t per tensor) gives the same bytes again.
     effective = yaml.safe_load((tmp_path / "ours" / "mergekit_config.yml").read_text())
-    replay = _ours(effective, tmp_path, "replay")
+    replay = run_ours(effective, tmp_path / "replay")[0]
     assert all(
         torch.equal(replay[k].view(torch.int32), v.view(torch.int32)) for k, v in ours.items()
     )

@@ -17,11 +17,12 @@ import pytest
 import torch
 import yaml
 from builders import build_model_set, load_checkpoint
+from mergekit_runs import mergekit_config, run_mergekit, run_ours
 from refusals import merge_refused
 from sparse_reference import sparse_merge
 
 from ram_dist.api import run_merge
-from ram_dist.planning.config import MergeConfig, load_yaml
+from ram_dist.planning.config import MergeConfig
 
 pytestmark = [
     pytest.mark.usefixtures("ray_local"),
@@ -33,38 +34,6 @@ pytestmark = [
 def models(tmp_path_factory) -> tuple:
     root = tmp_path_factory.mktemp("models")
     return build_model_set(root, base_dtype=torch.float32, base_shard="100KB", seed=7)
-
-
-def _config(method: str, base: Path, tasks: list[Path], params=None, per_model=None) -> dict:
-    config: dict = {"merge_method": method, "dtype": "float32", "base_model": str(base)}
-    config["models"] = [
-        {"model": str(t), **({"parameters": per_model[i]} if per_model else {})}
-        for i, t in enumerate(tasks)
-    ]
-    if params:
-        config["parameters"] = params
-    return config
-
-
-def _ours(config: dict, out: Path, **overrides) -> tuple[dict[str, torch.Tensor], dict]:
-    path = out.with_suffix(".yaml")
-    path.write_text(yaml.safe_dump(config))
-    kwargs = load_yaml(str(path)) | {"out": str(out), "unit_budget_bytes": 3000}
-    report = run_merge(MergeConfig(**(kwargs | overrides))).data
-    return load_checkpoint(out), report
-
-
-def _mergekit(config: dict, out: Path) -> dict[str, torch.Tensor]:
-    from mergekit.config import MergeConfiguration
-    from mergekit.merge import MergeOptions
-    from mergekit.merge import run_merge as mk_run_merge
-
-    mk_run_merge(
-        MergeConfiguration.model_validate(config),
-        str(out),
-        MergeOptions(quiet=True, copy_tokenizer=False),
-    )
-    return load_checkpoint(out)
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -216,9 +185,9 @@ def test_breadcrumbs_byte_identical_to_mergekit(models, tmp_path, method, densit
         {"weight": w, "density": d, "gamma": g}
         for w, d, g in zip(W, densities, gammas, strict=True)
     ]
-    config = _config(method, base_dir, task_dirs, {"lambda": 0.9}, per_model)
-    ours, report = _ours(config, tmp_path / "ours")
-    theirs = _mergekit(config, tmp_path / "theirs")
+    config = mergekit_config(method, base_dir, task_dirs, {"lambda": 0.9}, per_model)
+    ours, report = run_ours(config, tmp_path / "ours")
+    theirs = run_mergekit(config, tmp_path / "theirs")
     skip = _straddling(base, tasks, per_model)
     assert len(skip) <= len(base) // 4
     assert ours.keys() == theirs.keys()
@@ -232,9 +201,9 @@ def test_della_density_one_is_byte_identical_to_mergekit(models, tmp_path):
     base_dir, task_dirs, _, _ = models
     per_model = [{"weight": w, "density": 1.0, "epsilon": 0.3} for w in W]
     for method in ("della", "della_linear"):
-        config = _config(method, base_dir, task_dirs, {"lambda": 0.5}, per_model)
-        ours, _ = _ours(config, tmp_path / f"{method}-ours")
-        theirs = _mergekit(config, tmp_path / f"{method}-theirs")
+        config = mergekit_config(method, base_dir, task_dirs, {"lambda": 0.5}, per_model)
+        ours, _ = run_ours(config, tmp_path / f"{method}-ours")
+        theirs = run_mergekit(config, tmp_path / f"{method}-theirs")
         assert ours.keys() == theirs.keys()
         for name, want in theirs.items():
             assert _same(ours[name], want), (method, name)
@@ -247,9 +216,11 @@ def test_mergekit_della_test_config_by_statistics(models, tmp_path):
     sides (`_single_task_l1`)."""
     base_dir, task_dirs, base, tasks = models
     params = {"density": 0.66, "epsilon": 0.05, "lambda": 0.5}
-    config = _config("della", base_dir, task_dirs[:2], params, [{"weight": 0.6}, {"weight": 0.4}])
-    ours, _ = _ours(config, tmp_path / "ours")
-    theirs = _mergekit(config, tmp_path / "theirs")
+    config = mergekit_config(
+        "della", base_dir, task_dirs[:2], params, [{"weight": 0.6}, {"weight": 0.4}]
+    )
+    ours, _ = run_ours(config, tmp_path / "ours")
+    theirs = run_mergekit(config, tmp_path / "theirs")
     assert ours.keys() == theirs.keys()
     shares = {}
     for side, merged in (("ours", ours), ("theirs", theirs)):
@@ -275,10 +246,10 @@ def _single_task_l1(models, tmp_path) -> dict[str, int]:
         {"weight": 1.0, "density": 0.5, "epsilon": 0.2},
         {"weight": 0.0, "density": 0.5, "epsilon": 0.2},
     ]
-    config = _config("della_linear", base_dir, task_dirs[:2], None, per_model)
+    config = mergekit_config("della_linear", base_dir, task_dirs[:2], None, per_model)
     merged = {
-        "ours": _ours(config, tmp_path / "l1-ours")[0],
-        "theirs": _mergekit(config, tmp_path / "l1-theirs"),
+        "ours": run_ours(config, tmp_path / "l1-ours")[0],
+        "theirs": run_mergekit(config, tmp_path / "l1-theirs"),
     }
     rescaled = {"ours": 0, "theirs": 0}
     for name, b in base.items():
@@ -311,17 +282,19 @@ def test_mergekit_example_shape(models, tmp_path, method):
     key = "gamma" if method.startswith("breadcrumbs") else "epsilon"
     drop = "epsilon" if key == "gamma" else "gamma"
     per_model = [{k: v for k, v in p.items() if k != drop} for p in EXAMPLE_TASKS]
-    config = _config(method, base_dir, task_dirs, {"normalize": True, "int8_mask": True}, per_model)
-    ours, _ = _ours(config, tmp_path / "ours")
+    config = mergekit_config(
+        method, base_dir, task_dirs, {"normalize": True, "int8_mask": True}, per_model
+    )
+    ours, _ = run_ours(config, tmp_path / "ours")
     resolved = _resolved(tmp_path / "ours")
     assert resolved["merge_method"] == method
     # The resolved config, replayed, gives the same bytes (per tensor values included).
-    again, _ = _ours(resolved, tmp_path / "again", unit_budget_bytes=1 << 20, workers=1)
+    again, _ = run_ours(resolved, tmp_path / "again", unit_budget_bytes=1 << 20, workers=1)
     for name, got in ours.items():
         assert _same(again[name], got), name
     if method == "della":
         return  # random masks: the engine-vs-reference test covers della's bytes
-    theirs = _mergekit(config, tmp_path / "theirs")
+    theirs = run_mergekit(config, tmp_path / "theirs")
     skip = _straddling(base, tasks, [m["parameters"] for m in resolved["models"]])
     assert len(skip) <= len(base) // 4
     for name, want in theirs.items():

@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from builders import build_model_set, load_checkpoint, save_checkpoint
+from builders import build_model_set, save_checkpoint
+from mergekit_runs import mergekit_config, run_mergekit, run_ours
 from refusals import merge_refused
-
-from ram_dist.api import run_merge
-from ram_dist.planning.config import MergeConfig, load_yaml
 
 mergekit = pytest.importorskip("mergekit", reason="mergekit is the oracle of these tests")
 pytestmark = [
@@ -41,40 +39,6 @@ def moved(models, tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     folder = tmp_path_factory.mktemp("moved") / "moved"
     save_checkpoint(state, folder, copy_from=base_dir)
     return folder, state
-
-
-def _config(method: str, base: Path | None, tasks: list[Path], params=None, per_model=None):
-    config: dict = {"merge_method": method, "dtype": "float32", "models": []}
-    if base is not None:
-        config["base_model"] = str(base)
-    for i, task in enumerate(tasks):
-        entry: dict = {"model": str(task)}
-        if per_model:
-            entry["parameters"] = per_model[i]
-        config["models"].append(entry)
-    if params:
-        config["parameters"] = params
-    return config
-
-
-def _mergekit(config: dict, out: Path) -> dict[str, torch.Tensor]:
-    from mergekit.config import MergeConfiguration
-    from mergekit.merge import MergeOptions, run_merge
-
-    run_merge(
-        MergeConfiguration.model_validate(config),
-        str(out),
-        MergeOptions(quiet=True, copy_tokenizer=False),
-    )
-    return load_checkpoint(out)
-
-
-def _ours(config: dict, tmp_path: Path, name: str) -> dict[str, torch.Tensor]:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    kwargs = load_yaml(str(path)) | {"out": str(tmp_path / name), "unit_budget_bytes": 3000}
-    run_merge(MergeConfig(**kwargs))
-    return load_checkpoint(tmp_path / name)
 
 
 def _same_bytes(ours: dict, theirs: dict) -> None:
@@ -108,16 +72,16 @@ def _within_bound(ours: dict, theirs: dict, base: dict, tasks: list[dict]) -> in
 )
 def test_within_the_rounding_of_the_factors(models, tmp_path, method, n, params):
     base_dir, task_dirs, base, tasks = models
-    config = _config(method, base_dir, task_dirs[-n:], params)
-    ours = _ours(config, tmp_path, "ours")
-    theirs = _mergekit(config, tmp_path / "theirs")
+    config = mergekit_config(method, base_dir, task_dirs[-n:], params)
+    ours = run_ours(config, tmp_path / "ours")[0]
+    theirs = run_mergekit(config, tmp_path / "theirs")
     _within_bound(ours, theirs, base, tasks[-n:])
 
 
 def test_nearswap_is_byte_identical_to_mergekit(models, tmp_path):
     base_dir, task_dirs, _, _ = models
-    config = _config("nearswap", base_dir, task_dirs[1:2], {"t": 0.002})
-    _same_bytes(_ours(config, tmp_path, "ours"), _mergekit(config, tmp_path / "theirs"))
+    config = mergekit_config("nearswap", base_dir, task_dirs[1:2], {"t": 0.002})
+    _same_bytes(run_ours(config, tmp_path / "ours")[0], run_mergekit(config, tmp_path / "theirs"))
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +127,9 @@ def test_arcee_fusion_is_byte_identical_where_its_kl_is_above_float32_rounding(
     elements, so mergekit sorts them all rather than a sample), every element whose choice
     that KL's rounding cannot change is mergekit's byte for byte (over 99 % of them here,
     thousands taking the task's value); every element is the exact algorithm's."""
-    config = _config("arcee_fusion", models[0], [moved[0]])
-    ours = _ours(config, tmp_path, "ours")
-    theirs = _mergekit(config, tmp_path / "theirs")
+    config = mergekit_config("arcee_fusion", models[0], [moved[0]])
+    ours = run_ours(config, tmp_path / "ours")[0]
+    theirs = run_mergekit(config, tmp_path / "theirs")
     undecided, taken = _arcee_parity(ours, theirs, models[2], moved_reference)
     assert undecided <= 0.01 * sum(t.numel() for t in theirs.values()) and taken > 1000
 
@@ -180,9 +144,9 @@ def test_arcee_fusion_differs_from_mergekit_where_its_float32_kl_is_rounding(mod
     import torch.nn.functional as F
 
     base_dir, task_dirs, base, tasks = models
-    config = _config("arcee_fusion", base_dir, task_dirs[1:2])
-    ours = _ours(config, tmp_path, "ours")
-    theirs = _mergekit(config, tmp_path / "theirs")
+    config = mergekit_config("arcee_fusion", base_dir, task_dirs[1:2])
+    ours = run_ours(config, tmp_path / "ours")[0]
+    theirs = run_mergekit(config, tmp_path / "theirs")
     name = "lm_head.weight"
     a, b = base[name], tasks[1][name]
     assert torch.equal(ours[name], ref.arcee_fusion(a, b))
@@ -203,12 +167,12 @@ def test_passthrough_with_a_scale_per_layer_is_mergekit(models, tmp_path):
     _, task_dirs, _, _ = models
     scale = [{"filter": "down_proj", "value": 0.5}, {"filter": "embed", "value": -2.0},
              {"value": 1.0}]  # fmt: skip
-    config = _config("passthrough", None, task_dirs[:1], None, [{"scale": scale}])
-    ours = _ours(config, tmp_path, "ours")
-    _same_bytes(ours, _mergekit(config, tmp_path / "theirs"))
+    config = mergekit_config("passthrough", None, task_dirs[:1], None, [{"scale": scale}])
+    ours = run_ours(config, tmp_path / "ours")[0]
+    _same_bytes(ours, run_mergekit(config, tmp_path / "theirs"))
     # The written config, each tensor's scale resolved, gives the same model again.
     effective = yaml.safe_load((tmp_path / "ours" / "mergekit_config.yml").read_text())
-    _same_bytes(_ours(effective, tmp_path, "replay"), ours)
+    _same_bytes(run_ours(effective, tmp_path / "replay")[0], ours)
 
 
 # ---------------------------------------------------------------- mergekit's own configs
@@ -228,8 +192,8 @@ def test_mergekit_example_arcee_fusion(models, moved, moved_reference, tmp_path)
         "base_model": str(base_dir),
         "dtype": "bfloat16",
     }
-    ours = _ours(config, tmp_path, "ours")
-    theirs = _mergekit(config | {"dtype": "float32", "out_dtype": "bfloat16"}, tmp_path / "mk")
+    ours = run_ours(config, tmp_path / "ours")[0]
+    theirs = run_mergekit(config | {"dtype": "float32", "out_dtype": "bfloat16"}, tmp_path / "mk")
     undecided, taken = _arcee_parity(ours, theirs, models[2], moved_reference)
     assert undecided <= 0.01 * sum(t.numel() for t in theirs.values()) and taken > 1000
 
@@ -238,22 +202,22 @@ def test_mergekit_example_arcee_fusion(models, moved, moved_reference, tmp_path)
 def test_mergekit_example_model_stock(models, tmp_path, filter_wise):
     base_dir, task_dirs, base, tasks = models
     params = {"filter_wise": True} if filter_wise else None
-    config = _config("model_stock", base_dir, task_dirs[:2], params)
-    ours = _ours(config, tmp_path, "ours")
-    theirs = _mergekit(config, tmp_path / "theirs")
+    config = mergekit_config("model_stock", base_dir, task_dirs[:2], params)
+    ours = run_ours(config, tmp_path / "ours")[0]
+    theirs = run_mergekit(config, tmp_path / "theirs")
     assert _within_bound(ours, theirs, base, tasks[:2]) > 0  # t's rounding really differs
 
 
 def test_mergekit_examples_sce_and_nearswap(models, tmp_path):
     base_dir, task_dirs, base, tasks = models
     # sce: base_model model_c, models a and b, select_topk 0.5
-    config = _config("sce", task_dirs[2], [base_dir, task_dirs[0]], {"select_topk": 0.5})
-    ours = _ours(config, tmp_path, "sce")
-    theirs = _mergekit(config, tmp_path / "sce-mk")
+    config = mergekit_config("sce", task_dirs[2], [base_dir, task_dirs[0]], {"select_topk": 0.5})
+    ours = run_ours(config, tmp_path / "sce")[0]
+    theirs = run_mergekit(config, tmp_path / "sce-mk")
     _within_bound(ours, theirs, tasks[2], [base, tasks[0]])
     # nearswap: models a and b, base_model a, t 0.0001
-    config = _config("nearswap", base_dir, [base_dir, task_dirs[0]], {"t": 0.0001})
-    _same_bytes(_ours(config, tmp_path, "near"), _mergekit(config, tmp_path / "near-mk"))
+    config = mergekit_config("nearswap", base_dir, [base_dir, task_dirs[0]], {"t": 0.0001})
+    _same_bytes(run_ours(config, tmp_path / "near")[0], run_mergekit(config, tmp_path / "near-mk"))
 
 
 # ---------------------------------------------------------------- refusals

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from lora_steps import product_by_hand
 
 from ram_dist.kernels import lora, lora_numba
 
@@ -14,21 +15,6 @@ NUMPY = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 def _stored(values: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values stored as `dtype` (bfloat16 rounded to nearest even), as bytes."""
     return lora.cast(values.astype(np.float32), dtype, np.empty(values.size * 4, np.uint8)).copy()
-
-
-def _by_hand(theta: np.ndarray, coef: np.ndarray, basis: np.ndarray, scale: np.float32,
-             start: int) -> np.ndarray:  # fmt: skip
-    """The spec's rule with numpy float32 scalars, one rounding per step, k ascending."""
-    cols = basis.shape[1]
-    row0 = start // cols
-    out = np.empty(theta.size, np.float32)
-    for e in range(theta.size):
-        i, j = (start + e) // cols - row0, (start + e) % cols
-        acc = np.float32(coef[i, 0] * basis[0, j])
-        for k in range(1, basis.shape[0]):
-            acc = np.float32(acc + np.float32(coef[i, k] * basis[k, j]))
-        out[e] = np.float32(theta[e] + np.float32(scale * acc))
-    return out
 
 
 @pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
@@ -48,7 +34,7 @@ def test_both_paths_follow_the_rule_step_by_step(dtype, start, stop):
         for fast in (True, False)
     }  # fmt: skip
     base = lora.as_float32(part, dtype)
-    want = _by_hand(base, coef[start // cols :], basis, scale, start)
+    want = product_by_hand(base, coef[start // cols :], basis, scale, start)
     assert got[True].tobytes() == got[False].tobytes() == want.tobytes()
 
 

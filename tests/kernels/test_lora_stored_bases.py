@@ -10,23 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from lora_steps import product_by_hand
 
 from ram_dist.kernels import lora, lora_numba
-
-
-def _by_hand(theta: np.ndarray, coef: np.ndarray, basis: np.ndarray, scale: np.float32,
-             start: int) -> np.ndarray:  # fmt: skip
-    """The spec's rule with numpy float32 scalars, one rounding per step, k ascending."""
-    cols = basis.shape[1]
-    row0 = start // cols
-    out = np.empty(theta.size, np.float32)
-    for e in range(theta.size):
-        i, j = (start + e) // cols - row0, (start + e) % cols
-        acc = np.float32(coef[i, 0] * basis[0, j])
-        for k in range(1, basis.shape[0]):
-            acc = np.float32(acc + np.float32(coef[i, k] * basis[k, j]))
-        out[e] = np.float32(theta[e] + np.float32(scale * acc))
-    return out
 
 
 def _compressed_base(scheme_args: dict, fmt: str, scale_dtype, rows: int = 12, cols: int = 64):
@@ -123,7 +109,7 @@ def test_a_quantized_base_is_decoded_as_the_kernel_loads_it(name, fast):
     for lo in (0, step):
         part = stored(lo, values.size)
         theta = torch.from_numpy(values[lo:].copy()).to(torch.bfloat16).to(torch.float32).numpy()
-        want = torch.from_numpy(_by_hand(theta, coef[lo // cols :], basis, scale, lo))
+        want = torch.from_numpy(product_by_hand(theta, coef[lo // cols :], basis, scale, lo))
         got = lora.values(part, dtype, coef[lo // cols :], basis, scale, lo, "BF16",
                           np.empty((values.size - lo) * 4, np.uint8), fast=fast)  # fmt: skip
         assert got.tobytes() == want.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()

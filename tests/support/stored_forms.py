@@ -241,3 +241,17 @@ def run_method(
             out = merged.reshape(-1).view(torch.int16).numpy().view(np.uint16)
         parts.append(out)
     return MethodRun(np.concatenate(parts).tobytes(), rounds, fused_rounds, fused_merges)
+
+
+def count_decodes(source: type, monkeypatch: Any) -> list[int]:
+    """The elements a quantized source (`planning.sources`' class) decodes into copies from
+    now on, one entry a call: its `decode` wrapped for the test (`monkeypatch` undoes it)."""
+    counts: list[int] = []
+    decode = source.decode
+
+    def counting(self, start, stop, read, floats, base):  # noqa: ANN001, ANN202
+        counts.append(stop - start)
+        return decode(self, start, stop, read, floats, base)
+
+    monkeypatch.setattr(source, "decode", counting)
+    return counts

@@ -24,16 +24,8 @@ from fsspec.asyn import sync
 from ram_dist.io.azure import block_id, error_code
 from ram_dist.io.failures import reported
 from ram_dist.io.s3 import MIN_PART_BYTES
-from ram_dist.io.sinks.base import (
-    OpenShard,
-    OutputSink,
-    Part,
-    PartReceipt,
-    ShardTarget,
-    kept_parts,
-    plan_record,
-)
-from ram_dist.io.storage import Storage, join
+from ram_dist.io.sinks.base import OpenShard, OutputSink, Part, PartReceipt, StoreTarget, kept_parts
+from ram_dist.io.storage import join
 
 
 def _blob(fs: Any, container: str, blob: str) -> Any:
@@ -43,25 +35,22 @@ def _blob(fs: Any, container: str, blob: str) -> Any:
 
 
 @dataclass(frozen=True)
-class AzureTarget(ShardTarget):
-    """A shard's blob and its upload's token; shipped to the workers (the storage options
-    travel, the client is built on the worker)."""
+class AzureTarget(StoreTarget):
+    """A shard's blob and its upload's token."""
 
-    url: str
     container: str
     blob: str
     token: str
-    storage: Storage
 
     def write(self, part: Part, data: np.ndarray, sha256: bytes) -> PartReceipt:
-        fs, _ = self.storage.fs(self.url)
+        fs = self.fs()
         client = _blob(fs, self.container, self.blob)
         with reported(self.url, "write", "output"):
             # validate_content: the request carries the block's MD5 (transactional), so the
             # store refuses a block corrupted on the way.
             sync(fs.loop, client.stage_block, block_id(self.token, part.number),
                  data.tobytes(), length=data.nbytes, validate_content=True)  # fmt: skip
-        return PartReceipt(part.shard, part.number, part.start, part.stop, sha256.hex())
+        return PartReceipt.of(part, sha256.hex())
 
 
 class AzureSink(OutputSink):
@@ -77,23 +66,22 @@ class AzureSink(OutputSink):
         fs, path = self.storage.fs(url)
         container, blob, _ = fs.split_path(path)
         token = (old or {}).get("token")
-        same_plan = bool(old) and old.get("plan") == plan_record(plan)  # type: ignore[union-attr]
+        kept = kept_parts(plan, old)
         held: dict[str, int] = {}
-        if token is not None and same_plan:
+        if token is not None and kept is not None:
             held = self._uncommitted(fs, url, container, blob)
         else:
             token = secrets.token_hex(8)
-        kept = kept_parts(plan, old)
         done = {}
         for part in plan:
             # A block the store holds for this upload, recorded by the manifest after the
             # store took it (and checked its MD5), is this job's part: keep it.
-            rec = kept.get(part.number)
+            rec = (kept or {}).get(part.number)
             if rec is not None and held.get(block_id(token, part.number)) == part.size:
                 done[part.number] = PartReceipt(
                     shard, part.number, part.start, part.stop, rec["sha256"]
                 )
-        target = AzureTarget(url, container, blob, token, self.storage)
+        target = AzureTarget(url, self.storage, container, blob, token)
         return OpenShard(shard, size, target, done, {"token": token})
 
     def _uncommitted(self, fs: Any, url: str, container: str, blob: str) -> dict[str, int]:

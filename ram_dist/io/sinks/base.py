@@ -49,6 +49,18 @@ class PartReceipt:
     etag: str | None = None
     data: np.ndarray | None = field(default=None, compare=False, repr=False)
 
+    @classmethod
+    def of(
+        cls, part: Part, sha256: str, etag: str | None = None, data: np.ndarray | None = None
+    ) -> PartReceipt:
+        """The receipt of `part` (its digest `sha256`, hex)."""
+        return cls(part.shard, part.number, part.start, part.stop, sha256, etag, data)
+
+    @classmethod
+    def recorded(cls, shard: str, number: int, rec: dict[str, Any]) -> PartReceipt:
+        """The receipt of a part the manifest recorded (`record`'s entry)."""
+        return cls(shard, number, rec["start"], rec["stop"], rec["sha256"], rec.get("etag"))
+
     def record(self) -> dict[str, Any]:
         """The manifest's entry for this part."""
         out: dict[str, Any] = {"start": self.start, "stop": self.stop, "sha256": self.sha256}
@@ -81,6 +93,19 @@ class ShardTarget:
 
 
 @dataclass(frozen=True)
+class StoreTarget(ShardTarget):
+    """A shard in an object store, shipped to the workers with the storage options (the
+    client is built on the worker)."""
+
+    url: str
+    storage: Storage
+
+    def fs(self) -> Any:
+        """The store's filesystem on this process (`Storage.fs`)."""
+        return self.storage.fs(self.url)[0]
+
+
+@dataclass(frozen=True)
 class KeptTarget(ShardTarget):
     """A part one output already holds (a resumed sweep's variant kept it) while another
     output needs the same part made: its bytes are made with the others' and dropped, and
@@ -89,7 +114,7 @@ class KeptTarget(ShardTarget):
     url: str
 
     def write(self, part: Part, data: np.ndarray, sha256: bytes) -> PartReceipt:
-        return PartReceipt(part.shard, part.number, part.start, part.stop, sha256.hex())
+        return PartReceipt.of(part, sha256.hex())
 
 
 @dataclass
@@ -154,16 +179,13 @@ def plan_record(plan: list[Part]) -> list[list[int]]:
     return [[p.start, p.stop] for p in plan]
 
 
-def kept_parts(plan: list[Part], old: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
-    """The recorded parts of an unfinished write, when it was cut the same way as now."""
+def kept_parts(plan: list[Part], old: dict[str, Any] | None) -> dict[int, dict[str, Any]] | None:
+    """The recorded parts of an unfinished write (`old`, the manifest's record of it), by
+    number, when it was cut the same way as now; None when there is none or it was cut
+    otherwise (then nothing of it is kept)."""
     if not old or old.get("plan") != plan_record(plan):
-        return {}
+        return None
     return {int(n): rec for n, rec in (old.get("parts") or {}).items()}
-
-
-def receipt_of(shard: str, number: int, rec: dict[str, Any]) -> PartReceipt:
-    """The receipt of a part the manifest recorded."""
-    return PartReceipt(shard, number, rec["start"], rec["stop"], rec["sha256"], rec.get("etag"))
 
 
 def choose_sink(

@@ -29,7 +29,7 @@ class DriverTarget(ShardTarget):
     url: str
 
     def write(self, part: Part, data: np.ndarray, sha256: bytes) -> PartReceipt:
-        return PartReceipt(part.shard, part.number, part.start, part.stop, sha256.hex(), None, data)
+        return PartReceipt.of(part, sha256.hex(), None, data)
 
 
 class OrderedWriter:

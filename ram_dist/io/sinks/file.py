@@ -10,15 +10,7 @@ from typing import Any
 import numpy as np
 
 from ram_dist.io.failures import reported
-from ram_dist.io.sinks.base import (
-    OpenShard,
-    OutputSink,
-    Part,
-    PartReceipt,
-    ShardTarget,
-    kept_parts,
-    receipt_of,
-)
+from ram_dist.io.sinks.base import OpenShard, OutputSink, Part, PartReceipt, ShardTarget, kept_parts
 from ram_dist.io.sinks.driver import DriverSink
 from ram_dist.io.storage import Storage, join
 from ram_dist.io.writer import PARTIAL_SUFFIX
@@ -44,7 +36,7 @@ class FileTarget(ShardTarget):
                 os.close(fd)
 
     def write(self, part: Part, data: np.ndarray, sha256: bytes) -> PartReceipt:
-        return PartReceipt(part.shard, part.number, part.start, part.stop, sha256.hex())
+        return PartReceipt.of(part, sha256.hex())
 
 
 #: Largest single `pwrite` (Linux caps one call at about 2 GiB).
@@ -79,14 +71,14 @@ class FileSink(OutputSink):
         url = join(self.out_url, shard)
         _, path = self.storage.fs(url)
         partial = path + PARTIAL_SUFFIX
-        kept = kept_parts(plan, old)
+        kept = kept_parts(plan, old) or {}
         if not (kept and os.path.exists(partial) and os.path.getsize(partial) == size):
             kept = {}
             with reported(url, "write", "output"):
                 os.makedirs(os.path.dirname(partial), exist_ok=True)
                 with open(partial, "wb") as f:
                     f.truncate(size)
-        done = {n: receipt_of(shard, n, rec) for n, rec in kept.items()}
+        done = {n: PartReceipt.recorded(shard, n, rec) for n, rec in kept.items()}
         return OpenShard(shard, size, FileTarget(url, partial), done, {})
 
     def complete(self, shard: OpenShard) -> None:

@@ -25,16 +25,8 @@ from fsspec.asyn import sync
 from ram_dist.errors import RamDistError
 from ram_dist.io import gcs
 from ram_dist.io.failures import conditional, reported
-from ram_dist.io.sinks.base import (
-    OpenShard,
-    OutputSink,
-    Part,
-    PartReceipt,
-    ShardTarget,
-    kept_parts,
-    receipt_of,
-)
-from ram_dist.io.storage import Storage, join
+from ram_dist.io.sinks.base import OpenShard, OutputSink, Part, PartReceipt, StoreTarget, kept_parts
+from ram_dist.io.storage import join
 
 #: The hidden folder of an output that holds the parts of shards being written.
 PARTS_DIR = ".ram-dist-parts"
@@ -54,23 +46,19 @@ def etag(answer: dict[str, Any]) -> str:
 
 
 @dataclass(frozen=True)
-class GcsTarget(ShardTarget):
+class GcsTarget(StoreTarget):
     """The prefix a shard's parts go to; each task uploads the part it computed."""
 
-    url: str
     bucket: str
     prefix: str
-    storage: Storage
 
     def write(self, part: Part, data: np.ndarray, sha256: bytes) -> PartReceipt:
-        fs, _ = self.storage.fs(self.url)
+        fs = self.fs()
         body = data.tobytes()
         with reported(self.url, "write", "output"):
             answer = sync(fs.loop, gcs.upload, fs, self.bucket, part_name(self.prefix, part.number),
                           body)  # fmt: skip
-        return PartReceipt(
-            part.shard, part.number, part.start, part.stop, sha256.hex(), etag(answer)
-        )
+        return PartReceipt.of(part, sha256.hex(), etag(answer))
 
 
 class GcsSink(OutputSink):
@@ -99,7 +87,7 @@ class GcsSink(OutputSink):
         self, shard: str, size: int, plan: list[Part], old: dict[str, Any] | None
     ) -> OpenShard:
         url, bucket, key, parts = self._where(shard)
-        kept = kept_parts(plan, old)
+        kept = kept_parts(plan, old) or {}
         upload_id = (old or {}).get("upload_id") if kept else None
         upload_id = upload_id or uuid.uuid4().hex
         prefix = f"{parts}{upload_id}/"
@@ -117,8 +105,8 @@ class GcsSink(OutputSink):
             if rec is None or obj is None or int(obj["size"]) != part.size:
                 continue
             if rec.get("etag") == etag(obj):
-                done[part.number] = receipt_of(shard, part.number, rec)
-        target = GcsTarget(url, bucket, prefix, self.storage)
+                done[part.number] = PartReceipt.recorded(shard, part.number, rec)
+        target = GcsTarget(url, self.storage, bucket, prefix)
         generation = int(there["generation"]) if there else 0
         return OpenShard(
             shard, size, target, done, {"upload_id": upload_id, "generation": generation}

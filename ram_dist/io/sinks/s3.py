@@ -10,33 +10,22 @@ import numpy as np
 
 from ram_dist.io.failures import reported
 from ram_dist.io.s3 import MIN_PART_BYTES
-from ram_dist.io.sinks.base import (
-    OpenShard,
-    OutputSink,
-    Part,
-    PartReceipt,
-    ShardTarget,
-    kept_parts,
-    plan_record,
-)
-from ram_dist.io.storage import Storage, join
+from ram_dist.io.sinks.base import OpenShard, OutputSink, Part, PartReceipt, StoreTarget, kept_parts
+from ram_dist.io.storage import join
 
 
 @dataclass(frozen=True)
-class S3Target(ShardTarget):
+class S3Target(StoreTarget):
     """One multipart upload; each part is uploaded by the task that computed it, with its
     SHA-256 so the store itself refuses a corrupted upload."""
 
-    url: str
     bucket: str
     key: str
     upload_id: str
-    storage: Storage
 
     def write(self, part: Part, data: np.ndarray, sha256: bytes) -> PartReceipt:
-        fs, _ = self.storage.fs(self.url)
         with reported(self.url, "write", "output"):
-            answer = fs.call_s3(
+            answer = self.fs().call_s3(
                 "upload_part",
                 Bucket=self.bucket,
                 Key=self.key,
@@ -46,9 +35,7 @@ class S3Target(ShardTarget):
                 ChecksumAlgorithm="SHA256",
                 ChecksumSHA256=base64.b64encode(sha256).decode(),
             )
-        return PartReceipt(
-            part.shard, part.number, part.start, part.stop, sha256.hex(), answer["ETag"]
-        )
+        return PartReceipt.of(part, sha256.hex(), answer["ETag"])
 
 
 class S3Sink(OutputSink):
@@ -74,7 +61,7 @@ class S3Sink(OutputSink):
         kept = kept_parts(plan, old)
         upload_id = (old or {}).get("upload_id")
         listed: dict[int, dict[str, Any]] | None = None
-        if upload_id is not None and (old or {}).get("plan") == plan_record(plan):
+        if upload_id is not None and kept is not None:
             listed = self._list_parts(bucket, key, upload_id)  # None: the upload is gone
         if listed is None:
             if upload_id is not None:
@@ -96,7 +83,7 @@ class S3Sink(OutputSink):
                 continue
             held = there.get("ChecksumSHA256")
             listed_sha = base64.b64decode(held).hex() if held else None
-            rec = kept.get(part.number)
+            rec = (kept or {}).get(part.number)
             if rec is not None and rec.get("etag") == there["ETag"]:
                 sha = rec["sha256"]
                 if listed_sha not in (None, sha):
@@ -108,7 +95,7 @@ class S3Sink(OutputSink):
             done[part.number] = PartReceipt(
                 shard, part.number, part.start, part.stop, sha, there["ETag"]
             )
-        target = S3Target(url, bucket, key, upload_id, self.storage)
+        target = S3Target(url, self.storage, bucket, key, upload_id)
         return OpenShard(shard, size, target, done, {"upload_id": upload_id})
 
     def _list_parts(
