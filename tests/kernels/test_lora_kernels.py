@@ -125,7 +125,7 @@ def test_register_blocks_at_rank_64_and_their_edges(start, stop):
     ]  # fmt: skip
     assert got[0] == got[1]
     if start == 671:
-        want = _by_hand(lora.as_float32(theta, "F32"), coef[start // cols :], basis,
+        want = product_by_hand(lora.as_float32(theta, "F32"), coef[start // cols :], basis,
                         np.float32(0.7), start)  # fmt: skip
         assert got[0] == want.tobytes()
 
