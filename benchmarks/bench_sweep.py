@@ -122,7 +122,10 @@ def measure(
         flags = [f for m in args.methods for f in ("--method", m)]
         return _merge(models, out, log, [*flags, *(f for g in args.grid for f in ("--grid", g))])
     if run == "singles":
-        each = [_merge(models, out, log, flags) for _, flags in variants]
+        each = []
+        for name, flags in variants:
+            each.append(_merge(models, out, log, flags))
+            print(f"    {name}: wall {each[-1]['wall_s']:.2f} s", flush=True)
         return {k: sum(s[k] for s in each) for k in each[0]}
     base_bytes = sum(p.stat().st_size for p in safetensors_files(models.folder / "base"))
     scratch, buf = args.workdir / "write_floor.bin", bytearray(READ_BLOCK)
