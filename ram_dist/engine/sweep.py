@@ -86,8 +86,8 @@ def sweep_checks(config: MergeConfig, held: contextlib.ExitStack) -> SweepClaim 
     A sweep found complete gives its stored report."""
     with collector.paused():
         sweep = prepare_sweep(config)
+    sweep.job.check_packed_shapes()  # the inputs every variant shares: read once
     for job in sweep.jobs:
-        job.check_packed_shapes()
         check_not_an_input(job)
     out = sweep.job.out
     assert out is not None

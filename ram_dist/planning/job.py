@@ -193,10 +193,31 @@ def prepare(config: MergeConfig) -> Job:
     Planning allocates a few objects per tensor and input, millions for a large MoE
     checkpoint, and frees almost none until it ends: the engine runs it with Python's
     cyclic garbage collector paused (`engine.driver.prepare`, `engine.collector`)."""
+    return plan_job(config, open_inputs(config))
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A job's inputs as read from their headers, whatever the method: what a sweep's
+    variants share, read once for all of them (`planning.sweep`)."""
+
+    storage: Storage
+    base: Checkpoint
+    tasks: list[Checkpoint]
+    layout: Layout
+    """Before any method asks for whole rows."""
+    integers_changed: tuple[str, ...]
+
+
+def open_inputs(config: MergeConfig, methods: tuple[str, ...] = ()) -> Inputs:
+    """Resolve the inputs' locations, read every header (and the copied integer tensors'
+    bytes some task may have changed), check that they fit together: once for every method
+    of `methods` (default: the config's), checked against each before anything is read."""
     storage = Storage(config.storage_options)
     base_url = resolve_location(config.base, "base model")
     task_urls = [resolve_location(loc, f"task {i + 1}") for i, loc in enumerate(config.tasks)]
-    _check_distinct(base_url, task_urls, config.method)
+    for method in methods or (config.method,):
+        _check_distinct(base_url, task_urls, method)
     labelled = [(url, f"task {i + 1}") for i, url in enumerate(task_urls)]
     base, *tasks = open_checkpoints([(base_url, "base model"), *labelled], storage)
     for task in tasks:
@@ -206,14 +227,22 @@ def prepare(config: MergeConfig) -> Job:
             check_trained_on(task, trained_on, base)
     layout = build_layout(base, tasks, config.out_dtype, config.drop_extra_tensors)
     integers_changed = _changed_integers(layout, storage, base, tasks, config)
+    return Inputs(storage, base, tasks, layout, integers_changed)
+
+
+def plan_job(config: MergeConfig, inputs: Inputs) -> Job:
+    """The job of `config`'s method and parameters over inputs already read: parameters
+    resolved per tensor, whole rows where the method needs them, the work units."""
+    layout = inputs.layout
     merging = [name for name, e in layout.tensors.items() if e.participating]
     method = get_method(config.method)
     params = resolve_all(config, method, merging)
     layout = layout.in_whole_rows(n for n in merging if method.whole_rows(params[n]))
     out = resolve_output(config.out) if config.out is not None else None
     job = Job(
-        config=config, storage=storage, base=base, tasks=tasks, layout=layout, units=[],
-        out=out, params=params, unit_budget_bytes=0, integers_changed=integers_changed,
+        config=config, storage=inputs.storage, base=inputs.base, tasks=inputs.tasks,
+        layout=layout, units=[], out=out, params=params, unit_budget_bytes=0,
+        integers_changed=inputs.integers_changed,
     )  # fmt: skip
     budget = config.unit_budget_bytes
     if budget is None:  # this machine's default; `replanned` adapts it to the cluster

@@ -25,7 +25,7 @@ from ram_dist.methods import get_method
 from ram_dist.methods.parameters import Parameter
 from ram_dist.methods.sweep import Variants
 from ram_dist.planning.config import MergeConfig
-from ram_dist.planning.job import Job, prepare
+from ram_dist.planning.job import Job, open_inputs, plan_job
 from ram_dist.planning.units import plan_units
 
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
@@ -126,12 +126,14 @@ class Sweep:
 
 
 def prepare_sweep(config: MergeConfig) -> Sweep:
-    """Every variant checked and planned as its single merge would be, then the sweep's job:
-    the first variant's inputs and layout, every variant's parameters per tensor, whole rows
-    wherever a variant needs them, and units planned with the budget divided among the
-    variants (each output buffer of a map task is one variant's)."""
+    """Every variant checked and planned as its single merge would be, from the inputs'
+    headers read once for all of them (the variants differ only in method and parameters),
+    then the sweep's job: the first variant's inputs and layout, every variant's parameters
+    per tensor, whole rows wherever a variant needs them, and units planned with the budget
+    divided among the variants (each output buffer of a map task is one variant's)."""
     chosen = variants(config)
-    jobs = [prepare(v.config) for v in chosen]
+    inputs = open_inputs(chosen[0].config, tuple(v.method for v in chosen))
+    jobs = [plan_job(v.config, inputs) for v in chosen]
     first = jobs[0]
     methods = Variants(tuple(j.method for j in jobs))
     params = {name: {"variants": tuple(j.params[name] for j in jobs)} for name in first.params}
