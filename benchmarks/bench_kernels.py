@@ -5,8 +5,11 @@ the reduce pass (`overlap_statistics` vs `overlap_counts`) and the map pass
 (`merge_ram(...).to(out_dtype)` vs the fused `merge_ram` writing the output dtype). Inputs
 are a synthetic base and RL-like agents (task-vector densities about 3 %, 46 %, 54 %, ...),
 drawn by `ram_dist.synthetic` as one flat tensor.
-Eager and fused runs alternate, `--repeats` times; medians are printed, and the two
-outputs are checked for byte equality. With `--compile` (default), the first-call cost of
+Eager and fused runs alternate, `--repeats` times, with a plain copy of the bytes the passes
+read (the base and the agents: one `numpy.copyto`, one thread, so it reads and writes that
+many bytes): its rate in the same elements is the CPU's memcpy ceiling, and `of memcpy` is
+each fused pass's rate over it. Medians are printed, and the two outputs are checked for byte
+equality. With `--compile` (default), the first-call cost of
 the kernels is also measured in fresh processes: with an empty numba cache (compilation),
 then with the cache that run left (loading).
 
@@ -98,11 +101,19 @@ def bench(n: int, tasks: int, dtype: torch.dtype, out_dtype: torch.dtype, repeat
     def fused_merge() -> None:
         ram_numba.merge_ram(base, agents, EPS, lambdas, out)
 
+    nbytes = n * dtype.itemsize * (1 + tasks)
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)  # pages touched
+
+    def memcpy() -> None:
+        np.copyto(dst, src)
+
     fused_counts()  # compile (or load from the cache) outside the timings
     fused_merge()
     fused_checked()
-    samples: dict[str, list[float]] = {k: [] for k in ("ec", "fc", "ek", "fk", "em", "fm")}
+    keys = ("ec", "fc", "ek", "fk", "em", "fm", "mc")
+    samples: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(repeats):
+        samples["mc"].append(timed(memcpy))
         samples["ec"].append(timed(eager_counts))
         samples["fc"].append(timed(fused_counts))
         samples["ek"].append(timed(eager_checked))
@@ -119,8 +130,11 @@ def bench(n: int, tasks: int, dtype: torch.dtype, out_dtype: torch.dtype, repeat
         f"{n} elements, base + {tasks} tasks, {dtype} -> {out_dtype}, "
         f"median of {repeats} (alternating)"
     )
+    copy = n / med["mc"] / 1e6
+    print(f"memcpy of the inputs' {nbytes / 2**20:.0f} MiB, one thread: {med['mc']:.4f} s, "
+          f"{copy:.1f} Mel/s ({nbytes / med['mc'] / 1e9:.2f} GB/s copied)")  # fmt: skip
     print(f"{'pass':<22}{'eager s':>10}{'fused s':>10}{'eager Mel/s':>13}{'fused Mel/s':>13}"
-          f"{'speedup':>9}  identical")  # fmt: skip
+          f"{'speedup':>9}{'of memcpy':>11}  identical")  # fmt: skip
     for name, e, f, same in (
         ("reduce (counts)", med["ec"], med["fc"], same_counts),
         ("reduce + finite check", med["ek"], med["fk"], same_checked),
@@ -128,7 +142,7 @@ def bench(n: int, tasks: int, dtype: torch.dtype, out_dtype: torch.dtype, repeat
     ):
         print(
             f"{name:<22}{e:>10.4f}{f:>10.4f}{n / e / 1e6:>13.1f}{n / f / 1e6:>13.1f}"
-            f"{e / f:>8.1f}x  {same}"
+            f"{e / f:>8.1f}x{n / f / 1e6 / copy:>10.2f}x  {same}"
         )
     for key, values in samples.items():
         print(f"  samples {key}: " + " ".join(f"{v:.4f}" for v in values))

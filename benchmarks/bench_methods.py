@@ -1,22 +1,30 @@
-"""mergekit's geometric and sparsifying methods against mergekit and against the I/O floor of
-their own passes, in one run (issue 34): by default ``slerp``, ``model_stock`` and ``della``.
+"""Every merge method of ram-dist against mergekit and against the I/O floor of its own
+passes, in one run and one table (issue 43, point 6): by default all of
+`ram_dist.methods.registry` and three rank-16 LoRA adapters merged with ram_plus.
 
 Inputs: the bf16 Llama base and three agents of ``benchmarks.inputs`` (``--params`` each,
-generated once in ``--workdir`` and reused). ``slerp`` merges the base and the first agent;
-the others the base and all three. Then, ``--repeats`` times, in an order that rotates by one
-each repeat, for each method of ``--methods``:
+generated once in ``--workdir`` and reused), and for ``lora_r16`` three PEFT rank-16 adapters
+of a base of the same size (``benchmarks.bench_lora``'s, in ``WORKDIR/lora``). Each method
+merges what `benchmarks.method_table` says (slerp, nearswap, arcee_fusion: the base and one
+agent; nuslerp: two; linear, karcher: the three agents, no base; passthrough: one agent),
+with the parameters written there, as one mergekit-style YAML both tools read. A Ray head
+is started with ``ray start --head`` (its own session and temporary folder) and stopped at
+the end. Then, ``--repeats`` times, for each method of ``--methods`` in turn:
 
-* ``floor:METHOD``: read the method's inputs once with plain buffered reads, and write the
-  base's bytes once; the floor of the method's passes is ``read_pass_s * passes + write_s``,
-  where ``passes`` is what the ram-dist run of the same repeat read over what one pass reads
-  (its reduce rounds that read, plus the map pass);
-* ``ramdist:METHOD``: ``ram-dist merge`` as a subprocess, wall time and peak RSS from wait4,
-  the passes' time from ``merge_report.json``;
-* ``mergekit:METHOD``: ``mergekit-yaml`` on the same inputs with the same parameters
-  (``dtype: float32``, ``out_dtype: bfloat16``), under ``benchmarks/mergekit_wrapper.py``.
+* ``floor``: read the method's inputs once with plain buffered reads, and write the base's
+  bytes once; the floor of the method's passes is ``read_pass_s * passes + write_s``, where
+  ``passes`` is what the ram-dist run of the same repeat read over what one pass reads;
+* ``running``: ``ram-dist merge CONFIG --address HEAD`` on the running Ray, as a subprocess
+  (wall time and peak RSS from wait4, the passes' time from ``merge_report.json``);
+* ``ramdist``: the same with ram-dist's embedded Ray (started and stopped by the command);
+* ``mergekit``: ``mergekit-yaml`` on the same inputs with the same parameters (``dtype:
+  float32``, ``out_dtype: bfloat16``), under ``benchmarks/mergekit_wrapper.py``; ram_plus
+  (and lora_r16) against mergekit's ``ram``; a method mergekit lacks is left out.
 
-Prints per method the medians and the ratios: mergekit / ram-dist wall time (target: at
-least 5) and ram-dist's passes / their floor (target: at most 2).
+A run that fails is recorded with its error and the others go on. The JSON (``--json``) is
+rewritten after every method, so an interrupted run keeps what finished. Prints one row per
+method: ram-dist's passes / their floor (target: at most 2), mergekit's wall / ram-dist's
+wall on the running Ray (target: at least 1.5) and the same with the embedded Ray.
 
 Example::
 
@@ -28,19 +36,27 @@ from the repository root.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import yaml
 
+from benchmarks import method_table as mt
+from benchmarks.bench_fixed_cost import running_ray
+from benchmarks.bench_lora import ensure_base, ensure_rank
 from benchmarks.commands import WRAPPER, cli_command, mergekit_options
-from benchmarks.inputs import Models, ensure_models, model_names, safetensors_files
+from benchmarks.inputs import ensure_models, safetensors_files
 from benchmarks.running import (
     READ_BLOCK,
     check_output,
@@ -49,31 +65,10 @@ from benchmarks.running import (
     ramdist_figures,
     read_files,
     run_process,
-    warm_page_cache,
     write_bytes,
 )
 
-#: Per method: how many agents it merges, ram-dist's flags, mergekit's parameters (top level
-#: and per model): the same merge in both tools.
-METHODS: dict[str, dict[str, Any]] = {
-    "slerp": {"agents": 1, "flags": ["--t", "0.3"], "top": {"t": 0.3}, "each": {}},
-    "model_stock": {"agents": 3, "flags": [], "top": {}, "each": {}},
-    "della": {
-        "agents": 3,
-        "flags": [
-            "--density",
-            "0.5",
-            "--della-epsilon",
-            "0.1",
-            "--lambda",
-            "1.0",
-            "--weight",
-            "1.0",
-        ],
-        "top": {"lambda": 1.0},
-        "each": {"density": 0.5, "epsilon": 0.1, "weight": 1.0},
-    },
-}
+TOOLS = ("floor", "running", "ramdist", "mergekit")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -81,11 +76,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--params", type=float, default=0.5e9, help="parameters per model")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/ramdist-bench"))
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--methods", default="slerp,model_stock,della")
+    p.add_argument("--methods", default="all", help="comma-separated, or all (the default)")
     p.add_argument("--no-mergekit", action="store_true", help="measure ram-dist and floor only")
+    p.add_argument("--no-running", action="store_true", help="no running Ray, embedded only")
     p.add_argument("--shard-mb", type=int, default=2000, help="max shard size of the inputs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--generate-only", action="store_true", help="generate the inputs and stop")
     p.add_argument(
         "--merge-arg", action="append", default=[], help="extra argument for ram-dist merge"
     )
@@ -93,43 +90,51 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--mergekit-arg", action="append", default=[], help="extra argument for mergekit-yaml"
     )
     args = p.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in METHODS]
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.methods = list(mt.METHODS) if names == ["all"] else names
+    unknown = [m for m in args.methods if m not in mt.METHODS]
     if unknown:
-        p.error(f"--methods: unknown {', '.join(unknown)}; valid: {', '.join(METHODS)}")
+        p.error(f"--methods: unknown {', '.join(unknown)}; valid: all, {', '.join(mt.METHODS)}")
     return args
 
 
-def _agents(models: Models, method: str) -> list[Path]:
-    return [models.folder / n for n in model_names()[1 : 1 + METHODS[method]["agents"]]]
+class Inputs:
+    """The generated checkpoints (and adapters, if `lora_r16` is asked for) and each method's
+    files, tasks and YAML."""
 
+    def __init__(self, args: argparse.Namespace) -> None:
+        shard = args.shard_mb * 10**6
+        self.models = ensure_models(args.workdir, args.params, shard, args.seed)
+        self.lora: Path | None = None
+        if mt.LORA in args.methods:
+            lora_args = SimpleNamespace(adapter_dtype="float32", seed=args.seed)
+            base, layout = ensure_base(args.workdir / "lora", args.params, shard, args.seed)
+            rank_dir = ensure_rank(args.workdir / "lora", base, layout, mt.LORA_RANK, lora_args,
+                                   full=False)  # fmt: skip
+            self.lora = rank_dir
 
-def _inputs(models: Models, method: str) -> list[Path]:
-    folders = [models.folder / "base", *_agents(models, method)]
-    return [p for folder in folders for p in safetensors_files(folder)]
+    def base(self, method: str) -> Path:
+        if method == mt.LORA:
+            assert self.lora is not None
+            return self.lora.parent / "models" / "base"
+        return self.models.folder / "base"
 
+    def tasks(self, method: str) -> list[Path]:
+        if method == mt.LORA:
+            assert self.lora is not None
+            return [self.lora / f"adapter{k}" for k in range(1, 4)]
+        return mt.agents(self.models.folder, method)
 
-def ramdist_command(cli: list[str], models: Models, method: str, out: Path, extra: list[str]):  # noqa: ANN201
-    argv = ["merge", "--base", str(models.folder / "base"), "--out", str(out), "--method", method]
-    for agent in _agents(models, method):
-        argv += ["--task", str(agent)]
-    return cli + argv + METHODS[method]["flags"] + extra
+    def files(self, method: str) -> list[Path]:
+        """The safetensors files `method` reads."""
+        folders = ([self.base(method)] if mt.METHODS[method].base else []) + self.tasks(method)
+        return [p for folder in folders for p in safetensors_files(folder)]
 
-
-def mergekit_yaml(models: Models, method: str) -> dict[str, Any]:
-    spec = METHODS[method]
-    each = spec["each"]
-    return {
-        "merge_method": method,
-        "base_model": str(models.folder / "base"),
-        "models": [
-            {"model": str(a), **({"parameters": dict(each)} if each else {})}
-            for a in _agents(models, method)
-        ],
-        **({"parameters": dict(spec["top"])} if spec["top"] else {}),
-        "dtype": "float32",
-        "out_dtype": "bfloat16",
-    }
+    def config(self, method: str, tool: str) -> dict[str, Any]:
+        tasks: list[Any] = self.tasks(method)
+        if method == mt.LORA and tool == "mergekit":
+            tasks = [f"{self.base(method)}+{t}" for t in tasks]
+        return mt.config(method, self.base(method).parent, tasks, tool)
 
 
 def measure_floor(inputs: list[Path], out_bytes: int, scratch: Path) -> dict[str, Any]:
@@ -144,95 +149,174 @@ def measure_floor(inputs: list[Path], out_bytes: int, scratch: Path) -> dict[str
     return {"read_pass_s": t_read - start, "write_s": end - t_read, "read_pass_bytes": read}
 
 
-def measure(
-    args: argparse.Namespace, models: Models, method: str, tool: str, repeat: int
-) -> dict[str, Any]:
-    cli, env = cli_command(None)
-    out = args.workdir / "out" / f"{tool}-{method}"
-    shutil.rmtree(out, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log = args.workdir / f"{tool}-{method}_{repeat}.log"
-    if tool == "ramdist":
-        cmd = ramdist_command(cli, models, method, out, list(args.merge_arg))
-        wall, usage = run_process(cmd, env, log)
-        report = json.loads((out / "merge_report.json").read_text())
-        sample = ramdist_figures(report, wall, usage.ru_maxrss * 1024, cpu_count())
-    else:
-        config = args.workdir / f"mergekit_{method}.yaml"
-        config.write_text(yaml.safe_dump(mergekit_yaml(models, method), sort_keys=False))
-        stats = args.workdir / f"mergekit-{method}_{repeat}.io.json"
-        mk = [str(config), str(out), *mergekit_options(args)]
-        cmd = [sys.executable, str(WRAPPER), str(stats), "--", *mk]
-        wall, usage = run_process(cmd, env, log)
-        sample = mergekit_figures(json.loads(stats.read_text()), wall, usage.ru_maxrss * 1024)
-    sample |= check_output(out, models.tensors)
-    shutil.rmtree(out, ignore_errors=True)
-    return sample
+class Runner:
+    """How to run each tool on a method: ram-dist's command and environments (embedded, and
+    on the running Ray at `address` when given), mergekit's wrapper."""
+
+    def __init__(self, args: argparse.Namespace, inputs: Inputs, head: Any) -> None:
+        self.args, self.inputs = args, inputs
+        self.cli, self.env = cli_command(None)
+        self.address, self.head_env = head if head else (None, None)
+
+    def measure(self, method: str, tool: str, repeat: int) -> dict[str, Any]:
+        work = self.args.workdir
+        if tool == "floor":
+            out_bytes = sum(p.stat().st_size for p in safetensors_files(self.inputs.base(method)))
+            return measure_floor(self.inputs.files(method), out_bytes, work / "floor_out.bin")
+        out = work / "out" / f"{tool}-{method}"
+        shutil.rmtree(out, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log = work / f"{tool}-{method}_{repeat}.log"
+        config = work / f"{'mergekit' if tool == 'mergekit' else 'ramdist'}_{method}.yaml"
+        kind = "mergekit" if tool == "mergekit" else "ramdist"
+        config.write_text(yaml.safe_dump(self.inputs.config(method, kind), sort_keys=False))
+        cache = work / "mergekit-lora-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        if tool == "mergekit":
+            stats = work / f"mergekit-{method}_{repeat}.io.json"
+            mk = [str(config), str(out), *mergekit_options(self.args)]
+            if method == mt.LORA:
+                mk += ["--lora-merge-cache", str(cache), "--lora-merge-dtype", "bfloat16"]
+            cmd = [sys.executable, str(WRAPPER), str(stats), "--", *mk]
+            wall, usage = run_process(cmd, self.env, log)
+            sample = mergekit_figures(json.loads(stats.read_text()), wall, usage.ru_maxrss * 1024)
+        else:
+            cmd = [*self.cli, "merge", str(config), "--out", str(out), *self.args.merge_arg]
+            env = self.env
+            if tool == "running":
+                cmd += ["--address", str(self.address)]
+                env = self.head_env
+            wall, usage = run_process(cmd, env, log)
+            report = json.loads((out / "merge_report.json").read_text())
+            sample = ramdist_figures(report, wall, usage.ru_maxrss * 1024, cpu_count())
+        sample |= check_output(out, self.inputs.models.tensors)
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
+        return sample
+
+
+def tools_for(args: argparse.Namespace, method: str) -> list[str]:
+    skip = {"running"} if args.no_running else set()
+    if args.no_mergekit or mt.METHODS[method].mergekit_name(method) is None:
+        skip.add("mergekit")
+    return [t for t in TOOLS if t not in skip]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    args.unit_mb = None
     args.workdir.mkdir(parents=True, exist_ok=True)
-    models = ensure_models(args.workdir, args.params, args.shard_mb * 10**6, args.seed)
-    base_bytes = sum(p.stat().st_size for p in safetensors_files(models.folder / "base"))
-    tools = ["floor", "ramdist"] + ([] if args.no_mergekit else ["mergekit"])
-    runs = [(m, t) for m in args.methods for t in tools]
-    warm_page_cache(models)
-    samples: dict[str, list[dict[str, Any]]] = {f"{t}:{m}": [] for m, t in runs}
-    for r in range(args.repeats):
-        k = r % len(runs)
-        for method, tool in runs[k:] + runs[:k]:
-            if tool == "floor":
-                scratch = args.workdir / "floor_out.bin"
-                sample = measure_floor(_inputs(models, method), base_bytes, scratch)
-            else:
-                sample = measure(args, models, method, tool, r + 1)
-            samples[f"{tool}:{method}"].append(sample)
-            shown = sample.get("wall_s", sample.get("read_pass_s"))
-            print(f"repeat {r + 1}/{args.repeats}: {tool}:{method} {shown:.2f} s", flush=True)
-    summary = summarize(args, samples)
-    print(f"\n{models.dims.params / 1e9:.3f} B params per checkpoint, {cpu_count()} CPUs")
-    for method, row in summary.items():
-        print(f"{method}: " + ", ".join(f"{k} {_shown(k, v)}" for k, v in row.items()))
-    if args.json is not None:
-        args.json.write_text(json.dumps({"samples": samples, "summary": summary}, indent=1))
+    if not args.generate_only:
+        # Generate in a child: generating raises this process's peak RSS, which every
+        # process forked from it would inherit in wait4's figure.
+        cmd = [sys.executable, "-m", "benchmarks.bench_methods", *argv, "--generate-only"]
+        subprocess.run(cmd, check=True)
+    inputs = Inputs(args)
+    if args.generate_only:
+        return 0
+    for method in args.methods:  # into the page cache
+        read_files(inputs.files(method), bytearray(READ_BLOCK))
+    load = os.getloadavg()
+    samples: dict[str, list[dict[str, Any]]] = {}
+    result: dict[str, Any] = {"params": inputs.models.dims.params, "cpus": cpu_count()}
+    with contextlib.ExitStack() as stack:
+        head = None if args.no_running else stack.enter_context(running_ray(dict(os.environ)))
+        runner = Runner(args, inputs, head)
+        for r in range(args.repeats):
+            for method in args.methods:
+                for tool in tools_for(args, method):
+                    samples.setdefault(f"{tool}:{method}", []).append(
+                        _sample(runner, method, tool, r + 1)
+                    )
+                result |= {"load_before": load, "load_now": os.getloadavg(), "samples": samples,
+                           "summary": summarize(args, samples)}  # fmt: skip
+                if args.json is not None:
+                    args.json.write_text(json.dumps(result, indent=1, default=str))
+    params, end = inputs.models.dims.params / 1e9, os.getloadavg()[0]
+    print(f"\n{params:.3f} B params per checkpoint, {cpu_count()} CPUs, load average "
+          f"{load[0]:.1f} at the start, {end:.1f} at the end")  # fmt: skip
+    print_table(result.get("summary", {}))
     return 0
+
+
+def _sample(runner: Runner, method: str, tool: str, repeat: int) -> dict[str, Any]:
+    """One run's figures, or its error (the run goes on)."""
+    try:
+        sample = runner.measure(method, tool, repeat)
+    except Exception as e:  # noqa: BLE001 -- recorded, and the other runs go on
+        traceback.print_exc()
+        print(f"repeat {repeat}: {tool}:{method} FAILED: {str(e)[:300]}", flush=True)
+        return {"error": str(e)[-2000:]}
+    shown = sample.get("wall_s", sample.get("read_pass_s"))
+    print(f"repeat {repeat}: {tool}:{method} {shown:.2f} s", flush=True)
+    return sample
 
 
 def summarize(
     args: argparse.Namespace, samples: dict[str, list[dict[str, Any]]]
 ) -> dict[str, dict[str, Any]]:
-    """Per method, medians over the repeats of each figure and ratio."""
+    """Per method, medians over the repeats that succeeded of each figure and ratio."""
     out: dict[str, dict[str, Any]] = {}
     for method in args.methods:
-        floors, ramdist = samples[f"floor:{method}"], samples[f"ramdist:{method}"]
+        runs = {t: samples.get(f"{t}:{method}", []) for t in TOOLS}
         rows: list[dict[str, Any]] = []
-        for i, (floor, rd) in enumerate(zip(floors, ramdist, strict=True)):
-            passes_read = rd["bytes_read"] / floor["read_pass_bytes"]
-            floor_s = floor["read_pass_s"] * passes_read + floor["write_s"]
-            row = {
-                "ramdist_wall_s": rd["wall_s"],
-                "ramdist_passes_s": rd["passes_s"],
-                "passes_read": passes_read,
-                "floor_s": floor_s,
-                "passes_over_floor": rd["passes_s"] / floor_s,
-                "ramdist_rss_bytes": rd["largest_process_rss_bytes"],
-            }
-            if not args.no_mergekit:
-                mk = samples[f"mergekit:{method}"][i]
-                row |= {
-                    "mergekit_wall_s": mk["wall_s"],
-                    "mergekit_over_ramdist": mk["wall_s"] / rd["wall_s"],
-                    "mergekit_rss_bytes": mk["largest_process_rss_bytes"],
-                }
+        for i, floor in enumerate(runs["floor"]):
+            row = _row(
+                {t: (v[i] if i < len(v) else {}) for t, v in runs.items()} | {"floor": floor}
+            )
             rows.append(row)
-        out[method] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        keys = {k for r in rows for k in r}
+        out[method] = {
+            k: statistics.median(v) for k in sorted(keys) if (v := [r[k] for r in rows if k in r])
+        }
+        out[method]["mergekit_method"] = mt.METHODS[method].mergekit_name(method)
     return out
 
 
-def _shown(key: str, value: float) -> str:
-    return f"{value / 2**30:.2f} GiB" if key.endswith("_bytes") else f"{value:.2f}"
+def _row(run: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The figures of one repeat of one method, from the runs that succeeded."""
+    floor, row = run["floor"], {}
+    ok = {t: s for t, s in run.items() if s and "error" not in s}
+    for tool in ("running", "ramdist"):
+        if tool in ok and "floor" in ok and ok[tool].get("bytes_read"):
+            rd = ok[tool]
+            passes_read = rd["bytes_read"] / floor["read_pass_bytes"]
+            floor_s = floor["read_pass_s"] * passes_read + floor["write_s"]
+            row |= {f"{tool}_wall_s": rd["wall_s"], f"{tool}_passes_s": rd["passes_s"],
+                    f"{tool}_passes_over_floor": rd["passes_s"] / floor_s,
+                    f"{tool}_rss_bytes": rd["largest_process_rss_bytes"]}  # fmt: skip
+            row |= {"passes_read": passes_read, "floor_s": floor_s}
+    if "mergekit" in ok:
+        row |= {"mergekit_wall_s": ok["mergekit"]["wall_s"],
+                "mergekit_rss_bytes": ok["mergekit"]["largest_process_rss_bytes"]}  # fmt: skip
+        for tool in ("running", "ramdist"):
+            if f"{tool}_wall_s" in row:
+                row[f"mergekit_over_{tool}"] = ok["mergekit"]["wall_s"] / row[f"{tool}_wall_s"]
+    return row
+
+
+def print_table(summary: dict[str, dict[str, Any]]) -> None:
+    """One row per method: passes / floor (running Ray's run), mergekit / ram-dist walls."""
+    print("\n| method | passes / floor | mergekit wall / ram-dist wall, running Ray | "
+          "same, embedded Ray | ram-dist wall: running, embedded | mergekit wall |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for method, s in summary.items():
+        mk = s.get("mergekit_method")
+        name = method if mk in (method, None) else f"{method} (mergekit `{mk}`)"
+        none = "mergekit has none" if mk is None else "-"
+        passes = s.get("running_passes_over_floor", s.get("ramdist_passes_over_floor"))
+        running, embedded = s.get("mergekit_over_running"), s.get("mergekit_over_ramdist")
+        print(f"| {name} | {_x(passes)} | {_x(running, none)} | {_x(embedded, none)} "
+              f"| {_s(s.get('running_wall_s'))}, {_s(s.get('ramdist_wall_s'))} "
+              f"| {_s(s.get('mergekit_wall_s'))} |")  # fmt: skip
+
+
+def _x(value: float | None, missing: str = "-") -> str:
+    return missing if value is None else f"{value:.2f}x"
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
 
 
 if __name__ == "__main__":
