@@ -1,5 +1,7 @@
-"""Shared fixtures: one real local Ray per test module that asks for it; moto's S3 server over
-HTTP per module, with the module's `BUCKET` created (a module may define its own `server`)."""
+"""Shared fixtures: one real local two-CPU Ray per pytest process, shared by the modules that
+ask for it (`ray_local`, `ray_s3`; `support/shared_ray.py`), and shut down for a module that
+starts its own (`own_ray`); moto's S3 server over HTTP per module, with the module's `BUCKET`
+created (a module may define its own `server`)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,17 @@ import pytest
 # The test helpers (builders, reference, the servers) live in tests/support.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
 
+import shared_ray  # noqa: E402  (first: it records the session's environment)
+
 
 @contextlib.contextmanager
 def local_ray(num_cpus: int = 2, num_gpus: int | None = None) -> Iterator[None]:
-    """A real local Ray of `num_cpus` CPUs (and `num_gpus` GPUs, fake ones where the machine
-    has none), shut down after the block."""
+    """A real local Ray of the module's own, of `num_cpus` CPUs (and `num_gpus` GPUs, fake ones
+    where the machine has none), shut down after the block; the shared Ray is shut down
+    first."""
     import ray
 
+    shared_ray.suspend()
     ray.init(
         address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
         log_to_driver=False,
@@ -30,11 +36,25 @@ def local_ray(num_cpus: int = 2, num_gpus: int | None = None) -> Iterator[None]:
         ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def _shared_ray_session() -> Iterator[None]:
+    """Shuts the shared Ray down when the session ends."""
+    yield
+    shared_ray.suspend()
+
+
 @pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    """A real two-CPU Ray for this module, shut down after it."""
-    with local_ray():
-        yield
+def ray_local(_shared_ray_session) -> None:
+    """This process's shared real two-CPU Ray (started unless it runs), left running for the
+    next module: a module's Ray-wide leftovers must not change another's results."""
+    shared_ray.start()
+
+
+@pytest.fixture(scope="module")
+def own_ray() -> None:
+    """For a module that starts its own Ray (and stops it when it ends) or needs a process
+    with no Ray: the shared Ray is shut down first (the next module that asks starts it)."""
+    shared_ray.suspend()
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +83,9 @@ def fs(options, request):
 
 
 @pytest.fixture(scope="module")
-def ray_s3(server, ray_local) -> Iterator[None]:
-    """A two-CPU Ray started after the server, so its workers hold the test credentials."""
-    yield
+def ray_s3(server, ray_local) -> None:
+    """The module's server and the shared Ray, whose workers hold the test credentials
+    whenever it started (`shared_ray`); jobs name the server in their storage `options`."""
 
 
 @pytest.fixture(scope="module")

@@ -40,8 +40,9 @@ def fs(options):
 
 
 @pytest.fixture(scope="module")
-def ray_gcs(server) -> Iterator[None]:
-    """A real local Ray started inside the server's environment (its workers inherit it)."""
+def ray_gcs(server, own_ray) -> Iterator[None]:
+    """A real local Ray of the module's own, started inside the server's environment (its
+    workers inherit it)."""
     import ray
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

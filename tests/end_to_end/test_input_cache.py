@@ -100,7 +100,7 @@ def test_full_disk_wrong_file_or_unsafe_folder_means_fetching(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def nodes(server, tmp_path_factory) -> Iterator[dict]:
+def nodes(server, own_ray, tmp_path_factory) -> Iterator[dict]:
     """Head (no CPUs: it runs no unit) and two worker nodes, each with its own temp dir."""
     import ray
     from ray.cluster_utils import Cluster

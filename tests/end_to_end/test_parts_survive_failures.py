@@ -95,7 +95,9 @@ def _map_task_workers(gcs_address: str) -> list[psutil.Process]:
     return found
 
 
-def test_three_nodes_upload_parts_and_survive_a_killed_worker(big, options, fs, server, tmp_path):
+def test_three_nodes_upload_parts_and_survive_a_killed_worker(
+    big, options, fs, server, own_ray, tmp_path
+):
     import ray
     from ray.cluster_utils import Cluster
 

@@ -58,14 +58,13 @@ def crashed(models) -> tuple[Path, dict, dict[str, int]]:
 
 
 @pytest.fixture
-def one_ray() -> Iterator[None]:
-    """A local Ray for one test, which its in-process commands join rather than each starting
-    (and stopping) an embedded one. Not the module's: test_node_removed_during_map_pass starts
-    a cluster of its own."""
-    from conftest import local_ray
+def one_ray() -> None:
+    """The shared Ray (`shared_ray`), which a test's in-process commands join rather than each
+    starting (and stopping) an embedded one. Asked for by each test, not by the module:
+    test_node_removed_during_map_pass shuts it down for a cluster of its own."""
+    import shared_ray
 
-    with local_ray():
-        yield
+    shared_ray.start()
 
 
 def _copy(crashed, tmp_path) -> Path:
@@ -151,7 +150,7 @@ def test_changed_parameter_or_input_is_refused(models, crashed, tmp_path, capsys
     assert f"task 2 ({moved}): file model-" in err and "changed (" in err
 
 
-def test_node_removed_during_map_pass(models, tmp_path):
+def test_node_removed_during_map_pass(models, own_ray, tmp_path):
     """Head plus two worker nodes; one worker node is removed while the map pass runs."""
     import ray
     from ray.cluster_utils import Cluster

@@ -18,7 +18,7 @@ from ram_dist.engine import ray_private
 
 
 @pytest.fixture(scope="module")
-def embedded() -> Iterator[list[int]]:
+def embedded(own_ray) -> Iterator[list[int]]:
     """A local Ray of two CPUs started here; the pids of its node's processes. Stopped
     afterwards by `stop_embedded`, which must leave none of them running."""
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -61,9 +61,8 @@ def test_the_preload_probes_what_the_kernels_views_probe() -> None:
     assert preload.start() is preload.start()  # one thread per process
 
 
-def test_the_workers_are_asked_for_while_the_checks_still_run(monkeypatch) -> None:
-    if ray.is_initialized():
-        pytest.skip("needs a process with no Ray yet: ray_session starts its own")
+def test_the_workers_are_asked_for_while_the_checks_still_run(own_ray, monkeypatch) -> None:
+    """In a process with no Ray (`own_ray`), so that `ray_session` starts an embedded one."""
     asked = threading.Event()
     warm = runtime.warm_workers
 

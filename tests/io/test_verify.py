@@ -25,7 +25,7 @@ def _args(models: dict, out: str, *extra: str) -> list[str]:
     return args
 
 
-def test_verify_names_corrupted_and_missing_shards(models, tmp_path, capsys):
+def test_verify_names_corrupted_and_missing_shards(models, tmp_path, capsys, ray_local):
     out = tmp_path / "out"
     assert main(_args(models, str(out), "--unit-mb", "1")) == 0
     capsys.readouterr()

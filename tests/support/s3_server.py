@@ -37,6 +37,10 @@ LOCATION_DEPENDENT = (
     "README.md",
 )
 
+#: The credentials moto's servers take, in the environment of the test process while a
+#: server runs and of the workers of any Ray the tests start (`shared_ray`).
+TEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+
 
 @dataclass(frozen=True)
 class Served:
@@ -204,8 +208,8 @@ def env(**values: str) -> Iterator[None]:
 
 @contextmanager
 def running_server() -> Iterator[CountingMotoServer]:
-    """A started server, with test credentials in the environment before Ray starts workers."""
-    with env(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing"):
+    """A started server, with the test credentials in this process's environment meanwhile."""
+    with env(**TEST_CREDENTIALS):
         srv = CountingMotoServer()
         srv.start()
         try:
