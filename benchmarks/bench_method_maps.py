@@ -1,9 +1,10 @@
-"""model_stock's, sce's and arcee_fusion's fused map passes (and arcee_fusion's fused KL
-round) against their eager torch rule on one tensor, without I/O.
+"""model_stock's, sce's, arcee_fusion's and the consensus methods' fused map passes (and
+arcee_fusion's fused KL round) against their eager torch rule on one tensor, without I/O.
 
 One tensor of `--rows` x `--cols` (default 4096 x 4096, bf16): a synthetic base and RL-like
 agents (task-vector densities about 3 %, 46 %, 54 %, ...; `ram_dist.synthetic`), `--tasks`
-of them for model_stock and sce, the first one for arcee_fusion (it merges one model). The
+of them for model_stock, sce and the consensus methods, the first one for arcee_fusion (it
+merges one model); each method's parameters at their defaults but those a case sets. The
 method's reduce rounds run first, on the whole tensor as one chunk; then the map pass is
 timed as the engine runs it on the CPU: `merge_chunk(...).to(out_dtype)` (eager) against
 `fused_merge` writing the output dtype (fused), alternating, `--repeats` times, on one
@@ -39,7 +40,20 @@ CASES: tuple[tuple[str, str, dict[str, Any], int | None], ...] = (
     ("sce", "sce", {"select_topk": 1.0, "int8_mask": False}, None),
     ("sce select_topk 0.3", "sce", {"select_topk": 0.3, "int8_mask": False}, None),
     ("arcee_fusion", "arcee_fusion", {}, 1),
+    ("consensus_ta k 2", "consensus_ta", {"k": 2}, None),
+    ("consensus_ties density 0.5 k 2", "consensus_ties", {"density": 0.5, "k": 2}, None),
 )
+
+
+def full_params(method: Any, given: dict[str, Any], n_tasks: int) -> dict[str, Any]:
+    """The method's parameters at their defaults (`flag_table.default_params`), `given` over
+    them (a per-task value given once stands for every task)."""
+    from ram_dist.cli.flag_table import default_params
+
+    per_task = {p.name for p in method.parameters if p.per_task}
+    given = {k: [v] * n_tasks if k in per_task and not isinstance(v, list) else v
+             for k, v in given.items()}  # fmt: skip
+    return default_params(method, n_tasks) | given
 
 
 def raw(x: torch.Tensor) -> np.ndarray:
@@ -106,6 +120,7 @@ def bench(
     for label, name, params, count in cases:
         method = get_method(name)
         ts = agents[:count] if count else agents
+        params = full_params(method, params, len(ts))
         state = prepared(method, params, chunk, base, ts)
         inputs = [raw(base), *map(raw, ts)]
         out = np.empty(n, raw(base).dtype)

@@ -83,6 +83,7 @@ def test_the_kernel_table_says_what_the_engine_asks_of_each_method():
     assert cells["ram_plus"][:2] == ("at most 1, on fused kernels", "fused kernels")
     assert cells["dare_ties"][:3] == ("at most 1, on the eager rule", "the eager rule", "decoded")
     assert cells["ties"][0] == "at most 4, on fused kernels"
+    assert cells["consensus_ta"][1] == cells["consensus_ties"][1] == "fused kernels"
     assert cells["task_arithmetic"][0] == "the input check only"
     assert cells["linear"][0] == "the input check only"
     assert cells["arcee_fusion"][0] == "at most 2, on fused kernels"

@@ -32,10 +32,11 @@ FORMATS = {
     "int": (lambda root: build_compressed(root, INT_SCHEMES, (0.01, 0.01)), PackedIntSource),
     "fp8-channel": (lambda root: build_compressed(root, FP8_SCHEMES, (0.01, 0.01)), Fp8Source),
 }
-#: Parameters that make the methods select (TIES's four rounds, DELLA's sampling), and
-#: multislerp's required weight.
+#: Parameters that make the methods select (TIES's four rounds, consensus_ties' masks too,
+#: DELLA's sampling), and multislerp's required weight.
 PARAMETERS = {
-    "ties": {"density": 0.5}, "della": {"density": 0.5, "epsilon": 0.1, "seed": 3},
+    "ties": {"density": 0.5}, "consensus_ties": {"density": 0.5, "k": 2, "lambda": 0.5},
+    "della": {"density": 0.5, "epsilon": 0.1, "seed": 3},
     "multislerp": {"weight": 0.6}, "sce": {"select_topk": 0.5},
 }  # fmt: skip
 
@@ -59,7 +60,8 @@ def _merge(s, method: str, flags: worker.WorkFlags = FUSED, **kw) -> dict[str, b
 
 
 @pytest.mark.parametrize(
-    "method", ["ties", "della", "multislerp", "model_stock", "sce", "arcee_fusion"]
+    "method",
+    ["ties", "consensus_ties", "della", "multislerp", "model_stock", "sce", "arcee_fusion"],
 )
 def test_the_kernels_read_the_base_as_stored(quantized_set, decoded, method):
     s, _ = quantized_set

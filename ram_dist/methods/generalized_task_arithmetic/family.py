@@ -85,7 +85,7 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
     summary: str = ""
     tall: bool = False  # mergekitty's consensus_*: TALL masks (`tall`), lambda their threshold
     reads_stored: bool = True
-    """Its kernels (`ties_numba`) read quantized inputs as stored."""
+    """Its kernels (`ties_numba`, `tall_numba`) read quantized inputs as stored."""
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -294,10 +294,12 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
 
     def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`merge_chunk` by a fused kernel, written straight into `out`; False where none
-        applies (DARE, L1 rescaling, TALL masks)."""
+        applies (DARE; L1 rescaling, but for the TALL members, whose kernel scales)."""
         chunk, params, state, bf16_nan = work.chunk, work.params, work.state, work.bf16_nan
-        if self.sparsify == "random" or self.tall:
+        if self.sparsify == "random":
             return False
+        if self.tall:
+            return self._tall_fused(work, inputs, out)
         from ram_dist.kernels import ties_numba
 
         densities = _densities(params)
@@ -324,10 +326,30 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
         )  # fmt: skip
         return True
 
+    def _tall_fused(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
+        """`_tall_chunk` by `tall_numba`'s kernel (TIES's cuts and L1 factors as they are)."""
+        chunk, params, state = work.chunk, work.params, work.state
+        from ram_dist.kernels import tall_numba
+
+        n = len(inputs) - 1
+        cuts = state["tensors"][chunk.tensor]["cuts"] if self.sparsify else [None] * n
+        weights = _weights(params)
+        base, *tasks = inputs
+        tall_numba.merge(
+            base, tasks, out, weights=weights,
+            cuts=[tall_numba.NO_CUT if c is None else (c["threshold"], c.get("index_cut", -1))
+                  for c in cuts],
+            factors=[None if c is None else c.get("factor") for c in cuts],
+            lambdas=[float(x) for x in params["lambda"]], k=int(params["k"][0]),
+            start=chunk.start, consensus=self.consensus, normalize=bool(params["normalize"]),
+            divisor=weight_sum(weights), bf16_nan=work.bf16_nan,
+        )  # fmt: skip
+        return True
+
     def fuses(self, params: TensorParams) -> bool:
-        """The kernels take every chunk but DARE's (random masks), L1 rescaling's and the
-        consensus methods' (TALL masks)."""
-        return self.sparsify != "random" and not self.tall and not _rescales(params)
+        """The kernels take every chunk but DARE's (random masks) and L1 rescaling's (eager
+        L1 sums, and an eager map pass but for the consensus members)."""
+        return self.sparsify != "random" and not _rescales(params)
 
     def report_lines(self, report: Mapping[str, Any]) -> list[str]:
         """TIES's count of cuts through equal magnitudes; DARE's seed."""
