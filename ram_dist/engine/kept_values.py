@@ -1,10 +1,17 @@
 """A LoRA task's values kept from the pass that formed them for the passes after it, on the
-node that formed them, so that each adapter's product is formed once per element per job.
+node that formed them, so that each adapter's product is formed once per element per job
+where that pays.
 
 A LoRA task's values (`planning.lora_sources`: the base plus the adapter's rank-r product,
 at the task's dtype) are needed by every reduce round that reads the tensor (the first one's
-NaN/Inf check included) and by the map pass. The first pass to form a block's values writes
-them, as the task's dtype (2 bytes an element in bfloat16), to a file in shared memory
+NaN/Inf check included) and by the map pass. Keeping them costs a write to shared memory in
+the first pass and a read in each later one; forming them again costs the product in each
+later pass. With one later pass (a method of one reduce round, RAM+'s: the map pass),
+keeping them measured no reliably faster at rank 16 and 64 (`benchmarks/RESULTS.md`), and it
+holds the values in the node's memory: a job keeps them only where at least
+`MIN_LATER_READS` passes read them after the first (TIES's three later rounds and map pass,
+where keeping them measured faster). The first pass to form a block's values writes them,
+as the task's dtype (2 bytes an element in bfloat16), to a file in shared memory
 (`/dev/shm`, else the temp folder) named by the job's token, the tensor, the block and the
 task; a later pass that reads the same block takes them from there instead of forming the
 product again. The map pass, the last reader, deletes each file as it reads it.
@@ -53,6 +60,9 @@ MEMORY_SHARE = 0.25
 RESERVE_FRACTION = 0.10
 #: Where the values are kept: shared memory where the system has it.
 SHM = "/dev/shm"
+#: The least number of passes after the first that may read a LoRA task's values (the
+#: job's reduce rounds after the first, and its map pass) for them to be kept.
+MIN_LATER_READS = 2
 
 
 @dataclass
@@ -167,10 +177,12 @@ class KeptValues:
 
 
 def kept_for(job: Job, budget_bytes: int | None = None) -> KeptValues | None:
-    """Where a job keeps its LoRA task values: None where no pass forms them before another
-    reads them (no LoRA task, or no reduce round); `budget_bytes` per node (None: all of
-    them, within `MEMORY_SHARE` of each node's memory)."""
-    if job.reduce_rounds == 0:
+    """Where a job keeps its LoRA task values: None where fewer than `MIN_LATER_READS`
+    passes read them after the one that forms them (its reduce rounds after the first, its
+    map pass: one for a method of one round), or none is worth keeping (`costly`);
+    `budget_bytes` per node (None: all of them, within `MEMORY_SHARE` of each node's
+    memory)."""
+    if job.reduce_rounds < MIN_LATER_READS:
         return None
     total = sum(
         entry.numel * itemsize(src.values_dtype)

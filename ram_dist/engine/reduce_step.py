@@ -34,7 +34,6 @@ def reduce_unit(
 
     pieces = tuple(p for p in unit.pieces if wanted(p.tensor))
     scope.kept = context.flags.kept
-    formed, reused = scope.products.formed, scope.products.reused
     bytes_read = [0] * input_count(layout)
     dev = device()
     fused = Fused.of(context.flags, dev)
@@ -74,7 +73,6 @@ def reduce_unit(
     return UnitResult(
         unit.index, totals, None, tuple(bytes_read), peak_rss(), nonfinite or None,
         peak_private_bytes=scope.memory.note(), precision=checked,
-        lora_formed=scope.products.formed - formed, lora_reused=scope.products.reused - reused,
     )  # fmt: skip
 
 

@@ -15,9 +15,11 @@ from ram_dist.kernels import lora
 from ram_dist.planning.sources import Arrays, Base, Floats, Range, Source, SourceDefaults
 
 #: The least rank whose product is kept for the passes after the first rather than formed in
-#: each: the product costs about 0.8 ns an element per unit of rank on one core of the
-#: project's machine (2r float32 operations), keeping a bf16 value in shared memory and
-#: taking it back about 4 to 5 ns (`engine.kept_values`).
+#: each, in a job that keeps any (`engine.kept_values.MIN_LATER_READS`): below it the
+#: product's 2r float32 operations an element cost less than writing a bf16 value to shared
+#: memory and reading it back. Set when the product cost about 0.8 ns an element per unit of
+#: rank on one core; the kernel's register blocks have since made it about twice as fast,
+#: and this bound has not been measured again.
 KEEP_MIN_RANK = 8
 
 
@@ -60,8 +62,9 @@ class LoraSource(_LoraFields, SourceDefaults):
 
     @property
     def costly(self) -> bool:
-        """Whether the product costs more to form again than its values cost to keep and
-        take back (`engine.kept_values`): from rank `KEEP_MIN_RANK` on."""
+        """Whether the product may cost more to form again than its values cost to keep
+        and take back (`engine.kept_values`, which keeps them only where several later
+        passes read them): from rank `KEEP_MIN_RANK` on."""
         return self.rank >= KEEP_MIN_RANK
 
     @property

@@ -140,8 +140,9 @@ class SourceDefaults:
     decoded: bool = False
     atomic_rows: int | None = None
     costly: bool = False
-    """Whether `decode` forms values that cost more to form again than to keep (a LoRA
-    product): the engine keeps them for the passes after the first (`engine.kept_values`)."""
+    """Whether `decode` forms values that may cost more to form again than to keep (a LoRA
+    product): the engine keeps them for the passes after the first, where several read them
+    (`engine.kept_values`)."""
 
     @property
     def itemsize(self) -> float:

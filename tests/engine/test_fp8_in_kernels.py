@@ -16,6 +16,7 @@ from fp8_models import BLOCK, build_fp8_set
 from fp8_reference import reference_fp8_merge
 from inline_passes import FUSED, merge_inline
 from method_cases import case_id, every_method, task_count, tensor_parameters
+from stored_forms import count_decodes
 
 from ram_dist.cli import flag_table
 from ram_dist.engine import blocks, worker
@@ -44,15 +45,7 @@ def sets(tmp_path_factory) -> dict:
 @pytest.fixture
 def decoded(monkeypatch) -> list[int]:
     """Elements of FP8 inputs dequantized into float32 copies, counted."""
-    counts: list[int] = []
-    decode = Fp8Source.decode
-
-    def counting(self, start, stop, read, floats, base):
-        counts.append(stop - start)
-        return decode(self, start, stop, read, floats, base)
-
-    monkeypatch.setattr(Fp8Source, "decode", counting)
-    return counts
+    return count_decodes(Fp8Source, monkeypatch)
 
 
 def _merge_inline(s, method_name: str, flags=FUSED, **kw) -> dict[str, bytes]:

@@ -1,6 +1,8 @@
-"""Each LoRA adapter's product formed once per element per job (issue 43, point 3): the pass
-that forms a block's task values keeps them (`engine.kept_values`) and every later pass (the
-reduce rounds after the first, the map pass) takes them, where the budget has room. The
+"""Each LoRA adapter's product formed once per element per job (issue 43, point 3), in a job
+where several passes read the values after the one that forms them (TIES's; not RAM+'s, one
+later pass: `kept_values.MIN_LATER_READS`): the pass that forms a block's task values keeps
+them (`engine.kept_values`) and every later pass (the reduce rounds after the first, the map
+pass) takes them, where the budget has room. The
 merged bytes are the same at any budget and any worker count: a block not kept is formed
 again, by the same rule. The products are counted where they are formed (`LoraSource.decode`,
 the only caller of the product kernel) and, on Ray, in `merge_report.json`
@@ -18,12 +20,14 @@ from builders import build_tiny_base, make_task_state, save_checkpoint
 from inline_passes import FUSED, merge_inline
 from peft_adapters import build_adapter
 from safetensors.torch import load_file
+from stored_forms import count_decodes
 
 from ram_dist.api import run_merge
 from ram_dist.engine import driver
-from ram_dist.engine.kept_values import KeptValues
+from ram_dist.engine.kept_values import MIN_LATER_READS, KeptValues, kept_for
 from ram_dist.engine.worker import WorkFlags
 from ram_dist.planning.config import MergeConfig
+from ram_dist.planning.job import Job
 from ram_dist.planning.lora_sources import LoraSource
 
 pytest.importorskip("numba")
@@ -51,25 +55,36 @@ def lora_job(tmp_path_factory) -> dict:
 @pytest.fixture
 def formed(monkeypatch) -> list[int]:
     """Elements whose LoRA product was formed, one entry per block."""
-    counts: list[int] = []
-    decode = LoraSource.decode
+    return count_decodes(LoraSource, monkeypatch)
 
-    def counting(self, start, stop, read, floats, base):
-        counts.append(stop - start)
-        return decode(self, start, stop, read, floats, base)
 
-    monkeypatch.setattr(LoraSource, "decode", counting)
-    return counts
+def _prepared(job: dict, method: str) -> Job:
+    config = MergeConfig(base=str(job["base_dir"]), tasks=tuple(map(str, job["tasks"])),
+                         method=method, parameters=PARAMS[method],
+                         unit_budget_bytes=UNIT_BUDGET)  # fmt: skip
+    return driver.prepare(config)
 
 
 def _lora_elements(job: dict, method: str) -> int:
     """Elements of the job's LoRA task values: each adapter's targeted weights."""
-    config = MergeConfig(base=str(job["base_dir"]), tasks=tuple(map(str, job["tasks"])),
-                         method=method, unit_budget_bytes=UNIT_BUDGET)  # fmt: skip
-    layout = driver.prepare(config).layout
+    layout = _prepared(job, method).layout
     return sum(
         e.numel for e in layout.tensors.values() for s in e.sources if isinstance(s, LoraSource)
     )
+
+
+def test_a_job_keeps_them_only_where_several_later_passes_read_them(lora_job):
+    """RAM+ reads a LoRA task's values in one pass after the one that forms them (its map
+    pass), where forming them again measured cheaper than keeping them: it keeps none. TIES
+    reads them in four (three rounds, the map pass): its budget holds every element of the
+    adapters' weights (ranks 8 and 16, both worth keeping), as bf16, the base's dtype."""
+    assert _prepared(lora_job, "ram_plus").reduce_rounds < MIN_LATER_READS
+    assert kept_for(_prepared(lora_job, "ram_plus")) is None
+    ties = _prepared(lora_job, "ties")
+    assert ties.reduce_rounds >= MIN_LATER_READS
+    kept = kept_for(ties)
+    assert kept is not None
+    assert kept.budget_bytes == 2 * _lora_elements(lora_job, "ties")
 
 
 @pytest.mark.parametrize("method", ["ties", "ram_plus"])

@@ -115,6 +115,17 @@ def _merge(s: CompressedSet, picked: list[int], out: Path, method: str, **kw) ->
     ).data  # fmt: skip
 
 
+def _merge_on_its_path(s: CompressedSet, base: str, out: Path, method: str) -> tuple:
+    """The reference's merged values and statistics for the method's tasks (`tasks_for`), and
+    the report of ram-dist's merge of them into `out` on the method's `_path` for `base`."""
+    picked = tasks_for(method)
+    merged, stats = reference_for(method, _input_set(s, [s.agents[i] for i in picked]),
+                                  list(range(len(picked))))  # fmt: skip
+    budget, kernels = _path(method, base)
+    report = _merge(s, picked, out, method, unit_budget_bytes=budget, kernels=kernels)
+    return merged, stats, report
+
+
 def _int_expected(s: CompressedSet, merged: dict) -> dict:
     """As written: every tensor in bf16 (a packed weight's output dtype, the rest's own)."""
     return {name: y.to(BF16) for name, y in merged.items()}
@@ -167,12 +178,7 @@ def test_transformers_loads_each_scheme_as_compressed_tensors_decodes_it(tmp_pat
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_merges_an_int_base_exactly(int_set, tmp_path, method):
     s = int_set
-    picked = tasks_for(method)
-    merged, stats = reference_for(method, _input_set(s, [s.agents[i] for i in picked]),
-                               list(range(len(picked))))  # fmt: skip
-    budget, kernels = _path(method, "int")
-    report = _merge(s, picked, tmp_path / "out", method, unit_budget_bytes=budget,
-                    kernels=kernels)  # fmt: skip
+    merged, stats, report = _merge_on_its_path(s, "int", tmp_path / "out", method)
     assert_same_bytes(load_checkpoint(tmp_path / "out"), _int_expected(s, merged))
     if method in RAM_FAMILY:
         assert [t["histogram"] for t in report["tasks"]] == stats["H"]
@@ -182,17 +188,12 @@ def test_every_method_merges_an_int_base_exactly(int_set, tmp_path, method):
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_merges_an_fp8_base_exactly(fp8_set, tmp_path, method):
     s = fp8_set
-    picked = tasks_for(method)
-    merged, stats = reference_for(method, _input_set(s, [s.agents[i] for i in picked]),
-                               list(range(len(picked))))  # fmt: skip
-    budget, kernels = _path(method, "fp8")
-    report = _merge(s, picked, tmp_path / "out", method, unit_budget_bytes=budget,
-                    kernels=kernels)  # fmt: skip
+    merged, stats, report = _merge_on_its_path(s, "fp8", tmp_path / "out", method)
     assert_same_bytes(load_checkpoint(tmp_path / "out"), _fp8_expected(s, merged))
     if method in RAM_FAMILY:
         assert [t["histogram"] for t in report["tasks"]] == stats["H"]
     if method in ("ram_plus", "ties", "model_stock"):
-        _merge(s, picked, tmp_path / "bf16", method, out_dtype="bfloat16")
+        _merge(s, tasks_for(method), tmp_path / "bf16", method, out_dtype="bfloat16")
         assert_same_bytes(load_checkpoint(tmp_path / "bf16"),
                           {n: y.to(BF16) for n, y in merged.items()})  # fmt: skip
 

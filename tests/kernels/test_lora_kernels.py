@@ -91,21 +91,32 @@ def test_the_cast_rounds_to_nearest_even(dtype):
     assert got.tobytes() == want.tobytes()
 
 
-@pytest.mark.parametrize(("start", "stop"), [(0, 9 * 300), (300, 9 * 300), (299, 2401), (601, 899)])
-def test_wide_rows_four_at_a_time_and_in_tiles(start, stop):
-    """Rows wider than the kernel's tile, whole rows four at a time and partial rows alone:
-    the same bytes as the numpy rule (which computes whole rows at once)."""
-    rng = np.random.default_rng(11)
-    rows, cols, r = 9, 300, 5
+def _both_paths(
+    seed: int, shape: tuple[int, int, int], dtype: str, scale: float, span: tuple[int, int]
+) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray]:
+    """Random `coef` [rows, r], `basis` [r, cols] and base values of `dtype` (`shape`: rows,
+    cols, r), the product kernel over elements `span` on the fast path and the plain one:
+    their bytes, asserted the same; and the inputs (theta: the span's stored bytes)."""
+    rng = np.random.default_rng(seed)
+    (rows, cols, r), (start, stop) = shape, span
     coef = rng.standard_normal((rows, r)).astype(np.float32)
     basis = rng.standard_normal((r, cols)).astype(np.float32)
-    theta = _stored(rng.standard_normal(rows * cols), "BF16")[start * 2 : stop * 2]
+    isz = np.dtype(NUMPY[dtype]).itemsize
+    theta = _stored(rng.standard_normal(rows * cols), dtype)[start * isz : stop * isz]
     got = [
-        lora.values(theta, "BF16", coef[start // cols :], basis, np.float32(1.5), start, "BF16",
+        lora.values(theta, dtype, coef[start // cols :], basis, np.float32(scale), start, dtype,
                     np.empty((stop - start) * 4, np.uint8), fast=fast).tobytes()
         for fast in (True, False)
     ]  # fmt: skip
     assert got[0] == got[1]
+    return got[0], theta, coef, basis
+
+
+@pytest.mark.parametrize(("start", "stop"), [(0, 9 * 300), (300, 9 * 300), (299, 2401), (601, 899)])
+def test_wide_rows_four_at_a_time_and_in_tiles(start, stop):
+    """Rows wider than the kernel's tile, whole rows four at a time and partial rows alone:
+    the same bytes as the numpy rule (which computes whole rows at once)."""
+    _both_paths(11, (9, 300, 5), "BF16", 1.5, (start, stop))
 
 
 @pytest.mark.parametrize(("start", "stop"), [(0, 11 * 327), (5, 11 * 327 - 3), (671, 2389)])
@@ -113,21 +124,11 @@ def test_register_blocks_at_rank_64_and_their_edges(start, stop):
     """Rank 64 over rows of 327 columns: whole blocks of 16 columns (four rows) and of 64
     (a row alone, from a column that is not a block's first), and the columns around them:
     the same bytes as the numpy rule, and as the rule step by step."""
-    rng = np.random.default_rng(12)
-    rows, cols, r = 11, 327, 64
-    coef = rng.standard_normal((rows, r)).astype(np.float32)
-    basis = rng.standard_normal((r, cols)).astype(np.float32)
-    theta = _stored(rng.standard_normal(rows * cols), "F32")[start * 4 : stop * 4]
-    got = [
-        lora.values(theta, "F32", coef[start // cols :], basis, np.float32(0.7), start, "F32",
-                    np.empty((stop - start) * 4, np.uint8), fast=fast).tobytes()
-        for fast in (True, False)
-    ]  # fmt: skip
-    assert got[0] == got[1]
+    got, theta, coef, basis = _both_paths(12, (11, 327, 64), "F32", 0.7, (start, stop))
     if start == 671:
-        want = product_by_hand(lora.as_float32(theta, "F32"), coef[start // cols :], basis,
-                        np.float32(0.7), start)  # fmt: skip
-        assert got[0] == want.tobytes()
+        want = product_by_hand(lora.as_float32(theta, "F32"), coef[start // 327 :], basis,
+                               np.float32(0.7), start)  # fmt: skip
+        assert got == want.tobytes()
 
 
 def test_the_fma_check_covers_the_functions_the_kernel_calls():

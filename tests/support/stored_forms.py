@@ -244,8 +244,9 @@ def run_method(
 
 
 def count_decodes(source: type, monkeypatch: Any) -> list[int]:
-    """The elements a quantized source (`planning.sources`' class) decodes into copies from
-    now on, one entry a call: its `decode` wrapped for the test (`monkeypatch` undoes it)."""
+    """The elements a decoded source (a `planning.sources` class: a quantized input's, a LoRA
+    task's) decodes into copies from now on, one entry a call: its `decode` wrapped for the
+    test (`monkeypatch` undoes it)."""
     counts: list[int] = []
     decode = source.decode
 
