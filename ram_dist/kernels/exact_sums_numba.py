@@ -21,9 +21,13 @@ how many are not zero, in uint32 lanes), and then each pair of rows takes one of
   addends; then one scalar add per addend into that row, in one of `LANES` blocks taken in
   turn. A product whose significand has at most `53 - split` bits has a zero low addend and
   is added as one addend, its high one.
-* Either way, where the sparser row of a pair is at least a quarter zero (a task vector's
-  unchanged elements), only its non-zero values' products are formed and added: their
-  indices are listed once a tile without a branch a value, and the others are zero.
+* Either way, where the sparser row of a pair is mostly zero (a task vector's unchanged
+  elements), only its non-zero values' products are formed and added: their indices are
+  listed once a tile without a branch a value, and the others are zero. Mostly is seven
+  eighths for the float32 way (a listed product costs about one and a half dense ones
+  there, its index and both values loaded apart, so at half zero the list saves nothing)
+  and a quarter for the float64 way (a dense product there is a widening and two addends;
+  `benchmarks/RESULTS.md`).
 
 A negative product counts in a row of its own, subtracted at the end, so no sign is applied
 per product; consecutive products go to different blocks so that products of one exponent
@@ -324,14 +328,14 @@ def _rows64(stack, lo, w, i, j, stats, tile):  # noqa: ANN001, ANN201  (numba ar
 
 
 @njit(cache=True, **OPTIONS)
-def _sparser(bits, lo, w, i, j, stats, keys):  # noqa: ANN001, ANN201  (numba arrays)
+def _sparser(bits, lo, w, i, j, eighths, stats, keys):  # noqa: ANN001, ANN201, PLR0913
     """(index, m): where the sparser of rows i and j is not zero, index[:m], listed once a
-    tile (`stats[5 * r + 3] & 2`) in `keys[4 + r]`, if at most half its values are not
-    zero; else m = -1 (every product is formed)."""
+    tile (`stats[5 * r + 3] & 2`) in `keys[4 + r]`, if at most `eighths` eighths of its
+    values are not zero; else m = -1 (every product is formed)."""
     sparse = i if stats[5 * i + 4] <= stats[5 * j + 4] else j
     m = np.int64(stats[5 * sparse + 4])
     index = keys[4 + sparse].view(np.uint32)
-    if 4 * m > 3 * w:
+    if 8 * m > eighths * w:
         return index, np.int64(-1)
     if stats[5 * sparse + 3] & 2 == 0:
         _nonzero(bits[sparse][lo : lo + w], index)
@@ -366,8 +370,10 @@ def _tile(stack, bits, lo, w, pairs, split, special, tile, keys, scratch, bounds
             continue
         sig = stats[5 * i] + stats[5 * j]
         a32, b32 = stack[i][lo : lo + w], stack[j][lo : lo + w]
-        index, m = _sparser(bits, lo, w, i, j, stats, keys)
-        if sig <= 24 and split <= 29 and small_i + small_j >= 128 and large_i + large_j <= 380:
+        exact32 = sig <= 24 and split <= 29 and small_i + small_j >= 128
+        exact32 = exact32 and large_i + large_j <= 380
+        index, m = _sparser(bits, lo, w, i, j, 1 if exact32 else 6, stats, keys)
+        if exact32:
             # every product exact in float32, normal: one addend, 16 lanes to form them
             _claim32(bounds[k], small_i + small_j - 127, large_i + large_j - 126)
             products = keys[1].view(np.uint32)
