@@ -16,11 +16,9 @@ import ram_dist
 from ram_dist.cli import main
 from ram_dist.io.names import PARTIAL_SUFFIX, SWEEP_REPORT_NAME
 
+ONE_ROW_MB = str(256 / 2**20)  # one 128-wide bf16 row per unit: a slow, many-unit map pass
 SWEEP = ["--method", "ram_plus", "--method", "ties", "--grid", "r=0.1,0.2", "--grid", "density=0.5"]
 VARIANTS = ["ram_plus-r0.1", "ram_plus-r0.2", "ties-density0.5"]
-#: One 128-wide bf16 row per variant a unit (a sweep shares its unit budget among its
-#: variants): a slow, many-unit map pass; no smaller, or the reduce pass's rounds take minutes.
-ONE_ROW_MB = str(len(VARIANTS) * 256 / 2**20)
 
 
 def _args(models: dict, out: Path, *extra: str) -> list[str]:
