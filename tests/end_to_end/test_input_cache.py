@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from builders import build_model_set, load_checkpoint, merge_config, save_checkpoint
+from disk_room import cache_room
 from reference import reference_merge
 from s3_server import (
     LOCATION_DEPENDENT,
@@ -38,6 +39,8 @@ from ram_dist.planning.input_cache import choose_input_cache
 from ram_dist.planning.job import prepare
 
 BUCKET = "ram-dist-cache-test"
+#: The tests that count what the cache kept: skipped on a disk within its reserve.
+CACHE_ROOM = cache_room()
 
 
 # -- the cache alone, no Ray ---------------------------------------------------------------
@@ -53,6 +56,7 @@ def _read(storage: Storage, ranges: list[tuple[str, int, int]]) -> tuple[list[by
     return [bytes(b) for b in blobs], traffic.total()
 
 
+@CACHE_ROOM
 def test_cache_keeps_reads_back_and_evicts(tmp_path):
     data = os.urandom(356)
     (tmp_path / "input.bin").write_bytes(data)
@@ -166,6 +170,7 @@ def _same_as_local(fs, prefix: str, local: Path) -> None:
             assert fs.cat_file(f"{BUCKET}/{prefix}/{name}") == (local / name).read_bytes(), name
 
 
+@CACHE_ROOM
 @pytest.mark.usefixtures("nodes")
 def test_bucket_merge_fetches_each_input_byte_once(models, options, fs, server, nodes, tmp_path):
     base, tasks = models["s3"]
@@ -199,6 +204,7 @@ def test_bucket_merge_fetches_each_input_byte_once(models, options, fs, server, 
     _same_as_local(fs, "twice", tmp_path / "local")
 
 
+@CACHE_ROOM
 @pytest.mark.usefixtures("nodes")
 def test_ties_rounds_read_the_cache(models, options, fs, server, tmp_path):
     base, tasks = models["s3"]
@@ -214,6 +220,7 @@ def test_ties_rounds_read_the_cache(models, options, fs, server, tmp_path):
     _same_as_local(fs, "ties", tmp_path / "local")
 
 
+@CACHE_ROOM
 @pytest.mark.usefixtures("nodes")
 def test_changed_input_never_hits_a_killed_jobs_cache(models, options, fs, server, nodes):
     """A killed job's cache (its reduce pass only) is ignored once an input changed (new
@@ -272,6 +279,7 @@ def test_plan_says_whether_the_cache_is_used(models, options, capsys):
     assert "input cache: off: every input is on a local filesystem" in capsys.readouterr().out
 
 
+@CACHE_ROOM
 def test_node_removed_during_map_pass(models, options, fs, nodes, monkeypatch):
     """Units sent back to a node that is gone run elsewhere and fetch their bytes again. The
     node is removed between the passes, after the reduce pass read (and kept) units there:

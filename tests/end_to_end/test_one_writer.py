@@ -1,5 +1,7 @@
 """One writer per output, tried as a user would: two merges started a second apart into the
-same output, locally and on the S3 server; a lease left by another host, fresh or stale.
+same output, locally and on the S3 server (`ram-dist` processes, and no Ray of this process
+while they race); a lease left by another host, fresh or stale (the CLI's entry point in this
+process, on the module's Ray).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 from builders import build_model_set
 from s3_server import CountingMotoServer, bucket_fs, running_server, storage_options
 
+from ram_dist.cli import main
 from ram_dist.io.lease import LEASE_NAME, Holder
 
 BUCKET = "one-writer"
@@ -40,6 +43,11 @@ def _args(models: dict, out: str, r: str, *extra: str) -> list[str]:
     for t in models["tasks"]:
         args += ["--task", str(t)]
     return args
+
+
+def _in_process(args: list[str]) -> int:
+    """`_args`'s command line run by the CLI's entry point in this process."""
+    return main(args[3:])
 
 
 def _env() -> dict[str, str]:
@@ -113,23 +121,23 @@ def _lease_from_another_host(out, renewed_ago_s: float) -> None:
         f.write(holder.to_json())
 
 
-def test_a_live_lease_of_another_host_refuses_even_with_overwrite(models, tmp_path):
+def test_a_live_lease_of_another_host_refuses_even_with_overwrite(
+    models, tmp_path, ray_local, capsys
+):
     out = str(tmp_path / "out")
     _lease_from_another_host(out, renewed_ago_s=5)
-    done = subprocess.run(_args(models, out, "0.1", "--overwrite"), env=_env(),
-                          capture_output=True, text=True)  # fmt: skip
-    assert done.returncode == 2
-    assert "job ram-dist merge elsewhere on host other-host (pid 4242)" in done.stderr
+    assert _in_process(_args(models, out, "0.1", "--overwrite")) == 2
+    assert "job ram-dist merge elsewhere on host other-host (pid 4242)" in capsys.readouterr().err
     assert sorted(os.listdir(out)) == [LEASE_NAME]  # nothing written
 
 
-def test_a_stale_lease_of_another_host_is_taken_over_and_said(models, tmp_path):
+def test_a_stale_lease_of_another_host_is_taken_over_and_said(models, tmp_path, ray_local, capsys):
     out = str(tmp_path / "out")
     _lease_from_another_host(out, renewed_ago_s=1000)
-    done = subprocess.run(_args(models, out, "0.1"), env=_env(), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "took over the lease of job ram-dist merge elsewhere on host other-host" in done.stdout
-    assert "not renewed for" in done.stdout
+    assert _in_process(_args(models, out, "0.1")) == 0
+    said = capsys.readouterr().out
+    assert "took over the lease of job ram-dist merge elsewhere on host other-host" in said
+    assert "not renewed for" in said
     assert LEASE_NAME not in os.listdir(out)
     report = json.load(open(os.path.join(out, "merge_report.json")))
     assert "not renewed for" in report["output"]["lease"]["took_over"]

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -67,11 +65,7 @@ def _weights(folder: Path) -> dict[str, bytes]:
 def test_a_killed_sweep_resumes_keeping_every_variant_s_parts(models, crashed, ray_local):
     out = models["root"] / "resumed"
     shutil.copytree(crashed["out"], out, copy_function=shutil.copy2)
-    done = subprocess.run(
-        [sys.executable, "-m", "ram_dist.cli", *_args(models, out, *SWEEP)],
-        env=env_without_ray(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    assert main(_args(models, out, *SWEEP)) == 0  # on this test's Ray: no second one started
     sweep = json.loads((out / SWEEP_REPORT_NAME).read_text())
     assert [v["name"] for v in sweep["variants"]] == VARIANTS
     assert sweep["passes"]["reduce"]["bytes_read"] == 0  # every variant held its statistics
