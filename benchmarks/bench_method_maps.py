@@ -1,15 +1,15 @@
-"""model_stock's, sce's and arcee_fusion's fused map passes (and arcee_fusion's fused KL
-round) against their eager torch rule on one tensor, without I/O.
+"""model_stock's, sce's, arcee_fusion's, linear's and nearswap's fused map passes (and
+arcee_fusion's fused KL round) against their eager torch rule on one tensor, without I/O.
 
 One tensor of `--rows` x `--cols` (default 4096 x 4096, bf16): a synthetic base and RL-like
 agents (task-vector densities about 3 %, 46 %, 54 %, ...; `ram_dist.synthetic`), `--tasks`
-of them for model_stock and sce, the first one for arcee_fusion (it merges one model). The
-method's reduce rounds run first, on the whole tensor as one chunk; then the map pass is
-timed as the engine runs it on the CPU: `merge_chunk(...).to(out_dtype)` (eager) against
-`fused_merge` writing the output dtype (fused), alternating, `--repeats` times, on one
-thread, and the two outputs are checked for byte equality. arcee_fusion's first round
-(its importances, with each row's KL, and their histogram) is timed the same way, with the
-two statistics checked for equality.
+of them for model_stock and sce, three for linear, the first one for arcee_fusion and
+nearswap (they merge one model). The method's reduce rounds run first, on the whole tensor
+as one chunk; then the map pass is timed as the engine runs it on the CPU:
+`merge_chunk(...).to(out_dtype)` (eager) against `fused_merge` writing the output dtype
+(fused), alternating, `--repeats` times, on one thread, and the two outputs are checked for
+byte equality. arcee_fusion's first round (its importances, with each row's KL, and their
+histogram) is timed the same way, with the two statistics checked for equality.
 
     python -m benchmarks.bench_method_maps --rows 4096 --cols 4096 --tasks 3 --repeats 3
 
@@ -39,6 +39,8 @@ CASES: tuple[tuple[str, str, dict[str, Any], int | None], ...] = (
     ("sce", "sce", {"select_topk": 1.0, "int8_mask": False}, None),
     ("sce select_topk 0.3", "sce", {"select_topk": 0.3, "int8_mask": False}, None),
     ("arcee_fusion", "arcee_fusion", {}, 1),
+    ("linear", "linear", {"weight": [1.0, 0.5, 0.25], "normalize": True}, 3),
+    ("nearswap t 0.01", "nearswap", {"t": 0.01}, 1),
 )
 
 
