@@ -9,6 +9,11 @@ model_stock's map pass (`stock`) is another order of operations, so it has its o
 `t * (((m_1 + 0) + m_2 + ...) / N) + (1 - t) * base` in float32, op by op, the models' values
 as `PAIR` and `REBASED` take them, with t per row (`filter_wise`) or one per tensor.
 
+`linear`'s map pass is the blend of the models (no base) with the sum started from +0.0
+(`from_zero`: mergekit's zero accumulator, so a sum of -0.0 terms is +0.0). nearswap's is
+its own kernel (`nearswap`): `w = clamp((1 / max(|a - b|, floor)) * t, 0, 1)`, then
+`w * b + (1 - w) * a`, in float32, op by op `methods.nearswap.merge_chunk`.
+
 Where a model's update is measured against the base at its precision (`kernels.precision`),
 its value in `PAIR` and `REBASED` is `base + (model - base at its precision)`, as
 `methods.task_vectors.task_values` gives it.
