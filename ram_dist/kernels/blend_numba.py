@@ -9,6 +9,11 @@ model_stock's map pass (`stock`) is another order of operations, so it has its o
 `t * (((m_1 + 0) + m_2 + ...) / N) + (1 - t) * base` in float32, op by op, the models' values
 as `PAIR` and `REBASED` take them, with t per row (`filter_wise`) or one per tensor.
 
+`linear`'s map pass is the blend of the models (no base) with the sum started from +0.0
+(`from_zero`: mergekit's zero accumulator, so a sum of -0.0 terms is +0.0). nearswap's is
+its own kernel (`nearswap`): `w = clamp((1 / max(|a - b|, floor)) * t, 0, 1)`, then
+`w * b + (1 - w) * a`, in float32, op by op `methods.nearswap.merge_chunk`.
+
 Where a model's update is measured against the base at its precision (`kernels.precision`),
 its value in `PAIR` and `REBASED` is `base + (model - base at its precision)`, as
 `methods.task_vectors.task_values` gives it.
@@ -27,6 +32,7 @@ from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.primitives import (
     OPTIONS,
     TILE,
+    load_tile,
     load_tile_bases,
     store_span,
     tiles_of,
@@ -40,22 +46,51 @@ DELTAS, PAIR, MODELS, REBASED = 0, 1, 2, 3
 
 
 @njit(cache=True, **OPTIONS)
-def _blend_kernel(inputs, mode, factors, divide, divisor, add_base, out, nan_bits):  # noqa: ANN001, ANN201
+def _blend_kernel(inputs, mode, factors, divide, divisor, add_base, from_zero, out, nan_bits):  # noqa: ANN001, ANN201
     """out[:] = the blend of `inputs` (base first) cast to out's dtype."""
     n, buf, vals, rows = tiles_of(inputs, TILE)
     res = np.empty(TILE, np.float32)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
-        load_tile_bases(inputs, lo, m, buf)
-        _blend_tile(vals, rows, m, mode, factors, divide, divisor, add_base, res)
+        if mode == MODELS:  # no task is measured against the base: no rounded rows
+            load_tile(inputs, lo, m, buf)
+            _models_tile(vals, m, factors, divide, divisor, add_base, from_zero, res)
+        else:
+            load_tile_bases(inputs, lo, m, buf)
+            _blend_tile(vals, rows, m, mode, factors, divide, divisor, add_base, from_zero, res)
         store_span(res[:m], out, lo, nan_bits)
 
 
 @register_jitable
-def _blend_tile(vals, rows, m, mode, factors, divide, divisor, add_base, res):  # noqa: ANN001, ANN202
+def _models_tile(vals, m, factors, divide, divisor, add_base, from_zero, res):  # noqa: ANN001, ANN202
+    """`_blend_tile` of `MODELS`, model by model over the tile: each element's ops and
+    their order are the same, in loops the compiler vectorizes."""
+    zero = np.float32(0.0)
+    x, f = vals[1], factors[0]
+    for i in range(m):
+        res[i] = x[i] * f
+    if from_zero:
+        for i in range(m):
+            res[i] = zero + res[i]
+    for t in range(1, factors.size):
+        x, f = vals[t + 1], factors[t]
+        for i in range(m):
+            res[i] = res[i] + x[i] * f
+    if divide:
+        for i in range(m):
+            res[i] = res[i] / divisor
+    if add_base:
+        b = vals[0]
+        for i in range(m):
+            res[i] = b[i] + res[i]
+
+
+@register_jitable
+def _blend_tile(vals, rows, m, mode, factors, divide, divisor, add_base, from_zero, res):  # noqa: ANN001, ANN202
     """res[:m] = the blend of a `load_tile_bases` tile (its own function: compiled apart
     from the loaders, its element loop measured 16 % slower inlined with them)."""
     vectors = factors.size
+    zero = np.float32(0.0)
     for i in range(m):
         b = vals[0, i]
         acc = np.float32(0.0)
@@ -68,7 +103,10 @@ def _blend_tile(vals, rows, m, mode, factors, divide, divisor, add_base, res):  
             else:  # the model's update against the base at its precision, on the base
                 x = b + (vals[k + 1, i] - vals[rows[k], i])
             term = x * factors[t]  # the eager rule's operand order (NaN payloads)
-            acc = term if t == 0 else acc + term
+            if t > 0:
+                acc = acc + term
+            else:  # from_zero: `linear`'s zero accumulator (0 + -0.0 is +0.0)
+                acc = zero + term if from_zero else term
         if divide:
             acc = acc / divisor
         if add_base:
@@ -85,10 +123,12 @@ def blend(
     factors: Sequence[float],
     divisor: float | None = None,
     add_base: bool = False,
+    from_zero: bool = False,
     bf16_nan: int | None = None,
 ) -> None:
     """Write the blend into `out` (the output's raw array: bfloat16 as uint16). `factors`
-    and `divisor` are float32 values, one factor per vector (`mode`)."""
+    and `divisor` are float32 values, one factor per vector (`mode`); `from_zero`: the sum
+    is `((0 + f_0 x_0) + f_1 x_1) + ...`, `linear`'s order, not from `f_0 x_0`."""
     arrays, target, nan_bits, _ = merge_records(base, tasks, out, bf16_nan)
     vectors = 2 if mode == PAIR else len(arrays) - 1
     if len(factors) != vectors:
@@ -100,6 +140,7 @@ def blend(
         divisor is not None,
         np.float32(1.0 if divisor is None else divisor),
         add_base,
+        from_zero,
         target,
         nan_bits,
     )
@@ -163,7 +204,49 @@ def stock(
     _stock_kernel(arrays, np.asarray(ts, np.float32), max(size, 1), target, nan_bits)
 
 
-KERNELS = (_blend_kernel, _stock_kernel)
+@njit(cache=True, **OPTIONS)
+def _nearswap_kernel(inputs, t, floor, out, nan_bits):  # noqa: ANN001, ANN201
+    """out[:] = nearswap's blend of the base and one model (`inputs`), cast to out's dtype."""
+    n, buf, vals, rows = tiles_of(inputs, TILE)
+    res = np.empty(TILE, np.float32)
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    for lo in range(0, n, TILE):
+        m = min(TILE, n - lo)
+        load_tile_bases(inputs, lo, m, buf)
+        a_row, b_row, at = vals[0], vals[1], vals[rows[0]]
+        rebased = rows[0] != 0
+        for i in range(m):
+            a = a_row[i]
+            b = a + (b_row[i] - at[i]) if rebased else b_row[i]  # `task_values`
+            d = abs(a - b)
+            if d < floor:  # clamp(min=floor): NaN stays NaN
+                d = floor
+            w = (one / d) * t  # torch's `t / x`: reciprocal(x) * t
+            if w < zero:  # clamp(0, 1): -0.0 and NaN stay as they are
+                w = zero
+            elif w > one:
+                w = one
+            res[i] = w * b + (one - w) * a
+        store_span(res[:m], out, lo, nan_bits)
+
+
+def nearswap(
+    base: ArrayLike,
+    task: ArrayLike,
+    out: ArrayLike,
+    *,
+    t: float,
+    floor: float,
+    bf16_nan: int | None = None,
+) -> None:
+    """Write nearswap's blend into `out` (the output's raw array: bfloat16 as uint16); `t`
+    and `floor` (the least distance) are rounded to float32, as torch does with scalars."""
+    arrays, target, nan_bits, _ = merge_records(base, [task], out, bf16_nan)
+    _nearswap_kernel(arrays, np.float32(t), np.float32(floor), target, nan_bits)
+
+
+KERNELS = (_blend_kernel, _stock_kernel, _nearswap_kernel)
 
 
 def warm_calls() -> Iterator[Call]:
@@ -175,3 +258,4 @@ def warm_calls() -> Iterator[Call]:
     mix = partial(blend, base, agents, out, mode=MODELS, factors=[1.0] * len(agents))
     yield _blend_kernel, "records", mix
     yield _stock_kernel, "records", partial(stock, base, agents, out, ts=[0.5])
+    yield _nearswap_kernel, "records", partial(nearswap, base, agents[0], out, t=1.0, floor=1e-6)

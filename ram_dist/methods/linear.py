@@ -10,6 +10,9 @@ rounded before the add, so results agree with mergekit within a float32 rounding
 A zero weight sum is refused by the parameter check (mergekit would divide by it).
 mergekit sums the weights with `torch.sum`, which adds in input order for up to 4 inputs;
 beyond that its order, and so the last bit of the divisor, may differ from ours.
+
+On the CPU the map pass is the geometric methods' fused blend (`kernels/blend_numba`, the
+models with no base, the sum started from +0.0), op for op this rule.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ram_dist.methods.parameters import NORMALIZE, WEIGHT, Parameter, variant
 from ram_dist.methods.protocol import MergekitRule, NoStatistics, TensorParams
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from ram_dist.methods.protocol import ChunkWork
@@ -49,6 +53,18 @@ def merge_chunk(
     return result
 
 
+def float32_weights(weights: Sequence[float]) -> tuple[list[float], float]:
+    """The weights rounded to float32 and their float32 sum `((0 + w_0) + w_1) + ...`
+    (`ordered_sum`'s), as the eager rule has them, without torch."""
+    import numpy as np
+
+    w = [np.float32(x) for x in weights]
+    total = np.float32(0.0)
+    for x in w:
+        total = np.float32(total + x)
+    return [float(x) for x in w], float(total)
+
+
 @dataclass(frozen=True)
 class LinearMethod(MergekitRule, NoStatistics):
     """mergekit's `linear`: the weighted mean of the task models (the base is not averaged)."""
@@ -58,6 +74,8 @@ class LinearMethod(MergekitRule, NoStatistics):
     summary: str = "a weighted average of the models (no base)"
     reference: str = "Wortsman et al. 2022 (model soups)"
     needs_base: bool = False
+    reads_stored: bool = True
+    """The blend kernel reads quantized inputs as stored."""
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -74,6 +92,28 @@ class LinearMethod(MergekitRule, NoStatistics):
         params = work.params
         weights = [float(w) for w in params["weight"]]
         return merge_chunk(tasks, weights, normalize=bool(params["normalize"]))
+
+    def fuses(self, params: TensorParams) -> bool:
+        """The kernels take every chunk, whatever the parameters."""
+        return True
+
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
+        """`merge_chunk` cast to the output's dtype by the blend kernel (the models, no
+        base, from a zero sum), written into `out`; False where numba is missing."""
+        from ram_dist import kernels
+
+        kernel = kernels.numba_module("blend_numba")
+        if kernel is None:
+            return False
+        params = work.params
+        weights, total = float32_weights([float(w) for w in params["weight"]])
+        base, *tasks = inputs
+        kernel.blend(
+            base, tasks, out, mode=kernel.MODELS, factors=weights,
+            divisor=total if params["normalize"] else None, from_zero=True,
+            bf16_nan=work.bf16_nan,
+        )  # fmt: skip
+        return True
 
 
 #: `linear`, as `ram_dist.methods.METHODS` lists it.

@@ -75,7 +75,7 @@ def test_nuslerp_rows_and_columns_decline_the_fused_blend():
 
 
 def test_no_fused_multiply_add_in_the_blend():
-    """The kernels' (the blend's and model_stock's) LLVM IR and assembly have no FMA,
+    """The kernels' (the blend's, model_stock's and nearswap's) LLVM IR and assembly have no FMA,
     compiled here (uncached: numba cannot inspect cached code) for a few of the signatures
     this process has used (each costs a compilation: bf16, f16 and f32 inputs are the same
     float32 arithmetic after loading)."""
@@ -88,6 +88,7 @@ def test_no_fused_multiply_add_in_the_blend():
     blend_numba.blend(x, [x, x], out, mode=blend_numba.DELTAS, factors=[0.5, 0.25],
                       divisor=3.0, add_base=True)  # fmt: skip
     blend_numba.stock(x, [x, x], out, ts=[0.5])  # model_stock's
+    blend_numba.nearswap(x, x, out, t=0.5, floor=1e-6)  # nearswap's
     for kernel in blend_numba.KERNELS:
         fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
         for sig in kernel.signatures[-3:]:

@@ -117,14 +117,14 @@ def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case, monkeypatch)
 
 
 def test_no_fma_in_the_kernels_compiled_for_stored_forms():
-    """TIES's, DELLA's, the blend's, model_stock's, sce's, arcee_fusion's and the statistics'
-    exact sums' code for a stored base has no FMA. Their signature is records (every kind's
-    loaders in one): each kernel, called here on each stored base and on its decoded copy (a
-    plain array), holds one specialization, the one plain inputs give it, whose code each
-    kernel's own no-FMA test compiles uncached and inspects (test_ties_kernels,
-    test_sparse_kernels, test_blend_kernels, test_sce_kernels, test_arcee_kernels); it is not
-    compiled a second time here. The Gram kernel, which only the stored-form tests call, is
-    compiled here (uncached) and inspected."""
+    """TIES's, DELLA's, the blend's (linear's too), model_stock's, nearswap's, sce's, arcee_fusion's
+    and the statistics' exact sums' code for a stored base has no FMA. Their signature is records
+    (every kind's loaders in one): each kernel, called here on each stored base and on its decoded
+    copy (a plain array), holds one specialization, the one plain inputs give it, whose code each
+    kernel's own no-FMA test compiles uncached and inspects (test_ties_kernels, test_sparse_kernels,
+    test_blend_kernels, test_sce_kernels, test_arcee_kernels); it is not compiled a second time
+    here. The Gram kernel, which only the stored-form tests call, is compiled here (uncached) and
+    inspected."""
     from numba import njit
 
     from ram_dist.kernels import primitives
@@ -161,6 +161,7 @@ def _call_every_record_kernel(first, agents: list, numel: int, row: int) -> None
                       consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
     blend_numba.blend(first, agents, out, mode=blend_numba.DELTAS, factors=[0.3, 0.7])
     blend_numba.stock(first, agents, out, ts=[0.3])
+    blend_numba.nearswap(first, agents[0], out, t=0.3, floor=1e-6)
     sce_numba.merge(first, agents, out, weights=[0.6, 0.4], select=sce_numba.SELECT_CUT,
                     threshold=1 << 20, start=0)  # fmt: skip
     sce_numba.statistics(first, agents, sce_numba.SQUARES, threshold=1 << 20)
