@@ -146,7 +146,10 @@ class MergeMethod(Protocol):
     statistics_parameters: tuple[str, ...] | None
     """The parameters its reduce statistics depend on (None: every one): a sweep's variants
     of one kind of method that agree on these and on the state compute them once
-    (`methods.sweep`). Optional: the engine reads it with None as the default."""
+    (`methods.sweep`). Optional: the engine reads it with None as the default. So is a
+    method `statistics_state(round_, state)`: the part of the state a round's statistics
+    depend on (without it, all of it), so that variants whose states differ only in what
+    the round does not read (TIES's densities in its first round) share the round too."""
     writes_fp8: bool
     """Whether `fused_merge` writes FP8 output itself, into a `kernels.fp8.Fp8Target`
     (blocks and scales in one sweep; it then also `reads_stored`). Optional: the engine

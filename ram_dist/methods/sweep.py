@@ -6,7 +6,10 @@ A tensor's parameters are `{"variants": (p_0, ..., p_k)}`, each variant's own; t
 `{"variants": [s_0, ..., s_k], "share": [...]}`. Variants whose statistics coincide in a
 round compute them once (`share[k]`: the variant whose statistics variant k takes): same
 kind of method, same parameters among those its statistics depend on
-(`statistics_parameters`), same state. RAM+ over `r` and `alpha` counts once.
+(`statistics_parameters`), same state (or the part of it the round reads,
+`statistics_state`). RAM+ over `r` and `alpha` counts once; TIES's first round (magnitude
+histograms) is one for every density, and TIES and consensus TIES of one density share every
+round.
 
 Driver side and workers; no torch at import time, as every method module.
 """
@@ -98,8 +101,10 @@ class Variants(Defaults):
                 t: (p["variants"][k] if names is None else {n: p["variants"][k][n] for n in names})
                 for t, p in params.items()
             }
+            read = getattr(m, "statistics_state", None)
+            state = states[k] if read is None else read(round_, states[k])
             key = json.dumps(
-                [type(m).__module__, type(m).__qualname__, m.rounds, own, states[k]],
+                [type(m).__module__, type(m).__qualname__, m.rounds, own, state],
                 sort_keys=True, default=repr,
             )  # fmt: skip
             share.append(first.setdefault(key, k))

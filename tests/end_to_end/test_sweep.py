@@ -102,19 +102,55 @@ def test_each_variant_is_its_single_merge_byte_for_byte_from_one_merge_s_reads(m
 
 def test_ram_plus_over_r_and_alpha_counts_once(models):
     """Variants whose statistics coincide share them: RAM+ over r and alpha counts once;
-    TIES over its densities counts each."""
+    TIES's first round (magnitude histograms) is one for TIES and consensus TIES at every
+    density; its later rounds (the cuts) one per density."""
     config = MergeConfig(
         base=str(models["base"]), tasks=tuple(map(str, models["tasks"])),
-        out=str(models["root"] / "unused"), methods=("ram_plus", "ram", "ties"), grid=GRID,
+        out=str(models["root"] / "unused"), methods=("ram_plus", "ram", "ties", "consensus_ties"),
+        grid=GRID,
     )  # fmt: skip
     sweep = prepare_sweep(config)
-    share = sweep.job.initial_state()["share"]
+    state = sweep.job.initial_state()
+    share = state["share"]
     assert [v.name for v in sweep.variants][:5] == [
         "ram_plus-r0.1-alpha1", "ram_plus-r0.1-alpha2", "ram_plus-r0.3-alpha1",
         "ram_plus-r0.3-alpha2", "ram-r0.1-alpha1",
     ]  # fmt: skip
+    assert [v.name for v in sweep.variants][8:] == [
+        "ties-density0.5", "ties-density0.8", "consensus_ties-density0.5",
+        "consensus_ties-density0.8",
+    ]  # fmt: skip
     assert share[:8] == [0, 0, 0, 0, 0, 0, 0, 0]  # ram too: the same counts
-    assert share[8:] == [8, 9]
+    assert share[8:] == [8, 8, 8, 8]
+    later = sweep.job.method._share(1, sweep.job.params, state["variants"])
+    assert later[8:] == [8, 9, 8, 9]
+
+
+def test_ties_and_consensus_ties_sharing_rounds_write_their_single_merges_bytes(
+    models, tmp_path, ray_local
+):
+    """TIES and consensus TIES at two densities share their first round (one set of
+    magnitude histograms) and, per density, every later round: each variant's shards and
+    statistics are still its single merge's."""
+    out = tmp_path / "sweep"
+    report = ram_dist.merge(
+        base=models["base"], tasks=models["tasks"], out=out, unit_budget_bytes=UNIT,
+        methods=["ties", "consensus_ties"], grid={"density": [0.5, 0.8]},
+    ).data  # fmt: skip
+    assert len(report["variants"]) == 4
+    for v in report["variants"]:
+        single = ram_dist.merge(
+            base=models["base"], tasks=models["tasks"], out=tmp_path / "one" / v["name"],
+            method=v["method"], parameters={"density": v["parameters"]["density"][0]},
+            unit_budget_bytes=UNIT,
+        )  # fmt: skip
+        got, want = _files(Path(v["out"])), _files(Path(single.out))
+        assert set(got) == set(want) and len(got) >= 3, v["name"]
+        for name in want:
+            assert got[name] == want[name], (v["name"], name)
+        manifest = json.loads((Path(v["out"]) / "ram_dist_manifest.json").read_text())
+        one = json.loads((Path(single.out) / "ram_dist_manifest.json").read_text())
+        assert manifest["statistics"] == one["statistics"], v["name"]
 
 
 def test_every_variant_verifies_and_loads_in_transformers(swept):

@@ -176,6 +176,24 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
                 tensors[name] = {"cut": any(cuts), "cuts": cuts, "rescale": rescale}
         return {"tensors": tensors, "seed": seed}
 
+    @property
+    def statistics_parameters(self) -> tuple[str, ...] | None:  # type: ignore[override]
+        """TIES's rounds read only the state (each tensor's cuts); DARE's every parameter."""
+        return () if self.sparsify == "magnitude" else None
+
+    def statistics_state(self, round_: int, state: State) -> Any:
+        """What a round's statistics read of the state (a sweep's variants that agree on it
+        share the round, `methods.sweep`): TIES's first round, the magnitude histograms of
+        every task, only which tensors are cut and which rescale, whatever the densities;
+        each later round, the cuts found so far (the same for TIES and consensus TIES of one
+        density)."""
+        if self.sparsify != "magnitude":
+            return state
+        tensors = state["tensors"]
+        if round_ == 0:
+            return {n: [info["cut"], info["rescale"]] for n, info in tensors.items()}
+        return tensors
+
     def active(self, round_: int, state: State, tensor: str) -> bool:
         info = state.get("tensors", {}).get(tensor)
         if self.sparsify == "random":
