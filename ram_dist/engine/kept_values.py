@@ -7,7 +7,7 @@ at the task's dtype) are needed by every reduce round that reads the tensor (the
 NaN/Inf check included) and by the map pass. Keeping them costs a write to shared memory in
 the first pass and a read in each later one; forming them again costs the product in each
 later pass. With one later pass (a method of one reduce round, RAM+'s: the map pass),
-keeping them measured no reliably faster at rank 16 and 64 (`benchmarks/RESULTS.md`), and it
+keeping them was not reliably faster at rank 16 and 64 (`benchmarks/RESULTS.md`), and it
 holds the values in the node's memory: a job keeps them only where at least
 `MIN_LATER_READS` passes read them after the first (TIES's three later rounds and map pass,
 where keeping them measured faster). The first pass to form a block's values writes them,
