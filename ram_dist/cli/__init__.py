@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from ram_dist import __version__, settings
 from ram_dist.errors import RamDistError
-from ram_dist.io.failures import is_storage_failure, storage_error
-from ram_dist.io.storage import parse_storage_options
 from ram_dist.methods.parameters import Parameter, check_flag, cli_parameters
 
-if TYPE_CHECKING:  # imported where used: `--help` and `verify` load neither torch nor Ray
+# Imported where used: `--help` and `verify` load neither torch nor Ray, and a merge's stores
+# (fsspec) load in the thread that checks while Ray starts, not before its start.
+if TYPE_CHECKING:
     from ram_dist.planning.config import MergeConfig
 
 log = logging.getLogger("ram_dist.cli")
@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ram-dist: error: {e}", file=sys.stderr)
             return e.exit_status
         except Exception as e:
+            from ram_dist.io.failures import is_storage_failure, storage_error
+
             if not is_storage_failure(e):
                 raise
             log.debug("the command failed", exc_info=True)
@@ -235,6 +237,8 @@ def _dispatch(args: argparse.Namespace, last: contextlib.ExitStack) -> int:
     from ram_dist import api
 
     if args.command == "verify":
+        from ram_dist.io.storage import parse_storage_options
+
         options = parse_storage_options(args.storage_options)
         result = api.verify(args.out, storage_options=options)
         for problem in result.problems:

@@ -3,7 +3,8 @@ checks (`driver.prepare`) begin torch's import in a thread of their own (`preloa
 themselves and Ray's start (`runtime.ray_session`); the reduce pass's first tasks are sent
 without waiting for torch (a reduce pass ships no NaN bits); the workers are asked for as
 soon as Ray is up, while the checks may still run, and an embedded Ray's workers load the
-kernels as they start (`worker_preload`). Each, on the way from Ray's start to the first
+kernels as they start (`worker_preload`); `ram-dist demo` makes its inputs in the checks'
+thread. Each, on the way from Ray's start to the first
 task, costs about a second."""
 
 from __future__ import annotations
@@ -79,6 +80,26 @@ def test_the_workers_are_asked_for_while_the_checks_still_run(own_ray, monkeypat
         assert cluster.embedded
         assert asked_first
         assert ray.get(_preloaded.remote())
+    assert not ray.is_initialized()
+
+
+def test_the_demo_makes_its_inputs_while_ray_starts(own_ray, monkeypatch, tmp_path) -> None:
+    """`ram-dist demo` writes its inputs (torch imported to write them) in the thread that
+    checks while Ray starts, not before Ray's start; the merge is the demo's."""
+    from ram_dist.cli import demo
+
+    made_in: list[str] = []
+    make = demo.make_demo_inputs
+
+    def make_and_say(folder: str) -> tuple[str, list[str]]:
+        made_in.append(threading.current_thread().name)
+        return make(folder)
+
+    monkeypatch.setattr(demo, "make_demo_inputs", make_and_say)
+    report = demo.run_demo(str(tmp_path / "demo"))
+    assert made_in == ["ram-dist-checks"]
+    assert report["method"] == "ram_plus"
+    assert (tmp_path / "demo" / "merged" / "merge_report.json").is_file()
     assert not ray.is_initialized()
 
 

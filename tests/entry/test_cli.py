@@ -196,6 +196,22 @@ def _loaded(*argv: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+_IMPORTED = """
+import sys
+import ram_dist.cli
+from ram_dist.cli import demo
+print(sorted(m for m in ("torch", "ray", "numba", "fsspec", "safetensors") if m in sys.modules))
+"""
+
+
+def test_the_command_and_its_demo_import_no_tensor_library_store_or_ray():
+    """What `ram-dist` imports before it parses its flags, and `demo` before Ray's start:
+    torch, the stores (fsspec) and Ray load later, the first two beside Ray's start."""
+    done = subprocess.run([sys.executable, "-c", _IMPORTED], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
 def test_help_and_verify_load_neither_torch_nor_ray_and_plan_starts_no_ray(tmp_path):
     assert _loaded("--help") == "0 [] False"
     assert _loaded("merge", "--help") == "0 [] False"
