@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -1016,6 +1017,19 @@ def test_submitted_merge_equals_the_reference(cli_job_output, models):
     assert report["method"] == "ram_plus" and report["base"] == str(base_dir)
     assert report["tasks_given"] == [str(t) for t in task_dirs]
     assert report["output"]["url"] == str(cli_job_output)
+    # The upload is unpacked on the node with new file times: no kernel was in numba's cache
+    # for it, and the node's workers compiled each one signature once between them (one
+    # compiled while the others waited and loaded it), not once per worker.
+    compiled = _kernels_compiled(report)
+    assert compiled and set(compiled.values()) == {1}, report["passes"]
+
+
+def _kernels_compiled(report: dict) -> Counter[str]:
+    """The kernel signatures a merge's passes compiled, per kernel, summed over the passes."""
+    total: Counter[str] = Counter()
+    for stats in report["passes"].values():
+        total.update(stats["kernels_compiled"])
+    return total
 
 
 def test_submitted_nightly_merges_publishes_latest_and_skips_a_rerun(
@@ -1064,6 +1078,10 @@ def test_submitted_nightly_merges_publishes_latest_and_skips_a_rerun(
             latest = Path(root, "latest").read_text()
             local = Path(out)
     assert latest == f"{out}\n"
+    # The same upload on the same node: its workers loaded every kernel that the first job
+    # compiled there.
+    report = json.loads((local / "merge_report.json").read_text())
+    assert _kernels_compiled(report) == {}
     expected, _ = _expected_for(config, models)
     _assert_bytes_equal(local, expected)
     # Another unit budget, the same bytes as the documented command's output.
