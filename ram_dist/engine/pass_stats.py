@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,8 @@ class PassStats:
     front to back: downloaded, copied, checked)."""
     rounds_read: int = 0
     """Reduce rounds that read (not reported)."""
+    kernels_compiled: Counter[str] = field(default_factory=Counter)
+    """Kernel signatures the pass's tasks compiled, per kernel, summed over the workers."""
     timeline: PassTimeline = field(default_factory=PassTimeline)
     """Where the workers' time went (`engine.timeline`), from the tasks' clocks."""
 
@@ -113,6 +116,7 @@ class PassStats:
         self.fused_elements += result.fused_elements
         self.lora_formed += result.lora_formed
         self.lora_reused += result.lora_reused
+        self.kernels_compiled.update(result.kernels_compiled)
         self.bytes_read += sum(bytes_read)
         if not self.max_unit_bytes_read:
             self.max_unit_bytes_read = [0] * len(bytes_read)
@@ -133,6 +137,7 @@ class PassStats:
             "max_unit_bytes_read_per_input": self.max_unit_bytes_read,
             "fused_elements": self.fused_elements,
             "lora_products": {"formed": self.lora_formed, "reused": self.lora_reused},
+            "kernels_compiled": dict(sorted(self.kernels_compiled.items())),
             "bytes_fetched": self.bytes_read - self.cache_bytes_read,
             "cache_bytes_read": self.cache_bytes_read,
             "cache_bytes_written": self.cache_bytes_written,

@@ -51,6 +51,9 @@ class UnitResult:
     """Elements of LoRA task values whose product the task formed (`engine.kept_values`)."""
     lora_reused: int = 0
     """Elements of LoRA task values the task took as an earlier pass kept them."""
+    kernels_compiled: dict[str, int] = field(default_factory=dict)
+    """Kernel signatures the task's process compiled since its previous task, per kernel
+    (`kernels.shared_cache.take_compiled`): none where they were in numba's cache."""
 
 
 @dataclass

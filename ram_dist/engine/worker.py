@@ -22,6 +22,7 @@ from ram_dist.engine.kept_values import KeptValues, ProductCount
 from ram_dist.engine.memory import PeakMemory
 from ram_dist.engine.timeline import TaskClock
 from ram_dist.io.range_cache import Traffic
+from ram_dist.kernels import shared_cache
 
 if TYPE_CHECKING:
     from ram_dist.io.storage import Storage
@@ -56,11 +57,12 @@ def device() -> str:
 
 def ran_by() -> dict[str, Any]:
     """What a task's result says of where and how it ran (`UnitResult.gpus`, `worker`,
-    `attempt`)."""
+    `attempt`, `kernels_compiled`)."""
     return {
         "gpus": given_gpus() or (),
         "worker": f"{socket.gethostname()}:{os.getpid()}",
         "attempt": _attempt(),
+        "kernels_compiled": shared_cache.take_compiled(),
     }
 
 

@@ -12,7 +12,9 @@ INT4/INT8 inputs as stored, decoding each value as they load it (`views.kernel_v
 `primitives.load_span`), for every method that says so (`MergeMethod.reads_stored`).
 
 The kernels are compiled once per signature and CPU, into numba's disk cache (see
-`use_writable_cache`); `python -m ram_dist.kernels.warm` fills it ahead of the jobs.
+`use_writable_cache`); `python -m ram_dist.kernels.warm` fills it ahead of the jobs. The
+processes of a machine share the cache: one compiles a missing signature while the others
+wait for it (`shared_cache`).
 """
 
 from __future__ import annotations

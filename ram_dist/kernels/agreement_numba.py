@@ -31,6 +31,7 @@ from ram_dist.kernels.primitives import (
     load_tile_bases,
     tiles_of,
 )
+from ram_dist.kernels.shared_cache import share_compiles
 from ram_dist.kernels.views import ArrayLike, kernel_inputs
 
 #: `agreement.EXPONENTS`: one |tau| bin per float32 exponent (kernels import no method).
@@ -176,3 +177,6 @@ def warm_calls() -> Iterator[Call]:
 
     base, agents, _ = sample()
     yield _agreement_kernel, "records", partial(agreement_counts, base, agents, EPS)
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

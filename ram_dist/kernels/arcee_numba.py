@@ -32,6 +32,7 @@ from ram_dist.kernels.primitives import (
     store_span,
     tiles_of,
 )
+from ram_dist.kernels.shared_cache import share_compiles
 from ram_dist.kernels.views import ArrayLike, input_size, kernel_inputs, merge_records
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
@@ -266,3 +267,6 @@ def warm_calls() -> Iterator[Call]:
     yield _merge_kernel, "records", pick
     histograms = partial(histogram, np.zeros(N, np.float32), [0])
     yield _histogram_kernel, "arcee_fusion histograms", histograms
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

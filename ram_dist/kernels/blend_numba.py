@@ -37,6 +37,7 @@ from ram_dist.kernels.primitives import (
     store_span,
     tiles_of,
 )
+from ram_dist.kernels.shared_cache import share_compiles
 from ram_dist.kernels.views import ArrayLike, merge_records
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
@@ -259,3 +260,6 @@ def warm_calls() -> Iterator[Call]:
     yield _blend_kernel, "records", mix
     yield _stock_kernel, "records", partial(stock, base, agents, out, ts=[0.5])
     yield _nearswap_kernel, "records", partial(nearswap, base, agents[0], out, t=1.0, floor=1e-6)
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

@@ -22,6 +22,7 @@ from numba import njit
 
 from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.primitives import OPTIONS, load_tile_bases, tiles_of
+from ram_dist.kernels.shared_cache import share_compiles
 from ram_dist.kernels.vector_sums_numba import DELTAS, vectors
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
@@ -82,3 +83,6 @@ def warm_calls() -> Iterator[Call]:
     base, agents, _ = sample()
     by_column = partial(column_sums.fused_column_sums, base, agents, exact_sums.pairs_of(1), N // 2)
     yield column_gram, "exact sums per column", by_column
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

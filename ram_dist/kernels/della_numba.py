@@ -40,6 +40,7 @@ from ram_dist.kernels.primitives import (
     store_span,
     tiles_of,
 )
+from ram_dist.kernels.shared_cache import share_compiles
 from ram_dist.kernels.ties_numba import combine_scratch, combine_tile
 from ram_dist.kernels.views import ArrayLike, input_size, kernel_inputs, merge_records
 
@@ -413,3 +414,6 @@ def warm_calls() -> Iterator[Call]:
         consensus=True, normalize=True, divisor=1.0, lambda_=1.0,
     )  # fmt: skip
     yield _merge_kernel, "records", merged
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

@@ -49,6 +49,7 @@ from numba import njit
 
 from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.primitives import OPTIONS, bits, bits64
+from ram_dist.kernels.shared_cache import share_compiles
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -467,3 +468,6 @@ def warm_calls() -> Iterator[Call]:
     vectors, pairs = np.zeros((2, N), np.float32), exact_sums.pairs_of(2)
     yield gram, "exact sums", partial(exact_sums.gram, vectors, pairs)
     yield row_gram, "exact sums per row", partial(exact_sums.row_gram, vectors, pairs, N // 2)
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

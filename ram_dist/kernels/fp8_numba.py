@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit
 
 from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels.shared_cache import share_compiles
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -98,3 +99,6 @@ def encode(y, divisor, same, base_q, cols, bm, bn, out):  # noqa: ANN001, ANN201
                 code = np.uint32(0x7E) if mag >= _MAX_BITS else code
                 code = np.uint32(0x7F) if mag > _INF_BITS else code
                 out[at + j] = np.uint8(code | ((v >> 24) & np.uint32(0x80)))
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

@@ -17,6 +17,7 @@ from numba import njit
 
 from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.primitives import OPTIONS, bits, float_bits_to_bf16, float_bits_to_half
+from ram_dist.kernels.shared_cache import share_compiles
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -77,3 +78,6 @@ def warm_calls() -> Iterator[Call]:
         np.empty(32, np.uint16),
     )  # fmt: skip
     yield _decode, "INT4/INT8", packed
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

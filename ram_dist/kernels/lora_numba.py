@@ -34,6 +34,7 @@ from ram_dist.kernels.primitives import (
     round_bits,
     store,
 )
+from ram_dist.kernels.shared_cache import share_compiles
 
 if TYPE_CHECKING:
     from ram_dist.kernels.warm import Call
@@ -275,3 +276,6 @@ def _lora_stored() -> None:
     factors = np.zeros((4, 2), np.float32), np.zeros((2, 4), np.float32)
     base = fp8.Fp8Values(np.zeros(16, np.uint8), np.ones(1, np.float32), 4, (4, 4))
     lora.values(base, "F32", *factors, np.float32(1), 0, "BF16", np.empty(64, np.uint8))
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

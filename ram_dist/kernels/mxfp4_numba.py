@@ -19,6 +19,7 @@ from numba import njit
 from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.mxfp4 import E2M1, GROUP, NAN_SCALE
 from ram_dist.kernels.primitives import INF32, OPTIONS, bits, float32_of
+from ram_dist.kernels.shared_cache import share_compiles
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
@@ -81,3 +82,6 @@ def warm_calls() -> Iterator[Call]:
     codes, exponents = np.zeros(2 * 16, np.uint8), np.full(2, 127, np.uint8)
     decode = partial(decode_bf16, codes, exponents, 2, 1, np.empty(64, np.uint16))
     yield _decode, "MXFP4", decode
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

@@ -31,6 +31,7 @@ from ram_dist.kernels.primitives import (
     load_tile_bases,
     tiles_of,
 )
+from ram_dist.kernels.shared_cache import share_compiles
 from ram_dist.kernels.views import kernel_inputs
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
@@ -144,3 +145,6 @@ def warm_calls() -> Iterator[Call]:
 
     base, agents, _ = sample()
     yield _check_kernel, "records", partial(check_counts, [base, *agents], EPS)
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

@@ -80,6 +80,7 @@ from ram_dist.kernels.primitives import (
     store_span,
     tiles_of,
 )
+from ram_dist.kernels.shared_cache import share_compiles
 from ram_dist.kernels.views import ArrayLike, kernel_inputs, kernel_view, merge_records
 
 if TYPE_CHECKING:
@@ -460,3 +461,6 @@ def warm_calls() -> Iterator[Call]:
     target = Fp8Target(np.empty(N, np.uint8), "F32", scales, np.empty_like(scales))
     to_fp8 = partial(merge_ram_fp8, fp8_base, [fp8_base], EPS, [1.0], target)
     yield _merge_fp8_kernel, "records -> fp8", to_fp8
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

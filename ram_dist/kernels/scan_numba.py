@@ -17,6 +17,7 @@ from numba import njit
 
 from ram_dist.dtypes import FLOATING, INFO, ITEMSIZE
 from ram_dist.kernels import Call, use_writable_cache
+from ram_dist.kernels.shared_cache import share_compiles
 
 if TYPE_CHECKING:
     import torch
@@ -82,3 +83,6 @@ def warm_calls() -> Iterator[Call]:
     for name in ("bfloat16", "float32", "float64"):
         x = torch.zeros(N, dtype=getattr(torch, name))
         yield _count, name, partial(nonfinite_count, x)
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

@@ -47,6 +47,7 @@ from ram_dist.kernels.primitives import (
     task_vectors,
     tiles_of,
 )
+from ram_dist.kernels.shared_cache import share_compiles
 from ram_dist.kernels.views import ArrayLike, kernel_inputs, merge_records
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
@@ -296,3 +297,6 @@ def warm_calls() -> Iterator[Call]:
     base, agents, out = sample()
     yield _merge_kernel, "records", partial(merge, base, agents, out, weights=[1.0] * len(agents))
     yield _stats_kernel, "records", partial(statistics, base, agents, SQUARES)
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

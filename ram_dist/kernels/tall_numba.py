@@ -39,6 +39,7 @@ from ram_dist.kernels.primitives import (
     store_span,
     tiles_of,
 )
+from ram_dist.kernels.shared_cache import share_compiles
 from ram_dist.kernels.ties_numba import _in_top, combine_scratch, combine_tile
 from ram_dist.kernels.views import ArrayLike, merge_records
 
@@ -171,3 +172,6 @@ def warm_calls() -> Iterator[Call]:
         lambdas=[1.0] * n, k=1, start=0, consensus=True, normalize=True, divisor=1.0,
     )  # fmt: skip
     yield _tall_kernel, "records", merged
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

@@ -42,6 +42,7 @@ from ram_dist.kernels.primitives import (
     store_span,
     tiles_of,
 )
+from ram_dist.kernels.shared_cache import share_compiles
 from ram_dist.kernels.views import ArrayLike, kernel_inputs, merge_records
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
@@ -303,3 +304,6 @@ def warm_calls() -> Iterator[Call]:
         start=0, consensus=True, normalize=True, divisor=1.0, lambda_=1.0,
     )  # fmt: skip
     yield _merge_kernel, "records", merged
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

@@ -30,6 +30,7 @@ from ram_dist.kernels import Call, use_writable_cache
 from ram_dist.kernels.exact_sums import _POS_INF, _SPLIT, BINS
 from ram_dist.kernels.exact_sums_numba import TILE, _flush, _tile, _work
 from ram_dist.kernels.primitives import OPTIONS, load_tile_bases, tiles_of
+from ram_dist.kernels.shared_cache import share_compiles
 from ram_dist.kernels.views import ArrayLike, input_size, kernel_inputs
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
@@ -119,3 +120,6 @@ def warm_calls() -> Iterator[Call]:
 
     base, agents, _ = sample()
     yield _gram_kernel, "records", partial(gram, base, agents, DELTAS, [(0, 0)])
+
+
+share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -230,3 +231,107 @@ def test_the_docs_count_the_specializations_warm_compiles():
     text = (REPO / "docs" / "architecture.md").read_text()
     assert f"{total} signatures" in text
     assert f"{total} specializations" in " ".join(warm.__doc__.split())
+
+
+#: A process that compiles the finiteness scan's float32 signature into an empty cache, and
+#: holds the compile (numba's "numba:compile" event) until the file `go` exists, so that the
+#: waiters below ask for the same signature while it compiles.
+HOLDER = """
+import json, sys, time
+from pathlib import Path
+import numpy as np
+from numba.core import event
+from ram_dist.kernels import scan_numba, shared_cache
+here = Path(sys.argv[1])
+
+class Hold(event.Listener):
+    def on_start(self, ev):
+        (here / "compiling").touch()
+        while not (here / "go").exists():
+            time.sleep(0.01)
+    def on_end(self, ev):
+        pass
+
+event.register("numba:compile", Hold())
+scan_numba.nonfinite_in(np.zeros(64, np.uint8), "F32")
+s = scan_numba._count.stats
+print(json.dumps([sum(s.cache_hits.values()), sum(s.cache_misses.values()),
+                  shared_cache.take_compiled()]))
+"""
+
+#: A process that asks for the same signature while the holder compiles it.
+WAITER = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from ram_dist.kernels import scan_numba, shared_cache
+(Path(sys.argv[1]) / f"calling-{sys.argv[2]}").touch()
+scan_numba.nonfinite_in(np.zeros(64, np.uint8), "F32")
+s = scan_numba._count.stats
+print(json.dumps([sum(s.cache_hits.values()), sum(s.cache_misses.values()),
+                  shared_cache.take_compiled()]))
+"""
+
+
+def _spawn(code: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    unset = ("NUMBA_CACHE_DIR", "PYTHONPATH", "XDG_CACHE_HOME")
+    environ = {k: v for k, v in os.environ.items() if k not in unset} | env
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], env=environ, cwd=REPO, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def _wait_for(path: Path, procs: list[subprocess.Popen]) -> None:
+    """Until `path` exists (no time limit of its own: a process that died fails the test)."""
+    while not path.exists():
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"exited {p.returncode}: {p.stderr.read()}")
+        time.sleep(0.01)
+
+
+def test_the_processes_of_a_machine_compile_a_signature_once(tmp_path):
+    """While one process compiles a kernel signature that is in no cache, two others that
+    need it wait and then load it from the cache it wrote: one compile, not three (without
+    `shared_cache`, each would compile its own, as Ray workers of a node did)."""
+    cache, signals = tmp_path / "cache", tmp_path / "signals"
+    signals.mkdir()
+    env = {"NUMBA_CACHE_DIR": str(cache)}
+    holder = _spawn(HOLDER, [str(signals)], env)
+    _wait_for(signals / "compiling", [holder])
+    waiters = [_spawn(WAITER, [str(signals), str(i)], env) for i in range(2)]
+    for i in range(2):
+        _wait_for(signals / f"calling-{i}", [holder, *waiters])
+    (signals / "go").touch()
+    results = []
+    for p in [holder, *waiters]:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.splitlines()[-1]))
+    assert results[0] == [0, 1, {"scan_numba._count": 1}]
+    assert results[1:] == [[1, 0, {}], [1, 0, {}]]
+    assert list(cache.glob("*/scan_numba._count.compiling.lock"))
+
+
+def test_every_cached_kernel_shares_its_compiles():
+    """Each kernel module ends with `share_compiles(globals())`: every `cache=True` kernel of
+    `ram_dist/kernels/` has its compiles shared."""
+    import importlib
+    import pkgutil
+
+    from numba.core.caching import NullCache
+    from numba.core.dispatcher import Dispatcher
+
+    import ram_dist.kernels as package
+    from ram_dist.kernels import shared_cache
+
+    cached = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, Dispatcher) and value.py_func.__module__ == module.__name__:
+                if not isinstance(value._cache, NullCache):
+                    cached[warm.name_of(value)] = value
+    assert set(warm.dispatchers()) <= set(cached)
+    assert [name for name, k in cached.items() if not shared_cache.is_shared(k)] == []

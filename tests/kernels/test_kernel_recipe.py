@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ram_dist import kernels
-from ram_dist.kernels import warm
+from ram_dist.kernels import shared_cache, warm
 
 pytest.importorskip("numba")
 
@@ -29,6 +29,7 @@ from functools import partial
 import numpy as np
 from numba import njit
 
+from ram_dist.kernels.shared_cache import share_compiles
 from ram_dist.kernels.warm import N, Call
 
 
@@ -48,6 +49,9 @@ def warm_calls() -> Iterator[Call]:
     """One signature per width the wrapper is called with."""
     for dtype in (np.float32, np.float64):
         yield _double, np.dtype(dtype).name, partial(double, np.zeros(N, dtype))
+
+
+share_compiles(globals())
 '''
 
 
@@ -68,6 +72,7 @@ def toy_kernel(tmp_path, monkeypatch):
 def test_a_new_kernel_module_is_warmed_with_no_other_change(toy_kernel, capsys):
     before = sum(1 for _ in warm.calls())
     assert "toy_numba._double" in warm.dispatchers()
+    assert shared_cache.is_shared(warm.dispatchers()["toy_numba._double"])
     toy = [
         label for kernel, label, _ in warm.calls() if warm.name_of(kernel) == "toy_numba._double"
     ]
