@@ -76,13 +76,13 @@ def test_the_parameter_table_has_every_method_s_every_parameter_with_its_default
 def test_the_kernel_table_says_what_the_engine_asks_of_each_method():
     """A map pass is "fused kernels" where the method gives `fused_merge` and its `fuses`
     takes a tensor at the defaults: della's, breadcrumbs' and DARE's are (DARE's round too,
-    its draws in the kernel); passthrough's is not (`tests/engine/test_fp8_in_kernels.py`
-    sees which decode FP8 inputs)."""
+    its draws in the kernel), and passthrough's (a copy of the model's bytes, which reaches
+    it decoded: `tests/engine/test_fp8_in_kernels.py` sees which decode FP8 inputs)."""
     cells = {name: flag_table.kernel_cells(m) for name, m in METHODS.items()}
     assert cells["della"][1] == cells["breadcrumbs"][1] == "fused kernels"
     assert cells["ram_plus"][:2] == ("at most 1, on fused kernels", "fused kernels")
     assert cells["dare_ties"][:3] == ("at most 1, on fused kernels", "fused kernels", "as stored")
-    assert cells["passthrough"][1:3] == ("the eager rule", "decoded")
+    assert cells["passthrough"][1:3] == ("fused kernels", "decoded")
     assert cells["ties"][0] == "at most 4, on fused kernels"
     assert cells["consensus_ta"][1] == cells["consensus_ties"][1] == "fused kernels"
     assert cells["task_arithmetic"][0] == "the input check only"

@@ -47,7 +47,9 @@ def _fused(name: str) -> bool:
 
 
 def test_every_method_with_fused_kernels_reads_the_stored_form():
-    fused = {name for name in METHODS if _fused(name)}
+    """passthrough's map pass is a copy of the model's bytes, not a kernel that decodes: a
+    quantized model reaches it decoded (test_passthrough_copy)."""
+    fused = {name for name in METHODS if _fused(name)} - {"passthrough"}
     stored = {name for name, m in METHODS.items() if m.reads_stored}
     assert stored == fused
     assert {name for name, m in METHODS.items() if m.writes_fp8} <= {
