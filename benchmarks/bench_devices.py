@@ -1,5 +1,6 @@
 """Where the units run: the passes of one merge with `--device cpu`, `auto` and `cuda`, in one
-run, for a method the fused kernels take (`ram_plus`) and one they do not (`dare_ties`).
+run, for a method the fused kernels take (`ram_plus`) and one they do not (`ties` with L1
+rescaling, density 0.5).
 
 Takes the bf16 base and three agents of `benchmarks.inputs` (a Llama of ``--params``
 parameters per checkpoint) and merges them in this process on a Ray it starts: with the
@@ -38,7 +39,7 @@ def merge(folder: Path, out: Path, method: str, device: str) -> dict:
     from ram_dist.planning.config import MergeConfig
 
     names = model_names()
-    params = {"density": 0.5} if method == "dare_ties" else {}
+    params = {"density": 0.5, "rescale": True} if method == "ties" else {}
     config = MergeConfig(
         base=str(folder / names[0]), tasks=tuple(str(folder / n) for n in names[1:]),
         out=str(out), method=method, parameters=params, device=device, overwrite=True,
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cpus", type=int, default=None, help="Ray's CPUs (default: all)")
     p.add_argument("--fake-gpus", type=int, default=None, help="GPUs Ray is told exist")
-    p.add_argument("--method", action="append", default=None, help="ram_plus and dare_ties")
+    p.add_argument("--method", action="append", default=None, help="ram_plus and ties")
     args = p.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     models = ensure_models(args.workdir, args.params, int(1e9), 0)
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     if gpus == 0:
         raise SystemExit("no GPU: run on a machine with one, or pass --fake-gpus N")
     rows = []
-    for method in args.method or ["ram_plus", "dare_ties"]:
+    for method in args.method or ["ram_plus", "ties"]:
         runs: dict[str, list[dict]] = {d: [] for d in DEVICES}
         # untimed: compiles the kernels and starts the CPU workers, which every device reuses
         merge(models.folder, args.workdir / f"out-{method}-warm", method, "cpu")

@@ -1,17 +1,19 @@
-"""model_stock's, sce's, arcee_fusion's, the consensus methods', linear's and nearswap's
-fused map passes (and arcee_fusion's fused KL round) against their eager torch rule on one
-tensor, without I/O.
+"""model_stock's, sce's, arcee_fusion's, the consensus methods', linear's, nearswap's,
+DARE's and passthrough's fused map passes (and arcee_fusion's fused KL round and DARE's L1
+round) against their eager torch rule on one tensor, without I/O.
 
 One tensor of `--rows` x `--cols` (default 4096 x 4096, bf16): a synthetic base and RL-like
 agents (task-vector densities about 3 %, 46 %, 54 %, ...; `ram_dist.synthetic`), `--tasks`
-of them for model_stock, sce and the consensus methods, three for linear, the first one
-for arcee_fusion and nearswap (they merge one model); each method's parameters at their
+of them for model_stock, sce, the consensus methods and DARE, three for linear, the first
+one for arcee_fusion, nearswap and passthrough (they merge one model); each method's
+parameters at their
 defaults but those a case sets. The method's reduce rounds run first, on the whole tensor
 as one chunk; then the map pass is timed as the engine runs it on the CPU:
 `merge_chunk(...).to(out_dtype)` (eager) against `fused_merge` writing the output dtype
 (fused), alternating, `--repeats` times, on one thread, and the two outputs are checked for
 byte equality. arcee_fusion's first round (its importances, with each row's KL, and their
-histogram) is timed the same way, with the two statistics checked for equality.
+histogram) and DARE's (the L1 sums of each task vector and of its kept part, for the
+rescale) are timed the same way, with the two statistics checked for equality.
 
     python -m benchmarks.bench_method_maps --rows 4096 --cols 4096 --tasks 3 --repeats 3
 
@@ -45,6 +47,9 @@ CASES: tuple[tuple[str, str, dict[str, Any], int | None], ...] = (
     ("consensus_ties density 0.5 k 2", "consensus_ties", {"density": 0.5, "k": 2}, None),
     ("linear", "linear", {"weight": [1.0, 0.5, 0.25], "normalize": True}, 3),
     ("nearswap t 0.01", "nearswap", {"t": 0.01}, 1),
+    ("dare_linear density 0.5", "dare_linear", {"density": 0.5}, None),
+    ("dare_ties density 0.5", "dare_ties", {"density": 0.5}, None),
+    ("passthrough", "passthrough", {}, 1),
 )
 
 
@@ -105,6 +110,8 @@ def passes(
     found = [(f"{label}: map", eager_map, fused_map)]
     if method.name == "arcee_fusion":
         found.append((f"{label}: round 1 (KL, histogram)", eager_round, fused_round))
+    if method.name in ("dare_linear", "dare_ties"):
+        found.append((f"{label}: round 1 (L1 sums)", eager_round, fused_round))
     return found
 
 

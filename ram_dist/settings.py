@@ -204,9 +204,10 @@ class HowToRun:
     )  # fmt: skip
     device: str = setting(
         "auto", help="auto: every CPU with the fused kernels; the units of tensors that need "
-        "the eager rule (dare_*, L1 rescaling, float64) or have LoRA products to compute on "
-        "one worker per GPU, where the cluster has GPUs; cpu: every unit on the CPUs; cuda: "
-        "every unit on the GPU workers, or refuse to start without GPUs", flag="--device",
+        "the eager rule (TIES's and breadcrumbs' L1 rescaling, float64) or have LoRA "
+        "products to compute on one worker per GPU, where the cluster has GPUs; cpu: every "
+        "unit on the CPUs; cuda: every unit on the GPU workers, or refuse to start without "
+        "GPUs", flag="--device",
         choices=DEVICES, yaml_key="device",
     )  # fmt: skip
     address: str | None = setting(

@@ -75,13 +75,14 @@ def test_the_parameter_table_has_every_method_s_every_parameter_with_its_default
 
 def test_the_kernel_table_says_what_the_engine_asks_of_each_method():
     """A map pass is "fused kernels" where the method gives `fused_merge` and its `fuses`
-    takes a tensor at the defaults: della's and breadcrumbs' are, DARE's is not, nor is its
-    round (its draws are the eager rule's: `tests/engine/test_fp8_in_kernels.py` sees it
-    decode FP8 inputs)."""
+    takes a tensor at the defaults: della's, breadcrumbs' and DARE's are (DARE's round too,
+    its draws in the kernel), and passthrough's (a copy of the model's bytes, which reaches
+    it decoded: `tests/engine/test_fp8_in_kernels.py` sees which decode FP8 inputs)."""
     cells = {name: flag_table.kernel_cells(m) for name, m in METHODS.items()}
     assert cells["della"][1] == cells["breadcrumbs"][1] == "fused kernels"
     assert cells["ram_plus"][:2] == ("at most 1, on fused kernels", "fused kernels")
-    assert cells["dare_ties"][:3] == ("at most 1, on the eager rule", "the eager rule", "decoded")
+    assert cells["dare_ties"][:3] == ("at most 1, on fused kernels", "fused kernels", "as stored")
+    assert cells["passthrough"][1:3] == ("fused kernels", "decoded")
     assert cells["ties"][0] == "at most 4, on fused kernels"
     assert cells["consensus_ta"][1] == cells["consensus_ties"][1] == "fused kernels"
     assert cells["task_arithmetic"][0] == "the input check only"
@@ -451,7 +452,8 @@ def test_the_retries_resume_md_states_are_the_engine_s():
 
 def test_which_kernels_read_quantized_inputs_as_stored_is_what_the_readme_says():
     """Only RAM's kernels write FP8; every method with kernels reads quantized inputs as
-    stored, as the README says."""
+    stored, as the README says (passthrough's `fused_merge` is a copy of the model's bytes,
+    no kernel: a quantized model reaches it decoded)."""
     from ram_dist.methods import ram
 
     text = " ".join((ROOT / "README.md").read_text().split())
@@ -462,7 +464,7 @@ def test_which_kernels_read_quantized_inputs_as_stored_is_what_the_readme_says()
     with_kernels = {
         name for name, m in METHODS.items()
         if flag_table._offers(m, "fused_statistics") or flag_table._offers(m, "fused_merge")
-    }  # fmt: skip
+    } - {"passthrough"}  # fmt: skip
     stored = {name for name, m in METHODS.items() if getattr(m, "reads_stored", False)}
     assert with_kernels and stored == with_kernels
 

@@ -145,12 +145,10 @@ def _offers(method: Any, member: str) -> bool:
 
 def kernel_cells(method: Any) -> tuple[str, str, str, str]:
     """What the fused path runs of a method: its reduce rounds (how many at most, and on
-    what: `fused_rounds`, where a method says so, else whether it gives `fused_statistics`),
-    its map pass at the defaults, how a quantized input reaches its kernels
-    (`reads_stored`, `writes_fp8`; "decoded" where no kernel runs), and when the map pass's
-    kernels take a tensor (`fuses`' docstring)."""
-    fused_rounds = _offers(method, "fused_statistics") and getattr(method, "fused_rounds", True)
-    how = "fused kernels" if fused_rounds else "the eager rule"
+    what: whether it gives `fused_statistics`), its map pass at the defaults, how a
+    quantized input reaches its kernels (`reads_stored`, `writes_fp8`; "decoded" where no
+    kernel runs), and when the map pass's kernels take a tensor (`fuses`' docstring)."""
+    how = "fused kernels" if _offers(method, "fused_statistics") else "the eager rule"
     rounds = f"at most {method.rounds}, on {how}" if method.rounds else "the input check only"
     fused = _offers(method, "fused_merge") and method.fuses(default_params(method))
     when = ""

@@ -10,7 +10,7 @@ output, whatever its dtype), so each of them has one specialization; the others 
 their arrays: the finiteness scan per width, the LoRA product per pair of dtypes, the exact
 sums of products, arcee_fusion's histograms, and MXFP4's and packed INT4/INT8's decoding
 (the eager path's). This calls every kernel through its public wrapper, on tiny inputs, so
-that the signatures are exactly those a job meets: 31 specializations in all (about a
+that the signatures are exactly those a job meets: 33 specializations in all (about a
 minute on one core of the development machine). Each kernel module declares its kernels'
 calls in a function `warm_calls()`, which this collects (`calls`).
 

@@ -11,6 +11,12 @@ The job's base (`--base`, or a config's first model when it has no `base_model`)
 output's layout, as for `linear`; the one task (`--task`) is the model passed through. A
 config `models: [{model: M, parameters: {scale: ...}}]` with no `base_model` takes M for
 both. The base's values are never used.
+
+On the CPU, where the scale is 1 and the output keeps the model's dtype, the map pass is a
+copy of the model's stored bytes (`fused_merge`): no float arithmetic, so a NaN's payload
+(a signalling one's too) is kept bit for bit, where the eager rule's casts through float32
+may quiet it or write the canonical bf16 NaN (docs/exactness.md, "NaN bytes"); every other
+value's bytes are the same.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ram_dist.methods.parameters import Parameter
-from ram_dist.methods.protocol import MergekitRule, NoStatistics
+from ram_dist.methods.protocol import MergekitRule, NoStatistics, TensorParams
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import numpy as np
     import torch
 
     from ram_dist.methods.protocol import ChunkWork
@@ -61,6 +70,30 @@ class Passthrough(MergekitRule, NoStatistics):
         if len(tasks) != 1:
             raise ValueError(f"passthrough takes one model, got {len(tasks)}")
         return merge_chunk(tasks[0], float(params["scale"][0]))
+
+    def fuses(self, params: TensorParams) -> bool:
+        """The map pass is a copy of the model's stored bytes where its scale is 1 and the
+        output keeps its dtype; else the eager rule."""
+        return all(float(s) == 1 for s in params["scale"])
+
+    def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
+        """The model's stored bytes copied into `out` where they are the rule's result (scale
+        1, the output the model's dtype: the same numpy type, as the engine hands them);
+        False otherwise."""
+        import numpy as np
+
+        if len(inputs) != 2:
+            raise ValueError(f"passthrough takes one model, got {len(inputs) - 1}")
+        task = inputs[1]
+        if (
+            not self.fuses(work.params)
+            or not isinstance(task, np.ndarray)
+            or task.dtype != out.dtype
+            or task.shape != out.shape
+        ):
+            return False
+        np.copyto(out.view(np.uint8), task.view(np.uint8))  # bytes: no float arithmetic
+        return True
 
 
 #: `passthrough`, as `ram_dist.methods.METHODS` lists it.

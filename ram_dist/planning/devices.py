@@ -2,10 +2,10 @@
 
 Merging is bound by storage, not arithmetic: the fused CPU kernels pass about 0.7 GB/s per
 core, so the tensors they take are merged on the CPUs, every CPU, even on a cluster with
-GPUs. The GPUs pay for the tensors that need the eager torch rule (DARE's random masks, L1
-rescaling, float64, `--kernels eager`), and for LoRA tasks' products (r multiplies and adds
-per element, in both passes: compute, not storage): with `--device auto` the units holding
-one go to the GPU workers (one long-lived process per GPU, `engine.gpu`, where torch makes
+GPUs. The GPUs pay for the tensors that need the eager torch rule (TIES's and breadcrumbs'
+L1 rescaling, float64, `--kernels eager`), and for LoRA tasks' products (r multiplies and
+adds per element, in both passes: compute, not storage): with `--device auto` the units
+holding one go to the GPU workers (one long-lived process per GPU, `engine.gpu`, where torch makes
 the products: `kernels.lora.compute_on`), the others to the CPUs the GPU workers leave.
 `cpu` runs every unit on the CPUs; `cuda` every unit on the GPUs, and refuses a cluster
 without any. The bytes are the same wherever a unit runs.

@@ -135,11 +135,10 @@ def test_which_tensors_need_the_eager_rule(inputs, tmp_path):
 
     assert choice(method="ram_plus").device == "cpu"
     assert choice(method="ties", parameters={"density": 0.5}).device == "cpu"
-    dare = choice(method="dare_ties", parameters={"density": 0.5})
-    assert dare.device == "cuda"
-    assert "need the eager rule (dare_ties has no fused kernel" in dare.reason
+    assert choice(method="dare_ties", parameters={"density": 0.5}).device == "cpu"
     rescaled = choice(method="ties", parameters={"density": 0.5, "rescale": True})
     assert rescaled.device == "cuda"
+    assert "need the eager rule (ties has no fused kernel" in rescaled.reason
     eager = choice(method="ram_plus", kernels="eager")
     assert "3 of 3 merged tensors need the eager rule (--kernels eager)" in eager.reason
     assert choice(method="ram_plus", out_dtype="float64").device == "cpu"  # kernels write F64
@@ -154,7 +153,7 @@ def test_which_tensors_need_the_eager_rule(inputs, tmp_path):
     )
     # units of a tensor that needs the eager rule go to the GPUs, the others stay
     unit = WorkUnit(0, "model.safetensors", (Piece("a.weight", 0, 4),))
-    assert dare.on_gpu([unit]) and not choice(method="ram_plus").on_gpu([unit])
+    assert rescaled.on_gpu([unit]) and not choice(method="ram_plus").on_gpu([unit])
 
 
 def test_the_setting_from_flags_yaml_and_config(inputs, tmp_path):
@@ -308,15 +307,17 @@ def test_auto_keeps_fused_work_on_the_cpus(inputs, fake_gpus, tmp_path):
     assert json.loads(text)["device"] == reports["auto"]["device"]
 
 
-def test_dare_ties_on_the_gpus_starts_two_processes_for_the_whole_job(inputs, fake_gpus, tmp_path):
+def test_rescaled_ties_on_the_gpus_starts_two_processes_for_the_whole_job(
+    inputs, fake_gpus, tmp_path
+):
     from ram_dist.api import run_merge
 
-    params = {"density": 0.5}
+    params = {"density": 0.5, "rescale": True}
     shards, reports = {}, {}
     for device in ("cuda", "auto", "cpu"):
         out = tmp_path / device
         config = _config(
-            inputs, out, device=device, unit_budget_bytes=UNIT, method="dare_ties",
+            inputs, out, device=device, unit_budget_bytes=UNIT, method="ties",
             parameters=params,
         )  # fmt: skip
         reports[device] = run_merge(config).data
@@ -331,7 +332,7 @@ def test_dare_ties_on_the_gpus_starts_two_processes_for_the_whole_job(inputs, fa
         assert reduce["units_on_gpu"] == reduce["units"]  # the NaN/Inf check round
         assert map_["worker_processes_started"] == 0  # the reduce pass's, kept
         assert len(map_["gpu_ids"]) == 2
-    assert "dare_ties has no fused kernel" in reports["auto"]["device"]["reason"]
+    assert "ties has no fused kernel" in reports["auto"]["device"]["reason"]
     assert reports["cpu"]["passes"]["map"]["units_on_gpu"] == 0
 
 
@@ -428,9 +429,9 @@ def test_plan_says_the_device(inputs, fake_gpus, tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "device: cpu (auto: the fused CPU kernels take every merged tensor" in printed
-    assert main([*argv, "--method", "dare_linear", "--density", "0.5"]) == 0
+    assert main([*argv, "--method", "ties", "--density", "0.5", "--rescale"]) == 0
     printed = capsys.readouterr().out
-    assert "device: cuda (auto: 3 of 3 merged tensors need the eager rule (dare_linear" in printed
+    assert "device: cuda (auto: 3 of 3 merged tensors need the eager rule (ties" in printed
     assert not (tmp_path / "p").exists()
 
 

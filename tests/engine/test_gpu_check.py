@@ -47,7 +47,7 @@ def test_the_devices_table_comes_from_bench_devices(checked):
     assert blank == "" and header.startswith("| method |") and rule.startswith("|---")
     cells = [r.strip("|").split("|") for r in rows]
     assert [(c[0].strip(), c[1].split()[0]) for c in cells] == [
-        (m, d) for m in ("ram_plus", "dare_ties") for d in ("cpu", "auto", "cuda")
+        (m, d) for m in ("ram_plus", "ties") for d in ("cpu", "auto", "cuda")
     ]
     assert all(c[3].strip() == "1.00x" for c in cells if c[1].split()[0] == "cpu")
 

@@ -53,10 +53,14 @@ pickle.dump(out, open(sys.argv[2], "wb"))
 """
 
 
-def _job(tmp_path, method: str):
+def _job(tmp_path, method: str, **kw):
     base_dir, task_dirs, base, tasks = build_model_set(tmp_path, kind="qwen2")
     config = MergeConfig(
-        base=str(base_dir), tasks=tuple(map(str, task_dirs)), method=method, unit_budget_bytes=4000
+        base=str(base_dir),
+        tasks=tuple(map(str, task_dirs)),
+        method=method,
+        unit_budget_bytes=4000,
+        **kw,
     )
     return driver.prepare(config), base, tasks
 
@@ -103,8 +107,8 @@ def test_fused_ram_plus_worker_runs_without_torch(tmp_path) -> None:
 
 
 def test_eager_method_in_the_same_worker_needs_torch(tmp_path) -> None:
-    """dare_ties has no fused merge: the same worker fails on `import torch`."""
-    job, _, _ = _job(tmp_path, "dare_ties")
+    """With `--kernels eager` (the eager rule), the same worker fails on `import torch`."""
+    job, _, _ = _job(tmp_path, "ram_plus", kernels="eager")
     state = job.initial_state()
     args = {
         "units": tuple(job.units[:1]), "layout": job.layout, "storage": job.storage,

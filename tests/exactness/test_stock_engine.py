@@ -45,6 +45,7 @@ CASES = [
     ("arcee_fusion", 1, {}, {}),
     ("nearswap", 1, {"t": 0.003}, {"t": 0.003}),
     ("passthrough", 1, {}, {"scale": 0.5}),
+    ("passthrough", 1, {}, {"scale": 1.0}),  # fused: a copy of the model's bytes
 ]
 
 
@@ -57,7 +58,7 @@ def test_engine_gives_the_reference_bytes_at_any_split(
     task_parameters = ()
     if method == "passthrough":  # the layout from the model itself; its scale per task
         base_dir = task_dirs[0]
-        task_parameters = ({"scale": 0.5},)
+        task_parameters = ({"scale": reference_params["scale"]},)
     expected = ref.merge(method, base, tasks, reference_params)
     digests = set()
     for budget, workers, kernels in SPLITS:

@@ -27,6 +27,7 @@ numba = pytest.importorskip("numba")
 from ram_dist.kernels import (  # noqa: E402
     arcee_numba,
     blend_numba,
+    dare_numba,
     della_numba,
     ram_numba,
     sce_numba,
@@ -46,7 +47,9 @@ def _fused(name: str) -> bool:
 
 
 def test_every_method_with_fused_kernels_reads_the_stored_form():
-    fused = {name for name in METHODS if _fused(name)}
+    """passthrough's map pass is a copy of the model's bytes, not a kernel that decodes: a
+    quantized model reaches it decoded (test_passthrough_copy)."""
+    fused = {name for name in METHODS if _fused(name)} - {"passthrough"}
     stored = {name for name, m in METHODS.items() if m.reads_stored}
     assert stored == fused
     assert {name for name, m in METHODS.items() if m.writes_fp8} <= {
@@ -117,14 +120,14 @@ def test_the_stored_form_gives_the_decoded_copy_s_bytes(base, case, monkeypatch)
 
 
 def test_no_fma_in_the_kernels_compiled_for_stored_forms():
-    """TIES's, DELLA's, the blend's (linear's too), model_stock's, nearswap's, sce's, arcee_fusion's
-    and the statistics' exact sums' code for a stored base has no FMA. Their signature is records
-    (every kind's loaders in one): each kernel, called here on each stored base and on its decoded
-    copy (a plain array), holds one specialization, the one plain inputs give it, whose code each
-    kernel's own no-FMA test compiles uncached and inspects (test_ties_kernels, test_sparse_kernels,
-    test_blend_kernels, test_sce_kernels, test_arcee_kernels); it is not compiled a second time
-    here. The Gram kernel, which only the stored-form tests call, is compiled here (uncached) and
-    inspected."""
+    """TIES's, DARE's, DELLA's, the blend's (linear's too), model_stock's, nearswap's, sce's,
+    arcee_fusion's and the statistics' exact sums' code for a stored base has no FMA. Their
+    signature is records (every kind's loaders in one): each kernel, called here on each stored
+    base and on its decoded copy (a plain array), holds one specialization, the one plain inputs
+    give it, whose code each kernel's own no-FMA test compiles uncached and inspects
+    (test_ties_kernels, test_dare_kernels, test_sparse_kernels, test_blend_kernels,
+    test_sce_kernels, test_arcee_kernels); it is not compiled a second time here. The Gram
+    kernel, which only the stored-form tests call, is compiled here (uncached) and inspected."""
     from numba import njit
 
     from ram_dist.kernels import primitives
@@ -135,8 +138,8 @@ def test_no_fma_in_the_kernels_compiled_for_stored_forms():
         for first in (base.stored(0, base.numel), base.decoded):
             _call_every_record_kernel(first, agents, base.numel, base.shape[-1])
     arcee = (arcee_numba._importance_kernel, arcee_numba._merge_kernel)
-    kernels = (*ties_numba.KERNELS, *della_numba.KERNELS, *blend_numba.KERNELS, *sce_numba.KERNELS,
-               *vector_sums_numba.KERNELS)  # fmt: skip
+    kernels = (*ties_numba.KERNELS, *dare_numba.KERNELS, *della_numba.KERNELS,
+               *blend_numba.KERNELS, *sce_numba.KERNELS, *vector_sums_numba.KERNELS)  # fmt: skip
     for kernel in (*kernels, *arcee):
         assert len(kernel.signatures) == 1, (kernel, kernel.signatures)
     for kernel in vector_sums_numba.KERNELS:
@@ -154,6 +157,10 @@ def _call_every_record_kernel(first, agents: list, numel: int, row: int) -> None
     ties_numba.merge(first, agents, out, weights=[0.5, 0.25], keep=[2, 0],
                      cuts=[(0, -1)] * 2, start=0, consensus=True, normalize=True,
                      divisor=1.0, lambda_=0.5)  # fmt: skip
+    draws = dict(start=0, stream_keys=[1, None], thresholds=[1 << 23, 0])
+    dare_numba.statistics(first, agents, **draws)
+    dare_numba.merge(first, agents, out, **draws, factors=[1.5, None], weights=[0.5, 0.25],
+                     consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
     kw = dict(start=0, groups=(numel, 1), stream_keys=[1, None], densities=[0.5, 1.0],
               epsilons=[0.1, 0.1])  # fmt: skip
     della_numba.statistics(first, agents, **kw)

@@ -105,17 +105,12 @@ def test_density_edges_and_consensus_fused_equal_eager() -> None:
 
 
 def test_fused_declines_what_it_does_not_compute() -> None:
-    """L1 rescaling and DARE stay on the eager path (`fused_merge` says False); float64
-    inputs never reach it (the engine asks the kernels first)."""
+    """TIES's L1 rescaling stays on the eager path (`fused_merge` says False; DARE's has
+    kernels of its own, test_dare_kernels); float64 inputs never reach it (the engine asks
+    the kernels first)."""
     base, tasks = sparse_inputs(100, (F32, F32, F32), seed=1)
     out = torch.empty(100, dtype=F32)
     chunk = Chunk("w", 0, (100,))
-    dare = get_method("dare_ties")
-    dare_params = {"weight": [1.0, 1.0], "density": [0.5, 0.5], "normalize": True,
-                   "lambda": 1.0, "rescale": True, "seed": 0}  # fmt: skip
-    assert not dare.fused_merge(ChunkWork(chunk, dare_params, {}), [base, *tasks], out)
-    work = ChunkWork(chunk, dare_params, {}, 0, count_nonfinite=True)
-    assert dare.fused_statistics(work, [base, *tasks]) is None
     assert not kernels.handle(["F64", "F32"]) and kernels.handle(["F32", "BF16"], "F64")
     params = ties_params(2, rescale=True, density=[0.5, 0.5])
     _, state, _ = run("ties", params, base, tasks, [0, 100], False, F32)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ram_dist.errors import RamDistError
-from ram_dist.methods.generalized_task_arithmetic import combine, dare, tall, ties, topk
+from ram_dist.methods.generalized_task_arithmetic import combine, dare, rng, tall, ties, topk
 from ram_dist.methods.parameters import (
     DENSITY,
     INT8_MASK,
@@ -85,7 +85,7 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
     summary: str = ""
     tall: bool = False  # mergekitty's consensus_*: TALL masks (`tall`), lambda their threshold
     reads_stored: bool = True
-    """Its kernels (`ties_numba`, `tall_numba`) read quantized inputs as stored."""
+    """Its kernels (`ties_numba`, `tall_numba`, `dare_numba`) read quantized inputs as stored."""
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -117,13 +117,6 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
     @property
     def rounds(self) -> int:
         return {None: 0, "random": 1, "magnitude": 4}[self.sparsify]
-
-    @property
-    def fused_rounds(self) -> bool:
-        """Whether `fused_statistics` computes the rounds (TIES's histograms): DARE's draws
-        run the eager rule, so its inputs are decoded in its round too (docs/methods.md's
-        kernel table says so, `cli.flag_table.kernel_cells`)."""
-        return self.sparsify != "random"
 
     @property
     def rounds_note(self) -> str:
@@ -300,9 +293,15 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
     def fused_statistics(
         self, work: ChunkWork, inputs: Sequence[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], None] | None:
-        """TIES's histograms by the fused kernel; None for DARE's and the L1 statistics of
-        rescaling, which it does not compute."""
+        """TIES's histograms by its fused kernel, DARE's L1 statistics by its own
+        (`dare_numba`); None for TIES's L1 statistics of rescaling, which no kernel computes."""
         round_, chunk, state = work.round_, work.chunk, work.state
+        if self.sparsify == "random":
+            from ram_dist.kernels import dare_numba
+
+            base, *tasks = inputs
+            stats = dare_numba.statistics(base, tasks, start=chunk.start, **_draws(work))
+            return {chunk.tensor: stats}, None
         if self.sparsify != "magnitude":
             return None
         info = state["tensors"][chunk.tensor]
@@ -312,10 +311,10 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
 
     def fused_merge(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`merge_chunk` by a fused kernel, written straight into `out`; False where none
-        applies (DARE; L1 rescaling, but for the TALL members, whose kernel scales)."""
+        applies (TIES's L1 rescaling, but for the TALL members, whose kernel scales)."""
         chunk, params, state, bf16_nan = work.chunk, work.params, work.state, work.bf16_nan
         if self.sparsify == "random":
-            return False
+            return self._dare_fused(work, inputs, out)
         if self.tall:
             return self._tall_fused(work, inputs, out)
         from ram_dist.kernels import ties_numba
@@ -344,6 +343,24 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
         )  # fmt: skip
         return True
 
+    def _dare_fused(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
+        """`dare.merge_chunk` by `dare_numba`'s kernel (the draws, the L1 factors, if any,
+        and the combine step)."""
+        from ram_dist.kernels import dare_numba
+
+        params = work.params
+        info = work.state["tensors"][work.chunk.tensor]
+        weights = _weights(params)
+        base, *tasks = inputs
+        dare_numba.merge(
+            base, tasks, out, start=work.chunk.start, **_draws(work),
+            factors=info.get("factors") or [None] * len(tasks), weights=weights,
+            consensus=self.consensus, normalize=bool(params["normalize"]),
+            divisor=weight_sum(weights), lambda_=float(params["lambda"]),
+            bf16_nan=work.bf16_nan,
+        )  # fmt: skip
+        return True
+
     def _tall_fused(self, work: ChunkWork, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         """`_tall_chunk` by `tall_numba`'s kernel (TIES's cuts and L1 factors as they are)."""
         chunk, params, state = work.chunk, work.params, work.state
@@ -365,9 +382,10 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
         return True
 
     def fuses(self, params: TensorParams) -> bool:
-        """The kernels take every chunk but DARE's (random masks) and L1 rescaling's (eager
-        L1 sums, and an eager map pass but for the consensus members)."""
-        return self.sparsify != "random" and not _rescales(params)
+        """The kernels take every chunk (DARE's too, its draws in the kernel) but those of
+        L1 rescaling after a magnitude cut (eager L1 sums, and an eager map pass but for the
+        consensus members)."""
+        return self.sparsify == "random" or not _rescales(params)
 
     def report_lines(self, report: Mapping[str, Any]) -> list[str]:
         """TIES's count of cuts through equal magnitudes; DARE's seed."""
@@ -385,6 +403,20 @@ class TaskArithmeticFamily(MergekitRule, Defaults):
         if self.sparsify == "random":
             return {"dare": {"seed": state.get("seed", 0)}}
         return {}
+
+
+def _draws(work: ChunkWork) -> dict[str, list[Any]]:
+    """DARE's draws on a chunk's tensor, as `dare_numba` takes them: per task the stream key
+    of its random bits (None where its density is >= 1: nothing dropped) and the keep
+    threshold of its density (`dare.dare_keep_mask`)."""
+    seed, name = work.params["seed"], work.chunk.tensor
+    densities = _densities(work.params)
+    return {
+        "stream_keys": [
+            rng.stream_key(seed, t, name) if d < 1 else None for t, d in enumerate(densities)
+        ],
+        "thresholds": [dare.keep_threshold(d) if d < 1 else 0 for d in densities],
+    }
 
 
 def _rescales(params: TensorParams) -> bool:
