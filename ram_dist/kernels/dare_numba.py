@@ -237,4 +237,5 @@ def warm_calls() -> Iterator[Call]:
     )  # fmt: skip
     yield _merge_kernel, "records", merged
 
+
 share_compiles(globals())  # each signature compiled by one process per node (`shared_cache`)
