@@ -242,6 +242,34 @@ def _l1_bin(d: np.float32) -> tuple[int, np.int64]:
     return e, (frac | 0x800000) if e > 0 else frac
 
 
+@register_jitable(inline="always")
+def _row_work(inputs, n, inner, lows, epss):  # noqa: ANN001, ANN202  (numba arrays)
+    """Both kernels' work for a chunk of rows of n * inner elements: (the row's length,
+    `tiles_of`'s (size, buf, vals, rows) a row a tile, the ranking (n, inner,
+    `rank_scratch(n)`, `by_rank`'s table), a float32 row of probabilities). Inlined where it
+    is called (numba's IR), as if written there."""
+    row = n * inner
+    size, buf, vals, rows = tiles_of(inputs, row)
+    ranking = (n, inner, rank_scratch(n), by_rank(n, lows, epss))
+    return row, size, buf, vals, rows, ranking, np.empty(row, np.float32)
+
+
+@register_jitable(inline="always")
+def _delta_and_mask(vals, rows, t, row, ranking, sampled, start, key, probs):  # noqa: ANN001, ANN202
+    """Task t's delta row, in place of its values (`vals[t + 1]`, returned); where
+    `sampled`, its keep mask (1.0 kept, 0.0 dropped) of the draws from flat index `start`
+    in the stream `key`, in `probs`. Inlined where it is called (numba's IR)."""
+    n, inner, scratch, table = ranking
+    x = vals[t + 1]
+    base = vals[rows[t]]  # the base at task t's precision
+    for i in range(row):
+        x[i] = x[i] - base[i]
+    if sampled:
+        _probabilities(x, n, inner, table[t], scratch, probs)
+        _keep(start, key, probs, row, np.float32(1.0), np.float32(0.0))
+    return x
+
+
 @njit(cache=True, **OPTIONS)
 def _stats_kernel(
     inputs: tuple[np.ndarray, ...], start: int, n: int, inner: int, sample: np.ndarray,
@@ -249,11 +277,7 @@ def _stats_kernel(
 ) -> None:  # fmt: skip
     """stats[t] += (L1 statistic of delta, of kept delta) for each sampled task t."""
     ntasks = len(inputs) - 1
-    row = n * inner
-    size, buf, vals, rows = tiles_of(inputs, row)
-    scratch = rank_scratch(n)
-    table = by_rank(n, lows, epss)
-    probs = np.empty(row, np.float32)
+    row, size, buf, vals, rows, ranking, probs = _row_work(inputs, n, inner, lows, epss)
     # increments go to LANES sub-histograms in turn: consecutive ones of a bin (deltas of
     # one exponent, zeros) would wait on each other
     lanes = np.zeros((ntasks, 2, LANES, 256), np.int64)
@@ -262,12 +286,7 @@ def _stats_kernel(
         for t in range(ntasks):
             if not sample[t]:
                 continue
-            x = vals[t + 1]
-            base = vals[rows[t]]  # the base at task t's precision
-            for i in range(row):
-                x[i] = x[i] - base[i]
-            _probabilities(x, n, inner, table[t], scratch, probs)
-            _keep(start + lo, keys[t], probs, row, np.float32(1.0), np.float32(0.0))
+            x = _delta_and_mask(vals, rows, t, row, ranking, True, start + lo, keys[t], probs)
             whole, kept = lanes[t, 0], lanes[t, 1]
             for i in range(row):
                 e, sig = _l1_bin(x[i])
@@ -290,25 +309,14 @@ def _merge_kernel(
 ) -> None:  # fmt: skip
     """out[:] = combine(base, DELLA-sparsified deltas) in out's dtype."""
     ntasks = len(inputs) - 1
-    row = n * inner
-    size, buf, vals, rows = tiles_of(inputs, row)
-    scratch = rank_scratch(n)
-    table = by_rank(n, lows, epss)
-    probs = np.empty(row, np.float32)
+    row, size, buf, vals, rows, ranking, probs = _row_work(inputs, n, inner, lows, epss)
     total, div, res = combine_scratch(row)
-    zero = np.float32(0.0)
-    one = np.float32(1.0)
     for lo in range(0, size, row):
         load_tile_bases(inputs, lo, row, buf)
         for t in range(ntasks):
-            x = vals[t + 1]
-            base = vals[rows[t]]  # the base at task t's precision
+            x = _delta_and_mask(vals, rows, t, row, ranking, sample[t], start + lo, keys[t], probs)
             w = weights[t]
-            for i in range(row):
-                x[i] = x[i] - base[i]
             if sample[t]:
-                _probabilities(x, n, inner, table[t], scratch, probs)
-                _keep(start + lo, keys[t], probs, row, one, zero)
                 f = factors[t]
                 for i in range(row):
                     d = x[i] * probs[i]

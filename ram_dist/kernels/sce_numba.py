@@ -48,6 +48,7 @@ from ram_dist.kernels.primitives import (
     tiles_of,
 )
 from ram_dist.kernels.shared_cache import share_compiles
+from ram_dist.kernels.ties_numba import election_start
 from ram_dist.kernels.views import ArrayLike, kernel_inputs, merge_records
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
@@ -98,17 +99,7 @@ def _sce_tile(vals, rows, m, select, threshold, index_cut, first, weights, scrat
             for i in range(m):
                 x[i] = x[i] * zero
     elif select == 2:
-        for i in range(m):
-            mean[i] = 0.0
-            m2[i] = 0.0
-        for t in range(ntasks):
-            x = vals[t + 1]
-            steps = np.float64(t + 1)
-            for i in range(m):
-                v = np.float64(x[i])
-                delta = v - mean[i]
-                mean[i] = mean[i] + delta / steps
-                m2[i] = m2[i] + delta * (v - mean[i])
+        _welford(vals, ntasks, m, mean, m2)
         for i in range(m):
             key = np.int64(bits(np.float32(m2[i] / count)) & ABS32)
             kept = key > threshold or (
@@ -119,16 +110,7 @@ def _sce_tile(vals, rows, m, select, threshold, index_cut, first, weights, scrat
             x = vals[t + 1]
             for i in range(m):
                 x[i] = x[i] * res[i]
-    for i in range(m):
-        total[i] = zero
-    for t in range(ntasks):
-        x = vals[t + 1]
-        for i in range(m):
-            total[i] = total[i] + x[i]
-    for i in range(m):
-        res[i] = total[i]  # the signed sum that elects each element's sign
-        total[i] = zero
-        div[i] = zero
+    election_start(vals, ntasks, m, res, total, div)
     for t in range(ntasks):
         x = vals[t + 1]
         w = weights[t]
@@ -152,6 +134,17 @@ def _variance_keys(vals, m, mean, m2, keys):  # noqa: ANN001, ANN202  (numba arr
     ran slower on one thread (best of 8 runs: 93 against 122 M el/s, on a loaded machine)."""
     ntasks = vals.shape[0] - 1
     count = np.float64(ntasks)
+    _welford(vals, ntasks, m, mean, m2)
+    for i in range(m):
+        keys[i] = np.int64(bits(np.float32(m2[i] / count)) & ABS32)
+
+
+@register_jitable(inline="always")
+def _welford(vals, ntasks, m, mean, m2):  # noqa: ANN001, ANN202  (numba arrays)
+    """mean[:m], m2[:m] = the float64 Welford sums over the task vectors in rows 1 to
+    `ntasks` of `vals` (`sce.variance`: `delta = x - mean`, `mean += delta / count`,
+    `m2 += delta * (x - mean)`), whose variance is `m2 / ntasks`. Inlined where it is called
+    (numba's IR), so each caller compiles it as if written there."""
     for i in range(m):
         mean[i] = 0.0
         m2[i] = 0.0
@@ -163,8 +156,6 @@ def _variance_keys(vals, m, mean, m2, keys):  # noqa: ANN001, ANN202  (numba arr
             delta = v - mean[i]
             mean[i] = mean[i] + delta / steps
             m2[i] = m2[i] + delta * (v - mean[i])
-    for i in range(m):
-        keys[i] = np.int64(bits(np.float32(m2[i] / count)) & ABS32)
 
 
 @njit(cache=True, **OPTIONS)

@@ -30,17 +30,9 @@ import numpy as np
 from numba import njit
 
 from ram_dist.kernels import Call, use_writable_cache
-from ram_dist.kernels.primitives import (
-    ABS32,
-    OPTIONS,
-    TILE,
-    bits,
-    load_tile_bases,
-    store_span,
-    tiles_of,
-)
+from ram_dist.kernels.primitives import OPTIONS, TILE, load_tile_bases, store_span, tiles_of
 from ram_dist.kernels.shared_cache import share_compiles
-from ram_dist.kernels.ties_numba import _in_top, combine_scratch, combine_tile
+from ram_dist.kernels.ties_numba import combine_scratch, combine_tile, delta_in_top
 from ram_dist.kernels.views import ArrayLike, merge_records
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
@@ -95,8 +87,7 @@ def _tall_kernel(
                 continue
             for i in range(m):
                 d = x[i] - base[i]
-                key = np.int64(bits(d) & ABS32)
-                kept = _in_top(key, start + lo + i, threshold, index_cut)
+                kept = delta_in_top(d, start + lo + i, threshold, index_cut)
                 whole = d * f if scaled else d
                 x[i] = whole
                 weighted[i] = (whole * (one if kept else zero)) * w

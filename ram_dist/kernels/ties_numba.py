@@ -112,6 +112,33 @@ def _stats_kernel(
                         lanes[t, lane, b] = 0
 
 
+@register_jitable(inline="always")
+def task_sum(vals, ntasks, m, total):  # noqa: ANN001, ANN202  (numba arrays)
+    """total[:m] = `((0 + vals[1]) + vals[2]) + ...` to row `ntasks`: the task rows' float32
+    sum in task order from +0 (`combine.ordered_sum`), as TIES's combine step and sce's
+    election take it. Inlined where it is called (numba's IR), so each caller compiles it as
+    if written there."""
+    zero = np.float32(0.0)
+    for i in range(m):
+        total[i] = zero
+    for t in range(ntasks):
+        x = vals[t + 1]
+        for i in range(m):
+            total[i] = total[i] + x[i]
+
+
+@register_jitable(inline="always")
+def election_start(vals, ntasks, m, res, total, div):  # noqa: ANN001, ANN202  (numba arrays)
+    """res[:m] = `task_sum`, the signed sum that elects each element's sign; total and div
+    zeroed for the sums over the tasks that agree with it (TIES's and sce's elections).
+    Inlined where it is called (numba's IR)."""
+    task_sum(vals, ntasks, m, res)
+    zero = np.float32(0.0)
+    for i in range(m):
+        total[i] = zero
+        div[i] = zero
+
+
 @register_jitable(**OPTIONS)
 def combine_tile(vals, m, weights, consensus, normalize, divisor, lam, scale, total, div, res):  # noqa: ANN001, ANN201, PLR0913  (numba arrays)
     """TIES's combine step on a tile: `res[:m] = base + lambda * (sum of the weighted task
@@ -122,17 +149,8 @@ def combine_tile(vals, m, weights, consensus, normalize, divisor, lam, scale, to
     one = np.float32(1.0)
     base = vals[0]
     ntasks = vals.shape[0] - 1
-    for i in range(m):
-        total[i] = zero
-    for t in range(ntasks):
-        x = vals[t + 1]
-        for i in range(m):
-            total[i] = total[i] + x[i]
     if consensus:
-        for i in range(m):
-            res[i] = total[i]  # the signed sum that elects each element's sign
-            total[i] = zero
-            div[i] = zero
+        election_start(vals, ntasks, m, res, total, div)
         for t in range(ntasks):
             x = vals[t + 1]
             w = weights[t]
@@ -146,6 +164,7 @@ def combine_tile(vals, m, weights, consensus, normalize, divisor, lam, scale, to
         for i in range(m):
             div[i] = one if div[i] == zero else div[i]
     else:
+        task_sum(vals, ntasks, m, total)
         for i in range(m):
             div[i] = divisor
     for i in range(m):
@@ -165,6 +184,13 @@ def _in_top(key: np.int64, index: int, threshold: np.int64, index_cut: np.int64)
     """Whether an element is in a top-k (`topk.keep_mask`): its key above the threshold, or
     equal to it and its flat index below the index cut (-1: every equal key)."""
     return key > threshold or (key == threshold and (index_cut < 0 or index < index_cut))
+
+
+@register_jitable(inline="always")
+def delta_in_top(d: np.float32, index: int, threshold: np.int64, index_cut: np.int64) -> bool:
+    """`_in_top` of the float32 delta `d` by its magnitude key (`topk.magnitude_keys`: its
+    bits less the sign), as TIES's and the consensus members' keep rules take it."""
+    return _in_top(np.int64(bits(d) & ABS32), index, threshold, index_cut)
 
 
 @njit(cache=True, **OPTIONS)
@@ -205,8 +231,7 @@ def _merge_kernel(
             for i in range(m):
                 d = x[i] - base[i]
                 if mode == 2:
-                    key = np.int64(bits(d) & ABS32)
-                    kept = _in_top(key, start + lo + i, threshold, index_cut)
+                    kept = delta_in_top(d, start + lo + i, threshold, index_cut)
                     d = d * (one if kept else zero)
                 elif mode == 3:
                     key = np.int64(bits(d) & ABS32)

@@ -40,6 +40,7 @@ that names the key.
 from __future__ import annotations
 
 from ram_dist.io.names import MERGEKIT_CONFIG_NAME as CONFIG_NAME
+from ram_dist.mergekit_config import spec
 from ram_dist.mergekit_config.reading import (
     TOP_KEYS,
     load_mergekit_yaml,
@@ -55,16 +56,7 @@ from ram_dist.mergekit_config.resolving import (
     resolve_parameter,
     resolve_tensor,
 )
-from ram_dist.mergekit_config.spec import (
-    Filtered,
-    FilterEntry,
-    Gradient,
-    JobSpec,
-    ModelSpec,
-    ParamMap,
-    ParamValue,
-    Scalar,
-)
+from ram_dist.mergekit_config.spec import *  # noqa: F403  (`spec.__all__`)
 from ram_dist.mergekit_config.writing import effective_config, render
 from ram_dist.methods.decoder_layers import layer_index
 
@@ -72,14 +64,6 @@ __all__ = [
     "CONFIG_NAME",
     "REQUIRED",
     "TOP_KEYS",
-    "FilterEntry",
-    "Filtered",
-    "Gradient",
-    "JobSpec",
-    "ModelSpec",
-    "ParamMap",
-    "ParamValue",
-    "Scalar",
     "effective_config",
     "first_value",
     "layer_index",
@@ -92,4 +76,5 @@ __all__ = [
     "resolve",
     "resolve_parameter",
     "resolve_tensor",
+    *spec.__all__,
 ]

@@ -9,6 +9,18 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+#: What the package exports of this module (`ram_dist.mergekit_config`).
+__all__ = [
+    "FilterEntry",
+    "Filtered",
+    "Gradient",
+    "JobSpec",
+    "ModelSpec",
+    "ParamMap",
+    "ParamValue",
+    "Scalar",
+]
+
 Scalar = float | bool | int | str
 """One value: a float (`weight`, `lambda`, ...), a bool (`normalize`, ...), an int (`seed`) or a
 str (`scope`)."""

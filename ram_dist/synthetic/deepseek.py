@@ -51,8 +51,10 @@ QUANTIZATION_CONFIG: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class DeepSeekDims:
-    """DeepSeek-V3's dimensions (the defaults are the published ones)."""
+class V3Dims:
+    """The sizes of DeepSeek-V3's architecture (`DeepseekV3ForCausalLM`), DeepSeek-V3's
+    published ones by default: what `decoder_layer` and `v3_config` read. Kimi-K2 is this
+    architecture at other sizes (`ram_dist.synthetic.kimi.KimiDims`)."""
 
     hidden: int = 7168
     intermediate: int = 18432
@@ -61,6 +63,7 @@ class DeepSeekDims:
     dense_layers: int = 3
     routed_experts: int = 256
     shared_experts: int = 1
+    experts_per_token: int = 8
     heads: int = 128
     q_lora_rank: int = 1536
     kv_lora_rank: int = 512
@@ -68,6 +71,12 @@ class DeepSeekDims:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     vocab: int = 129280
+
+
+@dataclass(frozen=True)
+class DeepSeekDims(V3Dims):
+    """DeepSeek-V3's dimensions (the defaults are the published ones)."""
+
     mtp_layers: int = 1
     block: int = 128
     shard_count: int = 163
@@ -126,46 +135,62 @@ class DeepSeekDims:
 
     def config(self) -> dict[str, Any]:
         """The published `config.json` (the fields that describe the weights and the model)."""
-        return {
-            "architectures": ["DeepseekV3ForCausalLM"],
-            "model_type": "deepseek_v3",
-            "hidden_size": self.hidden,
-            "intermediate_size": self.intermediate,
-            "moe_intermediate_size": self.moe_intermediate,
-            "num_hidden_layers": self.layers,
-            "first_k_dense_replace": self.dense_layers,
-            "moe_layer_freq": 1,
-            "n_routed_experts": self.routed_experts,
-            "n_shared_experts": self.shared_experts,
-            "num_experts_per_tok": 8,
-            "n_group": 8,
-            "topk_group": 4,
-            "topk_method": "noaux_tc",
-            "scoring_func": "sigmoid",
-            "norm_topk_prob": True,
-            "routed_scaling_factor": 2.5,
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.heads,
-            "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": self.kv_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
-            "num_nextn_predict_layers": self.mtp_layers,
-            "vocab_size": self.vocab,
-            "max_position_embeddings": 163840,
-            "rms_norm_eps": 1e-6,
-            "hidden_act": "silu",
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
-            "bos_token_id": 0,
-            "eos_token_id": 1,
-            "quantization_config": dict(QUANTIZATION_CONFIG),
-        }
+        published = v3_config(
+            self, "deepseek_v3", (8, 4, 2.5), self.mtp_layers, {"max_position_embeddings": 163840}
+        )
+        tokens = {"bos_token_id": 0, "eos_token_id": 1}
+        return {**published, **tokens, "quantization_config": dict(QUANTIZATION_CONFIG)}
+
+
+def v3_config(
+    dims: V3Dims,
+    model_type: str,
+    routing: tuple[int, int, float],
+    mtp_layers: int,
+    positions: dict[str, Any],
+) -> dict[str, Any]:
+    """The `config.json` of DeepSeek-V3's architecture at `dims`, in the published file's
+    order up to `torch_dtype`: the fields of the sizes, and a model's own values that describe
+    no tensor: `routing` (n_group, topk_group, routed_scaling_factor), its multi-token-
+    prediction layers and `positions` (max_position_embeddings, then RoPE's fields if any)."""
+    groups, topk_groups, scaling = routing
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": model_type,
+        "hidden_size": dims.hidden,
+        "intermediate_size": dims.intermediate,
+        "moe_intermediate_size": dims.moe_intermediate,
+        "num_hidden_layers": dims.layers,
+        "first_k_dense_replace": dims.dense_layers,
+        "moe_layer_freq": 1,
+        "n_routed_experts": dims.routed_experts,
+        "n_shared_experts": dims.shared_experts,
+        "num_experts_per_tok": dims.experts_per_token,
+        "n_group": groups,
+        "topk_group": topk_groups,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": scaling,
+        "num_attention_heads": dims.heads,
+        "num_key_value_heads": dims.heads,
+        "q_lora_rank": dims.q_lora_rank,
+        "kv_lora_rank": dims.kv_lora_rank,
+        "qk_nope_head_dim": dims.qk_nope_head_dim,
+        "qk_rope_head_dim": dims.qk_rope_head_dim,
+        "v_head_dim": dims.v_head_dim,
+        "num_nextn_predict_layers": mtp_layers,
+        "vocab_size": dims.vocab,
+        **positions,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
 
 
 def decoder_layer(
-    dims: Any,
+    dims: V3Dims,
     n: int,
     linear: Callable[[str, int, int], list[Tensor]],
     mlp: Callable[[str, int, bool], list[Tensor]],

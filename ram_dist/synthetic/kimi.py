@@ -54,7 +54,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ram_dist.synthetic.deepseek import Tensor, decoder_layer
+from ram_dist.synthetic.deepseek import Tensor, V3Dims, decoder_layer, v3_config
 from ram_dist.synthetic.files import in_files
 
 #: The published `quantization_config` of Kimi-K2-Thinking.
@@ -100,23 +100,13 @@ GROUP = 32
 
 
 @dataclass(frozen=True)
-class KimiDims:
-    """Kimi-K2-Thinking's dimensions (the defaults are the published ones)."""
+class KimiDims(V3Dims):
+    """Kimi-K2-Thinking's dimensions (the defaults are the published ones; those not named
+    here are DeepSeek-V3's)."""
 
-    hidden: int = 7168
-    intermediate: int = 18432
-    moe_intermediate: int = 2048
-    layers: int = 61
     dense_layers: int = 1
     routed_experts: int = 384
-    shared_experts: int = 1
-    experts_per_token: int = 8
     heads: int = 64
-    q_lora_rank: int = 1536
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
     vocab: int = 163840
     shard_count: int = 62
 
@@ -172,42 +162,9 @@ class KimiDims:
     def config(self, int4: bool = True) -> dict[str, Any]:
         """The published `config.json` (the fields that describe the weights and the model);
         without `quantization_config` for an agent (`int4` False)."""
-        out: dict[str, Any] = {
-            "architectures": ["DeepseekV3ForCausalLM"],
-            "model_type": "kimi_k2",
-            "hidden_size": self.hidden,
-            "intermediate_size": self.intermediate,
-            "moe_intermediate_size": self.moe_intermediate,
-            "num_hidden_layers": self.layers,
-            "first_k_dense_replace": self.dense_layers,
-            "moe_layer_freq": 1,
-            "n_routed_experts": self.routed_experts,
-            "n_shared_experts": self.shared_experts,
-            "num_experts_per_tok": self.experts_per_token,
-            "n_group": 1,
-            "topk_group": 1,
-            "topk_method": "noaux_tc",
-            "scoring_func": "sigmoid",
-            "norm_topk_prob": True,
-            "routed_scaling_factor": 2.827,
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.heads,
-            "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": self.kv_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
-            "num_nextn_predict_layers": 0,
-            "vocab_size": self.vocab,
-            "max_position_embeddings": 262144,
-            "rope_theta": 50000.0,
-            "rms_norm_eps": 1e-6,
-            "hidden_act": "silu",
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
-            "bos_token_id": 163584,
-            "eos_token_id": 163585,
-        }
+        positions = {"max_position_embeddings": 262144, "rope_theta": 50000.0}
+        out = v3_config(self, "kimi_k2", (1, 1, 2.827), 0, positions)
+        out.update(bos_token_id=163584, eos_token_id=163585)
         if int4:
             out["quantization_config"] = copy.deepcopy(QUANTIZATION_CONFIG)
         return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -19,6 +21,11 @@ pytestmark = pytest.mark.quick
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
+def _uniform(*stream: Any, device: str | None = None) -> torch.Tensor:
+    """`uniform` of the draws `random_bits(seed, task, name, start, stop)`."""
+    return uniform(random_bits(*stream, device=device))
+
+
 def _reference_bits(seed: int, task: int, name: str, start: int, stop: int) -> list[int]:
     """The same draws with Python integers only: pins the bits on every device."""
     key = stream_key(seed, task, name)
@@ -33,21 +40,21 @@ def test_bits_match_pure_python_reference() -> None:
 
 def test_chunking_invariance() -> None:
     n = 10_007
-    whole = uniform(7, 1, "w", 0, n)
+    whole = _uniform(7, 1, "w", 0, n)
     assert whole.dtype == torch.float32 and whole.shape == (n,)
     gen = torch.Generator().manual_seed(0)
     for _ in range(5):
         cuts = sorted(torch.randint(0, n + 1, (6,), generator=gen).tolist())
         bounds = [0, *cuts, n]
-        parts = [uniform(7, 1, "w", lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+        parts = [_uniform(7, 1, "w", lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
         assert torch.equal(torch.cat(parts), whole)
-    singles = torch.cat([uniform(7, 1, "w", i, i + 1) for i in range(100)])
+    singles = torch.cat([_uniform(7, 1, "w", i, i + 1) for i in range(100)])
     assert torch.equal(singles, whole[:100])
 
 
 def test_determinism_and_range() -> None:
-    a = uniform(3, 2, "x", 0, 50_000)
-    b = uniform(3, 2, "x", 0, 50_000)
+    a = _uniform(3, 2, "x", 0, 50_000)
+    b = _uniform(3, 2, "x", 0, 50_000)
     assert torch.equal(a, b)
     assert float(a.min()) >= 0.0 and float(a.max()) < 1.0
     assert torch.equal(a * 2**BITS, (a * 2**BITS).round())  # multiples of 2**-24
@@ -55,11 +62,11 @@ def test_determinism_and_range() -> None:
 
 def test_streams_differ() -> None:
     n = 4096
-    ref = uniform(1, 0, "layer.weight", 0, n)
+    ref = _uniform(1, 0, "layer.weight", 0, n)
     others = [
-        uniform(2, 0, "layer.weight", 0, n),
-        uniform(1, 1, "layer.weight", 0, n),
-        uniform(1, 0, "layer.bias", 0, n),
+        _uniform(2, 0, "layer.weight", 0, n),
+        _uniform(1, 1, "layer.weight", 0, n),
+        _uniform(1, 0, "layer.bias", 0, n),
     ]
     for other in others:
         assert (other == ref).float().mean() < 0.01
@@ -69,7 +76,7 @@ def test_streams_differ() -> None:
 
 def test_uniformity() -> None:
     n = 1_000_000
-    u = uniform(11, 0, "big", 0, n).double()
+    u = _uniform(11, 0, "big", 0, n).double()
     assert abs(float(u.mean()) - 0.5) < 0.002
     counts = torch.histc(u, bins=10, min=0.0, max=1.0)
     expected = n / 10
@@ -80,5 +87,5 @@ def test_uniformity() -> None:
 
 
 def test_device_argument_on_cpu() -> None:
-    assert torch.equal(uniform(0, 0, "d", 5, 9, device="cpu"), uniform(0, 0, "d", 5, 9))
-    assert uniform(0, 0, "d", 4, 4).numel() == 0
+    assert torch.equal(_uniform(0, 0, "d", 5, 9, device="cpu"), _uniform(0, 0, "d", 5, 9))
+    assert _uniform(0, 0, "d", 4, 4).numel() == 0

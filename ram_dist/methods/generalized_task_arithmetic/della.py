@@ -123,7 +123,7 @@ def keep_mask(
     ranks = row_ranks(topk.magnitude_keys(delta), n, inner)
     probs = keep_probabilities(ranks, n, density, epsilon)
     bits = rng.random_bits(seed, task, name, start, start + delta.numel(), delta.device)
-    return bits.to(torch.float32).mul_(2.0**-rng.BITS) < probs
+    return rng.uniform(bits) < probs
 
 
 def _check_band(density: float, epsilon: float, where: str, task: int) -> None:

@@ -88,16 +88,8 @@ def random_bits(
     return z.bitwise_and_((1 << BITS) - 1)
 
 
-def uniform(
-    seed: int,
-    task: int,
-    tensor_name: str,
-    start: int,
-    stop: int,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """float32 in [0, 1), one per flat index in [start, stop): `random_bits / 2**24`."""
+def uniform(bits: torch.Tensor) -> torch.Tensor:
+    """float32 in [0, 1) from `random_bits`: `bits / 2**24`, exact."""
     import torch
 
-    bits = random_bits(seed, task, tensor_name, start, stop, device)
     return bits.to(torch.float32).mul_(2.0**-BITS)
