@@ -16,9 +16,12 @@ import ram_dist
 from ram_dist.cli import main
 from ram_dist.io.names import PARTIAL_SUFFIX, SWEEP_REPORT_NAME
 
-ONE_ROW_MB = str(256 / 2**20)  # one 128-wide bf16 row per unit: a slow, many-unit map pass
 SWEEP = ["--method", "ram_plus", "--method", "ties", "--grid", "r=0.1,0.2", "--grid", "density=0.5"]
 VARIANTS = ["ram_plus-r0.1", "ram_plus-r0.2", "ties-density0.5"]
+# One 128-wide bf16 row per unit, as test_resume.py's single merge has (about 850 units, a
+# few hundred a shard: a map pass slow enough to be killed inside a shard): a sweep divides
+# `--unit-mb` among its variants (docs/sweeps.md), so the sweep is given a row per variant.
+ONE_ROW_MB = str(len(VARIANTS) * 256 / 2**20)
 
 
 def _args(models: dict, out: Path, *extra: str) -> list[str]:
