@@ -31,12 +31,11 @@ from numba import njit
 from numba.extending import register_jitable
 
 from ram_dist.kernels import Call, use_writable_cache
+from ram_dist.kernels.drops_numba import draw_bits, l1_bin
 from ram_dist.kernels.primitives import (
-    ABS32,
     LANES,
     OPTIONS,
     TILE,
-    bits,
     load_tile_bases,
     store_span,
     tiles_of,
@@ -47,12 +46,6 @@ from ram_dist.kernels.views import ArrayLike, input_size, kernel_inputs, merge_r
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
-_U64 = np.uint64
-_GOLDEN = _U64(0x9E3779B97F4A7C15)
-_MUL1 = _U64(0xBF58476D1CE4E5B9)
-_MUL2 = _U64(0x94D049BB133111EB)
-_NAN_UNIT = np.int64(1 << 32)
-
 
 @register_jitable
 def _mask(start: int, key: np.uint64, threshold: np.uint64, mask: np.ndarray, m: int) -> None:
@@ -61,22 +54,7 @@ def _mask(start: int, key: np.uint64, threshold: np.uint64, mask: np.ndarray, m:
     one = np.float32(1.0)
     zero = np.float32(0.0)
     for i in range(m):
-        z = _U64(start + i) * _GOLDEN + key
-        z = (z ^ (z >> _U64(30))) * _MUL1
-        z = (z ^ (z >> _U64(27))) * _MUL2
-        z = z ^ (z >> _U64(31))
-        mask[i] = one if (z >> _U64(40)) < threshold else zero
-
-
-@register_jitable
-def _l1_bin(d: np.float32) -> tuple[int, np.int64]:
-    """`dare.l1_statistic` of one value: its bin and what it adds there."""
-    b = bits(d) & ABS32
-    e = np.int64(b >> 23)
-    frac = np.int64(b & 0x7FFFFF)
-    if e == 255:
-        return 255, np.int64(1) if frac == 0 else _NAN_UNIT
-    return e, (frac | 0x800000) if e > 0 else frac
+        mask[i] = one if draw_bits(start + i, key) < threshold else zero
 
 
 @njit(cache=True, **OPTIONS)
@@ -104,9 +82,9 @@ def _stats_kernel(
             for i in range(m):
                 d = x[i] - base[i]
                 lane = i & (LANES - 1)
-                e, sig = _l1_bin(d)
+                e, sig = l1_bin(d)
                 whole[lane, e] += sig
-                e, sig = _l1_bin(d * mask[i])
+                e, sig = l1_bin(d * mask[i])
                 kept[lane, e] += sig
     for t in range(ntasks):
         for which in range(2):

@@ -31,6 +31,7 @@ from numba import njit
 from numba.extending import register_jitable
 
 from ram_dist.kernels import Call, use_writable_cache
+from ram_dist.kernels.drops_numba import draw_bits, l1_bin
 from ram_dist.kernels.primitives import (
     ABS32,
     LANES,
@@ -46,12 +47,7 @@ from ram_dist.kernels.views import ArrayLike, input_size, kernel_inputs, merge_r
 
 use_writable_cache()  # before `@njit(cache=True)` picks numba's cache directory
 
-_U64 = np.uint64
-_GOLDEN = _U64(0x9E3779B97F4A7C15)
-_MUL1 = _U64(0xBF58476D1CE4E5B9)
-_MUL2 = _U64(0x94D049BB133111EB)
 _TWO_M24 = np.float32(2.0**-24)
-_NAN_UNIT = np.int64(1 << 32)
 
 
 #: Counting buckets of a group: at least MIN_BINS, at most MAX_BINS (a power of two about
@@ -214,11 +210,7 @@ def _probabilities(
 @register_jitable
 def _draw(index: int, key: np.uint64) -> np.float32:
     """The uniform float32 of flat element `index` in the stream `key` (`rng.uniform`)."""
-    z = _U64(index) * _GOLDEN + key
-    z = (z ^ (z >> _U64(30))) * _MUL1
-    z = (z ^ (z >> _U64(27))) * _MUL2
-    z = z ^ (z >> _U64(31))
-    return np.float32(z >> _U64(40)) * _TWO_M24
+    return np.float32(draw_bits(index, key)) * _TWO_M24
 
 
 @register_jitable
@@ -229,17 +221,6 @@ def _keep(start: int, key: np.uint64, probs: np.ndarray, m: int, one: np.float32
     several times slower)."""
     for i in range(m):
         probs[i] = one if _draw(start + i, key) < probs[i] else zero
-
-
-@register_jitable
-def _l1_bin(d: np.float32) -> tuple[int, np.int64]:
-    """`dare.l1_statistic` of one value: its bin and what it adds there."""
-    b = bits(d) & ABS32
-    e = np.int64(b >> 23)
-    frac = np.int64(b & 0x7FFFFF)
-    if e == 255:
-        return 255, np.int64(1) if frac == 0 else _NAN_UNIT
-    return e, (frac | 0x800000) if e > 0 else frac
 
 
 @register_jitable(inline="always")
@@ -289,7 +270,7 @@ def _stats_kernel(
             x = _delta_and_mask(vals, rows, t, row, ranking, True, start + lo, keys[t], probs)
             whole, kept = lanes[t, 0], lanes[t, 1]
             for i in range(row):
-                e, sig = _l1_bin(x[i])
+                e, sig = l1_bin(x[i])
                 lane = i & (LANES - 1)
                 whole[lane, e] += sig
                 kept[lane, e] += sig * np.int64(probs[i])
