@@ -9,6 +9,7 @@ is stopped by signalling its processes at once rather than one after another
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401  (its at-fork hooks: see `ray_session`)
 import contextlib
 import logging
 import signal
@@ -55,7 +56,13 @@ def ray_session(address: str | None, checks: Callable[[], T]) -> Iterator[tuple[
 
     `checks` runs in a thread while Ray starts (Ray must be started from the main thread);
     its result comes with the cluster, its exception is raised once Ray is stopped again.
-    When Ray is already up, `checks` simply runs first."""
+    When Ray is already up, `checks` simply runs first.
+
+    Every module whose at-fork hooks come in pairs (a lock taken before a fork, released
+    after it) is imported before the thread starts (this module's imports): one imported by
+    the checks while `ray.init` forks here would have its release run without its acquire,
+    and Python print "release unlocked lock" on stderr (`concurrent.futures.thread`, which
+    fsspec imports)."""
     if ray.is_initialized():
         checked = checks()
         yield _cluster(embedded=False), checked

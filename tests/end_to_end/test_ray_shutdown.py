@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import fork_hooks
 import psutil
 import pytest
 from builders import build_model_set
@@ -88,9 +89,15 @@ def _ray_started(seen: set) -> None:
 
 
 def test_after_a_success(models, tmp_path) -> None:
+    """Also: no thread but the main one registers a pair of at-fork hooks while Ray starts
+    (`support/fork_hooks.py`), which Python reports on stderr as "release unlocked lock"
+    when a fork of `ray.init` falls between the pair's registration and its release."""
     out = tmp_path / "out"
-    code, text, seen = _run(_args(models["base"], models["tasks"], out))
+    args = _args(models["base"], models["tasks"], out)
+    args[1:3] = [str(Path(fork_hooks.__file__))]
+    code, text, seen = _run(args)
     assert code == 0, text
+    assert fork_hooks.MARK not in text, text
     assert (out / "model.safetensors").exists()
     _ray_started(seen)
     assert _left(seen) == []
