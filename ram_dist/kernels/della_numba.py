@@ -270,10 +270,12 @@ def _stats_kernel(
             x = _delta_and_mask(vals, rows, t, row, ranking, True, start + lo, keys[t], probs)
             whole, kept = lanes[t, 0], lanes[t, 1]
             for i in range(row):
-                e, sig = l1_bin(x[i])
                 lane = i & (LANES - 1)
+                e, sig = l1_bin(x[i])
                 whole[lane, e] += sig
-                kept[lane, e] += sig * np.int64(probs[i])
+                # the kept value as the eager rule forms it: a dropped infinity or NaN is NaN
+                e, sig = l1_bin(x[i] * probs[i])
+                kept[lane, e] += sig
     for t in range(ntasks):
         for which in range(2):
             for lane in range(LANES):

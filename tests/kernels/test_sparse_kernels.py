@@ -82,6 +82,34 @@ def test_density_one_takes_chunks_of_any_length() -> None:
     assert torch.equal(fused[0].view(torch.uint8), eager[0].view(torch.uint8))
 
 
+@pytest.mark.parametrize("method", ["della", "della_linear"])
+@pytest.mark.parametrize("special", [float("inf"), float("nan")])
+def test_a_dropped_infinity_or_nan_is_nan_in_the_kept_statistic(method, special) -> None:
+    """A task whose only non-finite delta is dropped: its kept vector holds `special * 0.0`,
+    NaN, so its kept L1 norm and its rescaling factor are NaN, in the eager rule and the
+    fused round alike (not the kept norm of the finite values, and an infinite factor)."""
+    shape, n = (40, 37), 40 * 37
+    seen = 0
+    for seed in (23, 26, 31, 37):
+        g = torch.Generator().manual_seed(seed)
+        base = torch.randn(n, generator=g) * 0.02
+        tasks = [
+            base
+            + torch.where(torch.rand(n, generator=g) < p, 1e-3 * torch.randn(n, generator=g), 0)
+            for p in (0.46, 0.03, 0.54)
+        ]
+        tasks[0][int(torch.randint(0, n, (1,), generator=g))] = special
+        params = della_params(3, seed=seed)
+        fused = run_rows(method, params, base, tasks, shape, [0, 17, 40], True, F32)
+        eager = run_rows(method, params, base, tasks, shape, [0, 17, 40], False, F32)
+        assert all(torch.equal(fused[2][k], eager[2][k]) for k in fused[2])
+        assert json.dumps(fused[1]) == json.dumps(eager[1])
+        assert torch.equal(fused[0].view(torch.uint8), eager[0].view(torch.uint8))
+        kept = eager[2]["w"][0, 1]  # task 0's kept statistic: its NaN bin counts a NaN
+        seen += int(kept[255]) >= 1 << 32 and np.isnan(eager[1]["tensors"]["w"]["factors"][0])
+    assert seen >= 1  # some seed drops the task's only non-finite delta
+
+
 def test_no_fma_in_compiled_della_kernels() -> None:
     """The kernels' LLVM IR and assembly have no FMA, compiled here (uncached) for every
     signature this process has used."""
