@@ -2,7 +2,8 @@
 statistics and the merge, through the method object (`fused_statistics`, `fused_merge`
 against `chunk_statistics`, `merge_chunk(...).to(out_dtype)`), over RL-like sparse task
 vectors and pools of edge values (equal magnitudes, signed zeros, subnormals, overflow),
-1-D, 2-D, 3-D and one-column tensors, mixed input and every output dtype; their ranks by
+1-D, 2-D, 3-D and one-column tensors, a task whose only infinity or NaN is dropped, mixed
+input and every output dtype; their ranks by
 counting are a stable sort's. breadcrumbs' rounds by TIES's histogram kernel give the eager
 rounds' statistics, and its map pass by TIES's merge kernel the eager bytes."""
 
