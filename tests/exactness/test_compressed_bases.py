@@ -291,7 +291,7 @@ def test_an_fbgemm_fp8_base_merges_exactly(fbgemm_set, tmp_path, method):
     picked = tasks_for(method)
     merged, _ = reference_for(method, _input_set(s, [s.agents[i] for i in picked]),
                            list(range(len(picked))))  # fmt: skip
-    report = _merge(s, picked, tmp_path / "out", method, unit_budget_bytes=ONE_ROW)
+    report = _merge(s, picked, tmp_path / "out", method, unit_budget_bytes=FEW_ROWS)
     assert_same_bytes(load_checkpoint(tmp_path / "out"), _fp8_expected(s, merged))
     if method == "ram_plus":
         known = [sum(int(m.sum()) for m in masks.values()) for masks in s.masks]
