@@ -4,7 +4,7 @@ compressed-tensors FP8 base (per channel, per tensor), with bf16 agents, kernels
 DELLA's, the geometric blend's, model_stock's, sce's and arcee_fusion's kernels read the base
 as stored (`MergeMethod.reads_stored`), so in the map pass (and in TIES's, DELLA's and
 arcee_fusion's rounds) no quantized input is decoded into a copy (its source's `decode` is
-never called), and the bytes are those of the eager path, which decodes it
+never called), and the bytes are those of the eager path on whole tensors, which decodes it
 (`exactness/test_mxfp4_bases.py` and `test_compressed_bases.py` check those against
 references). Their rounds read it as stored too (model_stock's and the geometric methods'
 Gram rounds, sce's variance selection and sums of squares). The first round's NaN/Inf check
@@ -41,10 +41,27 @@ PARAMETERS = {
 }  # fmt: skip
 
 
+#: The eager path's unit budget: whole tensors (its bytes are the same at any budget, and
+#: it decodes per unit, so fewer units cost less).
+WHOLE = 10**8
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Each format's set, built the first time a test asks for it."""
+    sets = {}
+
+    def get(fmt: str):
+        if fmt not in sets:
+            sets[fmt] = FORMATS[fmt][0](tmp_path_factory.mktemp(fmt))
+        return sets[fmt]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=list(FORMATS))
-def quantized_set(request, tmp_path_factory):
-    build, source = FORMATS[request.param]
-    return build(tmp_path_factory.mktemp(request.param)), source
+def quantized_set(request, built):
+    return built(request.param), FORMATS[request.param][1]
 
 
 @pytest.fixture
@@ -73,7 +90,7 @@ def test_the_kernels_read_the_base_as_stored(quantized_set, decoded, method):
     got = _merge(s, method, on_pass=mark, out_dtype="bfloat16")
     assert decoded[starts[-1] :] == []  # the map pass decoded nothing
     assert decoded == []  # nor did the rounds
-    assert got == _merge(s, method, worker.EAGER, out_dtype="bfloat16")
+    assert got == _merge(s, method, worker.EAGER, out_dtype="bfloat16", unit_budget_bytes=WHOLE)
     assert sum(decoded[starts[-1] :]) > 0  # the eager path did
 
 
@@ -89,10 +106,12 @@ def test_the_first_rounds_nan_check_reads_the_base_as_stored(quantized_set, deco
     extra = {"parameters": {"k": 2, "lambda": 0.5}} if method == "consensus_ta" else {}
     assert check_round_inline(s.base_dir, agents, method, FUSED, **extra) == {}
     assert decoded == []
-    assert check_round_inline(s.base_dir, agents, method, worker.EAGER, **extra) == {}
+    eager = check_round_inline(s.base_dir, agents, method, worker.EAGER, unit_budget_bytes=WHOLE,
+                               **extra)  # fmt: skip
+    assert eager == {}
 
 
-def test_a_nan_scale_is_counted_as_the_ram_family_counts_it(tmp_path):
+def test_a_nan_scale_is_counted_as_the_ram_family_counts_it(built, tmp_path):
     """An MXFP4 scale byte of 255 (e8m0's NaN): task_arithmetic's check round, from the
     stored form, finds the 32 values of its group in the base alone, as RAM+'s own sweep
     over the same inputs does (the engine's refusal names what both find)."""
@@ -100,7 +119,7 @@ def test_a_nan_scale_is_counted_as_the_ram_family_counts_it(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    s = build_gptoss(tmp_path / "set", (0.01, 0.01))
+    s = built("mxfp4")
     base = tmp_path / "base"
     shutil.copytree(s.base_dir, base)
     name = "model.layers.1.mlp.experts.down_proj"

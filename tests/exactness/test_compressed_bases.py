@@ -161,10 +161,19 @@ def _fp8_expected(s: CompressedSet, merged: dict) -> dict:
 # ---- 1. the agents' start --------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def plain_llama(tmp_path_factory) -> tuple[Path, dict]:
+    """The tiny bf16 Llama: its folder and tensors."""
+    folder = tmp_path_factory.mktemp("plain") / "bf16"
+    return folder, build_tiny_base(folder)
+
+
 @pytest.mark.parametrize("scheme", [*INT_SCHEMES, *FP8_SCHEMES], ids=lambda s: s.pattern[3:])
-def test_transformers_loads_each_scheme_as_compressed_tensors_decodes_it(tmp_path, scheme):
-    plain = build_tiny_base(tmp_path / "bf16")
-    _, x = write_compressed(plain, tmp_path / "bf16", tmp_path / "base", (scheme,))
+def test_transformers_loads_each_scheme_as_compressed_tensors_decodes_it(
+    plain_llama, tmp_path, scheme
+):
+    src, plain = plain_llama
+    _, x = write_compressed(plain, src, tmp_path / "base", (scheme,))
     loaded = load_as_trainer(tmp_path / "base").state_dict()
     quantized = [n for n in x if not torch.equal(x[n], plain[n])]
     assert len(quantized) >= 4
@@ -198,17 +207,26 @@ def test_every_method_merges_an_fp8_base_exactly(fp8_set, tmp_path, method):
                           {n: y.to(BF16) for n, y in merged.items()})  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def int4_agent(int_set, tmp_path_factory) -> tuple[Path, dict]:
+    """The INT set's first agent packed by compressed-tensors again: its folder and decoded
+    values."""
+    folder = tmp_path_factory.mktemp("agent0") / "agent0-int"
+    _, x = write_compressed(int_set.agents[0], int_set.agent_dirs[0], folder, INT_SCHEMES)
+    return folder, x
+
+
 @pytest.mark.parametrize("method", ["ram_plus", "ties", "multislerp"])
-def test_an_int4_agent_among_bf16_agents(int_set, tmp_path, method):
+def test_an_int4_agent_among_bf16_agents(int_set, int4_agent, tmp_path, method):
     """Any input may be quantized: the first agent packed by compressed-tensors again is
     measured by its decoded values."""
     s = int_set
-    _, x = write_compressed(s.agents[0], s.agent_dirs[0], tmp_path / "agent0-int", INT_SCHEMES)
+    folder, x = int4_agent
     tasks = [x, s.agents[1], s.agents[2]]
     merged, stats = reference_for(method, _input_set(s, tasks), [0, 1, 2])
     parameters = {"epsilon": EPSILON} if method in RAM_FAMILY else PARAMETERS.get(method, {})
     per_task = tuple({"weight": TASK_WEIGHTS[i]} for i in range(3))
-    dirs = [tmp_path / "agent0-int", *s.agent_dirs[1:]]
+    dirs = [folder, *s.agent_dirs[1:]]
     report = run_merge(
         merge_config(s.base_dir, dirs, tmp_path / "out", method=method, parameters=parameters,
                      task_parameters=per_task if method in WEIGHTED else (),
@@ -262,13 +280,18 @@ def _fbgemm_set(root: Path) -> CompressedSet:
     return s
 
 
+@pytest.fixture(scope="module")
+def fbgemm_set(tmp_path_factory) -> CompressedSet:
+    return _fbgemm_set(tmp_path_factory.mktemp("fbgemm"))
+
+
 @pytest.mark.parametrize("method", ["ram_plus", "ties", "slerp"])
-def test_an_fbgemm_fp8_base_merges_exactly(tmp_path, method):
-    s = _fbgemm_set(tmp_path / "in")
+def test_an_fbgemm_fp8_base_merges_exactly(fbgemm_set, tmp_path, method):
+    s = fbgemm_set
     picked = tasks_for(method)
     merged, _ = reference_for(method, _input_set(s, [s.agents[i] for i in picked]),
                            list(range(len(picked))))  # fmt: skip
-    report = _merge(s, picked, tmp_path / "out", method, unit_budget_bytes=ONE_ROW)
+    report = _merge(s, picked, tmp_path / "out", method, unit_budget_bytes=FEW_ROWS)
     assert_same_bytes(load_checkpoint(tmp_path / "out"), _fp8_expected(s, merged))
     if method == "ram_plus":
         known = [sum(int(m.sum()) for m in masks.values()) for masks in s.masks]

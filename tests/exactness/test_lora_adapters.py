@@ -110,6 +110,7 @@ def job(tmp_path_factory) -> dict:
         "states": [*materialized, full],
         "peft_tasks": [root / "peft0", root / "peft1", root / "full"],
         "expected": {},  # method -> digest of the merge of the full checkpoints
+        "merged": {},  # method -> the folder of its merge of the adapter tasks
     }
 
 
@@ -133,6 +134,17 @@ def _expected_digest(job: dict, method: str, tmp_path: Path) -> dict[str, str]:
     return job["expected"][method]
 
 
+def _adapter_merge(job: dict, method: str) -> Path:
+    """The method's merge of the adapter tasks in units of 4096 bytes, once per method (in
+    the module's folder)."""
+    if method not in job["merged"]:
+        out = job["base_dir"].parent / f"merged-{method}"
+        _merge(job["base_dir"], _taken(method, job["adapter_tasks"]), out, method=method,
+               parameters=PARAMETERS.get(method, {}), unit_budget_bytes=4096)  # fmt: skip
+        job["merged"][method] = out
+    return job["merged"][method]
+
+
 def test_reference_states_are_the_adapters_merged(job):
     """The materialized checkpoints are what adapter_task_state gives, and they changed."""
     base = job["base"]
@@ -144,9 +156,7 @@ def test_reference_states_are_the_adapters_merged(job):
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_merges_adapters_as_their_full_checkpoints(job, tmp_path, method):
-    out = tmp_path / "out"
-    _merge(job["base_dir"], _taken(method, job["adapter_tasks"]), out, method=method,
-           parameters=PARAMETERS.get(method, {}), unit_budget_bytes=4096)  # fmt: skip
+    out = _adapter_merge(job, method)
     assert _digest(out) == _expected_digest(job, method, tmp_path)
 
 
@@ -197,8 +207,7 @@ def test_every_adapter_form_against_the_reference(form_bases, tmp_path, form):
 def test_merged_output_loads_and_runs_in_transformers(job, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "out"
-    _merge(job["base_dir"], job["adapter_tasks"], out, method="ram_plus")
+    out = _adapter_merge(job, "ram_plus")
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     ids = torch.tensor([[1, 17, 42, 99]])
     with torch.no_grad():
@@ -226,12 +235,10 @@ def test_peft_merged_checkpoints_agree_within_one_rounding(job, tmp_path, method
     task vector gets: RAM+'s lambda at most 1 + r * alpha, task_arithmetic's lambda, linear's
     weight) times the tasks' gaps, plus one rounding of the output's dtype on each side.
     Where no task's value differs, the bytes are the same."""
-    params = PARAMETERS.get(method, {})
-    _merge(job["base_dir"], job["adapter_tasks"], tmp_path / "ours", method=method,
-           parameters=params)  # fmt: skip
     _merge(job["base_dir"], job["peft_tasks"], tmp_path / "peft", method=method,
-           parameters=params)  # fmt: skip
-    ours, theirs = load_checkpoint(tmp_path / "ours"), load_checkpoint(tmp_path / "peft")
+           parameters=PARAMETERS.get(method, {}))  # fmt: skip
+    ours = load_checkpoint(_adapter_merge(job, method))
+    theirs = load_checkpoint(tmp_path / "peft")
     peft_states = [load_state(t) for t in job["peft_tasks"]]
     differ = 0
     for name, a in ours.items():

@@ -43,26 +43,42 @@ SOME = ("ram_plus", "ties", "linear")
 
 @pytest.fixture(scope="module")
 def sets(tmp_path_factory):
-    """Each kind's set, built the first time a test asks for it."""
+    """Each kind's set, built the first time a test asks for it (one bf16 twin and its two
+    adapters for every kind)."""
     built: dict[str, LoraSet] = {}
+    shared = tmp_path_factory.mktemp("twin")
 
     def get(kind: str) -> LoraSet:
         if kind not in built:
-            built[kind] = build(kind, tmp_path_factory.mktemp(kind))
+            built[kind] = build(kind, tmp_path_factory.mktemp(kind), shared)
         return built[kind]
 
     return get
 
 
-def _check(s: LoraSet, method: str, out: Path, budget: int, kernels: str) -> None:
+@pytest.fixture(scope="module")
+def expected():
+    """The reference merge of a set's tasks' values by the spec, every tensor in bfloat16:
+    computed once per set and method."""
+    merges: dict[tuple[Path, str], dict] = {}
+
+    def get(s: LoraSet, method: str, picked: list[int]) -> dict:
+        if (s.base_dir, method) not in merges:
+            inputs = InputSet(
+                base_dir=s.base_dir, task_dirs=[], base={}, x_base=dict(s.x_base),
+                tasks=s.tasks, touched={}, block=None, row_budget=0,
+            )  # fmt: skip
+            merged, _ = reference_for(method, inputs, picked)
+            merges[s.base_dir, method] = {n: y.to(BF16) for n, y in merged.items()}
+        return merges[s.base_dir, method]
+
+    return get
+
+
+def _check(s: LoraSet, expected, method: str, out: Path, budget: int, kernels: str) -> None:
     """The merge of the adapters and the agent, every tensor in bfloat16: the reference
-    merge of the tasks' values by the spec."""
+    merge of the tasks' values by the spec (`expected`)."""
     picked = [0, 1, 2][: METHODS[method].task_counts[1] or 3]
-    inputs = InputSet(
-        base_dir=s.base_dir, task_dirs=[], base={}, x_base=dict(s.x_base), tasks=s.tasks,
-        touched={}, block=None, row_budget=0,
-    )  # fmt: skip
-    merged, _ = reference_for(method, inputs, picked)
     parameters = {"epsilon": 1e-5} if method in RAM_FAMILY else PARAMETERS.get(method, {})
     per_task = tuple({"weight": TASK_WEIGHTS[i]} for i in range(len(picked)))
     run_merge(
@@ -70,7 +86,7 @@ def _check(s: LoraSet, method: str, out: Path, budget: int, kernels: str) -> Non
                      parameters=parameters, task_parameters=per_task if method in WEIGHTED else (),
                      unit_budget_bytes=budget, kernels=kernels, out_dtype="bfloat16")
     )  # fmt: skip
-    assert_same_bytes(load_checkpoint(out), {n: y.to(BF16) for n, y in merged.items()})
+    assert_same_bytes(load_checkpoint(out), expected(s, method, picked))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -83,31 +99,39 @@ def test_the_adapters_change_quantized_weights(sets, kind):
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_every_method_fused_over_an_int_base(sets, tmp_path, method):
-    _check(sets("int"), method, tmp_path / "out", ROWS, "auto")
+def test_every_method_fused_over_an_int_base(sets, expected, tmp_path, method):
+    _check(sets("int"), expected, method, tmp_path / "out", ROWS, "auto")
 
 
 @pytest.mark.parametrize("method", SOME)
 @pytest.mark.parametrize("kind", KINDS)
-def test_fused_in_rows_and_eager_on_whole_tensors(sets, tmp_path, kind, method):
-    _check(sets(kind), method, tmp_path / "fused", ONE_ROW if method == "ram_plus" else ROWS,
+def test_fused_in_rows_and_eager_on_whole_tensors(sets, expected, tmp_path, kind, method):
+    s = sets(kind)
+    _check(s, expected, method, tmp_path / "fused", ONE_ROW if method == "ram_plus" else ROWS,
            "auto")  # fmt: skip
-    _check(sets(kind), method, tmp_path / "eager", WHOLE, "eager")
+    _check(s, expected, method, tmp_path / "eager", WHOLE, "eager")
+
+
+@pytest.fixture(scope="module")
+def gptoss(tmp_path_factory):
+    """A tiny gpt-oss in MXFP4 and an agent of it."""
+    from mxfp4_models import build_set as build_gptoss
+
+    return build_gptoss(tmp_path_factory.mktemp("gptoss"), (0.0,))
 
 
 @pytest.mark.parametrize("how", ["factors", "target_parameters"])
-def test_an_adapter_of_mxfp4_experts_is_refused(tmp_path, how):
+def test_an_adapter_of_mxfp4_experts_is_refused(gptoss, tmp_path, how):
     """gpt-oss's MXFP4 weights are its experts, 3-D: an adapter's factors for them name no
     matrix of the base, and PEFT's `target_parameters` is refused by name."""
     import json
 
-    from mxfp4_models import build_set as build_gptoss
     from safetensors.torch import save_file
 
     from ram_dist.api import plan
     from ram_dist.errors import CheckpointError
 
-    s = build_gptoss(tmp_path / "set", (0.0,))
+    s = gptoss
     name = "model.layers.0.mlp.experts.gate_up_proj"
     adapter = tmp_path / "adapter"
     adapter.mkdir()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from builders import build_tiny_base, save_checkpoint
+from builders import build_tiny_base, load_checkpoint, save_checkpoint
 from compressed_models import FP8_SCHEMES, INT_SCHEMES, write_compressed
 from fp8_models import quantize_checkpoint
 from fp8_reference import FP8, e4m3fn
@@ -62,18 +62,19 @@ def _fbgemm(plain: dict, src: Path, out: Path) -> tuple[dict, dict]:
     return stored, x
 
 
-def _base(kind: str, root: Path) -> tuple[dict, frozenset]:
-    """root/bf16 and root/base (it quantized): x_B, and the quantized weights' names."""
-    plain = build_tiny_base(root / "bf16")
+def _base(kind: str, root: Path, twin: Path) -> tuple[dict, frozenset]:
+    """`twin` (the bf16 tiny Llama, built unless it is there) and root/base (it quantized):
+    x_B, and the quantized weights' names."""
+    plain = load_checkpoint(twin) if twin.exists() else build_tiny_base(twin)
     if kind == "fp8-block":
-        stored = quantize_checkpoint(root / "bf16", root / "base", (16, 24))
+        stored = quantize_checkpoint(twin, root / "base", (16, 24))
         x = fp8_values(stored, (16, 24))
         return x, frozenset(n for n, t in stored.items() if t.dtype == FP8)
     if kind == "fbgemm":
-        _, x = _fbgemm(plain, root / "bf16", root / "base")
+        _, x = _fbgemm(plain, twin, root / "base")
     else:
         schemes = INT_SCHEMES if kind == "int" else FP8_SCHEMES
-        _, x = write_compressed(plain, root / "bf16", root / "base", schemes)
+        _, x = write_compressed(plain, twin, root / "base", schemes)
     return x, frozenset(n for n in x if n.endswith("proj.weight"))
 
 
@@ -105,14 +106,21 @@ def _agent(x: dict, folder: Path, copy_from: Path) -> dict:
     return agent
 
 
-def build(kind: str, root: Path) -> LoraSet:
-    x, quantized = _base(kind, root)
-    adapters = [
-        build_adapter(root / "bf16", root / "adapter0", r=4, lora_alpha=8,
-                      target_modules=("q_proj", "v_proj", "down_proj"), seed=1),
-        build_adapter(root / "bf16", root / "adapter1", r=2, lora_alpha=5,
-                      target_modules=("o_proj", "gate_proj", "embed_tokens"), seed=2),
-    ]  # fmt: skip
+def build(kind: str, root: Path, shared: Path | None = None) -> LoraSet:
+    """root/base (the `kind` of base), root/agent, and the bf16 twin and two adapters in
+    `shared`'s bf16, adapter0 and adapter1 (built there unless they are: every kind's twin
+    is the same tiny Llama, so one twin and its adapters serve every kind; `shared` is root
+    unless given)."""
+    shared = root if shared is None else shared
+    x, quantized = _base(kind, root, shared / "bf16")
+    adapters = [shared / "adapter0", shared / "adapter1"]
+    forms = [
+        dict(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down_proj"), seed=1),
+        dict(r=2, lora_alpha=5, target_modules=("o_proj", "gate_proj", "embed_tokens"), seed=2),
+    ]
+    for adapter, form in zip(adapters, forms, strict=True):
+        if not adapter.exists():
+            build_adapter(shared / "bf16", adapter, **form)
     tasks = [_adapter_values(x, quantized, a) for a in adapters]
-    tasks.append(_agent(x, root / "agent", root / "bf16"))
+    tasks.append(_agent(x, root / "agent", shared / "bf16"))
     return LoraSet(root / "base", x, quantized, [*adapters, root / "agent"], tasks)
