@@ -1,7 +1,7 @@
 """One writer per output, tried as a user would: two merges started a second apart into the
-same output, locally and on the S3 server (`ram-dist` processes, and no Ray of this process
-while they race); a lease left by another host, fresh or stale (the CLI's entry point in this
-process, on the module's Ray).
+same output, locally and on the S3 server (`ram-dist` processes of their own, which join the
+shared Ray: the race is for the output's lease, not for a Ray); a lease left by another host,
+fresh or stale (the CLI's entry point in this process, on the shared Ray).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import shared_ray
 from builders import build_model_set
 from s3_server import CountingMotoServer, bucket_fs, running_server, storage_options
 
@@ -50,13 +51,10 @@ def _in_process(args: list[str]) -> int:
     return main(args[3:])
 
 
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-
-
 def _race(first: list[str], second: list[str]) -> tuple[subprocess.Popen, subprocess.Popen]:
-    """Start `first`, then `second` a second later; wait for both."""
-    kw = {"env": _env(), "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    """Start `first`, then `second` a second later, both on the shared Ray; wait for both."""
+    env = shared_ray.joining_env()
+    kw = {"env": env, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     a = subprocess.Popen(first, **kw)
     time.sleep(1.0)
     b = subprocess.Popen(second, **kw)
@@ -73,7 +71,7 @@ def _outcome(a, b, r_a: str, r_b: str) -> tuple[str, str]:
     return (r_a if winner is a else r_b), loser.stderr.read()
 
 
-def test_two_merges_into_one_local_output(models, tmp_path):
+def test_two_merges_into_one_local_output(models, tmp_path, ray_local, capsys):
     out = str(tmp_path / "out")
     a, b = _race(_args(models, out, "0.1"), _args(models, out, "0.3"))
     r, err = _outcome(a, b, "0.1", "0.3")
@@ -81,7 +79,7 @@ def test_two_merges_into_one_local_output(models, tmp_path):
     assert f"on host {socket.gethostname()}" in err and "--overwrite does not" in err
     assert err.count("\n") == 1  # one line, no traceback
     clean = str(tmp_path / "clean")
-    subprocess.run(_args(models, clean, r), env=_env(), check=True, capture_output=True)
+    assert _in_process(_args(models, clean, r)) == 0, capsys.readouterr().err
     names = sorted(os.listdir(clean))
     assert sorted(os.listdir(out)) == names  # no lease left behind, nothing of the loser
     for name in names:
@@ -96,7 +94,7 @@ def test_two_merges_into_one_local_output(models, tmp_path):
     assert manifest["identity"]["parameters"]["r"] == float(r)
 
 
-def test_two_merges_into_one_s3_output(models, server, tmp_path):
+def test_two_merges_into_one_s3_output(models, server, tmp_path, ray_local, capsys):
     options = storage_options(server)
     fs = bucket_fs(options, BUCKET)
     extra = ("--storage-options", json.dumps(options))
@@ -105,7 +103,7 @@ def test_two_merges_into_one_s3_output(models, server, tmp_path):
     r, err = _outcome(a, b, "0.1", "0.3")
     assert f"s3://{BUCKET}/out/{LEASE_NAME}: the output location is held by" in err
     clean = tmp_path / "clean"
-    subprocess.run(_args(models, str(clean), r), env=_env(), check=True, capture_output=True)
+    assert _in_process(_args(models, str(clean), r)) == 0, capsys.readouterr().err
     listed = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{BUCKET}/out", refresh=True))
     assert listed == sorted(os.listdir(clean))  # the lease was released
     for name in listed:

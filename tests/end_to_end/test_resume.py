@@ -1,5 +1,8 @@
 """Survive failures: a node lost mid-pass, a driver killed mid-pass, changed inputs refused;
-`ram-dist verify` of a resumed output on S3 (its own tests: tests/io/test_verify.py)."""
+`ram-dist verify` of a resumed output on S3 (its own tests: tests/io/test_verify.py).
+
+A killed run is a `ram-dist` process with its own embedded Ray, killed with its workers (its
+process group); the runs that resume it join the shared Ray (`shared_ray`)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import shared_ray
 import torch
 from builders import build_model_set, load_checkpoint, save_checkpoint
 from killing import env_without_ray, kill_after_first_shard, manifest_or_none
@@ -59,11 +63,9 @@ def crashed(models) -> tuple[Path, dict, dict[str, int]]:
 
 @pytest.fixture
 def one_ray() -> None:
-    """The shared Ray (`shared_ray`), which a test's in-process commands join rather than each
-    starting (and stopping) an embedded one. Asked for by each test, not by the module:
+    """The shared Ray (`shared_ray`), which a test's commands join rather than each starting
+    (and stopping) an embedded one. Asked for by each test, not by the module:
     test_node_removed_during_map_pass shuts it down for a cluster of its own."""
-    import shared_ray
-
     shared_ray.start()
 
 
@@ -73,11 +75,12 @@ def _copy(crashed, tmp_path) -> Path:
     return out
 
 
+@pytest.mark.usefixtures("one_ray")
 def test_rerun_after_sigkill_resumes_with_identical_bytes(models, crashed, tmp_path):
     out, manifest, mtimes = crashed
     done = subprocess.run(
         [sys.executable, "-m", "ram_dist.cli", *_args(models, str(out))],
-        env=env_without_ray(),
+        env=shared_ray.joining_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -113,7 +116,7 @@ def test_rerun_after_sigkill_resumes_with_identical_bytes(models, crashed, tmp_p
     # A third run finds the merge complete and does nothing.
     again = subprocess.run(
         [sys.executable, "-m", "ram_dist.cli", *_args(models, str(out))],
-        env=env_without_ray(),
+        env=shared_ray.joining_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -148,6 +151,94 @@ def test_changed_parameter_or_input_is_refused(models, crashed, tmp_path, capsys
     assert main(other) == 2
     err = capsys.readouterr().err
     assert f"task 2 ({moved}): file model-" in err and "changed (" in err
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[tuple[CountingMotoServer, dict]]:
+    import s3fs
+
+    server = CountingMotoServer()
+    server.start()
+    env = env_without_ray(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    options = {"s3": {"endpoint_url": server.endpoint, "use_listings_cache": False}}
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    s3fs.S3FileSystem(**options["s3"]).mkdir("resume")
+    yield server, {"env": env, "options": options}
+    server.stop()
+
+
+@pytest.mark.usefixtures("one_ray")
+def test_resume_on_s3_output(models, s3):
+    import s3fs
+
+    server, conf = s3
+    fs = s3fs.S3FileSystem(**conf["options"]["s3"])
+    extra = ("--storage-options", json.dumps(conf["options"]))
+    url = "s3://resume/out"
+
+    def read_manifest():
+        try:
+            return json.loads(fs.cat_file("resume/out/ram_dist_manifest.json"))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    args = _args(models, url, "--unit-mb", ONE_ROW_MB, "--workers", "1", *extra)
+    manifest = kill_after_first_shard(args, conf["env"], read_manifest)
+    finished = sorted(manifest["shards"])
+    etags = {n: fs.info(f"resume/out/{n}", refresh=True)["ETag"] for n in finished}
+    server.clear()
+    done = subprocess.run(
+        [sys.executable, "-m", "ram_dist.cli", *_args(models, url, *extra)],
+        env=shared_ray.joining_env(**conf["env"]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    writes = {s.path.rsplit("/", 1)[-1] for s in server.log if s.method in ("PUT", "POST")}
+    assert not writes & set(finished)  # finished shards were not uploaded again
+    assert {n: fs.info(f"resume/out/{n}", refresh=True)["ETag"] for n in finished} == etags
+    report = json.loads(fs.cat_file("resume/out/merge_report.json"))
+    assert report["passes"]["reduce"]["skipped"] is True
+    assert sorted(report["output"]["shards_reused"]) == sorted(finished)
+    local = Path(models["root"]) / "fetched"
+    fs.get("resume/out", str(local), recursive=True)
+    merged = load_checkpoint(local)
+    assert all(torch.equal(merged[k], v) for k, v in models["expected"].items())
+    verify = subprocess.run(
+        [sys.executable, "-m", "ram_dist.cli", "verify", url, *extra],
+        env=conf["env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert verify.returncode == 0, verify.stderr
+
+
+@pytest.mark.usefixtures("one_ray")
+def test_a_method_with_driver_factors_resumes_with_its_recorded_state(models, tmp_path):
+    """model_stock's factors (from exact sums, on the driver) come back from the manifest's
+    JSON: a run killed in the map pass resumes without its reduce pass and writes the bytes
+    of an uninterrupted run."""
+    whole = tmp_path / "whole"
+    assert main(_args(models, str(whole), "--method", "model_stock")) == 0
+    out = tmp_path / "out"
+    kill_after_first_shard(
+        _args(models, str(out), "--method", "model_stock", "--unit-mb", ONE_ROW_MB,
+              "--workers", "1"),
+        env_without_ray(),
+        lambda: manifest_or_none((out / "ram_dist_manifest.json").read_text),
+        out=out,
+    )  # fmt: skip
+    assert main(_args(models, str(out), "--method", "model_stock")) == 0
+    report = json.loads((out / "merge_report.json").read_text())
+    assert report["passes"]["reduce"]["skipped"] is True
+    assert report["output"]["shards_reused"]
+    resumed, expected = load_checkpoint(out), load_checkpoint(whole)
+    assert resumed.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(resumed[name].view(torch.uint8), value.view(torch.uint8)), name
 
 
 def test_node_removed_during_map_pass(models, own_ray, tmp_path):
@@ -218,90 +309,3 @@ def _running_a_task(raylet: psutil.Process) -> bool:
         except psutil.Error:
             continue
     return False
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[tuple[CountingMotoServer, dict]]:
-    import s3fs
-
-    server = CountingMotoServer()
-    server.start()
-    env = env_without_ray(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
-    options = {"s3": {"endpoint_url": server.endpoint, "use_listings_cache": False}}
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    s3fs.S3FileSystem(**options["s3"]).mkdir("resume")
-    yield server, {"env": env, "options": options}
-    server.stop()
-
-
-def test_resume_on_s3_output(models, s3):
-    import s3fs
-
-    server, conf = s3
-    fs = s3fs.S3FileSystem(**conf["options"]["s3"])
-    extra = ("--storage-options", json.dumps(conf["options"]))
-    url = "s3://resume/out"
-
-    def read_manifest():
-        try:
-            return json.loads(fs.cat_file("resume/out/ram_dist_manifest.json"))
-        except (FileNotFoundError, ValueError):
-            return None
-
-    args = _args(models, url, "--unit-mb", ONE_ROW_MB, "--workers", "1", *extra)
-    manifest = kill_after_first_shard(args, conf["env"], read_manifest)
-    finished = sorted(manifest["shards"])
-    etags = {n: fs.info(f"resume/out/{n}", refresh=True)["ETag"] for n in finished}
-    server.clear()
-    done = subprocess.run(
-        [sys.executable, "-m", "ram_dist.cli", *_args(models, url, *extra)],
-        env=conf["env"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    writes = {s.path.rsplit("/", 1)[-1] for s in server.log if s.method in ("PUT", "POST")}
-    assert not writes & set(finished)  # finished shards were not uploaded again
-    assert {n: fs.info(f"resume/out/{n}", refresh=True)["ETag"] for n in finished} == etags
-    report = json.loads(fs.cat_file("resume/out/merge_report.json"))
-    assert report["passes"]["reduce"]["skipped"] is True
-    assert sorted(report["output"]["shards_reused"]) == sorted(finished)
-    local = Path(models["root"]) / "fetched"
-    fs.get("resume/out", str(local), recursive=True)
-    merged = load_checkpoint(local)
-    assert all(torch.equal(merged[k], v) for k, v in models["expected"].items())
-    verify = subprocess.run(
-        [sys.executable, "-m", "ram_dist.cli", "verify", url, *extra],
-        env=conf["env"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert verify.returncode == 0, verify.stderr
-
-
-@pytest.mark.usefixtures("one_ray")
-def test_a_method_with_driver_factors_resumes_with_its_recorded_state(models, tmp_path):
-    """model_stock's factors (from exact sums, on the driver) come back from the manifest's
-    JSON: a run killed in the map pass resumes without its reduce pass and writes the bytes
-    of an uninterrupted run."""
-    whole = tmp_path / "whole"
-    assert main(_args(models, str(whole), "--method", "model_stock")) == 0
-    out = tmp_path / "out"
-    kill_after_first_shard(
-        _args(models, str(out), "--method", "model_stock", "--unit-mb", ONE_ROW_MB,
-              "--workers", "1"),
-        env_without_ray(),
-        lambda: manifest_or_none((out / "ram_dist_manifest.json").read_text),
-        out=out,
-    )  # fmt: skip
-    assert main(_args(models, str(out), "--method", "model_stock")) == 0
-    report = json.loads((out / "merge_report.json").read_text())
-    assert report["passes"]["reduce"]["skipped"] is True
-    assert report["output"]["shards_reused"]
-    resumed, expected = load_checkpoint(out), load_checkpoint(whole)
-    assert resumed.keys() == expected.keys()
-    for name, value in expected.items():
-        assert torch.equal(resumed[name].view(torch.uint8), value.view(torch.uint8)), name

@@ -8,8 +8,10 @@ access keys, SlowDown answers), real files deleted or written to /dev/full, a re
 Steps inside a job are found without sleeping: the server calls a test's hook on the request
 that takes the output's lease (every check has passed by then, no pass has started), or on
 the first read of an input's data.
-The commands run in this process join the module's one Ray (`ray_s3`); `_cli` runs the real
-command in a process of its own, with its own embedded Ray.
+The commands run in this process join the shared Ray (`ray_s3`); `_cli` runs the real
+command in a process of its own, which joins that Ray too (its workers' output comes to the
+command's stderr as it would from an embedded Ray's); the full disk's command, in a mount
+namespace of its own, starts its own embedded Ray there.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 import pytest
 import s3fs
+import shared_ray
 from botocore.exceptions import ClientError
 from builders import build_model_set, load_checkpoint
 from reference import reference_merge
@@ -147,12 +150,11 @@ def _argv(base, tasks, out, options: dict | None, *extra: str) -> list[str]:
 
 
 def _cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    """The real `ram-dist` in a process of its own, with its own embedded Ray (which logs
-    its workers' output to this stderr)."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    """The real `ram-dist` in a process of its own, on the shared Ray (which logs its
+    workers' output for this job to this stderr)."""
     return subprocess.run(
         [sys.executable, "-m", "ram_dist.cli", *argv],
-        env=env,
+        env=shared_ray.joining_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -288,6 +290,7 @@ def test_inputs_denied_while_the_job_runs(models, options, fs, server, capsys, c
     _nothing_published(fs, f"{BUCKET}/denied-later-out")
 
 
+@pytest.mark.usefixtures("ray_s3")
 def test_an_input_deleted_while_the_job_runs(models, options, fs, server, tmp_path):
     """Deleted once the job holds its lease (its checks have read every header): a worker
     finds the file gone. The real CLI, so that Ray's own logging of the task is seen too."""
@@ -312,6 +315,7 @@ def test_an_input_deleted_while_the_job_runs(models, options, fs, server, tmp_pa
     _nothing_published(fs, f"{BUCKET}/deleted-local-out")
 
 
+@pytest.mark.usefixtures("ray_s3")
 def test_a_failing_output_disk_on_a_worker(models, options, fs, server, tmp_path):
     """Workers write their parts in place; a shard's partial file that turns into /dev/full
     (every write: ENOSPC) once its parts are being made fails the job with status 1 and
@@ -350,6 +354,7 @@ def test_a_failing_output_disk_on_a_worker(models, options, fs, server, tmp_path
     assert all((merged[k] == v).all() for k, v in models["expected"].items())
 
 
+@pytest.mark.usefixtures("ray_s3")
 def test_a_failing_output_disk_on_the_driver(models, tmp_path, capsys):
     """The manifest, written by the driver after the reduce pass, lands on /dev/full."""
     base, tasks = _local_copy(models, tmp_path / "in")
@@ -364,6 +369,7 @@ def test_a_failing_output_disk_on_the_driver(models, tmp_path, capsys):
     assert not (out / MANIFEST).exists()
 
 
+@pytest.mark.usefixtures("ray_s3")
 def test_slowdown_is_retried_by_botocore_then_named(models, options, fs, server):
     """Throttling is transient: botocore retries it (then s3fs once more per request), and a
     store that keeps answering SlowDown fails the job with status 1 naming the file. A store

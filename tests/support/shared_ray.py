@@ -55,6 +55,19 @@ def start() -> None:
     _ADDRESS[0] = ray.get_runtime_context().gcs_address
 
 
+def address() -> str:
+    """The shared Ray's GCS address, started unless it runs."""
+    start()
+    assert _ADDRESS[0] is not None
+    return _ADDRESS[0]
+
+
+def joining_env(**extra: str) -> dict[str, str]:
+    """This process's environment, plus `extra`, for a `ram-dist` command in a process of
+    its own that joins the shared Ray (started unless it runs) rather than starting one."""
+    return {**os.environ, **extra, "RAY_ADDRESS": address()}
+
+
 def suspend() -> None:
     """Shut the shared Ray down, if it is up, so that this process has no Ray."""
     import ray
