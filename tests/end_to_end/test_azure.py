@@ -224,25 +224,24 @@ def _staged(server: AzuriteServer) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.usefixtures("ray_azure")
-def test_a_second_writer_is_refused_by_the_lease(models, options):
+@pytest.fixture(scope="module")
+def leased_then_throttled(ray_azure, models, options, fs, server, tmp_path_factory) -> dict:
+    """One output for two tests: a merge into it while another writer holds its lease (refused),
+    then, the lease released, the same merge with throttling answers injected: Azure Storage's
+    (503 ServerBusy, 500 OperationTimedOut; it sends no 429) to every third block upload or
+    range read of a safetensors file, two in all (the SDK waits about 15 s before its first
+    retry of each)."""
     out = f"az://{CONTAINER}/leased"
     holder = OutputLease(out, Storage(options), "first-writer")
     holder.acquire()
+    refused: LeaseHeld | None = None
     try:
-        with pytest.raises(LeaseHeld, match="first-writer"):
-            _merge(*models["az"], out, options)
+        _merge(*models["az"], out, options)
+    except LeaseHeld as e:
+        refused = e
     finally:
         holder.release()
-    report = _merge(*models["az"], out, options)  # free again: the merge runs
-    assert report["passes"]["map"]["bytes_written_by_driver"] == 0
 
-
-@pytest.mark.usefixtures("ray_azure")
-def test_throttling_is_ridden_out_by_the_sdk_retries(models, options, fs, server, tmp_path):
-    """Azure Storage's throttling answers (503 ServerBusy, 500 OperationTimedOut; it sends no
-    429) to every third block upload or range read of a safetensors file, two in all (the
-    SDK waits about 15 s before its first retry of each): the job succeeds, same bytes."""
     faults: list[tuple[int, str]] = []
     seen = [0]
 
@@ -260,12 +259,26 @@ def test_throttling_is_ridden_out_by_the_sdk_retries(models, options, fs, server
 
     server.intercept = throttle
     try:
-        report = _merge(*models["az"], f"az://{CONTAINER}/throttled", options)
+        report = _merge(*models["az"], out, options)  # free again: the merge runs
     finally:
         server.intercept = None
-    assert len(faults) == 2
+    merged = _fetched(fs, "leased", tmp_path_factory.mktemp("leased"))
+    return {"refused": refused, "faults": faults, "report": report, "merged": merged}
+
+
+def test_a_second_writer_is_refused_by_the_lease(leased_then_throttled):
+    refused = leased_then_throttled["refused"]
+    assert isinstance(refused, LeaseHeld) and "first-writer" in str(refused), refused
+    # Released, the same output is free again: the merge ran.
+    report = leased_then_throttled["report"]
     assert report["passes"]["map"]["bytes_written_by_driver"] == 0
-    _equal(_fetched(fs, "throttled", tmp_path), models["expected"])
+
+
+def test_throttling_is_ridden_out_by_the_sdk_retries(leased_then_throttled, models):
+    """The throttled merge (`leased_then_throttled`) succeeds, same bytes."""
+    assert len(leased_then_throttled["faults"]) == 2
+    assert leased_then_throttled["report"]["passes"]["map"]["bytes_written_by_driver"] == 0
+    _equal(leased_then_throttled["merged"], models["expected"])
 
 
 def _one_line(stderr: str, *fragments: str) -> str:
@@ -277,9 +290,13 @@ def _one_line(stderr: str, *fragments: str) -> str:
     return lines[0]
 
 
+@pytest.mark.usefixtures("ray_azure")
 def test_an_input_deleted_while_the_job_runs(models, options, fs, server, tmp_path):
     """Deleted when the job creates its lease (every header read): one line naming the
-    file, exit status 2, no index, no shard, no lease left."""
+    file, exit status 2, no index, no shard, no lease left. The job (`ram-dist merge
+    --address`) runs on the module's Ray."""
+    import ray
+
     for d in [models["local"][0], *models["local"][1]]:
         _put(fs, d, "deleted")
     victim = f"{CONTAINER}/deleted/task0/model-00001-of-00004.safetensors"
@@ -296,7 +313,8 @@ def test_an_input_deleted_while_the_job_runs(models, options, fs, server, tmp_pa
     server.intercept = hook
     try:
         done = subprocess.run(
-            _cli_args(base, tasks, f"az://{CONTAINER}/deleted-out", options),
+            _cli_args(base, tasks, f"az://{CONTAINER}/deleted-out", options,
+                      "--address", ray.get_runtime_context().gcs_address),
             env=_env(), capture_output=True, text=True, timeout=300,
         )  # fmt: skip
     finally:

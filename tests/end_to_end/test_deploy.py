@@ -2,7 +2,11 @@
 CLI's own parser, the image recipe installs this package, and a real `ray job submit` merges.
 
 The job-submission tests start their own Ray head (job server on 127.0.0.1, token auth, its
-own temp dir) in a subprocess and stop exactly that head afterwards.
+own temp dir) in a subprocess and stop exactly that head afterwards. The head runs a Python of
+its own, as a cluster's image has one: a bare venv in its temp dir that sees this environment's
+packages (a `.pth` file adds its site-packages), so that the pip plugin of the jobs' runtime
+env clones that venv (a few files) rather than this whole environment (GBs), and installs
+nothing: the cluster's Python satisfies every requirement.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -836,9 +841,14 @@ class RayHead:
         """Start readying, in a thread, what the jobs below run in: once the job server
         answers, a job that imports ram-dist with their runtime env (`_job_runtime_env`:
         jobs/runtime_env.yaml with this checkout as working dir). Ray builds that env on the
-        node (it unpacks the upload and builds the `pip` virtualenv, here a copy of this
-        one: a minute or more) and keeps it for the later jobs that use it, as for any user's
-        second submission; meanwhile the tests go on."""
+        node (it unpacks the upload and builds the `pip` virtualenv, here a clone of the
+        head's bare venv in which pip finds every requirement met) and keeps it for the later
+        jobs that use it, as for any user's second submission; meanwhile the tests go on."""
+        # Ray's job client imported here rather than first in the thread: an import there
+        # changes sys.modules (and Ray's import, os.environ) while the tests' setup may
+        # iterate them ("dictionary changed size during iteration").
+        import ray.job_submission  # noqa: F401
+
         self._preparing = threading.Thread(target=self._prepare, daemon=True)
         self._preparing.start()
 
@@ -919,12 +929,13 @@ def _ray_head() -> Iterator[RayHead]:
     token = secrets.token_hex(32)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0"}
+    python = _cluster_python(Path(temp_dir) / "python")
     log = open(Path(temp_dir) / "head.log", "wb")  # noqa: SIM115 - closed in finally
 
     def start() -> tuple[subprocess.Popen, str]:
         dashboard_port = _free_port()
         cmd = [
-            sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+            python, "-m", "ray.scripts.scripts", "start", "--head", "--block",
             "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard_port}",
@@ -950,14 +961,37 @@ def _ray_head() -> Iterator[RayHead]:
     finally:
         _stop(head.proc, temp_dir)
         log.close()
-        # The job's virtualenv under it is a copy of this one (GBs): delete it in the
-        # background rather than hold the test run for it.
+        # Ray's session files and the jobs' uploads and virtualenv are under it: delete them
+        # in the background rather than hold the test run for it.
         subprocess.Popen(
             ["rm", "-rf", "--one-file-system", temp_dir],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+
+
+def _cluster_python(where: Path) -> str:
+    """The head's Python: a venv without packages of its own (`python -m venv --without-pip`)
+    whose site-packages holds one `.pth` file that adds this environment's site-packages, with
+    their own `.pth` files (`site.addsitedir`). Ray's pip plugin derives a job's virtualenv from
+    the head's Python: it copies a venv whole (`_clonevirtualenv`), here a few files."""
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=120
+    )
+    ours = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
+    layout = {"base": str(where), "platbase": str(where)}
+    site_packages = Path(sysconfig.get_path("purelib", vars=layout))
+    lines = [f"import site; site.addsitedir({path!r})" for path in sorted(ours)]
+    (site_packages / "ram_dist_test_parent.pth").write_text("\n".join(lines) + "\n")
+    python = str(where / "bin" / "python")
+    probe = (
+        "import sys, importlib.util as u; print(sys.prefix, all(u.find_spec(m) for m in "
+        "('ray', 'torch', 'virtualenv', 'pip')))"
+    )
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == [str(where), "True"], done.stderr
+    return python
 
 
 def _stop(proc: subprocess.Popen, temp_dir: str) -> None:
@@ -1095,6 +1129,19 @@ def test_submitted_merge_equals_the_reference(cli_job_output, models):
     # compiled while the others waited and loaded it), not once per worker.
     compiled = _kernels_compiled(report)
     assert compiled and set(compiled.values()) == {1}, report["passes"]
+
+
+def test_runtime_env_pip_installs_nothing_the_cluster_python_has(ray_head):
+    """jobs/runtime_env.yaml's claim: what the cluster's Python already satisfies is not
+    downloaded again (a no-op on the ram-dist image). The head's Python has every package:
+    Ray's pip plugin found each requirement met and installed nothing."""
+    ray_head.prepared()
+    logs = sorted(Path(ray_head.temp_dir).glob("session_latest/logs/runtime_env_setup*.log"))
+    text = "".join(p.read_text(errors="replace") for p in logs)
+    assert "Installing python requirements" in text, [p.name for p in logs]
+    for requirement in _runtime_env()["pip"]["packages"]:
+        assert f"Requirement already satisfied: {requirement} " in text, requirement
+    assert "Collecting " not in text and "Successfully installed" not in text
 
 
 def _kernels_compiled(report: dict) -> Counter[str]:
