@@ -199,11 +199,12 @@ def run(sweep: Sweep, out: str, points: list[Point], workers: int, cli_mode: str
     plan, lay = sweep.plan, Layout(out)
     t0 = time.perf_counter()
     seeds = plan.seeds
-    # Each (seed, lr, task) trajectory saves the agents of every selected point.
-    snaps: dict[tuple[float, str], set[int]] = {}
-    for p in points:
-        for t in TASK_NAMES:
-            snaps.setdefault((p.lr, t), set()).add(p.updates(t))
+    # Each (seed, lr, task) trajectory saves the agents of every selected point, and those of
+    # the sweep's other points that it passes on the way (a later run need not train them).
+    snaps, wanted = _snapshots(points), _snapshots(sweep.points)
+    needed = {k: set(v) for k, v in snaps.items()}
+    for key, steps in snaps.items():
+        steps.update(n for n in wanted[key] if n <= max(steps))
     cli = CliRunner(cli_mode, os.path.join(out, "logs"))
     pending: dict[Future, tuple] = {}
     merged: set[tuple[int, str]] = set()
@@ -228,9 +229,9 @@ def run(sweep: Sweep, out: str, points: list[Point], workers: int, cli_mode: str
             # Longest first, so that no long run starts last.
             for (lr, t), steps in sorted(snaps.items(), key=lambda kv: -max(kv[1])):
                 folders = {n: lay.agent(seed, lr, t, n) for n in sorted(steps)}
-                if all(done(f) for f in folders.values()):
-                    for f in folders.values():
-                        score(f, seed)
+                if all(done(folders[n]) for n in needed[(lr, t)]):
+                    for n in sorted(needed[(lr, t)]):
+                        score(folders[n], seed)
                 else:
                     submit("rl", seed, t, lay.base(seed), lr, folders)
 
@@ -277,7 +278,8 @@ def run(sweep: Sweep, out: str, points: list[Point], workers: int, cli_mode: str
                         task, _base, lr, folders = rest
                         for n, f in folders.items():
                             write_json(record(f), {**res, "steps": n})
-                            score(f, seed)
+                            if n in needed[(lr, task)]:  # the others: when a run needs them
+                                score(f, seed)
                         log(f"seed {seed}: {task} at lr {lr:g} ({res['wall_s']:.0f} s)", t0)
                         merge_ready(seed)
                     else:
@@ -292,6 +294,15 @@ def run(sweep: Sweep, out: str, points: list[Point], workers: int, cli_mode: str
     write_sweep_outputs(results, out)
     log(f"done: {out}/SWEEP.md, {out}/sweep.json, {out}/regime_map.json", t0)
     return results
+
+
+def _snapshots(points: list[Point]) -> dict[tuple[float, str], set[int]]:
+    """The agents the points need: (learning rate, task) -> numbers of updates."""
+    snaps: dict[tuple[float, str], set[int]] = {}
+    for p in points:
+        for t in TASK_NAMES:
+            snaps.setdefault((p.lr, t), set()).add(p.updates(t))
+    return snaps
 
 
 def _runs(out: str) -> list[dict]:

@@ -95,15 +95,28 @@ def _sweep(out: Path, *extra: str) -> None:
 
 
 def test_regime_sweep_smoke(tmp_path: Path) -> None:
-    """`sweep.py --smoke`: one point on its own, then the whole sweep in the same folder,
-    which reuses that point's agents and merges and adds the rest and the ablations."""
+    """`sweep.py --smoke`: one point on its own, whose runs to 8 updates also save the other
+    points' agents they pass, then the whole sweep in the same folder, which reuses that
+    point's merges and every agent (no GRPO run again) and adds the rest and the ablations."""
     out = tmp_path / "sweep"
     _sweep(out, "--point", "lr1e-3-all8")
     one = out / "seed0" / "points" / "lr1e-3-all8" / "merged" / "ram_plus.command.json"
     first = one.stat().st_mtime_ns
     assert not (out / "seed0" / "points" / "lr1e-3-het").exists()
+    agents = out / "seed0" / "lr0.001"
+
+    def records() -> dict[str, int]:
+        return {
+            str(p.relative_to(agents)): p.stat().st_mtime_ns
+            for p in agents.glob("agent-*/step*.job.json")
+        }
+
+    trained = records()
     _sweep(out)
     assert one.stat().st_mtime_ns == first  # the point's merges were reused, not redone
+    # ... and the agents of every point were saved by the first run's GRPO runs, not trained
+    # again (each agent's record written once)
+    assert records() == trained
 
     # The sweep's records lie beside the models: a merged model holds none (a merge copies
     # its base's other files, and each merged model was scored, not given the base's score).
@@ -132,6 +145,7 @@ def test_regime_sweep_smoke(tmp_path: Path) -> None:
             assert (
                 steps["steps"] == point["steps"][t] and len(steps["train_reward"]) == steps["steps"]
             )
+            assert f"agent-{t}/step{point['steps'][t]}.job.json" in trained, (point, t)
         for t, p in row["probe"].items():
             assert 0.0 <= p["density"] <= 1.0 and 0.0 <= p["unique_share"] <= 1.0, t
         assert set(row["scores"]) >= set(METHODS) | {"task_arithmetic@w=0.33"}

@@ -57,9 +57,18 @@ def _assert_stats_match(report: dict, ref: dict) -> None:
     assert report["lambda_applied"] == ref["lambda32"]
 
 
-@pytest.mark.parametrize("kernels", ["auto", "eager"])
-@pytest.mark.parametrize("dtypes", list(DTYPE_SETS))
-@pytest.mark.parametrize("method", METHODS)
+#: The fused CPU kernels (`auto`) for every method on every dtype set; plain torch (`eager`)
+#: for every method and on every dtype set, each once (the eager rule has no per-method
+#: dtype handling: a method's own part is its lambda).
+CASES = [(m, d, "auto") for m in METHODS for d in DTYPE_SETS] + [
+    ("ram", "bf16", "eager"),
+    ("ram_plus", "fp16", "eager"),
+    ("ram_plus_soft", "fp32", "eager"),
+    ("ram_plus_soft", "mixed", "eager"),
+]
+
+
+@pytest.mark.parametrize(("method", "dtypes", "kernels"), CASES)
 def test_bytes_equal_reference(model_sets, tmp_path, method, dtypes, kernels):
     """Both paths: the fused CPU kernels (`auto`) and plain torch (`eager`)."""
     base_dir, task_dirs, base, tasks = model_sets[dtypes]
@@ -108,10 +117,12 @@ def _digest(folder: Path) -> dict[str, str]:
 def test_unit_budget_and_worker_count_do_not_change_bytes(model_sets, tmp_path):
     base_dir, task_dirs, base, tasks = model_sets["mixed"]
     expected, _ = reference_merge(base, tasks, "ram_plus")
-    row_bytes = 64 * 4  # one 64-wide row of the float32 task
     digests = {}
-    # Every budget, each worker count at small and large budgets, and both counts at one.
-    runs = [(row_bytes, 2), (1000, 1), (4096, 2), (65_536, 1), (256 * 2**20, 1), (256 * 2**20, 2)]
+    # Every budget, each worker count at small and large budgets, and both counts at one. The
+    # smallest, 1000 bytes (250 elements of the float32 task), cuts every matrix into several
+    # units, mid-row (rows of 64): about 600 units a pass, where a 256-byte budget (one row)
+    # made 1675, each a Ray task, for the same property.
+    runs = [(1000, 2), (4096, 1), (65_536, 2), (256 * 2**20, 1), (256 * 2**20, 2)]
     for budget, workers in runs:
         out = tmp_path / f"out-{budget}-{workers}"
         report = _merge(base_dir, task_dirs, out, unit_budget_bytes=budget, workers=workers)
@@ -119,7 +130,7 @@ def test_unit_budget_and_worker_count_do_not_change_bytes(model_sets, tmp_path):
         for pass_name in ("reduce", "map"):
             assert max(report["passes"][pass_name]["max_unit_bytes_read_per_input"]) <= budget
     assert len({tuple(sorted(d.items())) for d in digests.values()}) == 1
-    assert_same_bytes(load_checkpoint(tmp_path / f"out-{row_bytes}-2"), expected)
+    assert_same_bytes(load_checkpoint(tmp_path / "out-1000-2"), expected)
 
 
 def test_tensor_larger_than_budget_is_read_in_pieces(model_sets, tmp_path):
