@@ -163,12 +163,9 @@ def agreement_counts(
 
 
 def fma_instructions() -> list[str]:
-    """`fma_findings` of the kernel, compiled afresh (uncached, same options) for every
-    signature it has been called with. Must be empty."""
-    fresh = njit(cache=False, **OPTIONS)(_agreement_kernel.py_func)
-    for sig in _agreement_kernel.signatures:
-        fresh.compile(sig)
-    return fma_findings(fresh)
+    """`fma_findings` of the kernel, for every signature it has been called with. Must be
+    empty."""
+    return fma_findings(_agreement_kernel)
 
 
 def warm_calls() -> Iterator[Call]:

@@ -232,18 +232,12 @@ def lora_values(theta, coef, basis, scale, start, rounded, out):  # noqa: ANN001
 
 
 def fma_instructions() -> list[str]:
-    """`fma_findings` of the kernel and of each function it calls, compiled afresh
-    (uncached, same options) for every signature they have been called with. Must be
-    empty: an FMA rounds once where the spec rounds twice."""
-    fresh = njit(cache=False, **OPTIONS)(lora_values.py_func)
-    for sig in lora_values.signatures:
-        fresh.compile(sig)  # also gives the helpers the signatures it calls them with
-    found = fma_findings(fresh)
+    """`fma_findings` of the kernel, for every signature it has been called with, and of each
+    function it calls (in the kernel's cached object code, or compiled here with it). Must
+    be empty: an FMA rounds once where the spec rounds twice."""
+    found = fma_findings(lora_values)
     for helper in HELPERS:
-        again = njit(cache=False, **OPTIONS)(helper.py_func)
-        for sig in helper.signatures:
-            again.compile(sig)
-        found += fma_findings(again)
+        found += fma_findings(helper)
     return found
 
 

@@ -75,12 +75,8 @@ def test_nuslerp_rows_and_columns_decline_the_fused_blend():
 
 
 def test_no_fused_multiply_add_in_the_blend():
-    """The kernels' (the blend's, model_stock's and nearswap's) LLVM IR and assembly have no FMA,
-    compiled here (uncached: numba cannot inspect cached code) for a few of the signatures
-    this process has used (each costs a compilation: bf16, f16 and f32 inputs are the same
-    float32 arithmetic after loading)."""
-    from numba import njit
-
+    """No FMA in the kernels' (the blend's, model_stock's and nearswap's) code, for every
+    signature this process has used (`primitives.fma_findings`)."""
     from ram_dist.kernels import blend_numba, primitives
 
     x = np.ones(64, np.float32)
@@ -90,7 +86,4 @@ def test_no_fused_multiply_add_in_the_blend():
     blend_numba.stock(x, [x, x], out, ts=[0.5])  # model_stock's
     blend_numba.nearswap(x, x, out, t=0.5, floor=1e-6)  # nearswap's
     for kernel in blend_numba.KERNELS:
-        fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
-        for sig in kernel.signatures[-3:]:
-            fresh.compile(sig)
-        assert fresh.signatures and primitives.fma_findings(fresh) == [], kernel
+        assert kernel.signatures and primitives.fma_findings(kernel) == [], kernel

@@ -236,16 +236,14 @@ def test_row_gram_is_the_eager_rules_rows(row):
 
 
 def test_no_fused_multiply_add():
-    """The kernels compiled here (not loaded from the cache) have no FMA."""
-    from numba import njit
-
+    """No FMA in the kernels' code (`primitives.fma_findings`)."""
     from ram_dist.kernels import exact_sums_numba
-    from ram_dist.kernels.primitives import OPTIONS, fma_findings
+    from ram_dist.kernels.primitives import fma_findings
 
     stack = np.ones((2, 8), np.float32)
     pairs = np.array([[0, 1]], np.int64)
     for name in ("gram", "row_gram"):
-        fresh = njit(**OPTIONS)(getattr(exact_sums_numba, name).py_func)
+        fresh = getattr(exact_sums_numba, name)
         out = np.zeros((1, exact_sums.BINS) if name == "gram" else (2, 1, exact_sums.BINS),
                        np.int64)  # fmt: skip
         args = (stack, pairs, 26, exact_sums._POS_INF, out)

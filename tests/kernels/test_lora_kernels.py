@@ -3,11 +3,14 @@ step by step in float32 scalars, byte for byte on both paths, with no fused mult
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 from lora_steps import product_by_hand
 
-from ram_dist.kernels import lora, lora_numba
+from ram_dist.kernels import lora, lora_numba, primitives
 
 NUMPY = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 
@@ -132,15 +135,28 @@ def test_register_blocks_at_rank_64_and_their_edges(start, stop):
 
 
 def test_the_fma_check_covers_the_functions_the_kernel_calls():
-    """`fma_instructions` compiles each helper afresh too, for the signatures the kernel
-    called it with: none is left unchecked."""
+    """`fma_instructions` checks every helper the kernel calls: in the kernel's cached object
+    code, where each is linked in under its own symbol, or compiled here with the kernel
+    (then with a signature of its own): none is left unchecked."""
     rng = np.random.default_rng(1)
     coef = rng.standard_normal((9, 3)).astype(np.float32)
     basis = rng.standard_normal((3, 80)).astype(np.float32)
     theta = _stored(rng.standard_normal(9 * 80), "BF16")[2:]
     lora.values(theta, "BF16", coef, basis, np.float32(1), 1, "BF16", np.empty(9 * 320, np.uint8))
     assert lora_numba.fma_instructions() == []
-    assert all(helper.signatures for helper in lora_numba.HELPERS)
+    kernel = lora_numba.lora_values
+    for sig, compiled in kernel.overloads.items():
+        if not compiled.library._disable_inspection:  # compiled here
+            assert all(helper.signatures for helper in lora_numba.HELPERS)
+            continue
+        listing = primitives.cached_disassembly(kernel, sig)
+        if listing is None and shutil.which("objdump") is None and not os.environ.get("CI"):
+            pytest.skip("no objdump (binutils): the helpers were compiled afresh and checked")
+        assert listing is not None, "objdump reads the cached object code"
+        symbols = [line for line in listing.splitlines() if line.endswith(">:")]
+        for helper in lora_numba.HELPERS:  # numba's mangling: ...10lora_numba7_block4B...
+            name = f"lora_numba{len(helper.__name__)}{helper.__name__}B"
+            assert any(name in s for s in symbols), helper.__name__
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ fused multiply-add would change the result check that none happened.
 from __future__ import annotations
 
 import math
+import os
 from fractions import Fraction
 
 import numpy as np
@@ -325,20 +326,20 @@ def test_no_fma_in_results() -> None:
 
 
 def test_no_fma_in_compiled_code() -> None:
-    """The kernels' LLVM IR and assembly have no FMA, compiled here (uncached) for inputs
-    of every dtype and every output dtype (one signature: inputs and output are records);
-    and the check finds the FMA that fastmath makes. (`kernels.fma_instructions()` does the
-    same for every signature a process has used.)"""
+    """The kernels' code has no FMA for inputs of every dtype and every output dtype (one
+    signature: inputs and output are records); and the check finds the FMA that fastmath
+    makes. (`kernels.fma_instructions()` does the same for every signature a process has
+    used.)"""
     from numba import njit
 
     base, tasks = sparse_inputs(100, (BF16, F16, F32), seed=1)
     arrays = views.kernel_inputs(base, tasks)
     eps = np.float32(EPS)
-    counts = njit(cache=False, **primitives.OPTIONS)(kernels._count_kernel.py_func)
+    counts = kernels._count_kernel
     hist, checks = np.zeros((3, 3), np.int64), np.zeros((2, 3), np.int64)  # the check too
     counts(arrays, eps, hist, np.zeros(3, np.int64), kernels.CODE_TASKS, checks)
     assert kernels.fma_findings(counts) == []
-    merge = njit(cache=False, **primitives.OPTIONS)(kernels._merge_kernel.py_func)
+    merge = kernels._merge_kernel
     for out_dtype in OUTS:
         out = views.kernel_output(torch.empty(100, dtype=out_dtype), 100)
         merge(arrays, eps, np.array([1.1, 1.2], np.float32), out, 0xFFFF)
@@ -347,6 +348,36 @@ def test_no_fma_in_compiled_code() -> None:
     contracted = njit(fastmath=True)(lambda a, b, c: a * b + c)
     contracted(1.5, 2.5, 3.5)
     assert kernels.fma_findings(contracted)
+
+
+def test_the_check_finds_an_fma_in_cached_machine_code(tmp_path, monkeypatch) -> None:
+    """A kernel loaded from numba's disk cache has no IR to inspect: its cached object code,
+    the machine code that runs, is read instead, and a fastmath kernel's FMA is found there
+    (every x86-64 CPU the README supports has FMA)."""
+    import importlib
+    import shutil
+
+    if shutil.which("objdump") is None and not os.environ.get("CI"):
+        pytest.skip("no objdump (binutils): cached kernels are compiled afresh to be checked")
+    (tmp_path / "fma_kernel.py").write_text(
+        "from numba import njit\n\n\n@njit(cache=True, fastmath=True)\n"
+        "def contracted(a, b, c):\n    return a * b + c\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("fma_kernel")
+    module.contracted(1.5, 2.5, 3.5)  # compiled here, and saved to the cache
+    module = importlib.reload(module)  # a new dispatcher, which loads it from the cache
+    module.contracted(1.5, 2.5, 3.5)
+    (compiled,) = module.contracted.overloads.values()
+    assert compiled.library._disable_inspection  # loaded: numba keeps no IR for it
+    listing = primitives.cached_disassembly(module.contracted, module.contracted.signatures[0])
+    assert listing is not None and "vfmadd" in listing
+    assert [f for f in kernels.fma_findings(module.contracted) if f.startswith("vfmadd")]
+    # where the object code cannot be read, the check compiles the kernel afresh
+    monkeypatch.setattr(primitives.shutil, "which", lambda _: None)
+    assert primitives.cached_disassembly(module.contracted, compiled.signature.args) is None
+    found = kernels.fma_findings(module.contracted)
+    assert "fmul fast" in found and [f for f in found if f.startswith("vfmadd")]
 
 
 # ---- API ---------------------------------------------------------------------------------

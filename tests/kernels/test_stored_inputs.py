@@ -126,11 +126,8 @@ def test_no_fma_in_the_kernels_compiled_for_stored_forms():
     base and on its decoded copy (a plain array), holds one specialization, the one plain inputs
     give it, whose code each kernel's own no-FMA test compiles uncached and inspects
     (test_ties_kernels, test_dare_kernels, test_sparse_kernels, test_blend_kernels,
-    test_sce_kernels, test_arcee_kernels); it is not compiled a second time here. The Gram
-    kernel, which only the stored-form tests call, is compiled here (uncached) and inspected."""
-    from numba import njit
-
-    from ram_dist.kernels import primitives
+    test_sce_kernels, test_arcee_kernels) inspects. The Gram kernel, which only the
+    stored-form tests call, is inspected here (`primitives.fma_findings`)."""
 
     for make in BASES.values():
         base = make()
@@ -143,10 +140,7 @@ def test_no_fma_in_the_kernels_compiled_for_stored_forms():
     for kernel in (*kernels, *arcee):
         assert len(kernel.signatures) == 1, (kernel, kernel.signatures)
     for kernel in vector_sums_numba.KERNELS:
-        fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
-        for sig in kernel.signatures:
-            fresh.compile(sig)
-        assert fresh.signatures and ram_numba.fma_findings(fresh) == [], kernel
+        assert kernel.signatures and ram_numba.fma_findings(kernel) == [], kernel
 
 
 def _call_every_record_kernel(first, agents: list, numel: int, row: int) -> None:

@@ -127,17 +127,12 @@ def test_l1_rescale_fused_equals_eager(density) -> None:
 
 
 def test_no_fma_in_the_compiled_tall_kernel() -> None:
-    """The kernel's LLVM IR and assembly have no FMA, compiled here (uncached) for every
-    signature this process has used."""
-    from numba import njit
-
+    """No FMA in the kernel's code, for every signature this process has used
+    (`primitives.fma_findings`)."""
     base, tasks = sparse_inputs(100, (BF16, F16, F32), seed=1)
     out = torch.empty(100, dtype=BF16)
     tall_numba.merge(base, tasks, out, weights=[0.5, 0.25], cuts=[(0, -1), tall_numba.NO_CUT],
                      factors=[1.5, None], lambdas=[0.5, 1.0], k=1, start=0, consensus=True,
                      normalize=True, divisor=1.0)  # fmt: skip
     for kernel in tall_numba.KERNELS:
-        fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
-        for sig in kernel.signatures:
-            fresh.compile(sig)
-        assert fresh.signatures and ram_numba.fma_findings(fresh) == []
+        assert kernel.signatures and ram_numba.fma_findings(kernel) == []

@@ -19,7 +19,7 @@ pytest.importorskip("numba")
 from kernel_runs import run, sparse_inputs, ties_params  # noqa: E402
 
 from ram_dist import kernels  # noqa: E402
-from ram_dist.kernels import primitives, ram_numba, ties_numba  # noqa: E402
+from ram_dist.kernels import ram_numba, ties_numba  # noqa: E402
 from ram_dist.methods import get_method  # noqa: E402
 from ram_dist.methods.protocol import Chunk, ChunkWork  # noqa: E402
 
@@ -120,17 +120,12 @@ def test_fused_declines_what_it_does_not_compute() -> None:
 
 
 def test_no_fma_in_compiled_ties_kernels() -> None:
-    """The kernels' LLVM IR and assembly have no FMA, compiled here (uncached) for every
-    signature this process has used (the other tests of this module ran first)."""
-    from numba import njit
-
+    """No FMA in the kernels' code, for every signature this process has used (the other
+    tests of this module ran first; `primitives.fma_findings`)."""
     base, tasks = sparse_inputs(100, (BF16, F16, F32), seed=1)
     ties_numba.statistics(base, tasks, ties_numba.HIGH, 1 << 15)
     out = torch.empty(100, dtype=BF16)
     ties_numba.merge(base, tasks, out, weights=[0.5, 0.25], keep=[2, 0], cuts=[(0, -1)] * 2,
                      start=0, consensus=True, normalize=True, divisor=1.0, lambda_=0.5)  # fmt: skip
     for kernel in ties_numba.KERNELS:
-        fresh = njit(cache=False, **primitives.OPTIONS)(kernel.py_func)
-        for sig in kernel.signatures:
-            fresh.compile(sig)
-        assert fresh.signatures and ram_numba.fma_findings(fresh) == []
+        assert kernel.signatures and ram_numba.fma_findings(kernel) == []
