@@ -32,8 +32,8 @@ Design (measured):
 - Arithmetic is op for op the eager one, in float32: `tau = x_t - b`, `|tau| > float32(eps)`,
   `total = total + where(m, tau, 0)` in task order, `lambda * total` when one task is active,
   `total / float32(c)` otherwise, then `b + merged`; `c == 0` keeps `b`. No fastmath, so LLVM
-  never contracts a multiply and an add into an FMA (`fma_instructions` checks the IR and the
-  assembly; tests also check values an FMA would change). `error_model="numpy"` lets
+  never contracts a multiply and an add into an FMA (`fma_instructions` checks the machine
+  code; tests also check values an FMA would change). `error_model="numpy"` lets
   `total / 0` give NaN (as in torch, which then discards it) instead of raising, which the
   division needs to vectorize.
 - numba has no float16 or bfloat16 arrays, so the records hold raw bits, tagged by a kind
