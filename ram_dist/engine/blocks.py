@@ -225,6 +225,14 @@ class BlockStream:
         if not self._blocks:
             return
         clock, groups = self._scope.clock, self._groups
+        if len(groups) == 1:  # nothing to read ahead: no thread to start (and join) for it
+            with clock.timing("read_wait_s"):
+                inputs = self._timed_read(0)
+            self._scope.memory.note()
+            for k, block_inputs in zip(groups[0], inputs, strict=True):
+                with clock.timing("compute_s"):
+                    yield self._blocks[k], block_inputs
+            return
         with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-read") as reader:
             ahead = reader.submit(self._timed_read, 0)
             for g, group in enumerate(groups):

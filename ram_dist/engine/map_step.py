@@ -111,9 +111,9 @@ def _map_part(work: PartWork, context: TaskContext, scope: WorkScope) -> UnitRes
     for o in outputs:
         o.data[:at] = np.frombuffer(work.header, dtype=np.uint8)
     fused_elements = 0
-    queued: list[Future[None]] = []
     clock = scope.clock
-    with ThreadPoolExecutor(1, thread_name_prefix="ram-dist-sha256") as behind:
+    with _Behind() as behind:
+        queued = behind.queued
 
         def made(k: int, hi: int, last: bool = False) -> None:
             """Bytes [0, hi) of output k's part are final: hash them (and write them, when
@@ -127,9 +127,9 @@ def _map_part(work: PartWork, context: TaskContext, scope: WorkScope) -> UnitRes
             while queued and queued[0].done():
                 queued.pop(0).result()
             view = o.data[lo:hi]
-            queued.append(behind.submit(hash_of, o, view))
+            behind.run(hash_of, o, view, last=last)
             if o.target.streams:
-                queued.append(behind.submit(write_at, o, part.start + lo, view))
+                behind.run(write_at, o, part.start + lo, view, last=last)
             o.handed = hi
 
         def hash_of(o: _Output, view: np.ndarray) -> None:
@@ -168,6 +168,34 @@ def _map_part(work: PartWork, context: TaskContext, scope: WorkScope) -> UnitRes
         times=clock.times(len(work.units)), lora_formed=scope.products.formed,
         lora_reused=scope.products.reused, **ran_by(),
     )  # fmt: skip
+
+
+class _Behind:
+    """The thread that hashes (and writes) a part's bytes behind the merging, in order,
+    started at the first hand-off that leaves merging to overlap. A hand-off at the part's
+    end with no thread started yet (a part under `HAND_OFF_BYTES`: all of a small model's)
+    runs in the computing thread, as it would wait for the thread anyway: starting and
+    joining one per task costs more than hashing its bytes. Queued work is finished before
+    the block ends, whatever ends it."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self.queued: list[Future[None]] = []
+
+    def run(self, fn: Callable[..., None], *args: Any, last: bool) -> None:
+        if last and self._pool is None:
+            fn(*args)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ram-dist-sha256")
+        self.queued.append(self._pool.submit(fn, *args))
+
+    def __enter__(self) -> _Behind:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 #: New scale rows by (FP8 weight, band): a task's record of the bands it merged, so that
