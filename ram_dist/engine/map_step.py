@@ -149,9 +149,9 @@ def _map_part(work: PartWork, context: TaskContext, scope: WorkScope) -> UnitRes
                 unit, makings, outs, on_block=lambda k, lo, hi, base=at: made(k, base + hi)
             )
             at += size
-        for k in range(len(outputs)):
-            made(k, at, last=True)
-        with clock.timing("write_wait_s"):
+        with clock.timing("write_wait_s"):  # a part's last hand-off may run right here
+            for k in range(len(outputs)):
+                made(k, at, last=True)
             for step in queued:
                 step.result()
     if at != part.size:
