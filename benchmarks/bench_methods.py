@@ -16,7 +16,8 @@ the end. Then, ``--repeats`` times, for each method of ``--methods`` in turn:
   ``passes`` is what the ram-dist run of the same repeat read over what one pass reads;
 * ``running``: ``ram-dist merge CONFIG --address HEAD`` on the running Ray, as a subprocess
   (wall time and peak RSS from wait4, the passes' time from ``merge_report.json``);
-* ``ramdist``: the same with ram-dist's embedded Ray (started and stopped by the command);
+* ``ramdist``: the same with ram-dist's embedded Ray (started and stopped by the command;
+  left out with ``--no-embedded``, as ``running`` is with ``--no-running``);
 * ``mergekit``: ``mergekit-yaml`` on the same inputs with the same parameters (``dtype:
   float32``, ``out_dtype: bfloat16``), under ``benchmarks/mergekit_wrapper.py``; ram_plus
   (and lora_r16) against mergekit's ``ram``; a method mergekit lacks is left out.
@@ -79,6 +80,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", default="all", help="comma-separated, or all (the default)")
     p.add_argument("--no-mergekit", action="store_true", help="measure ram-dist and floor only")
     p.add_argument("--no-running", action="store_true", help="no running Ray, embedded only")
+    p.add_argument(
+        "--no-embedded", action="store_true", help="no embedded Ray, the running Ray's only"
+    )
     p.add_argument("--shard-mb", type=int, default=2000, help="max shard size of the inputs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -95,6 +99,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.methods if m not in mt.METHODS]
     if unknown:
         p.error(f"--methods: unknown {', '.join(unknown)}; valid: all, {', '.join(mt.METHODS)}")
+    if args.no_running and args.no_embedded:
+        p.error("--no-running and --no-embedded leave no ram-dist run to measure")
     return args
 
 
@@ -196,7 +202,9 @@ class Runner:
 
 
 def tools_for(args: argparse.Namespace, method: str) -> list[str]:
-    skip = {"running"} if args.no_running else set()
+    skip = ({"running"} if args.no_running else set()) | (
+        {"ramdist"} if args.no_embedded else set()
+    )
     if args.no_mergekit or mt.METHODS[method].mergekit_name(method) is None:
         skip.add("mergekit")
     return [t for t in TOOLS if t not in skip]
