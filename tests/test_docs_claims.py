@@ -187,7 +187,7 @@ def test_the_sizes_and_periods_the_pages_state_are_the_code_s():
     """Each sentence quotes the constant the code holds: a change to one fails here until
     the page says the new value."""
     from ram_dist import settings
-    from ram_dist.engine import blocks, map_step
+    from ram_dist.engine import blocks, map_step, passes
     from ram_dist.engine.shard_book import ShardBook
     from ram_dist.io import gcs, header_reads, json_files, range_cache, s3, storage
     from ram_dist.io.sinks.gcs import PART_SUFFIX as GCS_PART_SUFFIX
@@ -204,6 +204,8 @@ def test_the_sizes_and_periods_the_pages_state_are_the_code_s():
             f"(at most {blocks.SMALL_BYTES // 2**10} KiB from each input) are read together, "
             f"up to {blocks.GROUP_BLOCKS:,} of them and {_mib(blocks.GROUP_BYTES)} at a time",
             f"at least {_mib(map_step.HAND_OFF_BYTES)} at a time",
+            f"until it has read at least {_mib(passes.TASK_BYTES)}, or at least "
+            f"1/{passes.TASKS_PER_SLOT} of the pass's bytes over its tasks in flight",
             f"{settings.UNITS_PER_SLOT} units per core over the largest input, at most "
             f"1/{round(1 / settings.MEMORY_SHARE)} of a core's memory, "
             f"{settings.MIN_UNIT_BUDGET // 2**20} to {_mib(settings.MAX_UNIT_BUDGET)}",

@@ -47,7 +47,9 @@ class PassStats:
     bytes_written_by_workers: int = 0
     bytes_written_by_driver: int = 0
     work_items: int = 0
-    """Ray tasks the pass ran (report key `tasks`, kept for the schema's readers)."""
+    """Work items the pass ran, each a call of its task function: a reduce round's group of
+    units or a map part (report key `tasks`, kept for the schema's readers); consecutive
+    small ones share a Ray task (`pool.Batching`)."""
     work_retried: int = 0
     """Ray tasks run again after an attempt was lost with its worker or node (report key
     `tasks_retried`)."""

@@ -26,7 +26,7 @@ from ram_dist.engine.kept_values import KeptValues
 from ram_dist.engine.map_step import PartWork, map_part
 from ram_dist.engine.pass_context import MapOutput, PassContext, Shipped
 from ram_dist.engine.pass_stats import PassStats
-from ram_dist.engine.pool import Place, Routing, near, on_every_node, unordered_map
+from ram_dist.engine.pool import Batching, Place, Routing, near, on_every_node, unordered_map
 from ram_dist.engine.progress import Progress
 from ram_dist.engine.reduce_step import add_up, reduce_group
 from ram_dist.engine.unit_results import PrecisionCounts
@@ -43,6 +43,20 @@ from ram_dist.planning.units import Part, WorkUnit, parts_as_recorded
 #: Ray re-runs a unit whose worker or node died this many times; a unit that raised is not
 #: re-run (bad data fails the same way twice).
 SYSTEM_RETRIES = 5
+
+
+#: A Ray task of a pass reads at least this many input bytes (`pool.Batching`): a task costs
+#: the driver and its worker milliseconds, which a unit this small takes to read and merge.
+TASK_BYTES = 8 * 2**20
+#: ... or at least 1/TASKS_PER_SLOT of the pass's bytes over its tasks in flight, where that is
+#: less: every worker still gets several tasks.
+TASKS_PER_SLOT = 4
+
+
+def _batching(weight: Callable[[Any], int], total: int, in_flight: int) -> Batching | None:
+    """How a pass of `total` input bytes, `in_flight` tasks at a time, batches its items."""
+    least = min(TASK_BYTES, total // (TASKS_PER_SLOT * in_flight))
+    return Batching(weight, least) if least > 0 else None
 
 
 def _cpu_work(job: Job, choice: DeviceChoice) -> tuple[int, dict[str, Any]]:
@@ -88,8 +102,8 @@ def reduce_pass(context: PassContext) -> tuple[dict[str, Any], PassStats]:
     round also counts NaN and Inf in every input (a check-only round for methods without
     statistics), unless the job allows them. With the context's input cache, what a round
     fetches is kept on its node, and `stats.first_node` says which node first read each
-    unit. A task reads the units of one output part of at least the context's
-    `min_part_bytes` (`PartPlan.unit_groups`)."""
+    unit. A work item is the units of one output part of at least the context's
+    `min_part_bytes` (`PartPlan.unit_groups`); small items share a task (`_batching`)."""
     with _devices(context) as on:
         try:
             return _reduce_pass(context, on)
@@ -135,10 +149,15 @@ def _reduce_pass(context: PassContext, devices: Devices) -> tuple[dict[str, Any]
         checked = PrecisionCounts.zeros(len(job.tasks)) if checking else None
         flags = replace(work_flags(job, writes=False), kept=context.kept)
         shared = (shipped.context(storage, method, state, flags), round_, checking)
-        routing = Routing(lambda g: near(node_of(g[0])), devices.gpu, devices.on_gpu)
+        total_bytes = sum(job.unit_bytes(u, wanted) for u in units)
+
+        def group_bytes(group: tuple[WorkUnit, ...], wanted: set[str] = wanted) -> int:
+            return sum(job.unit_bytes(u, wanted) for u in group)
+
+        batching = _batching(group_bytes, total_bytes, workers)
+        routing = Routing(lambda g: near(node_of(g[0])), devices.gpu, devices.on_gpu, batching)
         results = unordered_map(reduce_group, items, shared, workers, resources, routing)
         progress = progress or Progress()
-        total_bytes = sum(job.unit_bytes(u, wanted) for u in units)
         progress.start_pass(f"reduce {round_ + 1}", total_bytes, len(units))
         for group, node, result in results:
             stats.ran([u.index for u in group], node, result.traffic, node_of(group[0]))
@@ -278,7 +297,8 @@ def _map_pass(
     def read_bytes(part: Part) -> int:
         return sum(job.unit_bytes(units[i]) for i in part.units)
 
-    progress.start_pass("map", sum(read_bytes(p) for ps in plan.values() for p in ps), len(units))
+    map_bytes = sum(read_bytes(p) for ps in plan.values() for p in ps)
+    progress.start_pass("map", map_bytes, len(units))
 
     def complete(k: int, shard: OpenShard) -> None:
         sink_k, book_k = outs[k]
@@ -325,7 +345,8 @@ def _map_pass(
         return near(node_of(units[work.part.units[0]])) if work.part.units else None
 
     try:
-        routing = Routing(placement, devices.gpu, lambda work: devices.on_gpu(work.units))
+        batching = _batching(lambda work: read_bytes(work.part), map_bytes, workers)
+        routing = Routing(placement, devices.gpu, lambda work: devices.on_gpu(work.units), batching)
         for work, node, result in unordered_map(
             map_part, parts_to_make(), shared, workers, resources, routing
         ):

@@ -3,12 +3,14 @@
 Runs on the driver. The pool knows nothing of merging: it submits `fn(item, *shared)` as
 Ray tasks (or to long-lived workers: `engine.gpu`), keeps a bounded number submitted
 (back-pressure bounds memory), and yields each result as it finishes, with its item and the
-node it ran on (so a later pass can send the item back there).
+node it ran on (so a later pass can send the item back there). Small items bound for the
+same place may travel together, several to a Ray task (`Batching`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import pickle
 import sys
@@ -98,6 +100,11 @@ def _run(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
     return run_item(fn, item, *shared)
 
 
+def _each(fn: Callable[..., Any], items: tuple[Any, ...], *shared: Any) -> list[Any]:
+    """`fn` over the items of one batch, in order, in one task."""
+    return [fn(item, *shared) for item in items]
+
+
 #: Ray titles a worker running these `ray::_run` (tests find the workers to kill by it).
 _run_anywhere = ray.remote(_run)
 #: The same in a worker process that exits after one task: Ray takes `max_calls` only where a
@@ -181,14 +188,65 @@ class TaskLane:
 
 
 @dataclass(frozen=True)
+class Batching:
+    """Consecutive items bound for the same place as Ray tasks travel as one task until
+    their summed `weight` reaches `least`. A Ray task costs the driver milliseconds to
+    submit and collect, and its worker as much to take up: the work of a small item, so a
+    job of many small items spends most of its time on them. A batch's items run one after
+    the other, so a task still holds one item's memory; their results come back together."""
+
+    weight: Callable[[Any], int]
+    least: int
+
+
+@dataclass(frozen=True)
 class Routing:
     """Where `unordered_map`'s items run: `place_of(item)` may say where an item should run;
     the items `on_gpu` says so of go to the `gpu` lane (as it has room), unless it cannot
-    run them where `place_of` says they must run. By default, anywhere, as Ray tasks."""
+    run them where `place_of` says they must run. By default, anywhere, as Ray tasks, one
+    item to a task unless `batching` says otherwise (a GPU lane's items go one by one)."""
 
     place_of: Callable[[Any], Place | None] | None = None
     gpu: Lane | None = None
     on_gpu: Callable[[Any], bool] | None = None
+    batching: Batching | None = None
+
+    def lane(self, item: Any, tasks: Lane) -> tuple[Place | None, Lane]:
+        """Where `item` must or should run, and the lane that runs it."""
+        place = self.place_of(item) if self.place_of is not None else None
+        to_gpu = self.gpu is not None and self.on_gpu is not None and self.on_gpu(item)
+        return place, (self.gpu if to_gpu and self.gpu.serves(place) else tasks)  # type: ignore[union-attr]
+
+    def groups(self, items: Iterable[Any], tasks: Lane) -> Iterator[_Group]:
+        """The items in the groups they travel in, in order: a group is one item, or with
+        `batching`, consecutive items for `tasks` at one place up to its weight."""
+        batching, group = self.batching, None
+        for item in items:
+            place, lane = self.lane(item, tasks)
+            if group is not None and (lane is not tasks or place != group.place):
+                yield group
+                group = None
+            if group is None:
+                group = _Group([], place, lane)
+            group.items.append(item)
+            if batching is not None and lane is tasks:
+                group.weight += batching.weight(item)
+                if group.weight < batching.least:
+                    continue  # room for the next item, if it goes to the same place
+            yield group
+            group = None
+        if group is not None:
+            yield group
+
+
+@dataclass
+class _Group:
+    """Items that travel together (`Routing.groups`)."""
+
+    items: list[Any]
+    place: Place | None
+    lane: Lane
+    weight: int = 0
 
 
 def unordered_map(
@@ -213,42 +271,42 @@ def unordered_map(
     level.
     """
     tasks = TaskLane(resources, max_in_flight)
-    place_of, gpu, on_gpu = routing.place_of, routing.gpu, routing.on_gpu
     shared_refs = tuple(v if isinstance(v, Shared) else ray.put(v) for v in shared)
-    pending: dict[ray.ObjectRef, tuple[Any, Lane]] = {}
-    queue = iter(items)
-    held: tuple[Any, Place | None, Lane] | None = None  # the next item, waiting for room
+    pending: dict[ray.ObjectRef, _Group] = {}
+    groups = routing.groups(items, tasks)
+    held: _Group | None = None  # the next group, waiting for room
     try:
         while True:
             while True:
                 if held is None:
-                    item = next(queue, _END)
-                    if item is _END:
+                    held = next(groups, None)
+                    if held is None:
                         break
-                    place = place_of(item) if place_of is not None else None
-                    to_gpu = gpu is not None and on_gpu is not None and on_gpu(item)
-                    lane: Lane = gpu if to_gpu and gpu.serves(place) else tasks  # type: ignore[assignment]
-                    held = (item, place, lane)
-                item, place, lane = held
-                if not lane.has_room(place):
+                if not held.lane.has_room(held.place):
                     break
-                pending[lane.submit(fn, item, shared_refs, place)] = (item, lane)
+                if len(held.items) == 1:
+                    ref = held.lane.submit(fn, held.items[0], shared_refs, held.place)
+                else:
+                    batch = functools.partial(_each, fn)
+                    ref = held.lane.submit(batch, tuple(held.items), shared_refs, held.place)
+                pending[ref] = held
                 held = None
             if not pending:
                 assert held is None, "a lane with nothing in flight took no item"
                 return
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
-                item, lane = pending.pop(ref)
-                node, result = lane.result(ref)
-                yield item, node, result
+                group = pending.pop(ref)
+                node, result = group.lane.result(ref)
+                values = [result] if len(group.items) == 1 else result
+                for item, value in zip(group.items, values, strict=True):
+                    yield item, node, value
     finally:
-        for ref, (_, lane) in pending.items():
-            lane.forget(ref)
+        for ref, group in pending.items():
+            group.lane.forget(ref)
         _drop(list(pending))
 
 
-_END = object()
 #: Seconds to wait for tasks cancelled when a map stops early.
 DRAIN_S = 5.0
 

@@ -1,8 +1,12 @@
-"""The pool's Ray tasks, on a real local Ray: what a worker prints when a task is cancelled."""
+"""The pool's Ray tasks, on a real local Ray: what a worker prints when a task is cancelled;
+how small items travel together, several to a Ray task (`Batching`)."""
 
 from __future__ import annotations
 
-from ram_dist.engine.pool import unordered_map
+import pytest
+
+from ram_dist.engine.pool import Batching, Routing, near, unordered_map
+from ram_dist.errors import RamDistError
 
 
 def test_a_cancelled_tasks_interrupt_in_a_finalizer_prints_nothing(ray_local):
@@ -41,3 +45,61 @@ def test_a_cancelled_tasks_interrupt_in_a_finalizer_prints_nothing(ray_local):
     assert printed[KeyboardInterrupt] == ""
     assert "Exception ignored" in printed[ValueError], printed
     assert "ValueError: raised in a finalizer" in printed[ValueError], printed
+
+
+def test_small_items_bound_for_one_place_travel_together_up_to_the_weight():
+    """`Routing.groups`, pure: consecutive items for the task lane at one place make a group
+    until their weight reaches `least`; a GPU lane's item, or another place, ends one."""
+    tasks, gpu = object(), _Gpu()
+    heavy, on_gpu = {2: 5}, {12}
+    routing = Routing(
+        place_of=lambda i: None if i < 8 else near("node-b"),
+        gpu=gpu,  # type: ignore[arg-type]
+        on_gpu=lambda i: i in on_gpu,
+        batching=Batching(weight=lambda i: heavy.get(i, 1), least=3),
+    )
+    groups = [(g.items, g.lane) for g in routing.groups(range(15), tasks)]  # type: ignore[arg-type]
+    assert groups == [
+        ([0, 1, 2], tasks),  # item 2 alone weighs 5: the group is full with it
+        ([3, 4, 5], tasks),
+        ([6, 7], tasks),  # item 8 goes to another node
+        ([8, 9, 10], tasks),
+        ([11], tasks),  # item 12 goes to the GPU lane, alone
+        ([12], gpu),
+        ([13, 14], tasks),
+    ]
+    unbatched = Routing(place_of=lambda i: None)
+    assert [g.items for g in unbatched.groups(range(3), tasks)] == [[0], [1], [2]]  # type: ignore[arg-type]
+
+
+class _Gpu:
+    def serves(self, place: object) -> bool:
+        return True
+
+
+def test_a_batch_is_one_ray_task_whose_items_come_back_one_by_one(ray_local):
+    """On Ray: twelve items of weight 1, batched to 4, run as three Ray tasks of four
+    consecutive items each, every item's own result yielded with it; an item's
+    `RamDistError` in a batch is raised as itself."""
+
+    def _task_id(item: int, offset: int) -> tuple[int, str]:  # nested: pickled by value
+        import ray
+
+        if item == 99:
+            raise RamDistError("item 99 is bad")
+        return item + offset, ray.get_runtime_context().get_task_id()
+
+    routing = Routing(batching=Batching(weight=lambda i: 1, least=4))
+    got = {
+        item: value
+        for item, _, value in unordered_map(
+            _task_id, range(12), (100,), 2, {"num_cpus": 1}, routing
+        )
+    }
+    assert sorted(got) == list(range(12))
+    assert all(got[i][0] == i + 100 for i in got)
+    task_of = [got[i][1] for i in range(12)]
+    assert len(set(task_of)) == 3
+    assert all(task_of[i] == task_of[i - i % 4] for i in range(12))
+    with pytest.raises(RamDistError, match="item 99 is bad"):
+        list(unordered_map(_task_id, [1, 99, 2], (0,), 2, {"num_cpus": 1}, routing))
