@@ -100,9 +100,11 @@ def _run(fn: Callable[..., Any], item: Any, *shared: Any) -> tuple[str, Any]:
     return run_item(fn, item, *shared)
 
 
-def _each(fn: Callable[..., Any], items: tuple[Any, ...], *shared: Any) -> list[Any]:
-    """`fn` over the items of one batch, in order, in one task."""
-    return [fn(item, *shared) for item in items]
+def _each(fn: Callable[..., Any], items: tuple[Any, ...], *shared: Any) -> list[bytes]:
+    """`fn` over the items of one batch, in order, in one task, each result pickled before
+    the next item runs: a result may hold a view of memory the worker reuses for the next
+    (a through-driver part's bytes are its reused output buffer)."""
+    return [pickle.dumps(fn(item, *shared), protocol=pickle.HIGHEST_PROTOCOL) for item in items]
 
 
 #: Ray titles a worker running these `ray::_run` (tests find the workers to kill by it).
@@ -298,7 +300,7 @@ def unordered_map(
             for ref in ready:
                 group = pending.pop(ref)
                 node, result = group.lane.result(ref)
-                values = [result] if len(group.items) == 1 else result
+                values = [result] if len(group.items) == 1 else map(pickle.loads, result)
                 for item, value in zip(group.items, values, strict=True):
                     yield item, node, value
     finally:

@@ -103,3 +103,20 @@ def test_a_batch_is_one_ray_task_whose_items_come_back_one_by_one(ray_local):
     assert all(task_of[i] == task_of[i - i % 4] for i in range(12))
     with pytest.raises(RamDistError, match="item 99 is bad"):
         list(unordered_map(_task_id, [1, 99, 2], (0,), 2, {"num_cpus": 1}, routing))
+
+
+def test_a_batch_s_results_are_their_own_when_the_worker_reuses_a_buffer(ray_local):
+    """Each item's result leaves the task as it was when the item ended, though it is a
+    buffer the next item of the batch overwrites (a through-driver part's bytes are the
+    worker's reused output buffer)."""
+    import numpy as np
+
+    buffer = np.zeros(4, dtype=np.int64)
+
+    def _fill(item: int) -> np.ndarray:  # nested: pickled by value, `buffer` with it
+        buffer[:] = item
+        return buffer
+
+    routing = Routing(batching=Batching(weight=lambda i: 1, least=4))
+    got = {item: value for item, _, value in unordered_map(_fill, range(8), (), 2, {}, routing)}
+    assert {item: value.tolist() for item, value in got.items()} == {i: [i] * 4 for i in range(8)}
