@@ -54,8 +54,9 @@ TASKS_PER_SLOT = 4
 
 
 def _batching(weight: Callable[[Any], int], total: int, in_flight: int) -> Batching | None:
-    """How a pass of `total` input bytes, `in_flight` tasks at a time, batches its items."""
-    least = min(TASK_BYTES, total // (TASKS_PER_SLOT * in_flight))
+    """How a pass of `total` input bytes, `in_flight` CPU tasks at a time (none where the
+    GPU workers hold every CPU), batches its items."""
+    least = min(TASK_BYTES, total // (TASKS_PER_SLOT * max(1, in_flight)))
     return Batching(weight, least) if least > 0 else None
 
 

@@ -111,9 +111,10 @@ def test_a_batch_s_results_are_their_own_when_the_worker_reuses_a_buffer(ray_loc
     worker's reused output buffer)."""
     import numpy as np
 
-    buffer = np.zeros(4, dtype=np.int64)
+    held: dict[str, np.ndarray] = {}  # one per task: the closure is unpickled once a task
 
-    def _fill(item: int) -> np.ndarray:  # nested: pickled by value, `buffer` with it
+    def _fill(item: int) -> np.ndarray:  # nested: pickled by value, `held` with it
+        buffer = held.setdefault("buffer", np.zeros(4, dtype=np.int64))
         buffer[:] = item
         return buffer
 
