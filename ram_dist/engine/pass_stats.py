@@ -51,8 +51,8 @@ class PassStats:
     units or a map part (report key `tasks`, kept for the schema's readers); consecutive
     small ones share a Ray task (`pool.Batching`)."""
     work_retried: int = 0
-    """Ray tasks run again after an attempt was lost with its worker or node (report key
-    `tasks_retried`)."""
+    """Work items run again because their Ray task's attempt was lost with its worker or node
+    (report key `tasks_retried`): each item of a batch that ran again counts."""
     work_on_gpu: int = 0
     """Ray tasks that ran on a GPU worker, see `planning.devices` (report key `tasks_on_gpu`)."""
     units_on_cpu: int = 0
