@@ -161,13 +161,14 @@ def merge_checks(config: MergeConfig, held: contextlib.ExitStack) -> Claim:
     job = prepare(config)
     assert job.out is not None
     job.check_packed_shapes()
-    found = open_output(job)
-    check_writable(job)
-    if found.finished:
-        return _finished_report(job)
     # One writer per output: claim it before writing anything, then look again under the
     # claim (a run that held it a moment ago may have written meanwhile).
     lease = OutputLease(job.out, job.storage, f"ram-dist merge {uuid.uuid4().hex[:12]}")
+    with lease.naming_a_live_holder():
+        found = open_output(job)
+    check_writable(job)
+    if found.finished:
+        return _finished_report(job)
     if job.storage.is_local(job.out) and not os.path.exists(job.out):
         # The lease makes the folder: leave none behind when nothing was written.
         held.callback(_remove_if_empty, job.out)

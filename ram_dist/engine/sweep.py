@@ -92,10 +92,11 @@ def sweep_checks(config: MergeConfig, held: contextlib.ExitStack) -> SweepClaim 
     out = sweep.job.out
     assert out is not None
     check_writable(sweep.job)
-    _check_same_sweep(sweep)
-    for v in sweep.jobs:  # a changed variant: refused before the lease
-        open_output(v)
     lease = OutputLease(out, sweep.job.storage, f"ram-dist sweep {uuid.uuid4().hex[:12]}")
+    with lease.naming_a_live_holder():
+        _check_same_sweep(sweep)
+        for v in sweep.jobs:  # a changed variant: refused before the lease
+            open_output(v)
     if sweep.job.storage.is_local(out) and not os.path.exists(out):
         held.callback(_remove_if_empty, out)  # the lease makes the folder
     held.enter_context(lease)

@@ -27,6 +27,9 @@ SWEEP_MANIFEST_NAME = "ram_dist_sweep.json"
 #: written (renamed into place when complete).
 LEASE_NAME = ".ram-dist-lease.json"
 PARTIAL_SUFFIX = ".ram-dist-partial"
+#: The start of the empty file a run writes and removes at once to learn that it may write
+#: to an output store (one name per run, so that two runs never remove each other's).
+WRITE_CHECK_PREFIX = ".ram-dist-write-check"
 #: Files that say a checkpoint carries its tokenizer (the model card mentions it).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: What `probe` writes beside its JSON report STEM.json: STEM plus each suffix.

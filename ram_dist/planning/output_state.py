@@ -8,12 +8,13 @@ files is refused. `--overwrite` starts afresh in all three cases.
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass
 
 from ram_dist.errors import RamDistError
 from ram_dist.io.failures import explained, is_storage_failure
 from ram_dist.io.manifest import Manifest, differences, load_manifest
-from ram_dist.io.names import INDEX_NAME, LEASE_NAME, MANIFEST_NAME
+from ram_dist.io.names import INDEX_NAME, LEASE_NAME, MANIFEST_NAME, WRITE_CHECK_PREFIX
 from ram_dist.io.sinks import OutputSink, choose_sink
 from ram_dist.io.storage import join
 from ram_dist.planning.job import Job
@@ -51,7 +52,7 @@ def check_writable(job: Job) -> None:
                 f"output {job.out} cannot be written: {path} is not a writable folder"
             )
         return
-    probe = join(job.out, ".ram-dist-write-check")
+    probe = join(job.out, f"{WRITE_CHECK_PREFIX}-{uuid.uuid4().hex[:12]}")
     fs, path = job.storage.fs(probe)
     try:
         fs.pipe_file(path, b"")
@@ -76,7 +77,7 @@ def open_output(job: Job) -> OutputState:
         return OutputState(fresh, resumed=False, finished=False)
     if not fs.isdir(path):
         raise RamDistError(f"output {job.out} exists and is not a folder")
-    held = [n for n in fs.ls(path, detail=False) if not _is_lease(n)]
+    held = [n for n in fs.ls(path, detail=False) if not _is_transient(n)]
     if job.config.overwrite or not held:
         return OutputState(fresh, resumed=False, finished=False)
     old = load_manifest(job.out, job.storage)
@@ -100,9 +101,10 @@ def open_output(job: Job) -> OutputState:
     return OutputState(old, resumed=True, finished=finished)
 
 
-def _is_lease(path: str) -> bool:
-    """The output's lease (and its short-lived helper files), which is no output file."""
-    return path.rstrip("/").rsplit("/", 1)[-1].startswith(LEASE_NAME)
+def _is_transient(path: str) -> bool:
+    """The output's lease (and its short-lived helper files) or a run's write check, which
+    are no output files: a run starting beside another must not take them for a model."""
+    return path.rstrip("/").rsplit("/", 1)[-1].startswith((LEASE_NAME, WRITE_CHECK_PREFIX))
 
 
 def output_sink_for(job: Job, nodes: int | None) -> OutputSink:

@@ -1,13 +1,15 @@
 """One writer per output, tried as a user would: two merges started a second apart into the
 same output, locally and on the S3 server (`ram-dist` processes of their own, which join the
 shared Ray: the race is for the output's lease, not for a Ray); a lease left by another host,
-fresh or stale (the CLI's entry point in this process, on the shared Ray).
+fresh or stale, with or without files beside it, and another run's write check (the CLI's
+entry point in this process, on the shared Ray).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from s3_server import CountingMotoServer, bucket_fs, running_server, storage_opt
 
 from ram_dist.cli import main
 from ram_dist.io.lease import LEASE_NAME, Holder
+from ram_dist.io.names import INDEX_NAME, MANIFEST_NAME, WRITE_CHECK_PREFIX
 
 BUCKET = "one-writer"
 
@@ -127,6 +130,41 @@ def test_a_live_lease_of_another_host_refuses_even_with_overwrite(
     assert _in_process(_args(models, out, "0.1", "--overwrite")) == 2
     assert "job ram-dist merge elsewhere on host other-host (pid 4242)" in capsys.readouterr().err
     assert sorted(os.listdir(out)) == [LEASE_NAME]  # nothing written
+
+
+def test_files_beside_a_live_lease_are_that_run_s_and_the_refusal_names_it(
+    models, tmp_path, ray_local, capsys
+):
+    """A run that finds another's shards (no manifest yet) or another merge's manifest while
+    that run holds the lease says who is writing, not what the files are."""
+    out = str(tmp_path / "out")
+    _lease_from_another_host(out, renewed_ago_s=5)
+    shard = os.path.join(out, "model-00001-of-00002.safetensors")
+    with open(shard, "wb") as f:
+        f.write(b"being written")
+    assert _in_process(_args(models, out, "0.1")) == 2
+    err = capsys.readouterr().err
+    assert "held by another ram-dist merge: job ram-dist merge elsewhere" in err, err
+    assert "already holds files" not in err
+    assert _in_process(_args(models, str(tmp_path / "done"), "0.3")) == 0
+    shutil.copy(os.path.join(tmp_path, "done", MANIFEST_NAME), os.path.join(out, MANIFEST_NAME))
+    capsys.readouterr()
+    assert _in_process(_args(models, out, "0.1")) == 2
+    err = capsys.readouterr().err
+    assert "held by another ram-dist merge" in err and "changed:" not in err, err
+    os.remove(os.path.join(out, LEASE_NAME))  # no run holds it: the files speak for themselves
+    assert _in_process(_args(models, out, "0.1")) == 2
+    assert "holds a merge of other inputs or parameters; changed: " in capsys.readouterr().err
+
+
+def test_another_run_s_write_check_is_no_output_file(models, tmp_path, ray_local, capsys):
+    """The empty file a starting run writes and removes to learn that it may write is not
+    taken for a model by a run that lists the folder meanwhile."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / f"{WRITE_CHECK_PREFIX}-0123456789ab").write_bytes(b"")
+    assert _in_process(_args(models, str(out), "0.1")) == 0, capsys.readouterr().err
+    assert (out / INDEX_NAME).exists()
 
 
 def test_a_stale_lease_of_another_host_is_taken_over_and_said(models, tmp_path, ray_local, capsys):

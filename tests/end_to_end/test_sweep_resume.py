@@ -1,11 +1,13 @@
 """A sweep SIGKILLed in its map pass resumes (docs/sweeps.md): every variant keeps the shards
 it finished and the parts it holds of a shard being written, and the result is byte for
-byte a clean sweep's and each variant's single merge; a rerun of another sweep is refused."""
+byte a clean sweep's and each variant's single merge; a rerun of another sweep is refused,
+naming the run that writes it when one holds its lease."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from killing import env_without_ray, kill_sweep_mid_shard
 
 import ram_dist
 from ram_dist.cli import main
+from ram_dist.io.lease import LEASE_NAME, Holder
 from ram_dist.io.names import PARTIAL_SUFFIX, SWEEP_REPORT_NAME
 
 SWEEP = ["--method", "ram_plus", "--method", "ties", "--grid", "r=0.1,0.2", "--grid", "density=0.5"]
@@ -132,3 +135,19 @@ def test_a_rerun_of_another_sweep_is_refused_naming_what_changed(
     assert main(_args(models, out, *args)) == 2
     err = capsys.readouterr().err
     assert words in err and "--overwrite" in err, err
+
+
+def test_a_sweep_being_written_by_a_live_run_is_refused_naming_that_run(
+    models, crashed, tmp_path, capsys
+):
+    """Another sweep's variants beside a live lease: the refusal names the run writing them,
+    not what changed."""
+    out = tmp_path / "out"
+    shutil.copytree(crashed["out"], out, copy_function=shutil.copy2)
+    now = time.time()
+    holder = Holder("ram-dist sweep elsewhere", "other-host", 4242, now - 60, now - 5)
+    (out / LEASE_NAME).write_text(holder.to_json())
+    assert main(_args(models, out, "--method", "ties", "--grid", "density=0.5")) == 2
+    err = capsys.readouterr().err
+    assert "held by another ram-dist merge: job ram-dist sweep elsewhere" in err, err
+    assert "removed" not in err

@@ -3,11 +3,13 @@ own conditional operations are in `local`, `s3` and `best_effort`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from types import TracebackType
 from typing import Any
@@ -102,6 +104,25 @@ class OutputLease:
                 raise
             where = f"{self.url}: cannot claim the output location"
             raise explained(where, e, self.url, "write") from e
+
+    @contextlib.contextmanager
+    def naming_a_live_holder(self) -> Iterator[None]:
+        """Checks run before the claim, and refused, are answered with `LeaseHeld` when a
+        live run holds the location: the files it is writing there are not yet a model
+        (nor its model), and the run's name says more than their state. Reads only."""
+        try:
+            yield
+        except LeaseHeld:
+            raise
+        except RamDistError:
+            try:
+                seen = self._read_settled()
+            except Exception as e:  # noqa: BLE001  (the refusal stands on its own)
+                log.debug("%s: could not read the lease: %s", self.url, _one_line(e))
+                seen = None
+            if seen is not None and self._why_free(seen) is None:
+                raise LeaseHeld(self._held_message(seen)) from None
+            raise
 
     def _acquire(self) -> str | None:
         self._store.prepare()
