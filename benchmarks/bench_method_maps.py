@@ -1,21 +1,22 @@
-"""model_stock's, sce's, arcee_fusion's, the consensus methods', linear's, nearswap's,
-DARE's and passthrough's fused map passes (and arcee_fusion's fused KL round and DARE's L1
-round) against their eager torch rule on one tensor, without I/O.
+"""Every method's fused passes against its eager torch rule on one tensor, without I/O, each
+beside a one-thread copy of the bytes it reads (the CPU's memcpy ceiling).
 
 One tensor of `--rows` x `--cols` (default 4096 x 4096, bf16): a synthetic base and RL-like
-agents (task-vector densities about 3 %, 46 %, 54 %, ...; `ram_dist.synthetic`), `--tasks`
-of them for model_stock, sce, the consensus methods and DARE, three for linear, the first
-one for arcee_fusion, nearswap and passthrough (they merge one model); each method's
-parameters at their
-defaults but those a case sets. The method's reduce rounds run first, on the whole tensor
-as one chunk; then the map pass is timed as the engine runs it on the CPU:
-`merge_chunk(...).to(out_dtype)` (eager) against `fused_merge` writing the output dtype
-(fused), alternating, `--repeats` times, on one thread, and the two outputs are checked for
-byte equality. arcee_fusion's first round (its importances, with each row's KL, and their
-histogram) and DARE's (the L1 sums of each task vector and of its kept part, for the
-rescale) are timed the same way, with the two statistics checked for equality.
+agents (task-vector densities about 3 %, 46 %, 54 %; `ram_dist.synthetic`). Every method of
+the registry has one case: the agents and parameters `bench_methods` merges it with
+(`benchmarks.method_table`; a method without a base still gets the base as its first input,
+which it does not read), the method's defaults for the rest. A few variants follow
+(`VARIANTS`). Each of the method's reduce rounds runs on the whole tensor as one chunk, the
+fused kernel timed against `chunk_statistics` from the state before that round, and then
+the map pass: `merge_chunk(...).to(out_dtype)` (eager) against `fused_merge` writing the
+output dtype (fused). Eager, fused and a plain copy of the inputs' bytes (the base and the
+agents: one `numpy.copyto`, one thread, so it reads and writes that many bytes) alternate,
+`--repeats` times; medians are printed. `of memcpy` is the fused pass's rate over the copy's,
+in the same elements. Each round's two statistics and each map's two outputs are checked
+for equality (`identical`).
 
-    python -m benchmarks.bench_method_maps --rows 4096 --cols 4096 --tasks 3 --repeats 3
+    python -m benchmarks.bench_method_maps --rows 4096 --cols 4096 --repeats 3
+    python -m benchmarks.bench_method_maps --method della --method model_stock --fused-only
 
 from the repository root.
 """
@@ -23,34 +24,55 @@ from the repository root.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ram_dist.methods import get_method
+from benchmarks import method_table
+from ram_dist.methods import METHODS, get_method
 from ram_dist.methods.protocol import Chunk, ChunkWork, RoundTotals
 from ram_dist.synthetic.weights import AGENT_DENSITIES, base_tensor, task_tensor
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-#: (label, method, parameters, how many of the agents it merges: None for all).
-CASES: tuple[tuple[str, str, dict[str, Any], int | None], ...] = (
-    ("model_stock", "model_stock", {"filter_wise": False}, None),
-    ("model_stock filter_wise", "model_stock", {"filter_wise": True}, None),
-    ("sce", "sce", {"select_topk": 1.0, "int8_mask": False}, None),
-    ("sce select_topk 0.3", "sce", {"select_topk": 0.3, "int8_mask": False}, None),
-    ("arcee_fusion", "arcee_fusion", {}, 1),
-    ("consensus_ta k 2", "consensus_ta", {"k": 2}, None),
-    ("consensus_ties density 0.5 k 2", "consensus_ties", {"density": 0.5, "k": 2}, None),
-    ("linear", "linear", {"weight": [1.0, 0.5, 0.25], "normalize": True}, 3),
-    ("nearswap t 0.01", "nearswap", {"t": 0.01}, 1),
-    ("dare_linear density 0.5", "dare_linear", {"density": 0.5}, None),
-    ("dare_ties density 0.5", "dare_ties", {"density": 0.5}, None),
-    ("passthrough", "passthrough", {}, 1),
+#: Cases beyond each method's own: (label, method, parameters over the method's case's).
+VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("model_stock filter_wise", "model_stock", {"filter_wise": True}),
+    ("sce select_topk 1.0", "sce", {"select_topk": 1.0}),
+    ("consensus_ta k 2", "consensus_ta", {"k": 2}),
+    ("consensus_ties k 2", "consensus_ties", {"k": 2}),
+    ("linear weights 1, 0.5, 0.25", "linear", {"weight": [1.0, 0.5, 0.25]}),
 )
+
+
+@dataclass(frozen=True)
+class Case:
+    """One method at one set of parameters, on its first `agents` agents."""
+
+    label: str
+    method: str
+    given: dict[str, Any]
+    agents: int
+
+
+def cases(methods: list[str] | None = None) -> list[Case]:
+    """Every registry method's case (`method_table`'s merge), then the variants; only
+    `methods`' when given."""
+    found = []
+    for name in METHODS:
+        spec = method_table.METHODS[name]
+        each = spec.each if isinstance(spec.each, list) else [spec.each] * spec.agents
+        given = dict(spec.top) | {k: [e[k] for e in each] for k in {k for e in each for k in e}}
+        found.append(Case(name, name, given, spec.agents))
+    own = {c.method: c for c in found}
+    for label, name, given in VARIANTS:
+        found.append(Case(label, name, own[name].given | given, own[name].agents))
+    return [c for c in found if not methods or c.method in methods]
 
 
 def full_params(method: Any, given: dict[str, Any], n_tasks: int) -> dict[str, Any]:
@@ -75,103 +97,155 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def prepared(method: Any, params: dict, chunk: Chunk, base: torch.Tensor, tasks: list) -> dict:
-    """The state after the method's reduce rounds on one chunk (the eager statistics)."""
-    numel = base.numel()
-    state = method.initial_state({"w": params}, {"w": numel}, len(tasks))
-    for round_ in range(method.rounds):
-        if method.active(round_, state, "w"):
-            totals = method.chunk_statistics(ChunkWork(chunk, params, state, round_), base, tasks)
-            state = method.finalize(RoundTotals(round_, totals, {"w": params}, {"w": numel}, state))
-    return state
+def same(a: Any, b: Any) -> bool:
+    """Whether two statistics are equal, whatever their nesting (torch or numpy arrays,
+    mappings, sequences, numbers; NaN equal to NaN)."""
+    if isinstance(a, torch.Tensor):
+        a = a.numpy()
+    if isinstance(b, torch.Tensor):
+        b = b.numpy()
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        nan = a.dtype.kind in "fc" and b.dtype.kind in "fc"
+        return a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=nan))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b or (a != a and b != b))
 
 
-def passes(
-    label: str, method: Any, params: dict, state: dict, chunk: Chunk, data: tuple, held: dict
-) -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
-    """(what, eager, fused) of each pass timed for one case; each call keeps its result in
-    `held` (`e`, `f`; a round's `es`, `fs`). `data`: the base and tasks as tensors, the
-    inputs as the engine hands them, the output array."""
+@dataclass
+class Pass:
+    """One timed pass: its label, its eager and fused calls, and how their results compare."""
+
+    what: str
+    eager: Callable[[], Any]
+    fused: Callable[[], Any]
+    identical: Callable[[Any, Any], bool]
+
+
+def passes(method: Any, params: dict, chunk: Chunk, data: tuple) -> list[Pass]:
+    """Each reduce round the method runs (from the state before it), then the map pass.
+    `data`: the base and tasks as tensors, the inputs as the engine hands them, the output
+    array. The eager statistics of each round give the state of the next."""
     base, ts, inputs, out = data
-    dtype = base.dtype
+    found = []
+    state = method.initial_state({"w": params}, {"w": base.numel()}, len(ts))
+    for r in range(method.rounds):
+        if not method.active(r, state, "w"):
+            continue
+        work = ChunkWork(chunk, params, copy.deepcopy(state), r)  # `finalize` may change it
+        found.append(
+            Pass(
+                f"round {r + 1}",
+                lambda work=work: method.chunk_statistics(work, base, ts),
+                lambda work=work: method.fused_statistics(work, inputs),
+                lambda e, f: f is not None and same(e, f[0]),
+            )
+        )
+        totals = method.chunk_statistics(work, base, ts)
+        state = method.finalize(RoundTotals(r, totals, {"w": params}, {"w": base.numel()}, state))
+    work = ChunkWork(chunk, params, state)
 
-    def eager_map() -> None:
-        held["e"] = method.merge_chunk(ChunkWork(chunk, params, state), base, ts).to(dtype)
+    def fused_map() -> bool:
+        return method.fused_merge(work, inputs, out)
 
-    def fused_map() -> None:
-        held["f"] = method.fused_merge(ChunkWork(chunk, params, state), inputs, out)
+    def identical(e: torch.Tensor, f: bool) -> bool:
+        return f and np.array_equal(e.contiguous().view(torch.uint8).numpy(), out.view(np.uint8))
 
-    def eager_round() -> None:
-        held["es"] = method.chunk_statistics(ChunkWork(chunk, params, state, 0), base, ts)
-
-    def fused_round() -> None:
-        held["fs"] = method.fused_statistics(ChunkWork(chunk, params, state, 0), inputs)
-
-    found = [(f"{label}: map", eager_map, fused_map)]
-    if method.name == "arcee_fusion":
-        found.append((f"{label}: round 1 (KL, histogram)", eager_round, fused_round))
-    if method.name in ("dare_linear", "dare_ties"):
-        found.append((f"{label}: round 1 (L1 sums)", eager_round, fused_round))
+    found.append(
+        Pass("map", lambda: method.merge_chunk(work, base, ts).to(base.dtype), fused_map, identical)
+    )
     return found
 
 
-def bench(
-    shape: tuple[int, int], tasks: int, dtype: torch.dtype, repeats: int, cases: list
-) -> None:
+@dataclass(frozen=True)
+class Row:
+    """One pass's medians (eager None when not timed) and whether both ways agreed."""
+
+    case: str
+    what: str
+    eager_s: float | None
+    fused_s: float
+    memcpy_s: float
+    identical: bool
+
+
+def bench(shape: tuple[int, int], dtype: torch.dtype, repeats: int, todo: list[Case],
+          eager: bool) -> list[Row]:  # fmt: skip
+    """Every pass of every case in `todo`, printed as it is measured, and returned."""
     n = shape[0] * shape[1]
     base = base_tensor("w", (n,), 0, dtype)
-    densities = AGENT_DENSITIES + (0.2, 0.1, 0.3)
-    agents = [task_tensor(base, "w", densities[t % 6], 1 + t) for t in range(tasks)]
+    agents = [task_tensor(base, "w", d, 1 + t) for t, d in enumerate(AGENT_DENSITIES)]
     chunk = Chunk("w", 0, shape)
     print(f"{shape[0]} x {shape[1]} = {n} elements, {dtype} in and out, 1 thread, "
           f"median of {repeats} (alternating)")  # fmt: skip
-    print(f"{'pass':<34}{'eager s':>9}{'fused s':>9}{'eager Mel/s':>13}{'fused Mel/s':>13}"
-          f"{'speedup':>9}  identical")  # fmt: skip
-    for label, name, params, count in cases:
-        method = get_method(name)
-        ts = agents[:count] if count else agents
-        params = full_params(method, params, len(ts))
-        state = prepared(method, params, chunk, base, ts)
+    print(f"{'case: pass':<44}{'eager s':>9}{'fused s':>9}{'eager Mel/s':>13}{'fused Mel/s':>13}"
+          f"{'speedup':>9}{'memcpy s':>10}{'of memcpy':>11}  identical")  # fmt: skip
+    rows = []
+    for case in todo:
+        method = get_method(case.method)
+        ts = agents[: case.agents]
+        params = full_params(method, case.given, len(ts))
         inputs = [raw(base), *map(raw, ts)]
         out = np.empty(n, raw(base).dtype)
-        held: dict[str, Any] = {}
-        rows = passes(label, method, params, state, chunk, (base, ts, inputs, out), held)
-        for what, eager, fused in rows:
-            fused()  # compile (or load from the cache) outside the timings
-            samples: dict[str, list[float]] = {"e": [], "f": []}
+        src = np.concatenate([a.view(np.uint8) for a in inputs])
+        dst = np.zeros_like(src)  # pages touched
+
+        def memcpy(src: np.ndarray = src, dst: np.ndarray = dst) -> None:
+            np.copyto(dst, src)
+
+        for p in passes(method, params, chunk, (base, ts, inputs, out)):
+            p.fused()  # compile (or load from the cache) outside the timings
+            samples: dict[str, list[float]] = {"e": [], "f": [], "c": []}
+            results: dict[str, Any] = {}
             for _ in range(repeats):
-                samples["e"].append(timed(eager))
-                samples["f"].append(timed(fused))
-            if "es" in held:
-                same = np.array_equal(held.pop("es")["w"].numpy(), held.pop("fs")[0]["w"])
-            else:
-                same = bool(held.pop("f")) and np.array_equal(
-                    held.pop("e").contiguous().view(torch.uint8).numpy(), out.view(np.uint8)
-                )
-            e, f = (statistics.median(samples[k]) for k in ("e", "f"))
-            print(f"{what:<34}{e:>9.3f}{f:>9.3f}{n / e / 1e6:>13.1f}{n / f / 1e6:>13.1f}"
-                  f"{e / f:>8.1f}x  {same}")  # fmt: skip
+                samples["c"].append(timed(memcpy))
+                if eager:
+                    samples["e"].append(timed(lambda p=p, r=results: r.update(e=p.eager())))
+                samples["f"].append(timed(lambda p=p, r=results: r.update(f=p.fused())))
+            if not eager:
+                results["e"] = p.eager()
+            med = {k: statistics.median(v) for k, v in samples.items() if v}
+            row = Row(case.label, p.what, med.get("e"), med["f"], med["c"],
+                      p.identical(results["e"], results["f"]))  # fmt: skip
+            print(format_row(row, n))
             for key, values in samples.items():
-                print(f"  samples {key}: " + " ".join(f"{v:.3f}" for v in values))
+                if values:
+                    print(f"  samples {key}: " + " ".join(f"{v:.3f}" for v in values))
+            rows.append(row)
+    return rows
+
+
+def format_row(row: Row, n: int) -> str:
+    e, f, c = row.eager_s, row.fused_s, row.memcpy_s
+    cells = (f"{e:>9.3f}", f"{n / e / 1e6:>13.1f}", f"{e / f:>8.1f}x") if e else (
+        f"{'-':>9}", f"{'-':>13}", f"{'-':>9}")  # fmt: skip
+    return (f"{row.case + ': ' + row.what:<44}{cells[0]}{f:>9.3f}{cells[1]}{n / f / 1e6:>13.1f}"
+            f"{cells[2]}{c:>10.3f}{c / f:>10.2f}x  {row.identical}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--cols", type=int, default=4096)
-    parser.add_argument("--tasks", type=int, default=3)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--method", action="append", choices=sorted({c[1] for c in CASES}),
-        help="time only this method's cases; repeat for more (default: all)",
+        "--method", action="append", choices=sorted(METHODS),
+        help="time only this method's cases; repeat for more (default: every method)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fused-only", action="store_true",
+        help="time the fused passes and the copy only; the eager rule runs once, to compare",
     )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one Ray worker per core: compare single-threaded
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")  # fmt: skip
-    cases = [c for c in CASES if not args.method or c[1] in args.method]
-    bench((args.rows, args.cols), args.tasks, DTYPES[args.dtype], args.repeats, cases)
+    todo = cases(args.method)
+    bench((args.rows, args.cols), DTYPES[args.dtype], args.repeats, todo, not args.fused_only)
 
 
 if __name__ == "__main__":
