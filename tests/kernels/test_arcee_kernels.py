@@ -57,12 +57,28 @@ def test_the_constants_are_float64_math_s():
     assert arcee_numba.EPS == arcee_fusion.EPS
 
 
+def _ties() -> list[float]:
+    """Arguments whose `x / ln 2`, as exp computes it, is an integer plus a half: its
+    rounding is to even, whichever way the kernel rounds (`np.rint`, or `ROUNDER`'s sum)."""
+    found = []
+    for k in (-1000.5, -3.5, -2.5, -0.5, 0.5, 1.5, 2.5, 101.5, 1022.5):
+        c = k / float64_math._INV_LN2
+        for _ in range(64):
+            product = c * float64_math._INV_LN2
+            if product == k:
+                found.append(c)
+                break
+            c = np.nextafter(c, np.inf if product < k else -np.inf)
+    assert len(found) >= 5, found
+    return found
+
+
 def test_exp_and_log_are_float64_math_s_bits():
     rng = np.random.default_rng(0)
     special = [0.0, -0.0, np.inf, -np.inf, np.nan, 5e-324, 2.0**-1022, 1e308, -1e-310, 1.0]
     wide = rng.uniform(-760, 720, 20000)
     near = rng.uniform(-1, 1, 20000)
-    xs = np.concatenate([special, wide, near, [709.78, 709.79, -745.13, -745.14]])
+    xs = np.concatenate([special, wide, near, [709.78, 709.79, -745.13, -745.14], _ties()])
     got = np.empty_like(xs)
     _exps(xs, got)
     want = float64_math.exp(torch.from_numpy(xs)).numpy()
