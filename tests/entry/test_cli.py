@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import shared_ray
 import torch
 import yaml
 from builders import load_checkpoint, save_checkpoint
@@ -50,22 +51,27 @@ def inputs(tmp_path) -> tuple[Path, list[Path]]:
     return tmp_path / "base", tasks
 
 
-def _subprocess(args: list, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def _subprocess(args: list, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The command in a process of its own: with its embedded Ray, or as `env` says (the
+    shared Ray's address: `shared_ray.joining_env`)."""
+    env = env or {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     return subprocess.run(
         CLI + [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
 
 
+@pytest.mark.usefixtures("ray_local")
 def test_yaml_merge_and_probe_json(inputs, tmp_path):
+    """Both commands join the shared Ray (the demo's test starts the embedded one)."""
     base, tasks = inputs
+    joined = shared_ray.joining_env()
     config = tmp_path / "merge.yaml"
     models = "\n".join(f"  - model: {t}" for t in [base, *tasks])
     config.write_text(
         f"merge_method: ram_plus_soft\nbase_model: {base}\nmodels:\n{models}\n"
         "parameters:\n  r: 0.3\n  epsilon: 1e-5\nout_dtype: float32\n"
     )
-    done = _subprocess(["merge", config, tmp_path / "out", "--unit-mb", "0.0001"], tmp_path)
+    done = _subprocess(["merge", config, tmp_path / "out", "--unit-mb", "0.0001"], tmp_path, joined)
     assert done.returncode == 0, done.stderr
     states = [load_checkpoint(p) for p in [base, *tasks]]
     expected, ref = reference_merge(
@@ -85,7 +91,7 @@ def test_yaml_merge_and_probe_json(inputs, tmp_path):
 
     probe_json = tmp_path / "stats" / "probe.json"  # a folder that does not exist yet
     args = ["probe", "--base", base, "--json", probe_json] + sum([["--task", t] for t in tasks], [])
-    done = _subprocess(args, tmp_path)
+    done = _subprocess(args, tmp_path, joined)
     assert done.returncode == 0, done.stderr
     probe = json.loads(probe_json.read_text())
     stats = reference_stats(states[0], states[1:])
@@ -105,8 +111,6 @@ def test_yaml_merge_and_probe_json(inputs, tmp_path):
     assert struct.unpack(">II", heatmap[16:24]) == (800, 600)
     for line in ("overlap histogram", "density", "rho"):
         assert line in done.stdout
-    # The embedded Ray starts quietly: not its token-authentication notice on every run.
-    assert "Token authentication" not in done.stderr, done.stderr
 
 
 def test_demo_command_merges_its_generated_agents(tmp_path):
@@ -121,6 +125,8 @@ def test_demo_command_merges_its_generated_agents(tmp_path):
     densities = [u + s for u, s in zip(ref["unique"], ref["shared"], strict=True)]
     assert [x / ref["d"] for x in densities] == pytest.approx([0.03, 0.46, 0.54], abs=0.02)
     assert "overlap histogram" in done.stdout
+    # The embedded Ray starts quietly: not its token-authentication notice on every run.
+    assert "Token authentication" not in done.stderr, done.stderr
     assert done.stdout.endswith(
         f"merged model (RAM+, r=0.1, alpha=2.0) written to {demo / 'merged'}\n"
     )
