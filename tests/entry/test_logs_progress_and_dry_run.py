@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import shared_ray
 import torch
 from builders import save_checkpoint
 
@@ -34,10 +35,12 @@ def _args(base, tasks, *extra):
     return args
 
 
+@pytest.mark.usefixtures("ray_local")
 def test_json_log_lines_parse_and_progress_reaches_the_total(inputs, tmp_path):
+    """The command in a process of its own (its stderr is the log), on the shared Ray."""
     base, tasks = inputs
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = shared_ray.joining_env()
     done = subprocess.run(
         [sys.executable, "-m", "ram_dist.cli", "merge", *_args(base, tasks, "--out", out),
          "--log-format", "json", "--unit-mb", "0.002"],
