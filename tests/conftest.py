@@ -22,7 +22,8 @@ import shared_ray  # noqa: E402  (first: it records the session's environment)
 def local_ray(num_cpus: int = 2, num_gpus: int | None = None) -> Iterator[None]:
     """A real local Ray of the module's own, of `num_cpus` CPUs (and `num_gpus` GPUs, fake ones
     where the machine has none), shut down after the block; the shared Ray is shut down
-    first."""
+    first. The module's fixture that enters it also asks for `own_ray`, which says so to
+    the collection's order (`pytest_collection_modifyitems`)."""
     import ray
 
     shared_ray.suspend()
@@ -34,6 +35,14 @@ def local_ray(num_cpus: int = 2, num_gpus: int | None = None) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules that shut the shared Ray down (`own_ray`) first, in their order, then the
+    rest: pytest-xdist hands out whole files in this order, so each process starts the
+    shared Ray once after them rather than again after each (seconds a start)."""
+    files = {item.nodeid.split("::")[0] for item in items if "own_ray" in item.fixturenames}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in files)
 
 
 @pytest.fixture(scope="session")

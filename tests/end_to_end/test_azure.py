@@ -56,7 +56,7 @@ def fs(server) -> Any:
 
 
 @pytest.fixture(scope="module")
-def ray_azure(server) -> Iterator[None]:
+def ray_azure(server, own_ray) -> Iterator[None]:
     """A real local Ray started after the server (its workers inherit the connection
     string)."""
     from conftest import local_ray

@@ -20,7 +20,7 @@ def server() -> Iterator[GcsServer]:
 
 
 @pytest.fixture(scope="module")
-def ray_gcs(server) -> Iterator[None]:
+def ray_gcs(server, own_ray) -> Iterator[None]:
     """A real local Ray started inside the server's environment (its workers inherit it)."""
     from conftest import local_ray
 

@@ -47,7 +47,7 @@ def cuda_refused(inputs, tmp_path_factory) -> tuple[subprocess.Popen, Path]:
 
 
 @pytest.fixture(scope="module")
-def fake_gpus(cuda_refused):
+def fake_gpus(cuda_refused, own_ray):
     """A real Ray with two CPUs and two GPUs that do not exist."""
     from conftest import local_ray
 

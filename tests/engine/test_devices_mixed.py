@@ -12,7 +12,7 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def fake_gpu():
+def fake_gpu(own_ray):
     from conftest import local_ray
 
     with local_ray(num_cpus=3, num_gpus=1):
