@@ -22,12 +22,12 @@ import numpy as np
 from numba import njit
 
 from ram_dist.kernels import Call, use_writable_cache
+from ram_dist.kernels.fma_check import fma_findings
 from ram_dist.kernels.precision_numba import check_inputs, task_tests
 from ram_dist.kernels.primitives import (
     LANES,
     OPTIONS,
     TILE,
-    fma_findings,
     load_tile_bases,
     tiles_of,
 )

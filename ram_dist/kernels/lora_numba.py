@@ -25,10 +25,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ram_dist.kernels import use_writable_cache
+from ram_dist.kernels.fma_check import fma_findings
 from ram_dist.kernels.primitives import (
     F32,
     OPTIONS,
-    fma_findings,
     load,
     load_span,
     round_bits,

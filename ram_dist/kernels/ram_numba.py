@@ -65,6 +65,7 @@ from numba import njit
 from numba.extending import register_jitable
 
 from ram_dist.kernels import Call, handle, use_writable_cache
+from ram_dist.kernels.fma_check import fma_findings
 from ram_dist.kernels.fp8 import Fp8Target, Fp8Values, stored_scales
 from ram_dist.kernels.precision_numba import check_inputs, task_tests
 from ram_dist.kernels.primitives import (
@@ -75,7 +76,6 @@ from ram_dist.kernels.primitives import (
     e4m3_code,
     float32_of,
     float_bits_to_bf16,
-    fma_findings,
     load_tile_bases,
     store_span,
     tiles_of,

@@ -19,7 +19,7 @@ the cut (`topk`'s histograms), and the sums of squares of the kept task vectors 
 exact sums binned by `exact_sums_numba`'s tile step). The inputs are records, so a quantized
 one is decoded as its tile loads, with no float32 copy of any input.
 
-No fastmath, so no multiply-add is contracted into an FMA (`primitives.fma_findings`).
+No fastmath, so no multiply-add is contracted into an FMA (`fma_check.fma_findings`).
 TIES's kernel (`ties_numba`) weights the task vectors before its election and floors its
 divisor at 1, so it is not this rule.
 """

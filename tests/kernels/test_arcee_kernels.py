@@ -16,7 +16,7 @@ pytest.importorskip("numba")
 from kernel_runs import run, stored  # noqa: E402
 from numba import njit  # noqa: E402
 
-from ram_dist.kernels import arcee_numba, primitives  # noqa: E402
+from ram_dist.kernels import arcee_numba, fma_check  # noqa: E402
 from ram_dist.methods import arcee_fusion, float64_math, get_method  # noqa: E402
 from ram_dist.methods.protocol import (
     Chunk,  # noqa: E402
@@ -168,11 +168,11 @@ def test_fuses_and_declines_an_empty_tensor() -> None:
 
 
 def test_no_fma_in_the_arcee_kernels() -> None:
-    """No FMA in the code of any signature this process used (`primitives.fma_findings`)."""
+    """No FMA in the code of any signature this process used (`fma_check.fma_findings`)."""
     x = np.ones(64, np.float32)
     out = np.empty(64, np.float32)
     imp = arcee_numba.importance(x, x, 8)
     arcee_numba.merge(x, x, imp, 0.5, out)
     arcee_numba.histogram(imp, [3])
     for kernel in arcee_numba.KERNELS:
-        assert kernel.signatures and primitives.fma_findings(kernel) == [], kernel
+        assert kernel.signatures and fma_check.fma_findings(kernel) == [], kernel

@@ -76,8 +76,8 @@ def test_nuslerp_rows_and_columns_decline_the_fused_blend():
 
 def test_no_fused_multiply_add_in_the_blend():
     """No FMA in the kernels' (the blend's, model_stock's and nearswap's) code, for every
-    signature this process has used (`primitives.fma_findings`)."""
-    from ram_dist.kernels import blend_numba, primitives
+    signature this process has used (`fma_check.fma_findings`)."""
+    from ram_dist.kernels import blend_numba, fma_check
 
     x = np.ones(64, np.float32)
     out = np.empty(64, np.float32)
@@ -86,4 +86,4 @@ def test_no_fused_multiply_add_in_the_blend():
     blend_numba.stock(x, [x, x], out, ts=[0.5])  # model_stock's
     blend_numba.nearswap(x, x, out, t=0.5, floor=1e-6)  # nearswap's
     for kernel in blend_numba.KERNELS:
-        assert kernel.signatures and primitives.fma_findings(kernel) == [], kernel
+        assert kernel.signatures and fma_check.fma_findings(kernel) == [], kernel

@@ -181,7 +181,7 @@ def test_the_kernel_draws_rng_s_mask(start) -> None:
 
 def test_no_fma_in_compiled_dare_kernels() -> None:
     """No FMA in the kernels' code, for every signature this process has used (one: records;
-    `primitives.fma_findings`)."""
+    `fma_check.fma_findings`)."""
     base, tasks = sparse_inputs(100, (F32, BF16, F16), seed=1)
     kw = dict(start=0, stream_keys=[1, None], thresholds=[1 << 23, 0])
     dare_numba.statistics(base, tasks, **kw)

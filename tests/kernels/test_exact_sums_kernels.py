@@ -236,9 +236,9 @@ def test_row_gram_is_the_eager_rules_rows(row):
 
 
 def test_no_fused_multiply_add():
-    """No FMA in the kernels' code (`primitives.fma_findings`)."""
+    """No FMA in the kernels' code (`fma_check.fma_findings`)."""
     from ram_dist.kernels import exact_sums_numba
-    from ram_dist.kernels.primitives import fma_findings
+    from ram_dist.kernels.fma_check import fma_findings
 
     stack = np.ones((2, 8), np.float32)
     pairs = np.array([[0, 1]], np.int64)

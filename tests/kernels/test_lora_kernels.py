@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from lora_steps import product_by_hand
 
-from ram_dist.kernels import lora, lora_numba, primitives
+from ram_dist.kernels import fma_check, lora, lora_numba
 
 NUMPY = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 
@@ -149,7 +149,7 @@ def test_the_fma_check_covers_the_functions_the_kernel_calls():
         if not compiled.library._disable_inspection:  # compiled here
             assert all(helper.signatures for helper in lora_numba.HELPERS)
             continue
-        listing = primitives.cached_disassembly(kernel, sig)
+        listing = fma_check.cached_disassembly(kernel, sig)
         if listing is None and shutil.which("objdump") is None and not os.environ.get("CI"):
             pytest.skip("no objdump (binutils): the helpers were compiled afresh and checked")
         assert listing is not None, "objdump reads the cached object code"

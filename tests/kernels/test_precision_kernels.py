@@ -183,12 +183,12 @@ def test_rams_count_kernel_checks_in_the_same_sweep():
 
 
 def test_no_fma_in_the_check_kernel():
-    """No fused multiply-add in the code this process runs (`primitives.fma_findings`)."""
-    from ram_dist.kernels import precision_numba, primitives
+    """No fused multiply-add in the code this process runs (`fma_check.fma_findings`)."""
+    from ram_dist.kernels import fma_check, precision_numba
     from ram_dist.kernels.views import kernel_inputs
 
     stored, values = fp8_base()
     arrays = kernel_inputs(stored, [raw(torch.from_numpy(values).to(torch.bfloat16)), values])
     kernel = precision_numba._check_kernel
     kernel(arrays, np.float32(EPS), np.zeros((2, 3), np.int64))
-    assert kernel.signatures and primitives.fma_findings(kernel) == []
+    assert kernel.signatures and fma_check.fma_findings(kernel) == []

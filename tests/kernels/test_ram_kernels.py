@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("numba")
 
-from ram_dist.kernels import primitives, views  # noqa: E402
+from ram_dist.kernels import fma_check, views  # noqa: E402
 from ram_dist.kernels import ram_numba as kernels  # noqa: E402
 from ram_dist.methods import ram  # noqa: E402
 
@@ -370,12 +370,12 @@ def test_the_check_finds_an_fma_in_cached_machine_code(tmp_path, monkeypatch) ->
     module.contracted(1.5, 2.5, 3.5)
     (compiled,) = module.contracted.overloads.values()
     assert compiled.library._disable_inspection  # loaded: numba keeps no IR for it
-    listing = primitives.cached_disassembly(module.contracted, module.contracted.signatures[0])
+    listing = fma_check.cached_disassembly(module.contracted, module.contracted.signatures[0])
     assert listing is not None and "vfmadd" in listing
     assert [f for f in kernels.fma_findings(module.contracted) if f.startswith("vfmadd")]
     # where the object code cannot be read, the check compiles the kernel afresh
-    monkeypatch.setattr(primitives.shutil, "which", lambda _: None)
-    assert primitives.cached_disassembly(module.contracted, compiled.signature.args) is None
+    monkeypatch.setattr(fma_check.shutil, "which", lambda _: None)
+    assert fma_check.cached_disassembly(module.contracted, compiled.signature.args) is None
     found = kernels.fma_findings(module.contracted)
     assert "fmul fast" in found and [f for f in found if f.startswith("vfmadd")]
 

@@ -14,7 +14,7 @@ pytest.importorskip("numba")
 
 from kernel_runs import run, sparse_inputs  # noqa: E402
 
-from ram_dist.kernels import primitives, sce_numba  # noqa: E402
+from ram_dist.kernels import fma_check, primitives, sce_numba  # noqa: E402
 from ram_dist.methods import get_method  # noqa: E402
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -88,10 +88,10 @@ def test_fuses_says_where_the_rounds_run_fused() -> None:
 
 
 def test_no_fma_in_the_sce_kernel() -> None:
-    """No FMA in the code of any signature this process used (`primitives.fma_findings`)."""
+    """No FMA in the code of any signature this process used (`fma_check.fma_findings`)."""
     x = np.ones(64, np.float32)
     out = np.empty(64, np.float32)
     sce_numba.merge(x, [x, x], out, weights=[0.5, 0.5], select=sce_numba.SELECT_CUT, threshold=3)
     sce_numba.statistics(x, [x, x], sce_numba.SQUARES, threshold=3)
     for kernel in sce_numba.KERNELS:
-        assert kernel.signatures and primitives.fma_findings(kernel) == [], kernel
+        assert kernel.signatures and fma_check.fma_findings(kernel) == [], kernel

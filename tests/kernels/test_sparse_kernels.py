@@ -113,7 +113,7 @@ def test_a_dropped_infinity_or_nan_is_nan_in_the_kept_statistic(method, special)
 
 def test_no_fma_in_compiled_della_kernels() -> None:
     """No FMA in the kernels' code, for every signature this process has used
-    (`primitives.fma_findings`)."""
+    (`fma_check.fma_findings`)."""
     base, tasks = inputs((8, 16), (F32, BF16, F16), seed=1, edges=False)
     kw = dict(start=0, groups=(16, 1), stream_keys=[1, None], densities=[0.5, 1.0],
               epsilons=[0.1, 0.1])  # fmt: skip

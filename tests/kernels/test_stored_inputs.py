@@ -127,7 +127,7 @@ def test_no_fma_in_the_kernels_compiled_for_stored_forms():
     give it, whose code each kernel's own no-FMA test compiles uncached and inspects
     (test_ties_kernels, test_dare_kernels, test_sparse_kernels, test_blend_kernels,
     test_sce_kernels, test_arcee_kernels) inspects. The Gram kernel, which only the
-    stored-form tests call, is inspected here (`primitives.fma_findings`)."""
+    stored-form tests call, is inspected here (`fma_check.fma_findings`)."""
 
     for make in BASES.values():
         base = make()

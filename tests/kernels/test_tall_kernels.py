@@ -128,7 +128,7 @@ def test_l1_rescale_fused_equals_eager(density) -> None:
 
 def test_no_fma_in_the_compiled_tall_kernel() -> None:
     """No FMA in the kernel's code, for every signature this process has used
-    (`primitives.fma_findings`)."""
+    (`fma_check.fma_findings`)."""
     base, tasks = sparse_inputs(100, (BF16, F16, F32), seed=1)
     out = torch.empty(100, dtype=BF16)
     tall_numba.merge(base, tasks, out, weights=[0.5, 0.25], cuts=[(0, -1), tall_numba.NO_CUT],

@@ -121,7 +121,7 @@ def test_fused_declines_what_it_does_not_compute() -> None:
 
 def test_no_fma_in_compiled_ties_kernels() -> None:
     """No FMA in the kernels' code, for every signature this process has used (the other
-    tests of this module ran first; `primitives.fma_findings`)."""
+    tests of this module ran first; `fma_check.fma_findings`)."""
     base, tasks = sparse_inputs(100, (BF16, F16, F32), seed=1)
     ties_numba.statistics(base, tasks, ties_numba.HIGH, 1 << 15)
     out = torch.empty(100, dtype=BF16)
