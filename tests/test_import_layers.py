@@ -135,3 +135,16 @@ def test_the_architecture_table_lists_each_packages_modules_exactly():
         assert listed == held, (layers, sorted(listed - held), sorted(held - listed))
         checked.update(layers)
     assert checked == {n for n in RANK if (PACKAGE / n).is_dir()}
+
+
+def test_modules_stay_small_and_the_package_top_holds_few():
+    """No module of the package over 500 lines, and at most 6 loose modules at its top
+    (`__init__` counted): a module that grows past it is split by what it does."""
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long
+    loose = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(loose) <= 6, loose
