@@ -51,6 +51,7 @@ def _blend_kernel(inputs, mode, factors, divide, divisor, add_base, from_zero, o
     """out[:] = the blend of `inputs` (base first) cast to out's dtype."""
     n, buf, vals, rows = tiles_of(inputs, TILE)
     res = np.empty(TILE, np.float32)
+    term = np.empty(TILE, np.float32)
     for lo in range(0, n, TILE):
         m = min(TILE, n - lo)
         if mode == MODELS:  # no task is measured against the base: no rounded rows
@@ -58,14 +59,18 @@ def _blend_kernel(inputs, mode, factors, divide, divisor, add_base, from_zero, o
             _models_tile(vals, m, factors, divide, divisor, add_base, from_zero, res)
         else:
             load_tile_bases(inputs, lo, m, buf)
-            _blend_tile(vals, rows, m, mode, factors, divide, divisor, add_base, from_zero, res)
+            for t in range(factors.size):
+                _term(vals, rows, m, mode, t, factors[t], term)
+                _accumulate(term, m, t, from_zero, res)
+            _finish(vals[0], m, divide, divisor, add_base, res)
         store_span(res[:m], out, lo, nan_bits)
 
 
 @register_jitable
 def _models_tile(vals, m, factors, divide, divisor, add_base, from_zero, res):  # noqa: ANN001, ANN202
-    """`_blend_tile` of `MODELS`, model by model over the tile: each element's ops and
-    their order are the same, in loops the compiler vectorizes."""
+    """The blend of `MODELS` (no rounded rows), model by model over the tile, as `_term`
+    and `_accumulate` go for the other modes: each element's ops and their order are the
+    eager rule's, in loops the compiler vectorizes."""
     zero = np.float32(0.0)
     x, f = vals[1], factors[0]
     for i in range(m):
@@ -87,32 +92,52 @@ def _models_tile(vals, m, factors, divide, divisor, add_base, from_zero, res):  
 
 
 @register_jitable
-def _blend_tile(vals, rows, m, mode, factors, divide, divisor, add_base, from_zero, res):  # noqa: ANN001, ANN202
-    """res[:m] = the blend of a `load_tile_bases` tile (its own function: compiled apart
-    from the loaders, its element loop measured 16 % slower inlined with them)."""
-    vectors = factors.size
+def _term(vals, rows, m, mode, t, f, term):  # noqa: ANN001, ANN202
+    """term[:m] = vector t of a `load_tile_bases` tile times its factor `f`: the task vector
+    (`DELTAS`), the model (`PAIR`: the base first) or the model measured against the base at
+    its precision, on the base (`PAIR`, `REBASED`). One vector at a time over the tile, so
+    that each loop has no branch and vectorizes; each element's ops are the eager rule's."""
+    b = vals[0]
+    k = t - 1 if mode == PAIR else t  # the task of vector t (PAIR: -1, the base)
+    if mode == DELTAS:
+        x, at = vals[t + 1], vals[rows[t]]
+        for i in range(m):
+            term[i] = (x[i] - at[i]) * f  # the eager rule's operand order (NaN payloads)
+    elif k < 0 or rows[k] == 0:
+        x = vals[k + 1]
+        for i in range(m):
+            term[i] = x[i] * f
+    else:  # the model's update against the base at its precision, on the base
+        x, at = vals[k + 1], vals[rows[k]]
+        for i in range(m):
+            term[i] = (b[i] + (x[i] - at[i])) * f
+
+
+@register_jitable
+def _accumulate(term, m, t, from_zero, res):  # noqa: ANN001, ANN202
+    """res[:m] = the sum so far plus term t: `res + term`, or the first term (`from_zero`:
+    `0 + term`, `linear`'s zero accumulator, where 0 + -0.0 is +0.0)."""
     zero = np.float32(0.0)
-    for i in range(m):
-        b = vals[0, i]
-        acc = np.float32(0.0)
-        for t in range(vectors):
-            k = t - 1 if mode == 1 else t  # the task of vector t (PAIR: -1, the base)
-            if mode == 0:
-                x = vals[t + 1, i] - vals[rows[t], i]
-            elif mode == 2 or k < 0 or rows[k] == 0:
-                x = vals[k + 1, i]
-            else:  # the model's update against the base at its precision, on the base
-                x = b + (vals[k + 1, i] - vals[rows[k], i])
-            term = x * factors[t]  # the eager rule's operand order (NaN payloads)
-            if t > 0:
-                acc = acc + term
-            else:  # from_zero: `linear`'s zero accumulator (0 + -0.0 is +0.0)
-                acc = zero + term if from_zero else term
-        if divide:
-            acc = acc / divisor
-        if add_base:
-            acc = b + acc
-        res[i] = acc
+    if t > 0:
+        for i in range(m):
+            res[i] = res[i] + term[i]
+    elif from_zero:
+        for i in range(m):
+            res[i] = zero + term[i]
+    else:
+        for i in range(m):
+            res[i] = term[i]
+
+
+@register_jitable
+def _finish(b, m, divide, divisor, add_base, res):  # noqa: ANN001, ANN202
+    """res[:m] = res / divisor, then b + res, where asked."""
+    if divide:
+        for i in range(m):
+            res[i] = res[i] / divisor
+    if add_base:
+        for i in range(m):
+            res[i] = b[i] + res[i]
 
 
 def blend(
