@@ -56,54 +56,29 @@ def _blend_kernel(inputs, mode, factors, divide, divisor, add_base, from_zero, o
         m = min(TILE, n - lo)
         if mode == MODELS:  # no task is measured against the base: no rounded rows
             load_tile(inputs, lo, m, buf)
-            _models_tile(vals, m, factors, divide, divisor, add_base, from_zero, res)
         else:
             load_tile_bases(inputs, lo, m, buf)
-            for t in range(factors.size):
-                _term(vals, rows, m, mode, t, factors[t], term)
-                _accumulate(term, m, t, from_zero, res)
-            _finish(vals[0], m, divide, divisor, add_base, res)
+        for t in range(factors.size):
+            _term(vals, rows, m, mode, t, factors[t], term)
+            _accumulate(term, m, t, from_zero, res)
+        _finish(vals[0], m, divide, divisor, add_base, res)
         store_span(res[:m], out, lo, nan_bits)
 
 
 @register_jitable
-def _models_tile(vals, m, factors, divide, divisor, add_base, from_zero, res):  # noqa: ANN001, ANN202
-    """The blend of `MODELS` (no rounded rows), model by model over the tile, as `_term`
-    and `_accumulate` go for the other modes: each element's ops and their order are the
-    eager rule's, in loops the compiler vectorizes."""
-    zero = np.float32(0.0)
-    x, f = vals[1], factors[0]
-    for i in range(m):
-        res[i] = x[i] * f
-    if from_zero:
-        for i in range(m):
-            res[i] = zero + res[i]
-    for t in range(1, factors.size):
-        x, f = vals[t + 1], factors[t]
-        for i in range(m):
-            res[i] = res[i] + x[i] * f
-    if divide:
-        for i in range(m):
-            res[i] = res[i] / divisor
-    if add_base:
-        b = vals[0]
-        for i in range(m):
-            res[i] = b[i] + res[i]
-
-
-@register_jitable
 def _term(vals, rows, m, mode, t, f, term):  # noqa: ANN001, ANN202
-    """term[:m] = vector t of a `load_tile_bases` tile times its factor `f`: the task vector
-    (`DELTAS`), the model (`PAIR`: the base first) or the model measured against the base at
-    its precision, on the base (`PAIR`, `REBASED`). One vector at a time over the tile, so
-    that each loop has no branch and vectorizes; each element's ops are the eager rule's."""
+    """term[:m] = vector t of a tile times its factor `f`: the task vector (`DELTAS`), the
+    model (`MODELS`; `PAIR`: the base first) or the model measured against the base at its
+    precision, on the base (`PAIR`, `REBASED`; their tiles hold the rounded bases,
+    `load_tile_bases`). One vector at a time over the tile, so that each loop has no branch
+    and vectorizes; each element's ops and their order are the eager rule's."""
     b = vals[0]
     k = t - 1 if mode == PAIR else t  # the task of vector t (PAIR: -1, the base)
     if mode == DELTAS:
         x, at = vals[t + 1], vals[rows[t]]
         for i in range(m):
             term[i] = (x[i] - at[i]) * f  # the eager rule's operand order (NaN payloads)
-    elif k < 0 or rows[k] == 0:
+    elif mode == MODELS or k < 0 or rows[k] == 0:
         x = vals[k + 1]
         for i in range(m):
             term[i] = x[i] * f
