@@ -1,10 +1,11 @@
 """Connect to a Ray cluster, or start an embedded one when there is none. Driver side.
 
-Start-up and shutdown are most of a small merge's time, so Ray is started (or joined) while
-the driver imports its engine and checks its inputs (`ray_session(..., checks)`), its
-workers are warmed as soon as it is up, while the checks may still run, and an embedded Ray
-is stopped by signalling its processes at once rather than one after another
-(`stop_embedded`), after the command has said how it ended (`ray_stopped_last`).
+Start-up and shutdown are most of a small merge's time, so an embedded Ray is started while
+the driver imports its engine and checks its inputs (`ray_session(..., checks)`), a running
+one is joined before them, the workers are warmed as soon as Ray is up, while the checks
+may still run, and an embedded Ray is stopped by signalling its processes at once rather
+than one after another (`stop_embedded`), after the command has said how it ended
+(`ray_stopped_last`).
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ def ray_session(address: str | None, checks: Callable[[], T]) -> Iterator[tuple[
     """Use the Ray already initialised in this process, else `address` / `RAY_ADDRESS`, else
     start a local Ray for the duration of the job (and stop it afterwards).
 
-    `checks` runs in a thread while Ray starts (Ray must be started from the main thread);
-    its result comes with the cluster, its exception is raised once Ray is stopped again.
-    When Ray is already up, `checks` simply runs first.
+    `checks` runs in a thread while an embedded Ray starts (Ray must be started from the
+    main thread); its result comes with the cluster, its exception is raised once Ray is
+    stopped again. On a running Ray it runs once connected and the workers are starting
+    (`_join_running`); in a process already connected, first.
 
     Every module whose at-fork hooks come in pairs (a lock taken before a fork, released
     after it) is imported before the thread starts (this module's imports): one imported by
@@ -67,8 +69,14 @@ def ray_session(address: str | None, checks: Callable[[], T]) -> Iterator[tuple[
         checked = checks()
         yield _cluster(embedded=False), checked
         return
-    # "local" always starts a new instance, never a `ray start` cluster found on disk.
     address = ray_address(address)
+    if address:
+        cluster, checked = _join_running(address, checks)
+        try:
+            yield cluster, checked
+        finally:
+            _stop_later_or_now(ray.shutdown)
+        return
     result: dict[str, Any] = {}
 
     def run_checks() -> None:
@@ -79,22 +87,14 @@ def ray_session(address: str | None, checks: Callable[[], T]) -> Iterator[tuple[
 
     thread = threading.Thread(target=run_checks, name="ram-dist-checks", daemon=True)
     thread.start()
-    embedded = not address
-    before = _ray_processes() if embedded else frozenset()
-    stop = partial(stop_embedded, before) if embedded else ray.shutdown
+    stop = partial(stop_embedded, _ray_processes())
     try:
         try:
-            with _quiet_token_notice(), _own_sigterm_handler():
-                ray.init(
-                    address=address or "local",
-                    include_dashboard=False,
-                    logging_level=logging.WARNING,
-                    log_to_driver=True,
-                    **({"_system_config": PRELOADED} if embedded else {}),
-                )
-            # The workers start now, while the checks may still run: on a running Ray,
-            # connecting takes a fraction of the driver's imports and planning.
-            cluster = _cluster(embedded=not address)
+            # "local" always starts a new instance, never a `ray start` cluster on disk.
+            _init("local", _system_config=PRELOADED)
+            # The workers start now (each imports `worker_preload`), while the checks may
+            # still run.
+            cluster = _cluster(embedded=True)
             warm_workers(cluster.cpus)
         finally:
             thread.join()
@@ -102,11 +102,43 @@ def ray_session(address: str | None, checks: Callable[[], T]) -> Iterator[tuple[
             raise result["error"]
         yield cluster, result["value"]
     finally:
-        deferred = _DEFERRED.get()
-        if deferred is not None:
-            deferred.append(stop)
-        else:
-            stop()
+        _stop_later_or_now(stop)
+
+
+def _join_running(address: str, checks: Callable[[], T]) -> tuple[Cluster, T]:
+    """Connect to the Ray at `address`, start the job's workers, then run `checks`. A running
+    Ray answers in a few hundredths of a second, and the job's workers take a second or more
+    to start (each imports Ray, ram-dist and numba): they start first, so that the checks
+    overlap them, and so that the checks' imports, which hold the GIL, delay neither the
+    connection nor the warm-up tasks' submission (`benchmarks.bench_fixed_cost`)."""
+    _init(address)
+    try:
+        cluster = _cluster(embedded=False)
+        warm_workers(cluster.cpus)
+        return cluster, checks()
+    except BaseException:
+        ray.shutdown()
+        raise
+
+
+def _init(address: str, **options: Any) -> None:
+    with _quiet_token_notice(), _own_sigterm_handler():
+        ray.init(
+            address=address,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+            **options,
+        )
+
+
+def _stop_later_or_now(stop: Callable[[], None]) -> None:
+    """Stop Ray now, or after the command has said how it ended (`ray_stopped_last`)."""
+    deferred = _DEFERRED.get()
+    if deferred is not None:
+        deferred.append(stop)
+    else:
+        stop()
 
 
 def _cluster(embedded: bool) -> Cluster:

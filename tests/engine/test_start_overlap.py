@@ -2,10 +2,10 @@
 checks (`driver.prepare`) begin torch's import in a thread of their own (`preload`), beside
 themselves and Ray's start (`runtime.ray_session`); the reduce pass's first tasks are sent
 without waiting for torch (a reduce pass ships no NaN bits); the workers are asked for as
-soon as Ray is up, while the checks may still run, and an embedded Ray's workers load the
-kernels as they start (`worker_preload`); `ram-dist demo` makes its inputs in the checks'
-thread. Each, on the way from Ray's start to the first
-task, costs about a second."""
+soon as Ray is up, while the checks may still run (on a running Ray, before the checks:
+connecting takes hundredths of a second), and an embedded Ray's workers load the kernels as
+they start (`worker_preload`); `ram-dist demo` makes its inputs in the checks' thread. Each,
+on the way from Ray's start to the first task, costs about a second."""
 
 from __future__ import annotations
 
@@ -81,6 +81,45 @@ def test_the_workers_are_asked_for_while_the_checks_still_run(own_ray, monkeypat
         assert asked_first
         assert ray.get(_preloaded.remote())
     assert not ray.is_initialized()
+
+
+JOINING = """
+import sys, ray
+from ray.cluster_utils import Cluster
+from ram_dist.engine import runtime
+asked = []
+warm = runtime.warm_workers
+def warm_and_say(slots):
+    warm(slots)
+    asked.append(slots)
+runtime.warm_workers = warm_and_say
+head = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+try:
+    checks = lambda: (ray.is_initialized(), list(asked))
+    with runtime.ray_session(head.address, checks) as (cluster, (connected, seen)):
+        print(cluster.embedded, cluster.cpus, connected, seen)
+    print(ray.is_initialized())
+    def refused():
+        raise ValueError("a check refused the inputs")
+    try:
+        with runtime.ray_session(head.address, refused):
+            print("not reached")
+    except ValueError as e:
+        print(e.args[0] == "a check refused the inputs", ray.is_initialized())
+finally:
+    head.shutdown()
+"""
+
+
+def test_on_a_running_ray_the_workers_are_asked_for_before_the_checks(own_ray) -> None:
+    """A running Ray (`address`): connected and the workers asked for first, then the checks,
+    whose imports would otherwise hold the GIL through the connection; a check that fails
+    disconnects."""
+    done = subprocess.run(
+        [sys.executable, "-c", JOINING], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["False 2 True [2]", "False", "True False"]
 
 
 def test_the_demo_makes_its_inputs_while_ray_starts(own_ray, monkeypatch, tmp_path) -> None:
