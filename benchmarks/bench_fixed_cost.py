@@ -4,7 +4,9 @@ machine, in alternating rounds; what the merge costs beyond Ray's share is ours.
 `--running`, each round also merges on a Ray that is already running (a head this starts
 with `ray start --head`, in a temporary folder of its own, given to the merge as
 `--address`): there the whole command beyond its passes is ours and Ray's connection, and the
-workers' start (the first reduce task's wait) counts in it.
+workers' start (the first reduce task's wait) counts in it; beside it, a bare job on the same
+Ray (a fresh Python that connects, runs one empty task per CPU on the job's own new workers,
+and disconnects) gives Ray's share there.
 
 Each command runs as a subprocess, timed from outside (start to exit). The merge's own report
 gives its passes and their timelines (when the worker got its first task: worker start-up
@@ -41,6 +43,16 @@ from ram_dist.cli.demo import make_demo_inputs
 BARE_RAY = (
     "import logging, ray; "
     "ray.init(address='local', include_dashboard=False, logging_level=logging.WARNING); "
+    "ray.shutdown()"
+)
+#: What a bare job on a running Ray costs: a fresh Python connects (its address the first
+#: argument), has one task per CPU run on the job's own worker processes, which Ray starts
+#: for it as it does for a merge's, and disconnects.
+BARE_JOB = (
+    "import logging, sys, ray; "
+    "ray.init(address=sys.argv[1], include_dashboard=False, logging_level=logging.WARNING); "
+    "f = ray.remote(num_cpus=1)(lambda: None); "
+    "ray.get([f.remote() for _ in range(int(ray.cluster_resources()['CPU']))]); "
     "ray.shutdown()"
 )
 
@@ -144,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cli, env = cli_command(args.cli)
     work = Path(tempfile.mkdtemp(prefix="ram-dist-fixed-"))
-    kinds = ("ray", "merge", "running") if args.running else ("ray", "merge")
+    kinds = ("ray", "merge", "running", "job") if args.running else ("ray", "merge")
     samples: dict[str, list[Any]] = {kind: [] for kind in kinds}
     try:
         base, tasks = make_demo_inputs(str(work / "inputs"))
@@ -153,11 +165,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.running:
                 address, head_env = head.enter_context(running_ray(env))
                 commands["running"] = (head_env, ["--address", address])
+                job = [sys.executable, "-c", BARE_JOB, address]
             for round_ in range(args.rounds + 1):  # round 0 warms the caches, left out
                 turn = round_ % len(kinds)  # who goes first rotates
                 for kind in kinds[turn:] + kinds[:turn]:
                     if kind == "ray":
                         sample: Any = timed([sys.executable, "-c", BARE_RAY], env, work)
+                    elif kind == "job":
+                        sample = timed(job, head_env, work)
                     else:
                         kind_env, flags = commands[kind]
                         sample = merge_sample(cli, kind_env, base, tasks, work / "out", *flags)
@@ -173,8 +188,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\nmedians: " + ", ".join(f"{k} {v:.2f}" for k, v in median.items()))
     result = {"ray_s": samples["ray"], "merges": samples["merge"], "median": median}
     if args.running:
-        result |= {"running": samples["running"], "running_median": _medians(samples["running"])}
-        medians = result["running_median"].items()
+        on = _medians(samples["running"])
+        on["bare_job_s"] = statistics.median(samples["job"])
+        # Ours on the running Ray: the command less its passes' own work (the workers' start
+        # is Ray's, and the bare job has it too) less the bare job.
+        own_passes = on["passes_s"] - on.get("reduce_first_task_s", 0)
+        on["beyond_bare_job_s"] = on["wall_s"] - own_passes - on["bare_job_s"]
+        result |= {"running": samples["running"], "bare_job_s": samples["job"]}
+        result["running_median"] = on
+        medians = on.items()
         print("on the running Ray, medians: " + ", ".join(f"{k} {v:.2f}" for k, v in medians))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
@@ -191,7 +213,8 @@ def _round_line(round_: int, samples: dict[str, list[Any]]) -> str:
         on = samples["running"][-1]
         line += (
             f", on the running Ray {on['wall_s']:.2f} s (beyond its passes, the workers' "
-            f"start counted in: {on['beyond_passes_s']:.2f} s)"
+            f"start counted in: {on['beyond_passes_s']:.2f} s), a bare job there "
+            f"{samples['job'][-1]:.2f} s"
         )
     return line
 

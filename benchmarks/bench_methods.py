@@ -12,8 +12,10 @@ is started with ``ray start --head`` (its own session and temporary folder) and 
 the end. Then, ``--repeats`` times, for each method of ``--methods`` in turn:
 
 * ``floor``: read the method's inputs once with plain buffered reads, and write the base's
-  bytes once; the floor of the method's passes is ``read_pass_s * passes + write_s``, where
-  ``passes`` is what the ram-dist run of the same repeat read over what one pass reads;
+  bytes once, ``--floor-samples`` times in turn (the medians count: one write of the same
+  bytes took 0.18 s to 2.00 s within one run); the floor of the method's passes is
+  ``read_pass_s * passes + write_s``, where ``passes`` is what the ram-dist run of the same
+  repeat read over what one pass reads;
 * ``running``: ``ram-dist merge CONFIG --address HEAD`` on the running Ray, as a subprocess
   (wall time and peak RSS from wait4, the passes' time from ``merge_report.json``);
 * ``ramdist``: the same with ram-dist's embedded Ray (started and stopped by the command;
@@ -85,6 +87,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--shard-mb", type=int, default=2000, help="max shard size of the inputs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--floor-samples", type=int, default=3, help="reads and writes of the floor, each"
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--generate-only", action="store_true", help="generate the inputs and stop")
     p.add_argument(
@@ -143,16 +148,29 @@ class Inputs:
         return mt.config(method, self.base(method).parent, tasks, tool)
 
 
-def measure_floor(inputs: list[Path], out_bytes: int, scratch: Path) -> dict[str, Any]:
-    """One plain read of `inputs` and one write of `out_bytes`, timed apart."""
+def measure_floor(
+    inputs: list[Path], out_bytes: int, scratch: Path, samples: int = 1
+) -> dict[str, Any]:
+    """Plain reads of `inputs` and writes of `out_bytes`, `samples` of each in turn, timed
+    apart: their medians, and every sample."""
     buf = bytearray(READ_BLOCK)
-    start = time.perf_counter()
-    read = read_files(inputs, buf)
-    t_read = time.perf_counter()
-    write_bytes(scratch, out_bytes, buf)
-    end = time.perf_counter()
-    scratch.unlink()
-    return {"read_pass_s": t_read - start, "write_s": end - t_read, "read_pass_bytes": read}
+    reads, writes, read = [], [], 0
+    for _ in range(samples):
+        start = time.perf_counter()
+        read = read_files(inputs, buf)
+        t_read = time.perf_counter()
+        write_bytes(scratch, out_bytes, buf)
+        end = time.perf_counter()
+        scratch.unlink()
+        reads.append(t_read - start)
+        writes.append(end - t_read)
+    return {
+        "read_pass_s": statistics.median(reads),
+        "write_s": statistics.median(writes),
+        "read_pass_bytes": read,
+        "read_samples_s": reads,
+        "write_samples_s": writes,
+    }
 
 
 class Runner:
@@ -168,7 +186,8 @@ class Runner:
         work = self.args.workdir
         if tool == "floor":
             out_bytes = sum(p.stat().st_size for p in safetensors_files(self.inputs.base(method)))
-            return measure_floor(self.inputs.files(method), out_bytes, work / "floor_out.bin")
+            scratch, samples = work / "floor_out.bin", self.args.floor_samples
+            return measure_floor(self.inputs.files(method), out_bytes, scratch, samples)
         out = work / "out" / f"{tool}-{method}"
         shutil.rmtree(out, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
