@@ -162,6 +162,9 @@ def ramdist_figures(report: dict[str, Any], wall: float, maxrss: int, workers: i
     sample["bytes_read"] = total(sample["reduce_bytes_read"], sample["map_bytes_read"])
     sample["passes_s"] = total(sample["reduce_s"], sample["map_s"])
     sample["overhead_s"] = None if sample["passes_s"] is None else wall - sample["passes_s"]
+    # The first reduce task's wait: the workers' start, inside the passes' time.
+    rows = dig(report, "passes.reduce.timeline.workers") or []
+    sample["reduce_first_task_s"] = min((r["before_first_s"] for r in rows), default=None)
     units = sample["units"]
     sample["workers_used"] = None if units is None else min(units, workers)
     peaks = [sample["driver_peak_rss_bytes"], sample["worker_peak_rss_bytes"], maxrss]
