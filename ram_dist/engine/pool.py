@@ -109,10 +109,6 @@ def _each(fn: Callable[..., Any], items: tuple[Any, ...], *shared: Any) -> list[
 
 #: Ray titles a worker running these `ray::_run` (tests find the workers to kill by it).
 _run_anywhere = ray.remote(_run)
-#: The same in a worker process that exits after one task: Ray takes `max_calls` only where a
-#: function is declared, never from `.options()`, so `resources` asking for `max_calls: 1`
-#: get this one.
-_run_once = ray.remote(max_calls=1)(_run)
 
 
 @dataclass(frozen=True)
@@ -151,17 +147,12 @@ class Lane(Protocol):
 
 
 class TaskLane:
-    """Each item a Ray task of `resources` (which may hold `max_calls: 1`: a fresh worker
-    process per task), at most `capacity` in flight."""
+    """Each item a Ray task of `resources`, at most `capacity` in flight."""
 
     def __init__(self, resources: dict[str, Any], capacity: int) -> None:
-        resources = dict(resources)
-        max_calls = resources.pop("max_calls", 0)
-        if max_calls not in (0, 1):
-            raise ValueError(f"max_calls must be 0 (no limit) or 1, got {max_calls}")
-        self._run = _run_once if max_calls == 1 else _run_anywhere
-        self._resources = resources
-        self._remote = self._run.options(**resources)
+        self._run = _run_anywhere
+        self._resources = dict(resources)
+        self._remote = self._run.options(**self._resources)
         self._capacity = max(1, capacity)
         self._in_flight = 0
 
@@ -265,9 +256,8 @@ def unordered_map(
     results. Items go where the `routing` says (`Routing`: a node, or the GPU lane).
 
     `shared` values are put in the object store once (a `Shared` one is already there, and
-    each worker process deserializes it once, whatever the map). `resources` may hold
-    `max_calls: 1` (a fresh worker process per task). A worker's `RamDistError` (a
-    `StorageError` naming the file it could not read or write, among others) is raised
+    each worker process deserializes it once, whatever the map). A worker's `RamDistError`
+    (a `StorageError` naming the file it could not read or write, among others) is raised
     again here as itself, and a store's failure no layer named as a `StorageError`, so the
     user sees one line rather than a Ray traceback; the task's traceback is logged at debug
     level.
